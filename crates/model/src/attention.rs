@@ -1,0 +1,593 @@
+//! VQ attention in its two production forms, plus the quadratic baseline.
+//!
+//! For a query at stream position `i` and key at `j <= i` the score is
+//! `q_i . k_hat_j + bias(i - j)` where the bias exists only for `i - j <= L`.
+//! Keys farther than one block carry no bias and every `k_hat` is a codeword,
+//! so those keys can be grouped by code: a code `s` seen `n_s` times with mean
+//! value `mu_s` contributes `exp(q . C_s + ln n_s)` with value `mu_s`, exactly
+//! what the individual keys would have contributed. Each query therefore sees
+//! three groups of keys:
+//!
+//! 1. the present block (causal), with bias;
+//! 2. the previous block (all `L` keys; bias where the distance is `<= L`);
+//! 3. the compressed cache of every older block: one entry per code.
+//!
+//! [`block_attention`] computes all blocks of a segment at once;
+//! [`step_attention`] computes one token from the carried [`AttentionState`].
+//! Both give the quadratic definition's result to float rounding.
+//!
+//! Shapes: `B` batch, `H` heads, `T` segment length, `R = T / L` blocks,
+//! `L` block length, `K` key width, `V` value width, `S` codes.
+
+use burn::prelude::*;
+use burn::tensor::activation::softmax;
+
+use crate::config::CacheGrad;
+use crate::error::ModelError;
+use crate::quantizer::one_hot;
+
+/// Keys, values and codes of one block as they were when it was the present block.
+#[derive(Clone, Debug)]
+pub struct CachedBlock<B: Backend> {
+    /// Quantized keys, `[B, H, L, K]`.
+    pub k_hat: Tensor<B, 4>,
+    /// Values (after silu), `[B, H, L, V]`.
+    pub v: Tensor<B, 4>,
+    /// Codes; the sentinel `S` marks an empty slot. `[B, H, L]`.
+    pub codes: Tensor<B, 3, Int>,
+}
+
+/// Every key older than the previous block, grouped by code.
+#[derive(Clone, Debug)]
+pub struct CompressedCache<B: Backend> {
+    /// How many keys had each code, `[B, H, S]`.
+    pub counts: Tensor<B, 3>,
+    /// Mean value of those keys (0 where the count is 0), `[B, H, S, V]`.
+    /// Kept as a mean, not a sum, so it stays bounded on long streams.
+    pub means: Tensor<B, 4>,
+}
+
+/// What one GAU sublayer carries from one segment (or token) to the next.
+/// A fresh stream starts from [`AttentionState::default`]: nothing to attend.
+#[derive(Clone, Debug)]
+pub struct AttentionState<B: Backend> {
+    /// Tokens of the stream seen so far.
+    pub pos: usize,
+    /// The last complete block, once there is one.
+    pub prev: Option<CachedBlock<B>>,
+    /// All complete blocks before `prev`, grouped by code.
+    pub cache: Option<CompressedCache<B>>,
+    /// The block being filled by the recurrent form: slots `0..pos % L` hold
+    /// tokens. `None` at a block boundary.
+    pub current: Option<CachedBlock<B>>,
+}
+
+impl<B: Backend> Default for AttentionState<B> {
+    fn default() -> Self {
+        Self {
+            pos: 0,
+            prev: None,
+            cache: None,
+            current: None,
+        }
+    }
+}
+
+impl<B: Backend> CachedBlock<B> {
+    fn detach(self) -> Self {
+        Self {
+            k_hat: self.k_hat.detach(),
+            v: self.v.detach(),
+            codes: self.codes,
+        }
+    }
+}
+
+impl<B: Backend> AttentionState<B> {
+    /// The same state with every tensor cut from the autodiff graph.
+    pub fn detach(self) -> Self {
+        Self {
+            pos: self.pos,
+            prev: self.prev.map(CachedBlock::detach),
+            cache: self.cache.map(|c| CompressedCache {
+                counts: c.counts.detach(),
+                means: c.means.detach(),
+            }),
+            current: self.current.map(CachedBlock::detach),
+        }
+    }
+}
+
+/// Inputs of one sublayer's attention, already projected, normalised and quantized.
+#[derive(Clone, Debug)]
+pub struct AttentionInput<B: Backend> {
+    /// Query for the content scores (`q + u` under the XL bias), `[B, H, T, K]`.
+    pub q: Tensor<B, 4>,
+    /// Bias by distance `d = 0..=L` for each query, `[B or 1, H, T or 1, L + 1]`.
+    pub bias: Tensor<B, 4>,
+    /// Quantized keys (straight-through), `[B, H, T, K]`.
+    pub k_hat: Tensor<B, 4>,
+    /// Codes of the keys, `[B, H, T]`.
+    pub codes: Tensor<B, 3, Int>,
+    /// Values, `[B, H, T, V]`.
+    pub v: Tensor<B, 4>,
+    /// Codebook, no gradient, `[H, S, K]`.
+    pub codebook: Tensor<B, 3>,
+}
+
+/// Window layout shared by both forms. A query at offset `i` of its block
+/// sees `2L` window slots: the previous block (`j < L`) then the present
+/// block (`j >= L`). Slot `j` is at distance `d = L + i - j`.
+struct Window {
+    /// `clamp(L + i - j, 0, L)`, `[L * 2L]` row-major over `(i, j)`.
+    distance: Vec<i64>,
+    /// Whether `(i, j)` gets a bias term, `0 <= d <= L`.
+    has_bias: Vec<bool>,
+    /// Whether `(i, j)` is a future key of the present block.
+    future: Vec<bool>,
+}
+
+impl Window {
+    fn new(l: usize) -> Self {
+        let n = l * 2 * l;
+        let (mut distance, mut has_bias, mut future) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        for i in 0..l as i64 {
+            for j in 0..2 * l as i64 {
+                let d = l as i64 + i - j;
+                distance.push(d.clamp(0, l as i64));
+                has_bias.push((0..=l as i64).contains(&d));
+                future.push(d < 0);
+            }
+        }
+        Self {
+            distance,
+            has_bias,
+            future,
+        }
+    }
+}
+
+/// Window bias `[B or 1, H, R, n, 2L]` for queries at block offsets `rows`
+/// (all `L` offsets, or the single offset of the recurrent form), from the
+/// per-distance table `bias` `[B or 1, H, R * n or 1, L + 1]`.
+fn window_bias<B: Backend>(
+    bias: Tensor<B, 4>,
+    window: &Window,
+    rows: std::ops::Range<usize>,
+    r: usize,
+    l: usize,
+) -> Tensor<B, 5> {
+    let [bb, h, tb, _] = bias.dims();
+    let n = rows.len();
+    let device = bias.device();
+    let pick = |v: &[i64]| v[rows.start * 2 * l..rows.end * 2 * l].to_vec();
+    let idx = Tensor::<B, 1, Int>::from_data(
+        TensorData::new(pick(&window.distance), [n * 2 * l]),
+        &device,
+    );
+    let no_bias: Vec<bool> = window.has_bias[rows.start * 2 * l..rows.end * 2 * l]
+        .iter()
+        .map(|b| !b)
+        .collect();
+    let no_bias = Tensor::<B, 1, Bool>::from_data(TensorData::new(no_bias, [n * 2 * l]), &device);
+    if tb == 1 {
+        // One table for all queries (Toeplitz): pick by distance.
+        bias.reshape([bb, h, l + 1])
+            .select(2, idx)
+            .mask_fill(
+                no_bias
+                    .reshape([1, 1, n * 2 * l])
+                    .expand([bb, h, n * 2 * l]),
+                0.0,
+            )
+            .reshape([bb, h, 1, n, 2 * l])
+    } else {
+        // A table per query (XL): gather each query's distances.
+        let shape = [bb, h, r, n, 2 * l];
+        let idx = idx.reshape([1, 1, 1, n, 2 * l]).expand(shape);
+        bias.reshape([bb, h, r, n, l + 1])
+            .gather(4, idx)
+            .mask_fill(no_bias.reshape([1, 1, 1, n, 2 * l]).expand(shape), 0.0)
+    }
+}
+
+/// Scores and values of the compressed cache for each block's queries.
+/// `counts` `[B, H, R, S]`, `means` `[B, H, R, S, V]`; returns the scores
+/// `[B, H, R, n, S]` (`q . C_s + ln n_s`, `-inf` where `n_s = 0`).
+fn cache_scores<B: Backend>(
+    q: Tensor<B, 5>,
+    codebook: Tensor<B, 3>,
+    counts: Tensor<B, 4>,
+) -> Tensor<B, 5> {
+    let [b, h, r, n, _] = q.dims();
+    let s = codebook.dims()[1];
+    let c_t = codebook
+        .swap_dims(1, 2)
+        .unsqueeze_dim::<4>(1)
+        .unsqueeze_dim::<5>(0); // [1, H, 1, K, S]
+    let scores = q.matmul(c_t); // [B, H, R, n, S]
+    let log_n = counts.clone().clamp_min(1.0).log().unsqueeze_dim::<5>(3); // [B, H, R, 1, S]
+    let empty = counts
+        .equal_elem(0.0)
+        .unsqueeze_dim::<5>(3)
+        .expand([b, h, r, n, s]);
+    (scores + log_n).mask_fill(empty, f32::NEG_INFINITY)
+}
+
+/// Joint softmax over window and cache scores, then the weighted values.
+/// `win_scores` `[.., n, 2L]` with `win_v` `[.., 2L, V]`; `cache_scores`
+/// `[.., n, S]` with `cache_v` `[.., S, V]`. Returns `[.., n, V]`.
+fn attend<B: Backend>(
+    win_scores: Tensor<B, 5>,
+    win_v: Tensor<B, 5>,
+    cache_scores: Tensor<B, 5>,
+    cache_v: Tensor<B, 5>,
+) -> Tensor<B, 5> {
+    let w = win_scores.dims()[4];
+    let p = softmax(Tensor::cat(vec![win_scores, cache_scores], 4), 4);
+    let [b, h, r, n, ws] = p.dims();
+    let p_win = p.clone().slice([0..b, 0..h, 0..r, 0..n, 0..w]);
+    let p_cache = p.slice([0..b, 0..h, 0..r, 0..n, w..ws]);
+    p_win.matmul(win_v) + p_cache.matmul(cache_v)
+}
+
+/// Empty-slot placeholders for a missing previous block.
+fn empty_block<B: Backend>(
+    b: usize,
+    h: usize,
+    l: usize,
+    k: usize,
+    v: usize,
+    s: usize,
+    device: &B::Device,
+) -> CachedBlock<B> {
+    CachedBlock {
+        k_hat: Tensor::zeros([b, h, l, k], device),
+        v: Tensor::zeros([b, h, l, v], device),
+        codes: Tensor::<B, 3, Int>::full([b, h, l], s as i64, device),
+    }
+}
+
+/// Block-parallel VQ attention over one segment of `T = R L` tokens that
+/// starts at a block boundary. Returns the output `[B, H, T, V]` and the
+/// detached state after the segment. No loop over blocks: every block's
+/// scores come from batched matmuls, and every block's compressed cache from
+/// an exclusive cumulative sum of per-block code statistics, lagged by two
+/// blocks.
+pub fn block_attention<B: Backend>(
+    input: AttentionInput<B>,
+    state: AttentionState<B>,
+    block_len: usize,
+    cache_grad: CacheGrad,
+) -> Result<(Tensor<B, 4>, AttentionState<B>), ModelError> {
+    let AttentionInput {
+        q,
+        bias,
+        k_hat,
+        codes,
+        v,
+        codebook,
+    } = input;
+    let [b, h, t, dk] = q.dims();
+    let dv = v.dims()[3];
+    let s = codebook.dims()[1];
+    let l = block_len;
+    if t == 0 || !t.is_multiple_of(l) {
+        return Err(ModelError::SegmentNotBlockAligned {
+            len: t,
+            block_len: l,
+        });
+    }
+    if !state.pos.is_multiple_of(l) || state.current.is_some() {
+        return Err(ModelError::StateNotBlockAligned {
+            pos: state.pos,
+            block_len: l,
+        });
+    }
+    let r = t / l;
+    let device = q.device();
+
+    let q = q.reshape([b, h, r, l, dk]);
+    let k_hat = k_hat.reshape([b, h, r, l, dk]);
+    let v = v.reshape([b, h, r, l, dv]);
+    let codes = codes.reshape([b, h, r, l]);
+
+    // Previous block of every block: the carried one for block 0, block r-1 otherwise.
+    let has_prev = state.prev.is_some();
+    let carried = match state.prev {
+        Some(p) => p,
+        None => empty_block(b, h, l, dk, dv, s, &device),
+    };
+    let check = |what: &str, got: &[usize], want: &[usize]| {
+        if got != want {
+            Err(ModelError::StateMismatch(format!(
+                "{what} is {got:?}, expected {want:?}"
+            )))
+        } else {
+            Ok(())
+        }
+    };
+    check(
+        "previous-block k_hat",
+        &carried.k_hat.dims(),
+        &[b, h, l, dk],
+    )?;
+    check("previous-block v", &carried.v.dims(), &[b, h, l, dv])?;
+    let shift = |carried: Tensor<B, 4>, blocks: Tensor<B, 5>, width: usize| -> Tensor<B, 5> {
+        let head = carried.unsqueeze_dim::<5>(2); // [B, H, 1, L, width]
+        if r == 1 {
+            head
+        } else {
+            Tensor::cat(
+                vec![head, blocks.slice([0..b, 0..h, 0..r - 1, 0..l, 0..width])],
+                2,
+            )
+        }
+    };
+    let (k_win_src, v_win_src) = match cache_grad {
+        CacheGrad::None => (k_hat.clone().detach(), v.clone().detach()),
+        CacheGrad::Window | CacheGrad::Full => (k_hat.clone(), v.clone()),
+    };
+    let prev_k = shift(carried.k_hat, k_win_src, dk); // [B, H, R, L, K]
+    let prev_v = shift(carried.v, v_win_src, dv); // [B, H, R, L, V]
+    let prev_codes = {
+        let head = carried.codes.unsqueeze_dim::<4>(2); // [B, H, 1, L]
+        if r == 1 {
+            head
+        } else {
+            Tensor::cat(
+                vec![head, codes.clone().slice([0..b, 0..h, 0..r - 1, 0..l])],
+                2,
+            )
+        }
+    }; // [B, H, R, L]
+
+    // 1 + 2: the window (previous block, then present block).
+    let win_k = Tensor::cat(vec![prev_k, k_hat.clone()], 3); // [B, H, R, 2L, K]
+    let win_v = Tensor::cat(vec![prev_v.clone(), v.clone()], 3); // [B, H, R, 2L, V]
+    let window = Window::new(l);
+    let mut masked = Vec::with_capacity(r * l * 2 * l);
+    for blk in 0..r {
+        for i in 0..l {
+            for j in 0..2 * l {
+                let missing_prev = blk == 0 && !has_prev && j < l;
+                masked.push(missing_prev || window.future[i * 2 * l + j]);
+            }
+        }
+    }
+    let masked = Tensor::<B, 1, Bool>::from_data(TensorData::new(masked, [r * l * 2 * l]), &device)
+        .reshape([1, 1, r, l, 2 * l])
+        .expand([b, h, r, l, 2 * l]);
+    let win_scores = q.clone().matmul(win_k.swap_dims(3, 4)) // [B, H, R, L, 2L]
+        + window_bias(bias, &window, 0..l, r, l);
+    let win_scores = win_scores.mask_fill(masked, f32::NEG_INFINITY);
+
+    // 3: the compressed cache. Block r's cache holds the carried cache plus
+    // the previous blocks of blocks 0..r-1 (an exclusive cumulative sum).
+    let cache_v_src = match cache_grad {
+        CacheGrad::Full => prev_v,
+        CacheGrad::None | CacheGrad::Window => prev_v.detach(),
+    };
+    let onehot: Tensor<B, 5> = one_hot(prev_codes, s, &device); // [B, H, R, L, S]
+    let blk_counts = onehot.clone().sum_dim(3).reshape([b, h, r, s]); // [B, H, R, S]
+    let blk_sums = onehot.swap_dims(3, 4).matmul(cache_v_src); // [B, H, R, S, V]
+    let counts_before = blk_counts.clone().cumsum(2) - blk_counts.clone();
+    let sums_before = blk_sums.clone().cumsum(2) - blk_sums.clone();
+    let (n_c, mu_c) = match state.cache {
+        Some(c) => {
+            check("cache counts", &c.counts.dims(), &[b, h, s])?;
+            check("cache means", &c.means.dims(), &[b, h, s, dv])?;
+            (c.counts, c.means)
+        }
+        None => (
+            Tensor::zeros([b, h, s], &device),
+            Tensor::zeros([b, h, s, dv], &device),
+        ),
+    };
+    // Running mean: mu = mu_c * n_c / n + sums / n, so nothing grows with the stream.
+    let merge =
+        |n_c: Tensor<B, 3>, mu_c: Tensor<B, 4>, add_n: Tensor<B, 4>, add_sum: Tensor<B, 5>| {
+            let n_c = n_c.unsqueeze_dim::<4>(2); // [B, H, 1, S]
+            let total = n_c.clone() + add_n; // [B, H, R', S]
+            let denom = total.clone().clamp_min(1.0);
+            let means = mu_c.unsqueeze_dim::<5>(2) * (n_c / denom.clone()).unsqueeze_dim::<5>(4)
+                + add_sum / denom.unsqueeze_dim::<5>(4);
+            (total, means)
+        };
+    let (cache_n, cache_mu) = merge(n_c.clone(), mu_c.clone(), counts_before, sums_before);
+    let c_scores = cache_scores(q, codebook, cache_n);
+
+    let out = attend(win_scores, win_v, c_scores, cache_mu).reshape([b, h, t, dv]);
+
+    // State after the segment: the last block is the new previous block; the
+    // cache absorbs every block's previous block.
+    let (n_new, mu_new) = merge(
+        n_c.detach(),
+        mu_c.detach(),
+        blk_counts.detach().sum_dim(2),
+        blk_sums.detach().sum_dim(2),
+    );
+    let last = |x: Tensor<B, 5>, width: usize| {
+        x.slice([0..b, 0..h, r - 1..r, 0..l, 0..width])
+            .reshape([b, h, l, width])
+            .detach()
+    };
+    let new_state = AttentionState {
+        pos: state.pos + t,
+        prev: Some(CachedBlock {
+            k_hat: last(k_hat, dk),
+            v: last(v, dv),
+            codes: codes.slice([0..b, 0..h, r - 1..r, 0..l]).reshape([b, h, l]),
+        }),
+        cache: Some(CompressedCache {
+            counts: n_new.reshape([b, h, s]),
+            means: mu_new.reshape([b, h, s, dv]),
+        }),
+        current: None,
+    };
+    Ok((out, new_state))
+}
+
+/// Folds a block that leaves the window into the compressed cache.
+fn fold_into_cache<B: Backend>(
+    cache: Option<CompressedCache<B>>,
+    block: &CachedBlock<B>,
+    s: usize,
+) -> CompressedCache<B> {
+    let [b, h, _, dv] = block.v.dims();
+    let device = block.v.device();
+    let onehot: Tensor<B, 4> = one_hot(block.codes.clone(), s, &device); // [B, H, L, S]
+    let add_n = onehot.clone().sum_dim(2).reshape([b, h, s]);
+    let add_sum = onehot.swap_dims(2, 3).matmul(block.v.clone()); // [B, H, S, V]
+    let (n, mu) = match cache {
+        Some(c) => (c.counts, c.means),
+        None => (
+            Tensor::zeros([b, h, s], &device),
+            Tensor::zeros([b, h, s, dv], &device),
+        ),
+    };
+    let total = n.clone() + add_n;
+    let denom = total.clone().clamp_min(1.0).unsqueeze_dim::<4>(3); // [B, H, S, 1]
+    let means = mu * n.unsqueeze_dim::<4>(3) / denom.clone() + add_sum / denom;
+    CompressedCache {
+        counts: total,
+        means,
+    }
+}
+
+/// Recurrent VQ attention for one token (`T = 1` in every input), O(L + S)
+/// work whatever the position. Returns the output `[B, H, 1, V]` and the
+/// state including this token.
+pub fn step_attention<B: Backend>(
+    input: AttentionInput<B>,
+    state: AttentionState<B>,
+    block_len: usize,
+) -> Result<(Tensor<B, 4>, AttentionState<B>), ModelError> {
+    let AttentionInput {
+        q,
+        bias,
+        k_hat,
+        codes,
+        v,
+        codebook,
+    } = input;
+    let [b, h, t, dk] = q.dims();
+    let dv = v.dims()[3];
+    let s = codebook.dims()[1];
+    let l = block_len;
+    if t != 1 {
+        return Err(ModelError::StateMismatch(format!(
+            "the recurrent form takes one token, got {t}"
+        )));
+    }
+    let device = q.device();
+    let i = state.pos % l;
+
+    // Write this token into slot i of the current block.
+    let current = state
+        .current
+        .unwrap_or_else(|| empty_block(b, h, l, dk, dv, s, &device));
+    let current = CachedBlock {
+        k_hat: current
+            .k_hat
+            .slice_assign([0..b, 0..h, i..i + 1, 0..dk], k_hat),
+        v: current.v.slice_assign([0..b, 0..h, i..i + 1, 0..dv], v),
+        codes: current.codes.slice_assign([0..b, 0..h, i..i + 1], codes),
+    };
+    let has_prev = state.prev.is_some();
+    let prev = state
+        .prev
+        .unwrap_or_else(|| empty_block(b, h, l, dk, dv, s, &device));
+
+    let window = Window::new(l);
+    let masked: Vec<bool> = (0..2 * l)
+        .map(|j| (j < l && !has_prev) || window.future[i * 2 * l + j])
+        .collect();
+    let masked = Tensor::<B, 1, Bool>::from_data(TensorData::new(masked, [2 * l]), &device)
+        .reshape([1, 1, 1, 1, 2 * l])
+        .expand([b, h, 1, 1, 2 * l]);
+    let q = q.unsqueeze_dim::<5>(2); // [B, H, 1, 1, K]
+    let win_k =
+        Tensor::cat(vec![prev.k_hat.clone(), current.k_hat.clone()], 2).unsqueeze_dim::<5>(2); // [B, H, 1, 2L, K]
+    let win_v = Tensor::cat(vec![prev.v.clone(), current.v.clone()], 2).unsqueeze_dim::<5>(2); // [B, H, 1, 2L, V]
+    let win_scores = (q.clone().matmul(win_k.swap_dims(3, 4))
+        + window_bias(bias, &window, i..i + 1, 1, l))
+    .mask_fill(masked, f32::NEG_INFINITY); // [B, H, 1, 1, 2L]
+
+    let (cache_n, cache_mu) = match &state.cache {
+        Some(c) => (c.counts.clone(), c.means.clone()),
+        None => (
+            Tensor::zeros([b, h, s], &device),
+            Tensor::zeros([b, h, s, dv], &device),
+        ),
+    };
+    let c_scores = cache_scores(q, codebook, cache_n.unsqueeze_dim(2)); // [B, H, 1, 1, S]
+    let out = attend(win_scores, win_v, c_scores, cache_mu.unsqueeze_dim(2)).reshape([b, h, 1, dv]);
+
+    // At the end of a block the previous block leaves the window.
+    let new_state = if i + 1 == l {
+        let cache = if has_prev {
+            Some(fold_into_cache(state.cache, &prev, s))
+        } else {
+            state.cache
+        };
+        AttentionState {
+            pos: state.pos + 1,
+            prev: Some(current),
+            cache,
+            current: None,
+        }
+    } else {
+        AttentionState {
+            pos: state.pos + 1,
+            prev: has_prev.then_some(prev),
+            cache: state.cache,
+            current: Some(current),
+        }
+    };
+    Ok((out, new_state))
+}
+
+/// Dense causal softmax attention over unquantized keys with the same
+/// relative bias: the quadratic baseline (`[B, H, T, T]` scores).
+pub fn quadratic_attention<B: Backend>(
+    q: Tensor<B, 4>,
+    bias: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    block_len: usize,
+) -> Tensor<B, 4> {
+    let [b, h, t, _] = q.dims();
+    let l = block_len;
+    let device = q.device();
+    let mut distance = Vec::with_capacity(t * t);
+    let mut no_bias = Vec::with_capacity(t * t);
+    for i in 0..t {
+        for j in 0..t {
+            let d = i as i64 - j as i64;
+            distance.push(d.clamp(0, l as i64));
+            no_bias.push(!(0..=l as i64).contains(&d));
+        }
+    }
+    let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(distance, [t * t]), &device);
+    let no_bias = Tensor::<B, 1, Bool>::from_data(TensorData::new(no_bias, [t * t]), &device)
+        .reshape([1, 1, t, t]);
+    let [bb, _, tb, _] = bias.dims();
+    let pos = if tb == 1 {
+        bias.reshape([bb, h, l + 1])
+            .select(2, idx)
+            .reshape([bb, h, t, t])
+    } else {
+        bias.gather(3, idx.reshape([1, 1, t, t]).expand([b, h, t, t]))
+    };
+    let pos = pos.mask_fill(no_bias.expand([bb.max(1), h, t, t]), 0.0);
+    let future = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, &device)
+        .reshape([1, 1, t, t])
+        .expand([b, h, t, t]);
+    let scores = (q.matmul(k.swap_dims(2, 3)) + pos).mask_fill(future, f32::NEG_INFINITY);
+    softmax(scores, 3).matmul(v)
+}

@@ -1,0 +1,115 @@
+//! Relative position bias: Toeplitz (default) or Transformer-XL.
+//!
+//! Either way the attention receives, for every query, a table of biases by
+//! distance `d = 0..=L`; keys farther than `L` get none.
+
+use burn::module::{Module, Param};
+use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
+use burn::prelude::*;
+
+use crate::config::{RelativeBias, TransformerVqConfig};
+
+/// Transformer-XL bias terms of one sublayer.
+#[derive(Module, Debug)]
+pub struct XlBias<B: Backend> {
+    /// `W_r`: sinusoid embedding (`D`) to per-head key width (`H K`).
+    pub r_proj: Linear<B>,
+    /// Content bias `u`, `[H, K]` (added to the query for content scores).
+    pub u: Param<Tensor<B, 2>>,
+    /// Position bias `w`, `[H, K]` (the paper's `v`; renamed to avoid values).
+    pub w: Param<Tensor<B, 2>>,
+    /// Dropout on the sinusoid embedding.
+    pub sinusoid_dropout: Dropout,
+    /// Wavelength base of the sinusoid.
+    pub sinusoid_base: f64,
+}
+
+/// The relative bias of one sublayer.
+#[derive(Module, Debug)]
+pub struct PositionBias<B: Backend> {
+    /// Toeplitz table `b_h[d]`, `[H, L + 1]` (present when the bias is `toeplitz`).
+    pub toeplitz: Option<Param<Tensor<B, 2>>>,
+    /// XL terms (present when the bias is `xl`).
+    pub xl: Option<XlBias<B>>,
+}
+
+/// `[sin(d w_m) for m < D/2, then cos(d w_m)]`, `w_m = base^(-2m/D)`, for
+/// `d = 0..n`. `[n, D]`.
+pub fn sinusoid_embedding<B: Backend>(
+    n: usize,
+    d_model: usize,
+    base: f64,
+    device: &B::Device,
+) -> Tensor<B, 2> {
+    let half = d_model / 2;
+    let mut data = vec![0f32; n * d_model];
+    for d in 0..n {
+        for m in 0..half {
+            let angle = d as f64 * base.powf(-2.0 * m as f64 / d_model as f64);
+            data[d * d_model + m] = angle.sin() as f32;
+            data[d * d_model + half + m] = angle.cos() as f32;
+        }
+    }
+    Tensor::from_data(TensorData::new(data, [n, d_model]), device)
+}
+
+impl<B: Backend> PositionBias<B> {
+    /// The bias configured in `cfg`, initialised as the spec says (all zero
+    /// except `W_r`, which is `N(0, 1/D)`).
+    pub fn new(cfg: &TransformerVqConfig, device: &B::Device) -> Self {
+        let (h, k) = (cfg.n_head, cfg.d_k);
+        match cfg.bias {
+            RelativeBias::Toeplitz => Self {
+                toeplitz: Some(Param::from_tensor(Tensor::zeros(
+                    [h, cfg.block_len + 1],
+                    device,
+                ))),
+                xl: None,
+            },
+            RelativeBias::Xl => Self {
+                toeplitz: None,
+                xl: Some(XlBias {
+                    r_proj: LinearConfig::new(cfg.d_model, h * k)
+                        .with_bias(false)
+                        .with_initializer(Initializer::Normal {
+                            mean: 0.0,
+                            std: (cfg.d_model as f64).powf(-0.5),
+                        })
+                        .init(device),
+                    u: Param::from_tensor(Tensor::zeros([h, k], device)),
+                    w: Param::from_tensor(Tensor::zeros([h, k], device)),
+                    sinusoid_dropout: DropoutConfig::new(cfg.dropout_sinusoid).init(),
+                    sinusoid_base: cfg.sinusoid_base,
+                }),
+            },
+        }
+    }
+
+    /// From the scaled query `q` `[B, H, T, K]` (already `K^(-1/4)`), the
+    /// content query (`q + u'` for XL) and the per-distance bias table
+    /// `[B or 1, H, T or 1, L + 1]`.
+    pub fn apply(&self, q: Tensor<B, 4>, block_len: usize) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        if let Some(table) = &self.toeplitz {
+            let [h, n] = table.dims();
+            return (q, table.val().reshape([1, h, 1, n]));
+        }
+        let xl = self
+            .xl
+            .as_ref()
+            .expect("a position bias is either toeplitz or xl");
+        let [_, h, _, k] = q.dims();
+        let scale = (k as f64).powf(-0.25);
+        let d_model = xl.r_proj.weight.dims()[0];
+        let sin = sinusoid_embedding::<B>(block_len + 1, d_model, xl.sinusoid_base, &q.device());
+        let r = xl.r_proj.forward(xl.sinusoid_dropout.forward(sin)) * scale; // [L+1, H K]
+        let r = r
+            .reshape([block_len + 1, h, k])
+            .swap_dims(0, 1)
+            .swap_dims(1, 2)
+            .unsqueeze_dim::<4>(0); // [1, H, K, L+1]
+        let u = xl.u.val().reshape([1, h, 1, k]) * scale;
+        let w = xl.w.val().reshape([1, h, 1, k]) * scale;
+        let table = (q.clone() + w).matmul(r); // [B, H, T, L+1]
+        (q + u, table)
+    }
+}

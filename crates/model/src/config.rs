@@ -1,0 +1,183 @@
+//! Hyper-parameters of a Transformer-VQ network and their validation.
+
+use burn::config::Config;
+use serde::{Deserialize, Serialize};
+
+use crate::{TransformerVq, error::ConfigError};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::prelude::{Backend, Tensor};
+
+/// Which relative-position bias the attention adds for keys at most one block
+/// length away (distance `d = i - j`, `0 <= d <= L`). Keys farther away carry
+/// no position term, which is what lets them be grouped by code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum RelativeBias {
+    /// A learned scalar per head and distance, `b_h[d]` (a banded Toeplitz matrix). Default.
+    #[default]
+    Toeplitz,
+    /// Transformer-XL terms as in the official implementation: the content
+    /// score uses `q + u`, and `bias(d) = (q + w) . (W_r sin_emb(d))`.
+    Xl,
+}
+
+/// How far the gradient reaches back through the attention caches inside one
+/// segment. Across segments the carried state never carries gradient.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheGrad {
+    /// Gradient flows through the previous block's keys and values; the
+    /// compressed cache is a constant. Default.
+    #[default]
+    Window,
+    /// Only the present block receives gradient (official `grad_thru_cache = 0`).
+    None,
+    /// Gradient also flows into the values summarised by the compressed cache
+    /// (official `grad_thru_cache = 1`).
+    Full,
+}
+
+/// Which attention the GAU sublayers compute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionForm {
+    /// Transformer-VQ: quantized keys, block-parallel, linear in sequence length. Default.
+    #[default]
+    Vq,
+    /// Dense causal softmax attention over the unquantized keys, quadratic in
+    /// sequence length, with the same relative bias. A baseline for
+    /// benchmarks and ablations; it carries no state between segments.
+    Quadratic,
+}
+
+/// Architecture of a [`TransformerVq`] language model.
+///
+/// Symbols follow the spec: `D = d_model`, `K = d_k`, `V = d_v`, `S = n_code`,
+/// `H = n_head`, `L = block_len`, `N = n_layer` (each layer holds two GAU sublayers).
+#[derive(Config, Debug, PartialEq)]
+pub struct TransformerVqConfig {
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Model width `D`.
+    #[config(default = 256)]
+    pub d_model: usize,
+    /// Query/key width per head `K`.
+    #[config(default = 64)]
+    pub d_k: usize,
+    /// Value width per head `V`.
+    #[config(default = 512)]
+    pub d_v: usize,
+    /// Codebook size `S` (codes per head and sublayer).
+    #[config(default = 128)]
+    pub n_code: usize,
+    /// Heads `H`; each head has its own codebook.
+    #[config(default = 1)]
+    pub n_head: usize,
+    /// Layers `N`; each holds two GAU sublayers.
+    #[config(default = 2)]
+    pub n_layer: usize,
+    /// Block length `L`; segments fed to the block-parallel form are a multiple of it.
+    #[config(default = 128)]
+    pub block_len: usize,
+    /// Relative position bias.
+    #[config(default = "RelativeBias::Toeplitz")]
+    pub bias: RelativeBias,
+    /// Gradient through the caches within a segment.
+    #[config(default = "CacheGrad::Window")]
+    pub cache_grad: CacheGrad,
+    /// Attention form (VQ, or the quadratic baseline).
+    #[config(default = "AttentionForm::Vq")]
+    pub attention: AttentionForm,
+    /// RMS-normalise the features before the output projection (reference name `e_preln`).
+    #[config(default = false)]
+    pub final_norm: bool,
+    /// Tie the output projection to the embedding (`logits = h E^T + b`).
+    #[config(default = false)]
+    pub tie_embeddings: bool,
+    /// Constant multiplier on the logits (reference name `e_scale`).
+    #[config(default = 1.0)]
+    pub logit_scale: f64,
+    /// Residual dropout on each GAU output (`p_dropres`).
+    #[config(default = 0.0)]
+    pub dropout_residual: f64,
+    /// Probability of dropping a whole GAU sublayer for one batch row (`p_droplyr`).
+    #[config(default = 0.0)]
+    pub dropout_layer: f64,
+    /// Dropout on the XL sinusoid embedding (`p_dropsin`).
+    #[config(default = 0.0)]
+    pub dropout_sinusoid: f64,
+    /// Wavelength base `lambda` of the XL sinusoid embedding (`pe_lam`).
+    #[config(default = 100000.0)]
+    pub sinusoid_base: f64,
+}
+
+impl TransformerVqConfig {
+    /// Checks every constraint the model relies on; the error names the key.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("d_model", self.d_model),
+            ("d_k", self.d_k),
+            ("d_v", self.d_v),
+            ("n_head", self.n_head),
+            ("n_layer", self.n_layer),
+            ("block_len", self.block_len),
+        ];
+        for (key, value) in positive {
+            if value == 0 {
+                return Err(ConfigError::new(key, "must be at least 1"));
+            }
+        }
+        if self.n_code < 2 {
+            return Err(ConfigError::new(
+                "n_code",
+                "the codebook needs at least 2 codes",
+            ));
+        }
+        if !self.d_model.is_multiple_of(2) {
+            return Err(ConfigError::new(
+                "d_model",
+                "must be even (the sinusoid embedding pairs sines and cosines)",
+            ));
+        }
+        for (key, p) in [
+            ("dropout_residual", self.dropout_residual),
+            ("dropout_layer", self.dropout_layer),
+            ("dropout_sinusoid", self.dropout_sinusoid),
+        ] {
+            if !(0.0..1.0).contains(&p) {
+                return Err(ConfigError::new(key, "must be in [0, 1)"));
+            }
+        }
+        if !(self.logit_scale.is_finite() && self.logit_scale > 0.0) {
+            return Err(ConfigError::new("logit_scale", "must be a positive number"));
+        }
+        if !(self.sinusoid_base.is_finite() && self.sinusoid_base > 1.0) {
+            return Err(ConfigError::new("sinusoid_base", "must be greater than 1"));
+        }
+        Ok(())
+    }
+
+    /// Validates the config and builds the model with freshly initialised
+    /// parameters (the spec's initialisation) on `device`. Every parameter
+    /// is drawn here, in a fixed order, so seeding the device's RNG before
+    /// this call determines the weights.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Result<TransformerVq<B>, ConfigError> {
+        self.validate()?;
+        let model = TransformerVq::new(self, device);
+        // burn draws parameters lazily, at first use; draw them now instead.
+        struct Materialize;
+        impl<B: Backend> ModuleVisitor<B> for Materialize {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let _ = param.val();
+            }
+        }
+        model.visit(&mut Materialize);
+        Ok(model)
+    }
+
+    /// Number of GAU sublayers (two per layer).
+    pub fn n_sublayers(&self) -> usize {
+        2 * self.n_layer
+    }
+}

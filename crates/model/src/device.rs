@@ -1,0 +1,143 @@
+//! Run-time choice of the compute device: `cpu` (burn's flex backend),
+//! `wgpu[:N]` or `cuda[:N]`, all compiled into one binary through
+//! `burn::Dispatch`.
+//!
+//! burn panics on the first operation on a GPU that is not there, so a GPU
+//! is probed before it is handed out, and its absence is a [`DeviceError`].
+
+use std::fmt;
+use std::str::FromStr;
+
+use burn::backend::cuda::CudaDevice;
+use burn::backend::flex::FlexDevice;
+use burn::backend::wgpu::WgpuDevice;
+use burn::{Dispatch, DispatchDevice};
+use thiserror::Error;
+
+/// The backend type every binary of the project runs on.
+pub type Backend = Dispatch;
+
+/// A device named on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// The CPU (flex backend; AVX-512 matmul where the CPU has it).
+    Cpu,
+    /// A GPU through wgpu (Vulkan, Metal or DX12): the default adapter, or the
+    /// `N`-th discrete GPU.
+    Wgpu(Option<usize>),
+    /// The `N`-th NVIDIA GPU through CUDA.
+    Cuda(usize),
+}
+
+/// Why a device cannot be used.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum DeviceError {
+    /// The name is not one of `cpu`, `wgpu[:N]`, `cuda[:N]`.
+    #[error("unknown device `{0}`: expected cpu, wgpu, wgpu:N, cuda or cuda:N")]
+    Unknown(String),
+    /// No usable CUDA driver or device.
+    #[error("device `{spec}` is not available: {reason}")]
+    Unavailable {
+        /// The device as asked for.
+        spec: String,
+        /// What the probe found.
+        reason: String,
+    },
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Cpu => write!(f, "cpu"),
+            Self::Wgpu(None) => write!(f, "wgpu"),
+            Self::Wgpu(Some(i)) => write!(f, "wgpu:{i}"),
+            Self::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+impl FromStr for DeviceSpec {
+    type Err = DeviceError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let unknown = || DeviceError::Unknown(s.to_string());
+        let (name, index) = match s.split_once(':') {
+            Some((name, i)) => (name, Some(i.parse::<usize>().map_err(|_| unknown())?)),
+            None => (s, None),
+        };
+        match (name, index) {
+            ("cpu", None) => Ok(Self::Cpu),
+            ("wgpu", i) => Ok(Self::Wgpu(i)),
+            ("cuda", i) => Ok(Self::Cuda(i.unwrap_or(0))),
+            _ => Err(unknown()),
+        }
+    }
+}
+
+/// Number of CUDA devices the driver reports; 0 when there is no driver.
+pub fn cuda_device_count() -> usize {
+    // SAFETY: only checks whether the driver library can be loaded.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return 0;
+    }
+    if cudarc::driver::result::init().is_err() {
+        return 0;
+    }
+    cudarc::driver::result::device::get_count().map_or(0, |n| n.max(0) as usize)
+}
+
+/// Initialises the wgpu adapter for `device` and describes it ("name (type,
+/// api)"), or returns `None` when there is none. cubecl panics when no
+/// adapter exists, so the panic is caught and its message silenced.
+pub fn wgpu_adapter(device: &WgpuDevice) -> Option<String> {
+    use burn::backend::wgpu::{RuntimeOptions, graphics::AutoGraphicsApi, init_setup};
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let found = std::panic::catch_unwind(|| {
+        let setup = init_setup::<AutoGraphicsApi>(device, RuntimeOptions::default());
+        let info = setup.adapter.get_info();
+        format!("{} ({:?}, {:?})", info.name, info.device_type, info.backend)
+    });
+    std::panic::set_hook(hook);
+    found.ok()
+}
+
+impl DeviceSpec {
+    /// Probes the device and returns it (plain, without autodiff), with a
+    /// one-line description. Never panics.
+    pub fn init(self) -> Result<(DispatchDevice, String), DeviceError> {
+        let unavailable = |reason: String| DeviceError::Unavailable {
+            spec: self.to_string(),
+            reason,
+        };
+        match self {
+            Self::Cpu => Ok((DispatchDevice::Flex(FlexDevice), "cpu (flex)".to_string())),
+            Self::Cuda(index) => {
+                let count = cuda_device_count();
+                if index >= count {
+                    return Err(unavailable(if count == 0 {
+                        "no CUDA driver or no CUDA GPU on this machine".to_string()
+                    } else {
+                        format!("only {count} CUDA GPU(s) found")
+                    }));
+                }
+                Ok((
+                    DispatchDevice::Cuda(CudaDevice { index }),
+                    format!("cuda:{index}"),
+                ))
+            }
+            Self::Wgpu(index) => {
+                let device = match index {
+                    None => WgpuDevice::DefaultDevice,
+                    Some(i) => WgpuDevice::DiscreteGpu(i),
+                };
+                match wgpu_adapter(&device) {
+                    Some(info) => Ok((DispatchDevice::Wgpu(device), format!("wgpu: {info}"))),
+                    None => Err(unavailable(
+                        "no wgpu adapter found (no Vulkan, Metal or DX12 driver?)".to_string(),
+                    )),
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,197 @@
+//! One gated attention unit (GAU) sublayer with VQ attention.
+
+use burn::module::Module;
+use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
+use burn::prelude::*;
+use burn::tensor::activation::silu;
+
+use crate::attention::{self, AttentionInput, AttentionState};
+use crate::bias::PositionBias;
+use crate::config::{AttentionForm, CacheGrad, TransformerVqConfig};
+use crate::error::ModelError;
+use crate::norm::{RmsNorm, rms_normalize};
+use crate::quantizer::{CodebookStats, VectorQuantizer};
+
+/// A linear map `x W` without bias, `W ~ N(0, 1/fan_in)`, `[d_in, d_out]`.
+pub(crate) fn projection<B: Backend>(d_in: usize, d_out: usize, device: &B::Device) -> Linear<B> {
+    LinearConfig::new(d_in, d_out)
+        .with_bias(false)
+        .with_initializer(Initializer::Normal {
+            mean: 0.0,
+            std: (d_in as f64).powf(-0.5),
+        })
+        .init(device)
+}
+
+/// A GAU sublayer: `out = Dropout(((Attn(q, VQ(k), v) ⊙ g) W_o)`.
+#[derive(Module, Debug)]
+pub struct Gau<B: Backend> {
+    /// RMS norm with gain and bias on the input.
+    pub input_norm: RmsNorm<B>,
+    /// `W_q`: `D -> H K`.
+    pub q_proj: Linear<B>,
+    /// Fused `[W_k | W_v | W_g]`: `D -> H K + H V + H V` (the official layout).
+    pub kvg_proj: Linear<B>,
+    /// `W_o`: `H V -> D`.
+    pub out_proj: Linear<B>,
+    /// EMA codebook of the keys.
+    pub quantizer: VectorQuantizer<B>,
+    /// Relative position bias.
+    pub bias: PositionBias<B>,
+    /// Residual dropout.
+    pub dropout: Dropout,
+    /// Heads `H`.
+    pub n_head: usize,
+    /// Key width `K`.
+    pub d_k: usize,
+    /// Value width `V`.
+    pub d_v: usize,
+    /// Block length `L`.
+    pub block_len: usize,
+    /// Gradient through the caches.
+    #[module(skip)]
+    pub cache_grad: CacheGrad,
+    /// VQ attention or the quadratic baseline.
+    #[module(skip)]
+    pub form: AttentionForm,
+}
+
+/// What a GAU sublayer returns for one segment.
+#[derive(Debug)]
+pub struct GauOutput<B: Backend> {
+    /// Residual branch, `[B, T, D]`.
+    pub out: Tensor<B, 3>,
+    /// Commitment error per token, `[B, T]` (zero for the quadratic form).
+    pub commitment: Tensor<B, 2>,
+    /// Code statistics (`None` for the quadratic form).
+    pub stats: Option<CodebookStats<B>>,
+    /// Codes of the keys, `[B, H, T]` (`None` for the quadratic form).
+    pub codes: Option<Tensor<B, 3, Int>>,
+    /// State after the segment.
+    pub state: AttentionState<B>,
+}
+
+/// The projections of one segment, per head.
+struct Projected<B: Backend> {
+    q: Tensor<B, 4>,    // [B, H, T, K], RMS-normalised and scaled by K^(-1/4)
+    k: Tensor<B, 4>,    // [B, H, T, K], likewise
+    v: Tensor<B, 4>,    // [B, H, T, V], silu
+    gate: Tensor<B, 3>, // [B, T, H V], silu (not split by head)
+}
+
+impl<B: Backend> Gau<B> {
+    /// A sublayer initialised as the spec says.
+    pub fn new(cfg: &TransformerVqConfig, device: &B::Device) -> Self {
+        let (d, h, k, v) = (cfg.d_model, cfg.n_head, cfg.d_k, cfg.d_v);
+        Self {
+            input_norm: RmsNorm::new(d, device),
+            q_proj: projection(d, h * k, device),
+            kvg_proj: projection(d, h * (k + 2 * v), device),
+            out_proj: projection(h * v, d, device),
+            quantizer: VectorQuantizer::new(h, cfg.n_code, k, device),
+            bias: PositionBias::new(cfg, device),
+            dropout: DropoutConfig::new(cfg.dropout_residual).init(),
+            n_head: h,
+            d_k: k,
+            d_v: v,
+            block_len: cfg.block_len,
+            cache_grad: cfg.cache_grad,
+            form: cfg.attention,
+        }
+    }
+
+    fn project(&self, x: Tensor<B, 3>) -> Projected<B> {
+        let [b, t, _] = x.dims();
+        let (h, k, v) = (self.n_head, self.d_k, self.d_v);
+        let scale = (k as f64).powf(-0.25); // twice applied: the 1/sqrt(K) of attention
+        let x = self.input_norm.forward(x);
+        let heads = |y: Tensor<B, 3>, width: usize| y.reshape([b, t, h, width]).swap_dims(1, 2);
+        let q = rms_normalize(heads(self.q_proj.forward(x.clone()), k)) * scale;
+        let kvg = self.kvg_proj.forward(x); // [B, T, H (K + 2V)]
+        let (hk, hv) = (h * k, h * v);
+        let k_raw = kvg.clone().slice([0..b, 0..t, 0..hk]);
+        let v_raw = kvg.clone().slice([0..b, 0..t, hk..hk + hv]);
+        let g_raw = kvg.slice([0..b, 0..t, hk + hv..hk + 2 * hv]);
+        Projected {
+            q,
+            k: rms_normalize(heads(k_raw, k)) * scale,
+            v: heads(silu(v_raw), v),
+            gate: silu(g_raw),
+        }
+    }
+
+    fn finish(&self, o: Tensor<B, 4>, gate: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [b, h, t, v] = o.dims();
+        let o = o.swap_dims(1, 2).reshape([b, t, h * v]) * gate; // [B, T, H V]
+        self.dropout.forward(self.out_proj.forward(o))
+    }
+
+    /// Block-parallel form over a segment `x` `[B, T, D]` (`T` a multiple of
+    /// `L`); `valid` `[B, T]` marks the tokens that count towards the codebook
+    /// statistics.
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        state: AttentionState<B>,
+        valid: Option<Tensor<B, 2, Bool>>,
+    ) -> Result<GauOutput<B>, ModelError> {
+        let [b, t, _] = x.dims();
+        let device = x.device();
+        let p = self.project(x);
+        let (q, bias) = self.bias.apply(p.q, self.block_len);
+        if self.form == AttentionForm::Quadratic {
+            if state.pos != 0 || state.prev.is_some() {
+                return Err(ModelError::QuadraticIsStateless);
+            }
+            let o = attention::quadratic_attention(q, bias, p.k, p.v, self.block_len);
+            return Ok(GauOutput {
+                out: self.finish(o, p.gate),
+                commitment: Tensor::zeros([b, t], &device),
+                stats: None,
+                codes: None,
+                state: AttentionState::default(),
+            });
+        }
+        let vq = self.quantizer.quantize(p.k, valid);
+        let input = AttentionInput {
+            q,
+            bias,
+            k_hat: vq.k_hat,
+            codes: vq.codes.clone(),
+            v: p.v,
+            codebook: self.quantizer.codebook(),
+        };
+        let (o, state) = attention::block_attention(input, state, self.block_len, self.cache_grad)?;
+        Ok(GauOutput {
+            out: self.finish(o, p.gate),
+            commitment: vq.commitment,
+            stats: Some(vq.stats),
+            codes: Some(vq.codes),
+            state,
+        })
+    }
+
+    /// Recurrent form for one token `x` `[B, 1, D]`.
+    pub fn step(
+        &self,
+        x: Tensor<B, 3>,
+        state: AttentionState<B>,
+    ) -> Result<(Tensor<B, 3>, AttentionState<B>), ModelError> {
+        if self.form == AttentionForm::Quadratic {
+            return Err(ModelError::QuadraticIsStateless);
+        }
+        let p = self.project(x);
+        let (q, bias) = self.bias.apply(p.q, self.block_len);
+        let vq = self.quantizer.quantize(p.k, None);
+        let input = AttentionInput {
+            q,
+            bias,
+            k_hat: vq.k_hat,
+            codes: vq.codes,
+            v: p.v,
+            codebook: self.quantizer.codebook(),
+        };
+        let (o, state) = attention::step_attention(input, state, self.block_len)?;
+        Ok((self.finish(o, p.gate), state))
+    }
+}

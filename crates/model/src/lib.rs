@@ -1,0 +1,27 @@
+//! Transformer-VQ: linear-time attention through vector-quantized keys.
+//!
+//! The crate holds the network and nothing about files or training: build a
+//! [`TransformerVq`] from a [`TransformerVqConfig`], run segments through
+//! [`TransformerVq::forward`] (block-parallel, linear in the segment length)
+//! or tokens through [`TransformerVq::step`] (recurrent, constant work per
+//! token), carrying a [`ModelState`] between calls.
+//!
+//! Modules are generic over `B: Backend`; the binaries use `burn::Dispatch`
+//! with a device chosen at run time ([`device`]).
+
+pub mod attention;
+pub mod bias;
+pub mod config;
+pub mod device;
+pub mod error;
+pub mod gau;
+pub mod model;
+pub mod norm;
+pub mod official;
+pub mod quantizer;
+
+pub use attention::AttentionState;
+pub use config::{AttentionForm, CacheGrad, RelativeBias, TransformerVqConfig};
+pub use error::{ConfigError, ModelError};
+pub use model::{ModelOutput, ModelState, TransformerVq, masked_mean, token_nll};
+pub use quantizer::{CodebookMetrics, CodebookStats};

@@ -1,0 +1,275 @@
+//! The Transformer-VQ language model: embedding, `N` layers of two GAU
+//! sublayers, optional final norm, output projection.
+
+use burn::module::{Module, Param};
+use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
+use burn::prelude::*;
+use burn::tensor::Distribution;
+use burn::tensor::activation::log_softmax;
+
+use crate::attention::AttentionState;
+use crate::config::TransformerVqConfig;
+use crate::error::ModelError;
+use crate::gau::Gau;
+use crate::norm::RmsNorm;
+use crate::quantizer::{CodebookStats, bool_to_float};
+
+/// The Transformer-VQ language model. Build it with [`TransformerVqConfig::init`].
+#[derive(Module, Debug)]
+pub struct TransformerVq<B: Backend> {
+    /// Token embedding `E`, `[vocab, D]`, init `N(0, 1)`.
+    pub embedding: Embedding<B>,
+    /// GAU sublayers in order: layer `n` holds sublayers `2n` and `2n + 1`.
+    pub sublayers: Vec<Gau<B>>,
+    /// Final RMS norm (when `final_norm`).
+    pub final_norm: Option<RmsNorm<B>>,
+    /// Untied output projection with bias, `[D, vocab]` (when not tied).
+    pub output: Option<Linear<B>>,
+    /// Output bias of the tied head, `[vocab]` (when tied).
+    pub output_bias: Option<Param<Tensor<B, 1>>>,
+    /// Multiplier on the logits.
+    pub logit_scale: f64,
+    /// Probability of dropping a sublayer for a batch row in training.
+    pub layer_drop: f64,
+}
+
+/// State of every sublayer, carried between segments of one stream.
+#[derive(Clone, Debug)]
+pub struct ModelState<B: Backend> {
+    /// One state per GAU sublayer.
+    pub sublayers: Vec<AttentionState<B>>,
+}
+
+impl<B: Backend> ModelState<B> {
+    /// The state of a fresh stream: nothing to attend.
+    pub fn new(n_sublayers: usize) -> Self {
+        Self {
+            sublayers: (0..n_sublayers)
+                .map(|_| AttentionState::default())
+                .collect(),
+        }
+    }
+
+    /// Tokens seen so far.
+    pub fn pos(&self) -> usize {
+        self.sublayers.first().map_or(0, |s| s.pos)
+    }
+
+    /// The same state cut from the autodiff graph.
+    pub fn detach(self) -> Self {
+        Self {
+            sublayers: self
+                .sublayers
+                .into_iter()
+                .map(AttentionState::detach)
+                .collect(),
+        }
+    }
+}
+
+/// What the model returns for one segment.
+#[derive(Debug)]
+pub struct ModelOutput<B: Backend> {
+    /// Logits, `[B, T, vocab]`.
+    pub logits: Tensor<B, 3>,
+    /// Commitment error per token, summed over sublayers and heads, `[B, T]`.
+    pub commitment: Tensor<B, 2>,
+    /// Code statistics per sublayer (empty for the quadratic form).
+    pub stats: Vec<CodebookStats<B>>,
+    /// Codes of the keys per sublayer, `[B, H, T]` (empty for the quadratic form).
+    pub codes: Vec<Tensor<B, 3, Int>>,
+    /// State after the segment (detached).
+    pub state: ModelState<B>,
+}
+
+impl<B: Backend> TransformerVq<B> {
+    pub(crate) fn new(cfg: &TransformerVqConfig, device: &B::Device) -> Self {
+        let d = cfg.d_model;
+        let tied = cfg.tie_embeddings;
+        Self {
+            embedding: EmbeddingConfig::new(cfg.vocab_size, d)
+                .with_initializer(Initializer::Normal {
+                    mean: 0.0,
+                    std: 1.0,
+                })
+                .init(device),
+            sublayers: (0..cfg.n_sublayers())
+                .map(|_| Gau::new(cfg, device))
+                .collect(),
+            final_norm: cfg.final_norm.then(|| RmsNorm::new(d, device)),
+            output: (!tied).then(|| {
+                let mut lin = LinearConfig::new(d, cfg.vocab_size)
+                    .with_initializer(Initializer::Normal {
+                        mean: 0.0,
+                        std: (d as f64).powf(-0.5),
+                    })
+                    .init(device);
+                lin.bias = Some(Param::from_tensor(Tensor::zeros([cfg.vocab_size], device)));
+                lin
+            }),
+            output_bias: tied.then(|| Param::from_tensor(Tensor::zeros([cfg.vocab_size], device))),
+            logit_scale: cfg.logit_scale,
+            layer_drop: cfg.dropout_layer,
+        }
+    }
+
+    /// A fresh state for this model.
+    pub fn empty_state(&self) -> ModelState<B> {
+        ModelState::new(self.sublayers.len())
+    }
+
+    /// Block length `L`.
+    pub fn block_len(&self) -> usize {
+        self.sublayers[0].block_len
+    }
+
+    /// Vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        self.embedding.weight.dims()[0]
+    }
+
+    fn check_state(&self, state: &ModelState<B>) -> Result<(), ModelError> {
+        if state.sublayers.len() != self.sublayers.len() {
+            return Err(ModelError::StateMismatch(format!(
+                "{} sublayer states for {} sublayers",
+                state.sublayers.len(),
+                self.sublayers.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Residual with layer drop: in training each batch row skips the
+    /// sublayer with probability `p` (survivors scaled by `1 / (1 - p)`).
+    fn residual(&self, h: Tensor<B, 3>, out: Tensor<B, 3>) -> Tensor<B, 3> {
+        let device = out.device();
+        if self.layer_drop > 0.0 && B::ad_enabled(&device) {
+            let keep = 1.0 - self.layer_drop;
+            let rows = out.dims()[0];
+            let mask = Tensor::<B, 3>::random([rows, 1, 1], Distribution::Bernoulli(keep), &device);
+            h + out * mask / keep
+        } else {
+            h + out
+        }
+    }
+
+    fn head(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
+        let h = match &self.final_norm {
+            Some(norm) => norm.forward(h),
+            None => h,
+        };
+        let logits = match (&self.output, &self.output_bias) {
+            (Some(out), _) => out.forward(h),
+            (None, Some(bias)) => {
+                let e = self
+                    .embedding
+                    .weight
+                    .val()
+                    .transpose()
+                    .unsqueeze_dim::<3>(0); // [1, D, vocab]
+                h.matmul(e) + bias.val().unsqueeze::<3>()
+            }
+            (None, None) => unreachable!("the output head is either untied or tied"),
+        };
+        logits * self.logit_scale
+    }
+
+    /// Block-parallel forward over a segment `tokens` `[B, T]` (`T` a multiple
+    /// of `L`) from `state`. `valid` `[B, T]` marks real tokens (padding is
+    /// excluded from the codebook statistics). The returned state is detached:
+    /// no gradient crosses a segment boundary.
+    pub fn forward(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        state: ModelState<B>,
+        valid: Option<Tensor<B, 2, Bool>>,
+    ) -> Result<ModelOutput<B>, ModelError> {
+        self.check_state(&state)?;
+        let [b, t] = tokens.dims();
+        let mut h = self.embedding.forward(tokens); // [B, T, D]
+        let mut commitment = Tensor::zeros([b, t], &h.device());
+        let mut stats = Vec::with_capacity(self.sublayers.len());
+        let mut codes = Vec::with_capacity(self.sublayers.len());
+        let mut states = Vec::with_capacity(self.sublayers.len());
+        for (gau, s) in self.sublayers.iter().zip(state.sublayers) {
+            let out = gau.forward(h.clone(), s, valid.clone())?;
+            h = self.residual(h, out.out);
+            commitment = commitment + out.commitment;
+            stats.extend(out.stats);
+            codes.extend(out.codes);
+            states.push(out.state.detach());
+        }
+        Ok(ModelOutput {
+            logits: self.head(h),
+            commitment,
+            stats,
+            codes,
+            state: ModelState { sublayers: states },
+        })
+    }
+
+    /// Recurrent forward of one token per row, `token` `[B, 1]`: constant work
+    /// and memory whatever the position. Returns logits `[B, 1, vocab]`.
+    pub fn step(
+        &self,
+        token: Tensor<B, 2, Int>,
+        state: ModelState<B>,
+    ) -> Result<(Tensor<B, 3>, ModelState<B>), ModelError> {
+        self.check_state(&state)?;
+        let mut h = self.embedding.forward(token);
+        let mut states = Vec::with_capacity(self.sublayers.len());
+        for (gau, s) in self.sublayers.iter().zip(state.sublayers) {
+            let (out, s) = gau.step(h.clone(), s)?;
+            h = self.residual(h, out);
+            states.push(s.detach());
+        }
+        Ok((self.head(h), ModelState { sublayers: states }))
+    }
+
+    /// Returns the model with every sublayer's codebook moved one EMA step
+    /// (`gamma`, 0.99 in the recipe) towards the step's statistics, one entry
+    /// of `stats` per sublayer.
+    pub fn update_codebooks(mut self, stats: &[CodebookStats<B>], gamma: f64) -> Self {
+        assert_eq!(
+            stats.len(),
+            self.sublayers.len(),
+            "one statistics entry per sublayer"
+        );
+        self.sublayers = self
+            .sublayers
+            .into_iter()
+            .zip(stats)
+            .map(|(mut gau, s)| {
+                gau.quantizer = gau.quantizer.ema_update(s, gamma);
+                gau
+            })
+            .collect();
+        self
+    }
+}
+
+/// Per-token negative log-likelihood in nats, `[B, T]`, of `targets` `[B, T]`
+/// under `logits` `[B, T, vocab]`.
+pub fn token_nll<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 2> {
+    let [b, t, _] = logits.dims();
+    let logp = log_softmax(logits, 2);
+    logp.gather(2, targets.reshape([b, t, 1]))
+        .reshape([b, t])
+        .neg()
+}
+
+/// Mean of a per-token quantity over the valid tokens (all when `valid` is
+/// `None`). The official code divides by all `B T` positions instead; the two
+/// agree when nothing is padded.
+pub fn masked_mean<B: Backend>(
+    per_token: Tensor<B, 2>,
+    valid: Option<Tensor<B, 2, Bool>>,
+) -> Tensor<B, 1> {
+    match valid {
+        None => per_token.mean(),
+        Some(valid) => {
+            let w = bool_to_float(valid, &per_token.device());
+            (per_token * w.clone()).sum() / w.sum().clamp_min(1.0)
+        }
+    }
+}

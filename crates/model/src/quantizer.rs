@@ -1,0 +1,240 @@
+//! Vector quantizer with an EMA codebook (one codebook per head).
+//!
+//! The codebook is `C = c_sum / max(c_count, 0.01)`. Both tensors are module
+//! parameters so they are saved with the model, but they never require
+//! gradient: the trainer folds each step's [`CodebookStats`] into them with
+//! [`VectorQuantizer::ema_update`].
+
+use burn::module::{Module, Param};
+use burn::prelude::*;
+use burn::tensor::Distribution;
+
+/// Floor on `c_count` when dividing, as in the official code.
+const MIN_COUNT: f64 = 0.01;
+
+/// EMA codebook of one GAU sublayer.
+#[derive(Module, Debug)]
+pub struct VectorQuantizer<B: Backend> {
+    /// Decayed sum of the keys assigned to each code, `[H, S, K]`.
+    pub c_sum: Param<Tensor<B, 3>>,
+    /// Decayed number of keys assigned to each code, `[H, S]`.
+    pub c_count: Param<Tensor<B, 2>>,
+}
+
+/// Keys after quantization, with what the losses and the EMA need.
+#[derive(Clone, Debug)]
+pub struct Quantized<B: Backend> {
+    /// Straight-through keys `k + sg(C_z - k)`: the value is the codeword, the
+    /// gradient is the identity into `k`. `[B, H, T, K]`.
+    pub k_hat: Tensor<B, 4>,
+    /// Codes `z = argmin_s |k - C_s|^2`, ties to the lowest index. `[B, H, T]`.
+    pub codes: Tensor<B, 3, Int>,
+    /// Commitment error per token, `sum_h |k - sg(C_z)|^2`; carries gradient into `k`. `[B, T]`.
+    pub commitment: Tensor<B, 2>,
+    /// Code statistics of the valid tokens (no gradient).
+    pub stats: CodebookStats<B>,
+}
+
+/// Per-step code statistics of one sublayer over the valid tokens, summed
+/// over batch rows (and micro-batches with [`CodebookStats::merge`]).
+#[derive(Clone, Debug)]
+pub struct CodebookStats<B: Backend> {
+    /// Tokens assigned to each code, `[H, S]`.
+    pub counts: Tensor<B, 2>,
+    /// Sum of the (pre-quantization) keys assigned to each code, `[H, S, K]`.
+    pub sums: Tensor<B, 3>,
+    /// `sum |k - C_z|^2` over tokens and heads, `[1]`.
+    pub sq_error: Tensor<B, 1>,
+    /// `sum |k|^2` over tokens and heads, `[1]`.
+    pub sq_norm: Tensor<B, 1>,
+}
+
+/// Host-side summary of [`CodebookStats`] for logging.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CodebookMetrics {
+    /// Fraction of the `H * S` codes that received at least one token.
+    pub usage: f64,
+    /// `exp(entropy)` of the code distribution, averaged over heads.
+    pub perplexity: f64,
+    /// Relative quantization error `|k - k_hat| / |k|` over all tokens.
+    pub relative_error: f64,
+}
+
+/// A 0/1 float tensor from a boolean one, on the float `device`. On an
+/// autodiff device the result is an (untracked) autodiff tensor, so it can be
+/// mixed with activations; `Bool::float()` would not be.
+pub(crate) fn bool_to_float<B: Backend, const D: usize>(
+    mask: Tensor<B, D, Bool>,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    Tensor::zeros(mask.shape(), device).mask_fill(mask, 1.0)
+}
+
+/// One-hot encoding of `codes` over `n_code` classes as floats; a code equal
+/// to `n_code` (the empty-slot sentinel) encodes as all zeros.
+pub(crate) fn one_hot<B: Backend, const D: usize, const D2: usize>(
+    codes: Tensor<B, D, Int>,
+    n_code: usize,
+    device: &B::Device,
+) -> Tensor<B, D2> {
+    let mut shape = codes.dims().to_vec();
+    shape.push(n_code);
+    let shape: [usize; D2] = shape.try_into().expect("D2 = D + 1");
+    let mut class_shape = [1usize; D2];
+    class_shape[D2 - 1] = n_code;
+    let classes = Tensor::<B, 1, Int>::arange(0..n_code as i64, &codes.device())
+        .reshape(class_shape)
+        .expand(shape);
+    let hit = codes.unsqueeze_dim::<D2>(D).expand(shape).equal(classes);
+    bool_to_float(hit, device)
+}
+
+impl<B: Backend> VectorQuantizer<B> {
+    /// A codebook with `c_sum ~ N(0, 1/(S H))` and `c_count = 1`.
+    pub fn new(n_head: usize, n_code: usize, d_k: usize, device: &B::Device) -> Self {
+        let std = 1.0 / ((n_code * n_head) as f64).sqrt();
+        let c_sum = Tensor::random(
+            [n_head, n_code, d_k],
+            Distribution::Normal(0.0, std),
+            device,
+        );
+        Self {
+            c_sum: Param::from_tensor(c_sum).set_require_grad(false),
+            c_count: Param::from_tensor(Tensor::ones([n_head, n_code], device))
+                .set_require_grad(false),
+        }
+    }
+
+    /// Codebook size `S`.
+    pub fn n_code(&self) -> usize {
+        self.c_count.dims()[1]
+    }
+
+    /// The codebook `C = c_sum / max(c_count, 0.01)`, detached. `[H, S, K]`.
+    pub fn codebook(&self) -> Tensor<B, 3> {
+        let count = self
+            .c_count
+            .val()
+            .detach()
+            .clamp_min(MIN_COUNT)
+            .unsqueeze_dim(2); // [H, S, 1]
+        self.c_sum.val().detach() / count
+    }
+
+    /// Quantizes keys `k` `[B, H, T, K]`; `valid` `[B, T]` marks the tokens
+    /// that count towards the statistics (all when `None`).
+    pub fn quantize(&self, k: Tensor<B, 4>, valid: Option<Tensor<B, 2, Bool>>) -> Quantized<B> {
+        let [b, h, t, d_k] = k.dims();
+        let device = k.device();
+        let codebook = self.codebook(); // [H, S, K]
+        let s = codebook.dims()[1];
+
+        // |k - C_s|^2 up to the per-row constant |k|^2, as the official code ranks them.
+        let kd = k.clone().detach();
+        let cross = kd
+            .clone()
+            .matmul(codebook.clone().swap_dims(1, 2).unsqueeze_dim(0)); // [B, H, T, S]
+        let c_sq = codebook.clone().square().sum_dim(2).reshape([1, h, 1, s]); // [1, H, 1, S]
+        let dist = c_sq - cross * 2.0; // [B, H, T, S]
+        let codes = dist.argmin(3).reshape([b, h, t]); // [B, H, T]
+
+        // Gather C_z per head from the flattened [H*S, K] codebook.
+        let offsets = Tensor::<B, 1, Int>::arange_step(0..(h * s) as i64, s, &codes.device())
+            .reshape([1, h, 1]);
+        let flat_idx = (codes.clone() + offsets).reshape([b * h * t]);
+        let c_z = codebook
+            .reshape([h * s, d_k])
+            .select(0, flat_idx)
+            .reshape([b, h, t, d_k]); // [B, H, T, K], constant
+
+        let k_hat = k.clone() + (c_z.clone() - k.clone()).detach();
+        let err = (k - c_z).square().sum_dim(3); // [B, H, T, 1]
+        let commitment = err.clone().sum_dim(1).reshape([b, t]); // [B, T]
+
+        // Statistics over valid tokens only (no gradient).
+        let mut onehot: Tensor<B, 4> = one_hot(codes.clone(), s, &device); // [B, H, T, S]
+        let mut weight = Tensor::<B, 4>::ones([b, 1, t, 1], &device);
+        if let Some(valid) = valid {
+            weight = bool_to_float(valid.reshape([b, 1, t, 1]), &device);
+            onehot = onehot * weight.clone();
+        }
+        let counts = onehot.clone().sum_dim(0).sum_dim(2).reshape([h, s]);
+        let sums = onehot
+            .swap_dims(2, 3)
+            .matmul(kd.clone())
+            .sum_dim(0)
+            .reshape([h, s, d_k]);
+        let sq_error = (err.detach() * weight.clone()).sum();
+        let sq_norm = (kd.square().sum_dim(3) * weight).sum();
+
+        Quantized {
+            k_hat,
+            codes,
+            commitment,
+            stats: CodebookStats {
+                counts,
+                sums,
+                sq_error,
+                sq_norm,
+            },
+        }
+    }
+
+    /// One EMA step from a step's statistics, `gamma` the decay (0.99):
+    /// `c_sum <- gamma c_sum + (1 - gamma) sums`, likewise `c_count`.
+    /// Parameter ids are kept, so optimizer state stays attached.
+    pub fn ema_update(self, stats: &CodebookStats<B>, gamma: f64) -> Self {
+        let c_sum = self.c_sum.val().detach() * gamma + stats.sums.clone().detach() * (1.0 - gamma);
+        let c_count =
+            self.c_count.val().detach() * gamma + stats.counts.clone().detach() * (1.0 - gamma);
+        Self {
+            c_sum: Param::initialized(self.c_sum.id, c_sum).set_require_grad(false),
+            c_count: Param::initialized(self.c_count.id, c_count).set_require_grad(false),
+        }
+    }
+}
+
+impl<B: Backend> CodebookStats<B> {
+    /// Sum of two statistics (e.g. of two micro-batches of one step).
+    pub fn merge(self, other: Self) -> Self {
+        Self {
+            counts: self.counts + other.counts,
+            sums: self.sums + other.sums,
+            sq_error: self.sq_error + other.sq_error,
+            sq_norm: self.sq_norm + other.sq_norm,
+        }
+    }
+
+    /// Codebook usage, code perplexity and relative quantization error (reads
+    /// the statistics back to the host).
+    pub fn metrics(&self) -> CodebookMetrics {
+        let [h, s] = self.counts.dims();
+        let counts: Vec<f32> = self
+            .counts
+            .to_data()
+            .convert::<f32>()
+            .to_vec()
+            .unwrap_or_default();
+        let used = counts.iter().filter(|&&c| c > 0.0).count();
+        let mut perplexity = 0.0;
+        for head in counts.chunks(s) {
+            let total: f64 = head.iter().map(|&c| c as f64).sum();
+            let entropy: f64 = head
+                .iter()
+                .filter(|&&c| c > 0.0)
+                .map(|&c| {
+                    let p = c as f64 / total;
+                    -p * p.ln()
+                })
+                .sum();
+            perplexity += entropy.exp() / h as f64;
+        }
+        let scalar = |t: &Tensor<B, 1>| t.to_data().convert::<f64>().to_vec::<f64>().unwrap()[0];
+        let (err, norm) = (scalar(&self.sq_error), scalar(&self.sq_norm));
+        CodebookMetrics {
+            usage: used as f64 / (h * s) as f64,
+            perplexity,
+            relative_error: if norm > 0.0 { (err / norm).sqrt() } else { 0.0 },
+        }
+    }
+}

@@ -1,0 +1,456 @@
+//! The block-parallel and recurrent forms against the quadratic oracle.
+
+use burn::prelude::*;
+use tvq_model::CacheGrad;
+use tvq_model::attention::{AttentionInput, AttentionState, block_attention, step_attention};
+use tvq_model::quantizer::VectorQuantizer;
+
+use crate::common::*;
+
+/// Sizes of one attention problem.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    b: usize,
+    h: usize,
+    t: usize,
+    l: usize,
+    k: usize,
+    v: usize,
+    s: usize,
+    /// Bias table per query (`[B, H, T, L+1]`, as XL gives) or shared (`[1, H, 1, L+1]`, Toeplitz).
+    per_query_bias: bool,
+}
+
+const SHAPES: [Shape; 5] = [
+    // one block
+    Shape {
+        b: 1,
+        h: 1,
+        t: 8,
+        l: 8,
+        k: 4,
+        v: 6,
+        s: 5,
+        per_query_bias: false,
+    },
+    // two blocks
+    Shape {
+        b: 1,
+        h: 1,
+        t: 8,
+        l: 4,
+        k: 4,
+        v: 6,
+        s: 5,
+        per_query_bias: true,
+    },
+    // many blocks, batch > 1
+    Shape {
+        b: 3,
+        h: 1,
+        t: 24,
+        l: 4,
+        k: 4,
+        v: 5,
+        s: 3,
+        per_query_bias: false,
+    },
+    // many blocks, several heads, per-query bias
+    Shape {
+        b: 2,
+        h: 3,
+        t: 20,
+        l: 4,
+        k: 4,
+        v: 3,
+        s: 6,
+        per_query_bias: true,
+    },
+    // block length 1 (every earlier key but one is in the cache)
+    Shape {
+        b: 2,
+        h: 2,
+        t: 6,
+        l: 1,
+        k: 3,
+        v: 2,
+        s: 4,
+        per_query_bias: true,
+    },
+];
+
+/// Leaves of one problem: q, k, v, bias (all requiring grad on an autodiff
+/// device) and a quantizer with few codes, so codes repeat.
+struct Problem {
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    bias: Tensor<B, 4>,
+    quantizer: VectorQuantizer<B>,
+}
+
+impl Problem {
+    fn new(sh: Shape, seed: u64, device: &burn::DispatchDevice) -> Self {
+        B::seed(device, seed);
+        let leaf = |t: Tensor<B, 4>| {
+            if B::ad_enabled(device) {
+                t.require_grad()
+            } else {
+                t
+            }
+        };
+        let bias_shape = if sh.per_query_bias {
+            [sh.b, sh.h, sh.t, sh.l + 1]
+        } else {
+            [1, sh.h, 1, sh.l + 1]
+        };
+        Self {
+            q: leaf(randn([sh.b, sh.h, sh.t, sh.k], device)),
+            k: leaf(randn([sh.b, sh.h, sh.t, sh.k], device)),
+            v: leaf(randn([sh.b, sh.h, sh.t, sh.v], device)),
+            bias: leaf(randn(bias_shape, device)),
+            quantizer: VectorQuantizer::new(sh.h, sh.s, sh.k, device),
+        }
+    }
+
+    /// Attention input for tokens `range` of the problem.
+    fn input(&self, range: std::ops::Range<usize>) -> AttentionInput<B> {
+        let [b, h, _, k] = self.q.dims();
+        let cut = |x: &Tensor<B, 4>| {
+            let d = x.dims();
+            x.clone().slice([0..d[0], 0..d[1], range.clone(), 0..d[3]])
+        };
+        let vq = self.quantizer.quantize(cut(&self.k), None);
+        let bias = if self.bias.dims()[2] == 1 {
+            self.bias.clone()
+        } else {
+            cut(&self.bias)
+        };
+        let _ = (b, h, k);
+        AttentionInput {
+            q: cut(&self.q),
+            bias,
+            k_hat: vq.k_hat,
+            codes: vq.codes,
+            v: cut(&self.v),
+            codebook: self.quantizer.codebook(),
+        }
+    }
+
+    fn oracle(&self, l: usize, mode: CacheGrad) -> Tensor<B, 4> {
+        let t = self.q.dims()[2];
+        let input = self.input(0..t);
+        oracle_attention(input.q, input.bias, input.k_hat, input.v, l, mode)
+    }
+}
+
+const MODES: [CacheGrad; 3] = [CacheGrad::Window, CacheGrad::None, CacheGrad::Full];
+
+#[test]
+fn block_form_matches_oracle_forward_and_gradients() {
+    let device = cpu_ad();
+    for (n, sh) in SHAPES.iter().enumerate() {
+        for mode in MODES {
+            let p = Problem::new(*sh, 10 + n as u64, &device);
+            let (out, _) =
+                block_attention(p.input(0..sh.t), AttentionState::default(), sh.l, mode).unwrap();
+            let want = p.oracle(sh.l, mode);
+            let ctx = format!("{sh:?} {mode:?}");
+            assert_close(out.clone(), want.clone(), 1e-5, &format!("output, {ctx}"));
+
+            // Same random projection of both outputs; compare every leaf's gradient.
+            let w = randn(out.dims(), &device);
+            let g_block = (out * w.clone()).sum().backward();
+            let g_oracle = (want * w).sum().backward();
+            for (name, leaf) in [("q", &p.q), ("k", &p.k), ("v", &p.v), ("bias", &p.bias)] {
+                let a = leaf.grad(&g_block).expect("block gradient");
+                let b = leaf.grad(&g_oracle).expect("oracle gradient");
+                assert!(
+                    max_abs(b.clone()) > 0.0,
+                    "oracle gradient of {name} is zero, {ctx}"
+                );
+                assert_close(a, b, 1e-5, &format!("d/d{name}, {ctx}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn carried_state_gives_the_same_output_as_one_segment() {
+    let device = cpu();
+    for (n, sh) in SHAPES.iter().enumerate().filter(|(_, sh)| sh.t / sh.l >= 2) {
+        let p = Problem::new(*sh, 20 + n as u64, &device);
+        let whole = p.oracle(sh.l, CacheGrad::Window);
+        let (one, _) = block_attention(
+            p.input(0..sh.t),
+            AttentionState::default(),
+            sh.l,
+            CacheGrad::Window,
+        )
+        .unwrap();
+        assert_close(
+            one.clone(),
+            whole,
+            1e-5,
+            &format!("one segment vs oracle, {sh:?}"),
+        );
+        // Every split at a block boundary, and three segments.
+        for cut in (sh.l..sh.t).step_by(sh.l) {
+            let (a, st) = block_attention(
+                p.input(0..cut),
+                AttentionState::default(),
+                sh.l,
+                CacheGrad::Window,
+            )
+            .unwrap();
+            assert_eq!(st.pos, cut);
+            let (b, st) = block_attention(p.input(cut..sh.t), st, sh.l, CacheGrad::Window).unwrap();
+            assert_eq!(st.pos, sh.t);
+            assert_close(
+                Tensor::cat(vec![a, b], 2),
+                one.clone(),
+                1e-5,
+                &format!("split at {cut}, {sh:?}"),
+            );
+        }
+        let mut state = AttentionState::default();
+        let mut parts = vec![];
+        for start in (0..sh.t).step_by(sh.l) {
+            let (o, s) =
+                block_attention(p.input(start..start + sh.l), state, sh.l, CacheGrad::Window)
+                    .unwrap();
+            parts.push(o);
+            state = s;
+        }
+        assert_close(
+            Tensor::cat(parts, 2),
+            one,
+            1e-5,
+            &format!("block by block, {sh:?}"),
+        );
+    }
+}
+
+#[test]
+fn recurrent_form_matches_block_form() {
+    let device = cpu();
+    for (n, sh) in SHAPES.iter().enumerate() {
+        let p = Problem::new(*sh, 30 + n as u64, &device);
+        let (block, block_state) = block_attention(
+            p.input(0..sh.t),
+            AttentionState::default(),
+            sh.l,
+            CacheGrad::Window,
+        )
+        .unwrap();
+        let mut state = AttentionState::default();
+        let mut outs = vec![];
+        for i in 0..sh.t {
+            let (o, s) = step_attention(p.input(i..i + 1), state, sh.l).unwrap();
+            outs.push(o);
+            state = s;
+        }
+        assert_close(
+            Tensor::cat(outs, 2),
+            block,
+            1e-5,
+            &format!("token by token, {sh:?}"),
+        );
+        // Both forms leave the same state behind (the recurrent form has no
+        // cache object until a block leaves the window; the block form's is empty then).
+        let b = block_state.cache.unwrap();
+        match state.cache {
+            Some(a) => {
+                assert_close(a.counts, b.counts, 0.0, "cache counts");
+                assert_close(a.means, b.means, 1e-5, "cache means");
+            }
+            None => assert_eq!(
+                max_abs(b.counts),
+                0.0,
+                "block form cached tokens the recurrent form did not"
+            ),
+        }
+        assert_close(
+            state.prev.unwrap().v,
+            block_state.prev.unwrap().v,
+            0.0,
+            "previous block",
+        );
+        assert!(state.current.is_none());
+    }
+}
+
+#[test]
+fn block_form_continues_after_recurrent_steps() {
+    // Decode the first block token by token, then run the rest block-parallel.
+    let sh = SHAPES[2];
+    let device = cpu();
+    let p = Problem::new(sh, 40, &device);
+    let (whole, _) = block_attention(
+        p.input(0..sh.t),
+        AttentionState::default(),
+        sh.l,
+        CacheGrad::Window,
+    )
+    .unwrap();
+    let mut state = AttentionState::default();
+    let mut outs = vec![];
+    for i in 0..sh.l {
+        // Mid-block, the block form must refuse the state.
+        if i > 0 {
+            assert!(
+                block_attention(p.input(i..i + sh.l), state.clone(), sh.l, CacheGrad::Window)
+                    .is_err()
+            );
+        }
+        let (o, s) = step_attention(p.input(i..i + 1), state, sh.l).unwrap();
+        outs.push(o);
+        state = s;
+    }
+    let (rest, _) = block_attention(p.input(sh.l..sh.t), state, sh.l, CacheGrad::Window).unwrap();
+    outs.push(rest);
+    assert_close(Tensor::cat(outs, 2), whole, 1e-5, "steps then blocks");
+}
+
+/// Gradient of `sum(w * out[last block])` with respect to each block's keys and values.
+fn block_grad_norms(mode: CacheGrad) -> (Vec<f32>, Vec<f32>) {
+    let sh = Shape {
+        b: 2,
+        h: 1,
+        t: 16,
+        l: 4,
+        k: 4,
+        v: 3,
+        s: 3,
+        per_query_bias: false,
+    };
+    let device = cpu_ad();
+    let p = Problem::new(sh, 50, &device);
+    let (out, _) =
+        block_attention(p.input(0..sh.t), AttentionState::default(), sh.l, mode).unwrap();
+    let last = out.slice([0..sh.b, 0..sh.h, sh.t - sh.l..sh.t, 0..sh.v]);
+    let w = randn(last.dims(), &device);
+    let grads = (last * w).sum().backward();
+    let per_block = |g: Tensor<B, 4>| -> Vec<f32> {
+        let d = g.dims();
+        (0..sh.t / sh.l)
+            .map(|r| {
+                max_abs(
+                    g.clone()
+                        .slice([0..d[0], 0..d[1], r * sh.l..(r + 1) * sh.l, 0..d[3]]),
+                )
+            })
+            .collect()
+    };
+    (
+        per_block(p.k.grad(&grads).unwrap()),
+        per_block(p.v.grad(&grads).unwrap()),
+    )
+}
+
+#[test]
+fn gradient_reaches_exactly_the_blocks_the_cache_mode_allows() {
+    // Loss on block 3 of 4. Block 2 is its previous block; blocks 0 and 1
+    // are in its compressed cache, which holds codes (no gradient) and
+    // mean values (gradient only under `full`).
+    let (k, v) = block_grad_norms(CacheGrad::None);
+    assert!(
+        k[3] > 0.0 && v[3] > 0.0,
+        "present block always learns: {k:?} {v:?}"
+    );
+    assert_eq!(
+        &k[..3],
+        &[0.0; 3],
+        "none: no key gradient before the present block"
+    );
+    assert_eq!(
+        &v[..3],
+        &[0.0; 3],
+        "none: no value gradient before the present block"
+    );
+
+    let (k, v) = block_grad_norms(CacheGrad::Window);
+    assert!(
+        k[2] > 0.0 && v[2] > 0.0,
+        "window: previous block learns: {k:?} {v:?}"
+    );
+    assert_eq!(&k[..2], &[0.0; 2], "window: older keys get nothing");
+    assert_eq!(&v[..2], &[0.0; 2], "window: older values get nothing");
+
+    let (k, v) = block_grad_norms(CacheGrad::Full);
+    assert!(k[2] > 0.0 && v[2] > 0.0, "full: previous block learns");
+    assert!(
+        v[0] > 0.0 && v[1] > 0.0,
+        "full: older values learn through the cache: {v:?}"
+    );
+    assert_eq!(
+        &k[..2],
+        &[0.0; 2],
+        "full: older keys are codes, which carry no gradient"
+    );
+}
+
+#[test]
+fn straight_through_estimator_and_commitment() {
+    let device = cpu_ad();
+    B::seed(&device, 60);
+    let quantizer = VectorQuantizer::<B>::new(2, 5, 4, &device);
+    let k = randn([2, 2, 7, 4], &device).require_grad();
+    let vq = quantizer.quantize(k.clone(), None);
+
+    // The value of k_hat is the codeword of its code.
+    let codebook = quantizer.codebook();
+    let codes: Vec<i64> = vq
+        .codes
+        .clone()
+        .into_data()
+        .convert::<i64>()
+        .to_vec()
+        .unwrap();
+    let cb = to_vec(codebook.clone());
+    let kh = to_vec(vq.k_hat.clone());
+    let kv = to_vec(k.clone());
+    for (n, &z) in codes.iter().enumerate() {
+        let head = (n / 7) % 2;
+        let row = &cb[(head * 5 + z as usize) * 4..][..4];
+        // k + (C_z - k) is C_z up to one rounding.
+        for (a, b) in kh[n * 4..n * 4 + 4].iter().zip(row) {
+            assert!((a - b).abs() <= 1e-6, "k_hat is the codeword: {a} vs {b}");
+        }
+        // ... and it is the nearest one.
+        let dist = |c: &[f32]| {
+            c.iter()
+                .zip(&kv[n * 4..n * 4 + 4])
+                .map(|(a, b)| (a - b).powi(2))
+                .sum::<f32>()
+        };
+        for s in 0..5 {
+            assert!(dist(row) <= dist(&cb[(head * 5 + s) * 4..][..4]) + 1e-6);
+        }
+    }
+
+    // d/dk of sum(w * k_hat) is w: the gradient passes straight through.
+    let w = randn([2, 2, 7, 4], &device);
+    let g = (vq.k_hat * w.clone()).sum().backward();
+    assert_close(
+        k.grad(&g).unwrap(),
+        w.inner(),
+        0.0,
+        "straight-through gradient",
+    );
+
+    // d/dk of the commitment error sum is 2 (k - C_z); the codebook gets none.
+    let vq = quantizer.quantize(k.clone(), None);
+    let c_z = vq.k_hat.clone().detach(); // the value of k_hat is C_z
+    let g = vq.commitment.sum().backward();
+    assert_close(
+        k.grad(&g).unwrap(),
+        ((k.detach() - c_z.detach()) * 2.0).inner(),
+        1e-6,
+        "commitment gradient",
+    );
+    assert!(
+        quantizer.c_sum.val().grad(&g).is_none(),
+        "the codebook receives no gradient"
+    );
+}

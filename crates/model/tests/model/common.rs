@@ -1,0 +1,110 @@
+//! Helpers shared by the model tests, and the quadratic oracle.
+
+use burn::backend::flex::FlexDevice;
+use burn::prelude::*;
+use burn::tensor::Distribution;
+use burn::{Dispatch, DispatchDevice};
+use tvq_model::CacheGrad;
+
+pub type B = Dispatch;
+
+/// The CPU device without autodiff.
+pub fn cpu() -> DispatchDevice {
+    DispatchDevice::Flex(FlexDevice)
+}
+
+/// The CPU device with autodiff.
+pub fn cpu_ad() -> DispatchDevice {
+    DispatchDevice::autodiff(cpu())
+}
+
+pub fn randn<const D: usize>(shape: [usize; D], device: &DispatchDevice) -> Tensor<B, D> {
+    Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
+}
+
+pub fn to_vec<const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().to_vec().unwrap()
+}
+
+pub fn max_abs_diff<const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> f32 {
+    assert_eq!(a.dims(), b.dims(), "shapes differ");
+    to_vec(a)
+        .iter()
+        .zip(to_vec(b))
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+pub fn max_abs<const D: usize>(a: Tensor<B, D>) -> f32 {
+    to_vec(a).iter().fold(0.0f32, |m, x| m.max(x.abs()))
+}
+
+/// Asserts `|a - b| <= tol` elementwise, naming `what` on failure.
+pub fn assert_close<const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>, tol: f32, what: &str) {
+    let diff = max_abs_diff(a, b);
+    assert!(diff <= tol, "{what}: max |diff| = {diff:e} > {tol:e}");
+}
+
+/// The spec's attention, written as directly as possible: full `T x T`
+/// scores over the quantized keys, `bias(i - j)` for `0 <= i - j <= L`,
+/// causal softmax. Which key/value receives gradient follows `mode`: the
+/// present block always; the previous block unless `none`; older blocks'
+/// keys never (they are codewords, which carry no gradient) and their values
+/// only under `full`.
+///
+/// `bias` is `[B or 1, H, T or 1, L + 1]`, indexed by distance.
+pub fn oracle_attention(
+    q: Tensor<B, 4>,
+    bias: Tensor<B, 4>,
+    k_hat: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    block_len: usize,
+    mode: CacheGrad,
+) -> Tensor<B, 4> {
+    let [b, h, t, _] = q.dims();
+    let l = block_len;
+    let device = q.device();
+    let bool_tensor = |f: &dyn Fn(usize, usize) -> bool| {
+        let data: Vec<bool> = (0..t * t).map(|n| f(n / t, n % t)).collect();
+        Tensor::<B, 2, Bool>::from_data(TensorData::new(data, [t, t]), &device)
+            .reshape([1, 1, t, t])
+            .expand([b, h, t, t])
+    };
+    let block_gap = |i: usize, j: usize| i / l - j / l;
+    let key_flows = bool_tensor(&|i, j| {
+        j <= i && (block_gap(i, j) == 0 || (block_gap(i, j) == 1 && mode != CacheGrad::None))
+    });
+    let value_flows = bool_tensor(&|i, j| {
+        j <= i
+            && match block_gap(i, j) {
+                0 => true,
+                1 => mode != CacheGrad::None,
+                _ => mode == CacheGrad::Full,
+            }
+    });
+    let future = bool_tensor(&|i, j| j > i);
+
+    // Position term: pos[i, j] = sum_d bias[i, d] [i - j = d], d <= L.
+    let mut onehot = vec![0f32; t * t * (l + 1)];
+    for i in 0..t {
+        for j in 0..=i {
+            if i - j <= l {
+                onehot[(i * t + j) * (l + 1) + (i - j)] = 1.0;
+            }
+        }
+    }
+    let onehot =
+        Tensor::<B, 3>::from_data(TensorData::new(onehot, [t, t, l + 1]), &device).unsqueeze::<5>(); // [1, 1, T, T, L+1]
+    let pos = (bias.unsqueeze_dim::<5>(3) * onehot)
+        .sum_dim(4)
+        .squeeze_dim::<4>(4); // [B|1, H, T, T]
+
+    let scores_flow = q.clone().matmul(k_hat.clone().swap_dims(2, 3));
+    let scores_const = q.matmul(k_hat.detach().swap_dims(2, 3));
+    let scores = scores_const.mask_where(key_flows, scores_flow) + pos;
+    let p = burn::tensor::activation::softmax(scores.mask_fill(future, f32::NEG_INFINITY), 3);
+    let zeros = p.zeros_like();
+    let p_flow = zeros.clone().mask_where(value_flows.clone(), p.clone());
+    let p_const = p.mask_where(value_flows, zeros);
+    p_flow.matmul(v.clone()) + p_const.matmul(v.detach())
+}

@@ -1,0 +1,120 @@
+//! Device selection, and the wgpu backend against the CPU.
+
+use burn::module::Module;
+use burn::prelude::*;
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+use tvq_model::device::{DeviceError, DeviceSpec, cuda_device_count};
+use tvq_model::{RelativeBias, TransformerVqConfig};
+
+use crate::common::*;
+
+#[test]
+fn device_names_parse_and_bad_ones_are_errors() {
+    assert_eq!("cpu".parse(), Ok(DeviceSpec::Cpu));
+    assert_eq!("wgpu".parse(), Ok(DeviceSpec::Wgpu(None)));
+    assert_eq!("wgpu:1".parse(), Ok(DeviceSpec::Wgpu(Some(1))));
+    assert_eq!("cuda".parse(), Ok(DeviceSpec::Cuda(0)));
+    assert_eq!("cuda:2".parse(), Ok(DeviceSpec::Cuda(2)));
+    for bad in ["gpu", "cuda:x", "cpu:0", "", "cuda:"] {
+        assert_eq!(
+            bad.parse::<DeviceSpec>(),
+            Err(DeviceError::Unknown(bad.to_string())),
+            "{bad}"
+        );
+    }
+    assert_eq!(DeviceSpec::Cuda(3).to_string(), "cuda:3");
+}
+
+#[test]
+fn missing_cuda_is_an_error_not_a_panic() {
+    let n = cuda_device_count();
+    let beyond = DeviceSpec::Cuda(n).init();
+    match beyond {
+        Err(DeviceError::Unavailable { spec, reason }) => {
+            assert_eq!(spec, format!("cuda:{n}"));
+            assert!(!reason.is_empty());
+        }
+        other => panic!("cuda:{n} with {n} GPUs must be unavailable, got {other:?}"),
+    }
+    if n > 0 {
+        assert!(DeviceSpec::Cuda(0).init().is_ok());
+    }
+}
+
+/// The wgpu backend computes what the CPU computes. CI installs Mesa's
+/// software Vulkan driver so this runs everywhere; set `TVQ_SKIP_WGPU=1` to
+/// skip it deliberately on a machine without any Vulkan driver.
+#[test]
+fn wgpu_agrees_with_cpu() {
+    let spec = DeviceSpec::Wgpu(None);
+    let (wgpu, info) = match spec.init() {
+        Ok(found) => found,
+        Err(e) if std::env::var_os("TVQ_SKIP_WGPU").is_some() => {
+            eprintln!("SKIPPED wgpu_agrees_with_cpu (TVQ_SKIP_WGPU set): {e}");
+            return;
+        }
+        Err(e) => panic!(
+            "{e}; install a Vulkan driver (Debian: mesa-vulkan-drivers) or set TVQ_SKIP_WGPU=1"
+        ),
+    };
+    eprintln!("wgpu adapter: {info}");
+    let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+    for bias in [RelativeBias::Toeplitz, RelativeBias::Xl] {
+        let cfg = TransformerVqConfig::new(29)
+            .with_d_model(16)
+            .with_d_k(8)
+            .with_d_v(12)
+            .with_n_code(5)
+            .with_n_head(2)
+            .with_n_layer(1)
+            .with_block_len(4)
+            .with_bias(bias);
+        B::seed(&cpu(), 5);
+        let on_cpu = cfg.init::<B>(&cpu_ad()).unwrap();
+        let bytes = recorder.record(on_cpu.clone().into_record(), ()).unwrap();
+        let wgpu_ad = burn::DispatchDevice::autodiff(wgpu.clone());
+        let on_gpu = cfg
+            .init::<B>(&wgpu_ad)
+            .unwrap()
+            .load_record(recorder.load(bytes, &wgpu_ad).unwrap());
+
+        let data: Vec<i64> = (0..2 * 16).map(|i| (i * 7 % 29) as i64).collect();
+        let run = |m: &tvq_model::TransformerVq<B>, device: &burn::DispatchDevice| {
+            let tokens =
+                Tensor::<B, 2, Int>::from_data(TensorData::new(data.clone(), [2, 16]), device);
+            let out = m.forward(tokens, m.empty_state(), None).unwrap();
+            let loss = out.logits.clone().square().mean() + out.commitment.mean();
+            let grads = loss.backward();
+            let g = m.sublayers[0].kvg_proj.weight.grad(&grads).unwrap();
+            (
+                to_vec(out.logits.inner()),
+                to_vec(g),
+                out.codes[0]
+                    .clone()
+                    .into_data()
+                    .convert::<i64>()
+                    .to_vec::<i64>()
+                    .unwrap(),
+            )
+        };
+        let (l_cpu, g_cpu, z_cpu) = run(&on_cpu, &cpu_ad());
+        let (l_gpu, g_gpu, z_gpu) = run(&on_gpu, &wgpu_ad);
+        assert_eq!(z_cpu, z_gpu, "{bias:?}: codes");
+        let worst = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max)
+        };
+        assert!(
+            worst(&l_cpu, &l_gpu) <= 1e-4,
+            "{bias:?}: logits differ by {}",
+            worst(&l_cpu, &l_gpu)
+        );
+        assert!(
+            worst(&g_cpu, &g_gpu) <= 1e-4,
+            "{bias:?}: gradients differ by {}",
+            worst(&g_cpu, &g_gpu)
+        );
+    }
+}

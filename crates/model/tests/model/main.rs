@@ -1,0 +1,7 @@
+//! Tests of the model crate (one binary, so burn's generics compile once).
+
+mod attention;
+mod common;
+mod devices;
+mod network;
+mod parity;

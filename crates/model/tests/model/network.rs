@@ -1,0 +1,324 @@
+//! Whole-network properties: forms agree, causality, state, dropout, EMA.
+
+use burn::prelude::*;
+use tvq_model::{CacheGrad, ModelError, RelativeBias, TransformerVq, TransformerVqConfig};
+
+use crate::common::*;
+
+fn config(bias: RelativeBias) -> TransformerVqConfig {
+    TransformerVqConfig::new(37)
+        .with_d_model(16)
+        .with_d_k(8)
+        .with_d_v(12)
+        .with_n_code(6)
+        .with_n_head(2)
+        .with_n_layer(2)
+        .with_block_len(4)
+        .with_bias(bias)
+}
+
+fn model(cfg: &TransformerVqConfig, seed: u64, device: &burn::DispatchDevice) -> TransformerVq<B> {
+    B::seed(device, seed);
+    let m = cfg.init::<B>(device).unwrap();
+    randomize_biases(m, device)
+}
+
+/// Biases start at zero; give them values so the tests see them.
+fn randomize_biases(mut m: TransformerVq<B>, device: &burn::DispatchDevice) -> TransformerVq<B> {
+    use burn::module::Param;
+    for gau in m.sublayers.iter_mut() {
+        if let Some(t) = gau.bias.toeplitz.as_mut() {
+            *t = Param::from_tensor(randn(t.dims(), device));
+        }
+        if let Some(xl) = gau.bias.xl.as_mut() {
+            xl.u = Param::from_tensor(randn(xl.u.dims(), device));
+            xl.w = Param::from_tensor(randn(xl.w.dims(), device));
+        }
+    }
+    m
+}
+
+fn random_tokens(b: usize, t: usize, vocab: usize, seed: u64) -> Vec<i64> {
+    // A small LCG keeps the data independent of the backend's RNG.
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..b * t)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 33) % vocab as u64) as i64
+        })
+        .collect()
+}
+
+fn tokens(data: &[i64], b: usize, device: &burn::DispatchDevice) -> Tensor<B, 2, Int> {
+    Tensor::from_data(TensorData::new(data.to_vec(), [b, data.len() / b]), device)
+}
+
+#[test]
+fn recurrent_network_matches_block_network() {
+    let device = cpu();
+    for bias in [RelativeBias::Toeplitz, RelativeBias::Xl] {
+        let cfg = config(bias);
+        let m = model(&cfg, 1, &device);
+        let (b, t) = (2, 20);
+        let data = random_tokens(b, t, cfg.vocab_size, 7);
+        let block = m
+            .forward(tokens(&data, b, &device), m.empty_state(), None)
+            .unwrap()
+            .logits;
+        let mut state = m.empty_state();
+        let mut steps = vec![];
+        for i in 0..t {
+            let col: Vec<i64> = (0..b).map(|r| data[r * t + i]).collect();
+            let (logits, s) = m.step(tokens(&col, b, &device), state).unwrap();
+            steps.push(logits);
+            state = s;
+        }
+        assert_eq!(state.pos(), t);
+        assert_close(
+            Tensor::cat(steps, 1),
+            block,
+            1e-5,
+            &format!("{bias:?}: token by token vs block"),
+        );
+    }
+}
+
+#[test]
+fn two_segments_with_carried_state_equal_one_segment() {
+    let device = cpu();
+    for bias in [RelativeBias::Toeplitz, RelativeBias::Xl] {
+        let cfg = config(bias);
+        let m = model(&cfg, 2, &device);
+        let (b, t) = (3, 24);
+        let data = random_tokens(b, t, cfg.vocab_size, 8);
+        let whole = m
+            .forward(tokens(&data, b, &device), m.empty_state(), None)
+            .unwrap();
+        let half = |r: std::ops::Range<usize>| -> Vec<i64> {
+            (0..b)
+                .flat_map(|row| data[row * t + r.start..row * t + r.end].to_vec())
+                .collect()
+        };
+        let first = m
+            .forward(tokens(&half(0..12), b, &device), m.empty_state(), None)
+            .unwrap();
+        let second = m
+            .forward(tokens(&half(12..24), b, &device), first.state, None)
+            .unwrap();
+        assert_close(
+            Tensor::cat(vec![first.logits, second.logits], 1),
+            whole.logits,
+            1e-5,
+            &format!("{bias:?}"),
+        );
+        assert_eq!(second.state.pos(), t);
+    }
+}
+
+#[test]
+fn changing_a_token_changes_no_earlier_output() {
+    let device = cpu();
+    let cfg = config(RelativeBias::Xl);
+    let m = model(&cfg, 3, &device);
+    let (b, t) = (2, 16);
+    let data = random_tokens(b, t, cfg.vocab_size, 9);
+    let base = m
+        .forward(tokens(&data, b, &device), m.empty_state(), None)
+        .unwrap()
+        .logits;
+    for pos in [0, 3, 4, 9, 15] {
+        let mut changed = data.clone();
+        for row in 0..b {
+            changed[row * t + pos] = (changed[row * t + pos] + 1) % cfg.vocab_size as i64;
+        }
+        let out = m
+            .forward(tokens(&changed, b, &device), m.empty_state(), None)
+            .unwrap()
+            .logits;
+        let v = cfg.vocab_size;
+        let before = |x: Tensor<B, 3>| x.slice([0..b, 0..pos.max(1), 0..v]);
+        if pos > 0 {
+            assert_eq!(
+                max_abs_diff(before(out.clone()), before(base.clone())),
+                0.0,
+                "output before {pos} changed"
+            );
+        }
+        let from = |x: Tensor<B, 3>| x.slice([0..b, pos..t, 0..v]);
+        assert!(
+            max_abs_diff(from(out), from(base.clone())) > 0.0,
+            "output from {pos} on must change"
+        );
+    }
+}
+
+#[test]
+fn dropout_is_off_in_evaluation_and_on_in_training() {
+    let device = cpu_ad();
+    let cfg = config(RelativeBias::Xl);
+    let drop_cfg = cfg
+        .clone()
+        .with_dropout_residual(0.3)
+        .with_dropout_layer(0.3)
+        .with_dropout_sinusoid(0.3);
+    let plain = model(&cfg, 4, &device);
+    let dropped = model(&drop_cfg, 4, &device);
+    let data = random_tokens(2, 8, cfg.vocab_size, 10);
+    let eval = |m: &TransformerVq<B>| {
+        let m = burn::module::AutodiffModule::valid(m);
+        m.forward(tokens(&data, 2, &cpu()), m.empty_state(), None)
+            .unwrap()
+            .logits
+    };
+    assert_eq!(
+        max_abs_diff(eval(&plain), eval(&dropped)),
+        0.0,
+        "dropout must not act in evaluation"
+    );
+    let train = |m: &TransformerVq<B>| {
+        m.forward(tokens(&data, 2, &device), m.empty_state(), None)
+            .unwrap()
+            .logits
+            .inner()
+    };
+    assert!(
+        max_abs_diff(train(&plain), eval(&plain)) <= 1e-6,
+        "p = 0 trains like it evaluates"
+    );
+    assert!(
+        max_abs_diff(train(&dropped), eval(&dropped)) > 1e-3,
+        "dropout must act in training"
+    );
+}
+
+#[test]
+fn state_and_segment_errors_are_reported_not_panicked() {
+    let device = cpu();
+    let cfg = config(RelativeBias::Toeplitz);
+    let m = model(&cfg, 5, &device);
+    let data = random_tokens(1, 6, cfg.vocab_size, 11);
+    let err = m
+        .forward(tokens(&data, 1, &device), m.empty_state(), None)
+        .unwrap_err();
+    assert_eq!(
+        err,
+        ModelError::SegmentNotBlockAligned {
+            len: 6,
+            block_len: 4
+        }
+    );
+    let (_, state) = m
+        .step(tokens(&data[..1], 1, &device), m.empty_state())
+        .unwrap();
+    let err = m
+        .forward(tokens(&data[..4], 1, &device), state, None)
+        .unwrap_err();
+    assert_eq!(
+        err,
+        ModelError::StateNotBlockAligned {
+            pos: 1,
+            block_len: 4
+        }
+    );
+    let err = m
+        .forward(
+            tokens(&data[..4], 1, &device),
+            tvq_model::ModelState::new(1),
+            None,
+        )
+        .unwrap_err();
+    assert!(matches!(err, ModelError::StateMismatch(_)));
+    // A state from a batch of 1 cannot continue a batch of 2.
+    let first = m
+        .forward(tokens(&data[..4], 1, &device), m.empty_state(), None)
+        .unwrap();
+    let two = random_tokens(2, 4, cfg.vocab_size, 12);
+    assert!(matches!(
+        m.forward(tokens(&two, 2, &device), first.state, None),
+        Err(ModelError::StateMismatch(_))
+    ));
+}
+
+#[test]
+fn config_validation_names_the_key() {
+    let bad = [
+        (config(RelativeBias::Toeplitz).with_n_code(1), "n_code"),
+        (config(RelativeBias::Toeplitz).with_d_model(15), "d_model"),
+        (
+            config(RelativeBias::Toeplitz).with_block_len(0),
+            "block_len",
+        ),
+        (
+            config(RelativeBias::Toeplitz).with_dropout_layer(1.0),
+            "dropout_layer",
+        ),
+        (
+            config(RelativeBias::Toeplitz).with_logit_scale(0.0),
+            "logit_scale",
+        ),
+    ];
+    for (cfg, key) in bad {
+        let err = cfg.init::<B>(&cpu()).expect_err("invalid config accepted");
+        assert_eq!(err.key, key);
+        assert!(err.to_string().contains(key));
+    }
+}
+
+#[test]
+fn codebooks_are_not_trained_by_the_loss_and_move_by_ema() {
+    let device = cpu_ad();
+    let cfg = config(RelativeBias::Toeplitz).with_cache_grad(CacheGrad::Full);
+    let m = model(&cfg, 6, &device);
+    let data = random_tokens(2, 8, cfg.vocab_size, 13);
+    let out = m
+        .forward(tokens(&data, 2, &device), m.empty_state(), None)
+        .unwrap();
+    let grads = burn::optim::GradientsParams::from_grads(out.logits.sum().backward(), &m);
+    for gau in &m.sublayers {
+        assert!(grads.get::<B, 3>(gau.quantizer.c_sum.id).is_none());
+        assert!(grads.get::<B, 2>(gau.quantizer.c_count.id).is_none());
+    }
+    // EMA: with gamma = 0 the codebook becomes the mean of its assigned keys.
+    let stats = out.stats.clone();
+    let ids: Vec<_> = m.sublayers.iter().map(|g| g.quantizer.c_sum.id).collect();
+    let updated = m.update_codebooks(&stats, 0.0);
+    for ((gau, s), id) in updated.sublayers.iter().zip(&stats).zip(ids) {
+        assert_eq!(
+            gau.quantizer.c_sum.id, id,
+            "parameter ids survive the update"
+        );
+        assert_close(gau.quantizer.c_count.val(), s.counts.clone(), 0.0, "counts");
+        assert_close(gau.quantizer.c_sum.val(), s.sums.clone(), 0.0, "sums");
+        let total: f32 = s.counts.clone().sum().into_scalar().elem();
+        assert_eq!(
+            total,
+            2.0 * 8.0 * cfg.n_head as f32,
+            "every token counted once per head"
+        );
+        let metrics = s.metrics();
+        assert!(metrics.usage > 0.0 && metrics.usage <= 1.0);
+        assert!(metrics.perplexity >= 1.0 && metrics.perplexity <= cfg.n_code as f64 + 1e-9);
+        assert!(metrics.relative_error > 0.0 && metrics.relative_error < 2.0);
+    }
+}
+
+#[test]
+fn padding_is_left_out_of_codebook_statistics() {
+    let device = cpu();
+    let cfg = config(RelativeBias::Toeplitz);
+    let m = model(&cfg, 7, &device);
+    let data = random_tokens(2, 8, cfg.vocab_size, 14);
+    let valid: Vec<bool> = (0..16).map(|i| i % 8 < 5).collect();
+    let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(valid, [2, 8]), &device);
+    let out = m
+        .forward(tokens(&data, 2, &device), m.empty_state(), Some(valid))
+        .unwrap();
+    for s in &out.stats {
+        let total: f32 = s.counts.clone().sum().into_scalar().elem();
+        assert_eq!(total, 2.0 * 5.0 * cfg.n_head as f32);
+    }
+}
