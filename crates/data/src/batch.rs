@@ -1,0 +1,270 @@
+//! Batches for stateful training and for evaluation.
+//!
+//! Training: the split is cut into sequences of `sequence_len` tokens (from a
+//! per-epoch offset drawn from the seed), the sequences into `batch`
+//! contiguous runs, one per batch row. Each step hands every row the next
+//! segment of `update_len` tokens of its run, so a row walks contiguously
+//! through the text and the model state can be carried from one segment to
+//! the next; [`Batch::reset`] says when it must start afresh. Targets are
+//! the tokens themselves, inputs the token before each (end-of-document at a
+//! reset).
+//!
+//! Evaluation: the split is cut into `batch` contiguous regions; each row
+//! walks its region segment by segment, so every token is a target exactly
+//! once, in order; the rows' tails are padded and masked.
+
+use serde::{Deserialize, Serialize};
+
+use crate::corpus::TokenSplit;
+use crate::error::DataError;
+use crate::vocab::{EOS, PAD};
+
+/// `batch` rows of `len` tokens, row-major.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Batch {
+    /// Rows.
+    pub batch: usize,
+    /// Tokens per row.
+    pub len: usize,
+    /// Model inputs, `[batch * len]`.
+    pub inputs: Vec<u32>,
+    /// Targets (the next token of each input), `[batch * len]`; `PAD` where invalid.
+    pub targets: Vec<u32>,
+    /// Which positions are real tokens, `[batch * len]`.
+    pub valid: Vec<bool>,
+    /// Reset the model state (all rows) before this batch.
+    pub reset: bool,
+}
+
+/// How training batches are laid out.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrainLayout {
+    /// Rows (parallel streams) per batch.
+    pub batch: usize,
+    /// Tokens per row per step (one segment).
+    pub update_len: usize,
+    /// Tokens per sequence, a multiple of `update_len`; the state resets between sequences.
+    pub sequence_len: usize,
+    /// Seed of the per-epoch offsets.
+    pub seed: u64,
+    /// Reset the state at every new sequence (the official layout); when
+    /// false the state resets only at the start of an epoch.
+    pub reset_each_sequence: bool,
+}
+
+/// Position of a [`TrainBatches`] iterator; restoring it continues with
+/// exactly the batches that would have come next.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrainCursor {
+    /// Completed epochs.
+    pub epoch: u64,
+    /// Batches handed out in this epoch.
+    pub step: u64,
+}
+
+/// An endless, deterministic stream of training batches.
+#[derive(Clone, Debug)]
+pub struct TrainBatches {
+    split: TokenSplit,
+    layout: TrainLayout,
+    cursor: TrainCursor,
+    /// Sequences per row and epoch.
+    seqs_per_row: usize,
+}
+
+/// SplitMix64: a fixed, portable mixing function for the epoch offsets.
+fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+impl TrainBatches {
+    /// Batches over `split` laid out as `layout`, starting at `cursor`.
+    pub fn new(
+        split: TokenSplit,
+        layout: TrainLayout,
+        cursor: TrainCursor,
+    ) -> Result<Self, DataError> {
+        let TrainLayout {
+            batch,
+            update_len,
+            sequence_len,
+            ..
+        } = layout;
+        if batch == 0 || update_len == 0 {
+            return Err(DataError::Layout(
+                "batch and update_len must be at least 1".into(),
+            ));
+        }
+        if sequence_len == 0 || !sequence_len.is_multiple_of(update_len) {
+            return Err(DataError::Layout(format!(
+                "sequence_len ({sequence_len}) must be a positive multiple of update_len ({update_len})"
+            )));
+        }
+        let needed = batch * sequence_len;
+        if split.len() < needed {
+            return Err(DataError::SplitTooSmall {
+                split: split.split.to_string(),
+                tokens: split.len(),
+                needed,
+                what: format!("{batch} rows of one {sequence_len}-token sequence"),
+            });
+        }
+        // The largest offset still leaves every row one whole sequence.
+        let seqs_per_row = (split.len() - (sequence_len - 1).min(split.len() - needed)) / needed;
+        Ok(Self {
+            split,
+            layout,
+            cursor,
+            seqs_per_row,
+        })
+    }
+
+    /// Where the iterator stands.
+    pub fn cursor(&self) -> TrainCursor {
+        self.cursor
+    }
+
+    /// Batches per epoch.
+    pub fn steps_per_epoch(&self) -> u64 {
+        (self.seqs_per_row * self.layout.sequence_len / self.layout.update_len) as u64
+    }
+
+    /// Where this epoch's first sequence starts: a seeded draw in
+    /// `[0, min(sequence_len, slack + 1))`, so sequence boundaries move between epochs.
+    fn epoch_offset(&self, epoch: u64) -> usize {
+        let l = &self.layout;
+        let slack = self.split.len() - self.seqs_per_row * l.batch * l.sequence_len;
+        let range = (l.sequence_len.min(slack + 1)) as u64;
+        (splitmix64(l.seed ^ splitmix64(epoch)) % range) as usize
+    }
+
+    /// The batch at `cursor` (without advancing).
+    pub fn batch_at(&self, cursor: TrainCursor) -> Batch {
+        let l = &self.layout;
+        let segs_per_seq = l.sequence_len / l.update_len;
+        let seq = cursor.step as usize / segs_per_seq; // sequence index within each row
+        let seg = cursor.step as usize % segs_per_seq;
+        let reset = seg == 0 && (l.reset_each_sequence || seq == 0);
+        let offset = self.epoch_offset(cursor.epoch);
+        let n = l.batch * l.update_len;
+        let (mut inputs, mut targets) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for row in 0..l.batch {
+            let start =
+                offset + (row * self.seqs_per_row + seq) * l.sequence_len + seg * l.update_len;
+            for p in start..start + l.update_len {
+                let first = p == start;
+                inputs.push(if (first && reset) || p == 0 {
+                    EOS
+                } else {
+                    self.split.get(p - 1)
+                });
+                targets.push(self.split.get(p));
+            }
+        }
+        Batch {
+            batch: l.batch,
+            len: l.update_len,
+            inputs,
+            targets,
+            valid: vec![true; n],
+            reset,
+        }
+    }
+}
+
+impl Iterator for TrainBatches {
+    type Item = Batch;
+
+    fn next(&mut self) -> Option<Batch> {
+        let batch = self.batch_at(self.cursor);
+        self.cursor.step += 1;
+        if self.cursor.step == self.steps_per_epoch() {
+            self.cursor = TrainCursor {
+                epoch: self.cursor.epoch + 1,
+                step: 0,
+            };
+        }
+        Some(batch)
+    }
+}
+
+/// Every token of a split exactly once, in order, in `batch` parallel rows.
+#[derive(Clone, Debug)]
+pub struct EvalBatches {
+    split: TokenSplit,
+    batch: usize,
+    update_len: usize,
+    region: usize,
+    next: usize,
+}
+
+impl EvalBatches {
+    /// Evaluation batches of `batch` rows and `update_len` tokens.
+    pub fn new(split: TokenSplit, batch: usize, update_len: usize) -> Result<Self, DataError> {
+        if batch == 0 || update_len == 0 {
+            return Err(DataError::Layout(
+                "batch and update_len must be at least 1".into(),
+            ));
+        }
+        let region = split.len().div_ceil(batch);
+        Ok(Self {
+            split,
+            batch,
+            update_len,
+            region,
+            next: 0,
+        })
+    }
+
+    /// Number of batches.
+    pub fn num_batches(&self) -> usize {
+        self.region.div_ceil(self.update_len)
+    }
+
+    /// Tokens that will be targets (the whole split).
+    pub fn num_tokens(&self) -> usize {
+        self.split.len()
+    }
+}
+
+impl Iterator for EvalBatches {
+    type Item = Batch;
+
+    fn next(&mut self) -> Option<Batch> {
+        if self.next >= self.num_batches() {
+            return None;
+        }
+        let (b, t) = (self.batch, self.update_len);
+        let mut batch = Batch {
+            batch: b,
+            len: t,
+            inputs: Vec::with_capacity(b * t),
+            targets: Vec::with_capacity(b * t),
+            valid: Vec::with_capacity(b * t),
+            reset: self.next == 0,
+        };
+        for row in 0..b {
+            let start = row * self.region;
+            let end = ((row + 1) * self.region).min(self.split.len());
+            for i in self.next * t..(self.next + 1) * t {
+                let p = start + i;
+                if p < end {
+                    batch
+                        .inputs
+                        .push(if i == 0 { EOS } else { self.split.get(p - 1) });
+                    batch.targets.push(self.split.get(p));
+                    batch.valid.push(true);
+                } else {
+                    batch.inputs.push(PAD);
+                    batch.targets.push(PAD);
+                    batch.valid.push(false);
+                }
+            }
+        }
+        self.next += 1;
+        Some(batch)
+    }
+}

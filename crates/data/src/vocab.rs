@@ -1,0 +1,152 @@
+//! Vocabularies: raw bytes (the official code's `bytes + 3` convention) or a
+//! `tokenizers` tokenizer.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use tokenizers::Tokenizer;
+
+use crate::error::DataError;
+
+/// Padding: the target of positions past the end of a split; never predicted.
+pub const PAD: u32 = 0;
+/// End of document; also the input before the first token of a stream.
+pub const EOS: u32 = 1;
+/// Unknown (unused by byte-level text).
+pub const UNK: u32 = 2;
+/// Number of special tokens before the bytes.
+pub const N_SPECIAL: u32 = 3;
+/// Vocabulary size of byte-level text.
+pub const BYTE_VOCAB_SIZE: usize = 256 + N_SPECIAL as usize;
+/// Names tried, in order, for a tokenizer's end-of-document token.
+pub const EOS_NAMES: [&str; 4] = ["<eod>", "</s>", "<|endoftext|>", "<eos>"];
+
+/// Token of a byte.
+pub fn byte_token(b: u8) -> u32 {
+    b as u32 + N_SPECIAL
+}
+
+/// Byte of a token, or `None` for a special token.
+pub fn token_byte(t: u32) -> Option<u8> {
+    t.checked_sub(N_SPECIAL).and_then(|b| u8::try_from(b).ok())
+}
+
+/// How text becomes tokens and back.
+#[derive(Clone)]
+pub enum Vocab {
+    /// Byte `b` is token `b + 3`; 0, 1, 2 are padding, end of document, unknown.
+    Bytes,
+    /// A `tokenizers` tokenizer loaded from a `tokenizer.json`.
+    Tokenizer {
+        /// The tokenizer.
+        tokenizer: Arc<Tokenizer>,
+        /// Its end-of-document token.
+        eos: u32,
+        /// Where it was loaded from.
+        path: PathBuf,
+        /// FNV-1a hash of the file, part of every cache key.
+        hash: u64,
+    },
+}
+
+impl std::fmt::Debug for Vocab {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Vocab::Bytes => write!(f, "Vocab::Bytes"),
+            Vocab::Tokenizer { path, eos, .. } => {
+                write!(f, "Vocab::Tokenizer({}, eos {eos})", path.display())
+            }
+        }
+    }
+}
+
+/// FNV-1a, 64 bit: a stable content hash for cache keys.
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+impl Vocab {
+    /// Loads a `tokenizer.json`; it must define an end-of-document token
+    /// (one of [`EOS_NAMES`]).
+    pub fn load_tokenizer(path: &Path) -> Result<Self, DataError> {
+        let bytes = std::fs::read(path).map_err(|e| DataError::io(path, e))?;
+        let tokenizer = Tokenizer::from_bytes(&bytes).map_err(|e| DataError::BadTokenizer {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        let eos = EOS_NAMES
+            .iter()
+            .find_map(|n| tokenizer.token_to_id(n))
+            .ok_or_else(|| DataError::BadTokenizer {
+                path: path.to_path_buf(),
+                reason: format!("it has no end-of-document token (one of {EOS_NAMES:?})"),
+            })?;
+        Ok(Vocab::Tokenizer {
+            tokenizer: Arc::new(tokenizer),
+            eos,
+            path: path.to_path_buf(),
+            hash: fnv1a(&bytes),
+        })
+    }
+
+    /// Number of token ids.
+    pub fn size(&self) -> usize {
+        match self {
+            Vocab::Bytes => BYTE_VOCAB_SIZE,
+            Vocab::Tokenizer { tokenizer, .. } => tokenizer.get_vocab_size(true),
+        }
+    }
+
+    /// End-of-document token (also the prompt at the start of a stream).
+    pub fn eos(&self) -> u32 {
+        match self {
+            Vocab::Bytes => EOS,
+            Vocab::Tokenizer { eos, .. } => *eos,
+        }
+    }
+
+    /// A short identity for cache keys and configs.
+    pub fn id(&self) -> String {
+        match self {
+            Vocab::Bytes => "bytes+3".to_string(),
+            Vocab::Tokenizer { hash, .. } => format!("tokenizer-{hash:016x}"),
+        }
+    }
+
+    /// Tokens of a text (no end-of-document token added).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, DataError> {
+        match self {
+            Vocab::Bytes => Ok(text.bytes().map(byte_token).collect()),
+            Vocab::Tokenizer {
+                tokenizer, path, ..
+            } => tokenizer
+                .encode(text, false)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| DataError::BadTokenizer {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                }),
+        }
+    }
+
+    /// Text of tokens. Byte-level: specials are dropped and invalid UTF-8
+    /// becomes U+FFFD.
+    pub fn decode(&self, tokens: &[u32]) -> Result<String, DataError> {
+        match self {
+            Vocab::Bytes => {
+                let bytes: Vec<u8> = tokens.iter().filter_map(|&t| token_byte(t)).collect();
+                Ok(String::from_utf8_lossy(&bytes).into_owned())
+            }
+            Vocab::Tokenizer {
+                tokenizer, path, ..
+            } => tokenizer
+                .decode(tokens, false)
+                .map_err(|e| DataError::BadTokenizer {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                }),
+        }
+    }
+}

@@ -1,0 +1,375 @@
+//! Corpora, splits, caches and batch order.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use tvq_data::vocab::{EOS, PAD, byte_token};
+use tvq_data::{
+    Corpus, CorpusKind, CorpusSpec, DataError, EvalBatches, Split, TrainBatches, TrainCursor,
+    TrainLayout,
+};
+
+fn spec(kind: CorpusKind, path: &Path) -> CorpusSpec {
+    CorpusSpec {
+        kind,
+        path: path.to_path_buf(),
+        tokenizer: None,
+        allow_proportional_split: false,
+        cache_dir: None,
+    }
+}
+
+fn pattern(i: usize) -> u8 {
+    ((i * 7 + i / 1000 + i / 999_983) % 256) as u8
+}
+
+fn write_enwik8_like(dir: &Path) -> PathBuf {
+    let path = dir.join("enwik8");
+    let mut f = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
+    let chunk: Vec<u8> = (0..100_000_000).map(pattern).collect();
+    f.write_all(&chunk).unwrap();
+    path
+}
+
+fn check_enwik8_splits(corpus: &Corpus) {
+    assert_eq!(
+        Split::ALL
+            .iter()
+            .map(|&s| corpus.split(s).len())
+            .sum::<usize>(),
+        100_000_000
+    );
+    for (split, start, len) in [
+        (Split::Train, 0, 90_000_000),
+        (Split::Validation, 90_000_000, 5_000_000),
+        (Split::Test, 95_000_000, 5_000_000),
+    ] {
+        let s = corpus.split(split);
+        assert_eq!(s.len(), len, "{split}");
+        for i in [0, 1, len / 2, len - 1] {
+            assert_eq!(
+                s.get(i),
+                byte_token(pattern(start + i)),
+                "{split} token {i}"
+            );
+        }
+    }
+}
+
+#[test]
+fn enwik8_raw_and_zip_split_at_exact_boundaries() {
+    let dir = tempfile::tempdir().unwrap();
+    let raw = write_enwik8_like(dir.path());
+    check_enwik8_splits(&Corpus::open(&spec(CorpusKind::Enwik8, &raw)).unwrap());
+
+    let zip_path = dir.path().join("enwik8.zip");
+    {
+        let mut zip = zip::ZipWriter::new(std::fs::File::create(&zip_path).unwrap());
+        let options = zip::write::SimpleFileOptions::default()
+            .compression_method(zip::CompressionMethod::Deflated)
+            .compression_level(Some(1));
+        zip.start_file("enwik8", options).unwrap();
+        zip.write_all(&std::fs::read(&raw).unwrap()).unwrap();
+        zip.finish().unwrap();
+    }
+    std::fs::remove_file(&raw).unwrap();
+    let from_zip = Corpus::open(&spec(CorpusKind::Enwik8, &zip_path)).unwrap();
+    check_enwik8_splits(&from_zip);
+    // The extracted bytes are cached beside the zip and reused.
+    let cache = dir.path().join("enwik8.zip.bytes.tvq-cache");
+    let written = std::fs::metadata(&cache).unwrap().modified().unwrap();
+    check_enwik8_splits(&Corpus::open(&spec(CorpusKind::Enwik8, &zip_path)).unwrap());
+    assert_eq!(
+        std::fs::metadata(&cache).unwrap().modified().unwrap(),
+        written,
+        "cache rebuilt needlessly"
+    );
+}
+
+#[test]
+fn bad_inputs_are_errors_that_name_the_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope.txt");
+    let err = Corpus::open(&spec(CorpusKind::Text, &missing)).unwrap_err();
+    assert!(
+        matches!(err, DataError::Io { .. }) && err.to_string().contains("nope.txt"),
+        "{err}"
+    );
+
+    let empty = dir.path().join("empty.txt");
+    std::fs::write(&empty, b"").unwrap();
+    let err = Corpus::open(&spec(CorpusKind::Text, &empty)).unwrap_err();
+    assert!(
+        matches!(err, DataError::Empty { .. }) && err.to_string().contains("empty.txt"),
+        "{err}"
+    );
+
+    let small = dir.path().join("enwik8");
+    std::fs::write(&small, b"not the real enwik8").unwrap();
+    let err = Corpus::open(&spec(CorpusKind::Enwik8, &small)).unwrap_err();
+    assert!(matches!(err, DataError::NotEnwik8 { len: 19, .. }), "{err}");
+    let mut allowed = spec(CorpusKind::Enwik8, &small);
+    allowed.allow_proportional_split = true;
+    let c = Corpus::open(&allowed).unwrap();
+    assert_eq!(
+        c.split(Split::Train).len() + c.split(Split::Validation).len() + c.split(Split::Test).len(),
+        19
+    );
+
+    // A zip cut short.
+    let zip_path = dir.path().join("enwik8.zip");
+    {
+        let mut zip = zip::ZipWriter::new(std::fs::File::create(&zip_path).unwrap());
+        zip.start_file("enwik8", zip::write::SimpleFileOptions::default())
+            .unwrap();
+        zip.write_all(&vec![b'x'; 10_000]).unwrap();
+        zip.finish().unwrap();
+    }
+    let bytes = std::fs::read(&zip_path).unwrap();
+    std::fs::write(&zip_path, &bytes[..bytes.len() / 2]).unwrap();
+    let err = Corpus::open(&spec(CorpusKind::Enwik8, &zip_path)).unwrap_err();
+    assert!(
+        matches!(err, DataError::BadZip { .. }) && err.to_string().contains("enwik8.zip"),
+        "{err}"
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("tvq-cache") || n.contains("tmp"))
+        .collect();
+    assert!(
+        leftovers.is_empty(),
+        "nothing left behind by a failed extraction: {leftovers:?}"
+    );
+
+    let no_txt = dir.path().join("books");
+    std::fs::create_dir(&no_txt).unwrap();
+    std::fs::write(no_txt.join("readme.md"), b"hi").unwrap();
+    let err = Corpus::open(&spec(CorpusKind::Text, &no_txt)).unwrap_err();
+    assert!(matches!(err, DataError::NoTextFiles { .. }), "{err}");
+}
+
+/// All tokens of a corpus, split after split.
+fn all_tokens(c: &Corpus) -> Vec<u32> {
+    Split::ALL
+        .iter()
+        .flat_map(|&s| {
+            let s = c.split(s);
+            (0..s.len()).map(move |i| s.get(i))
+        })
+        .collect()
+}
+
+#[test]
+fn text_directory_cache_is_rebuilt_when_the_corpus_changes() {
+    let dir = tempfile::tempdir().unwrap();
+    let books = dir.path().join("books");
+    std::fs::create_dir_all(books.join("more")).unwrap();
+    let a: String = "the first book. ".repeat(50);
+    let b: String = "and the second one! ".repeat(30);
+    std::fs::write(books.join("a.txt"), &a).unwrap();
+    std::fs::write(books.join("more/b.txt"), &b).unwrap();
+    std::fs::write(books.join("notes.md"), "not a book").unwrap();
+    let c = Corpus::open(&spec(CorpusKind::Text, &books)).unwrap();
+    let text = |c: &Corpus| c.vocab.decode(&all_tokens(c)).unwrap();
+    assert_eq!(
+        text(&c),
+        format!("{a}{b}"),
+        "every byte of every .txt once, in name order"
+    );
+    let stats: Vec<_> = Split::ALL.iter().map(|&s| c.split(s).stats).collect();
+    assert_eq!(
+        stats.iter().map(|s| s.bytes).sum::<u64>(),
+        (a.len() + b.len()) as u64
+    );
+    assert_eq!(
+        stats[0].bytes,
+        ((a.len() + b.len()) * 9 / 10) as u64,
+        "90% of the bytes train"
+    );
+    // A word cut by a split boundary counts once on each side.
+    let words = stats.iter().map(|s| s.words.unwrap()).sum::<u64>();
+    assert!(
+        (50 * 3 + 30 * 4..=50 * 3 + 30 * 4 + 2).contains(&words),
+        "{words} words"
+    );
+
+    std::fs::write(books.join("more/b.txt"), "changed").unwrap();
+    let c = Corpus::open(&spec(CorpusKind::Text, &books)).unwrap();
+    assert_eq!(text(&c), format!("{a}changed"), "stale cache used");
+
+    // A damaged cache is reported, not silently used.
+    std::fs::write(dir.path().join("books.train.tvq-cache"), b"garbage").unwrap();
+    let err = Corpus::open(&spec(CorpusKind::Text, &books)).unwrap_err();
+    assert!(
+        matches!(err, DataError::BadCache { .. }) && err.to_string().contains("delete it"),
+        "{err}"
+    );
+}
+
+fn text_corpus(dir: &Path, len: usize) -> Corpus {
+    let path = dir.join("text.txt");
+    std::fs::write(&path, (0..len).map(pattern).collect::<Vec<u8>>()).unwrap();
+    Corpus::open(&spec(CorpusKind::Text, &path)).unwrap()
+}
+
+#[test]
+fn evaluation_delivers_every_token_once_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = text_corpus(dir.path(), 10_000);
+    for (batch, update_len) in [(1, 16), (3, 7), (4, 64), (7, 1000)] {
+        let split = corpus.split(Split::Validation);
+        let n = split.len();
+        let batches: Vec<_> = EvalBatches::new(split.clone(), batch, update_len)
+            .unwrap()
+            .collect();
+        // Rows are contiguous regions: read them back row by row.
+        let mut rows = vec![vec![]; batch];
+        for (k, b) in batches.iter().enumerate() {
+            assert_eq!(b.reset, k == 0);
+            for (row, read) in rows.iter_mut().enumerate() {
+                for i in 0..update_len {
+                    let at = row * update_len + i;
+                    if b.valid[at] {
+                        read.push((b.inputs[at], b.targets[at]));
+                    } else {
+                        assert_eq!(b.targets[at], PAD);
+                    }
+                }
+            }
+        }
+        let targets: Vec<u32> = rows.iter().flatten().map(|&(_, t)| t).collect();
+        let want: Vec<u32> = (0..n).map(|i| split.get(i)).collect();
+        assert_eq!(targets, want, "batch {batch}, update_len {update_len}");
+        for row in rows.iter().filter(|r| !r.is_empty()) {
+            assert_eq!(
+                row[0].0, EOS,
+                "a row starts from the end-of-document prompt"
+            );
+            for w in row.windows(2) {
+                assert_eq!(w[1].0, w[0].1, "input is the previous target");
+            }
+        }
+    }
+}
+
+fn layout(seed: u64, reset_each_sequence: bool) -> TrainLayout {
+    TrainLayout {
+        batch: 3,
+        update_len: 8,
+        sequence_len: 32,
+        seed,
+        reset_each_sequence,
+    }
+}
+
+#[test]
+fn training_order_is_seeded_contiguous_and_resumable() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = text_corpus(dir.path(), 2_000);
+    let train = corpus.split(Split::Train);
+    let mut it = TrainBatches::new(train.clone(), layout(7, true), TrainCursor::default()).unwrap();
+    let per_epoch = it.steps_per_epoch() as usize;
+    assert!(per_epoch > 4);
+    let first: Vec<_> = it.by_ref().take(2 * per_epoch + 3).collect();
+
+    // Same seed, same batches; another seed moves the epoch offsets.
+    let again: Vec<_> = TrainBatches::new(train.clone(), layout(7, true), TrainCursor::default())
+        .unwrap()
+        .take(first.len())
+        .collect();
+    assert_eq!(first, again);
+    let other: Vec<_> = TrainBatches::new(train.clone(), layout(8, true), TrainCursor::default())
+        .unwrap()
+        .take(first.len())
+        .collect();
+    assert_ne!(
+        other[..first.len()],
+        first[..],
+        "the seed must move the epoch offsets"
+    );
+
+    // Resume from a serialized cursor at every point: identical continuation.
+    let mut walker =
+        TrainBatches::new(train.clone(), layout(7, true), TrainCursor::default()).unwrap();
+    for k in 0..first.len() - 2 {
+        let json = serde_json::to_string(&walker.cursor()).unwrap();
+        let cursor: TrainCursor = serde_json::from_str(&json).unwrap();
+        let resumed: Vec<_> = TrainBatches::new(train.clone(), layout(7, true), cursor)
+            .unwrap()
+            .take(2)
+            .collect();
+        assert_eq!(resumed, first[k..k + 2], "resume at batch {k}");
+        walker.next();
+    }
+
+    // Within a sequence each row continues where it stopped; a new sequence resets.
+    let segs = 32 / 8;
+    for (k, pair) in first.windows(2).enumerate() {
+        let (a, b) = (&pair[0], &pair[1]);
+        assert_eq!(a.reset, (k % per_epoch).is_multiple_of(segs));
+        if !b.reset {
+            for row in 0..3 {
+                assert_eq!(
+                    b.inputs[row * 8],
+                    a.targets[row * 8 + 7],
+                    "row {row} is contiguous"
+                );
+            }
+        } else {
+            assert!((0..3).all(|row| b.inputs[row * 8] == EOS));
+        }
+        for row in 0..3 {
+            for i in 1..8 {
+                assert_eq!(b.inputs[row * 8 + i], b.targets[row * 8 + i - 1]);
+            }
+        }
+    }
+}
+
+#[test]
+fn never_reset_layout_carries_state_through_the_epoch() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = text_corpus(dir.path(), 2_000);
+    let mut it = TrainBatches::new(
+        corpus.split(Split::Train),
+        layout(3, false),
+        TrainCursor::default(),
+    )
+    .unwrap();
+    let per_epoch = it.steps_per_epoch() as usize;
+    let batches: Vec<_> = it.by_ref().take(per_epoch + 1).collect();
+    let resets: Vec<usize> = batches
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| b.reset)
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(resets, vec![0, per_epoch]);
+    for pair in batches[..per_epoch].windows(2) {
+        for row in 0..3 {
+            assert_eq!(pair[1].inputs[row * 8], pair[0].targets[row * 8 + 7]);
+        }
+    }
+}
+
+#[test]
+fn layouts_that_cannot_work_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = text_corpus(dir.path(), 200);
+    let train = corpus.split(Split::Train);
+    let bad = TrainLayout {
+        sequence_len: 30,
+        ..layout(0, true)
+    };
+    assert!(matches!(
+        TrainBatches::new(train.clone(), bad, TrainCursor::default()),
+        Err(DataError::Layout(_))
+    ));
+    let big = TrainLayout {
+        batch: 10,
+        ..layout(0, true)
+    };
+    let err = TrainBatches::new(train, big, TrainCursor::default()).unwrap_err();
+    assert!(matches!(err, DataError::SplitTooSmall { .. }), "{err}");
+}
