@@ -54,6 +54,53 @@ pub struct BenchArgs {
     /// Print one JSON object per setting instead of a table.
     #[arg(long)]
     json: bool,
+    /// Measure the data loader instead: training-batch production from this
+    /// byte-level text file or directory, for each --seq-len as the segment length.
+    #[arg(long)]
+    loader: Option<std::path::PathBuf>,
+}
+
+/// Tokens per second of training-batch production (the model is not run).
+fn bench_loader(args: &BenchArgs, path: &std::path::Path) -> Result<()> {
+    use tvq_data::{Corpus, CorpusKind, CorpusSpec, Split, TrainBatches, TrainCursor, TrainLayout};
+    let spec = CorpusSpec {
+        kind: CorpusKind::Text,
+        path: path.to_path_buf(),
+        tokenizer: None,
+        allow_proportional_split: false,
+        cache_dir: None,
+    };
+    let corpus = Corpus::open(&spec)?;
+    if !args.json {
+        println!("{:<10} {:>8} {:>14}", "form", "seq_len", "tokens/s");
+    }
+    for &t in &args.seq_len {
+        let layout = TrainLayout {
+            batch: args.batch,
+            update_len: t,
+            sequence_len: t,
+            seed: 0,
+            reset_each_sequence: true,
+        };
+        let mut batches =
+            TrainBatches::new(corpus.split(Split::Train), layout, TrainCursor::default())?;
+        let start = Instant::now();
+        let mut tokens = 0usize;
+        while start.elapsed().as_secs_f64() < 1.0 {
+            let b = batches.next().expect("training batches never end");
+            tokens += b.inputs.len();
+        }
+        let tokens_per_s = tokens as f64 / start.elapsed().as_secs_f64();
+        if args.json {
+            println!(
+                "{}",
+                json!({"form": "loader", "seq_len": t, "batch": args.batch, "tokens_per_s": tokens_per_s})
+            );
+        } else {
+            println!("{:<10} {t:>8} {tokens_per_s:>14.0}", "loader");
+        }
+    }
+    Ok(())
 }
 
 /// Peak resident set size of this process in bytes (Linux), or 0.
@@ -81,6 +128,9 @@ fn parse_form(s: &str) -> Result<AttentionForm> {
 
 /// Runs the benchmark and prints the results.
 pub fn run(args: BenchArgs) -> Result<()> {
+    if let Some(path) = &args.loader {
+        return bench_loader(&args, path);
+    }
     let (device, info) = args.device.init()?;
     let device = DispatchDevice::autodiff(device);
     let forms = args

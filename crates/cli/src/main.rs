@@ -1,6 +1,8 @@
 //! `tvq`: train, evaluate and benchmark Transformer-VQ language models.
 
 mod bench;
+mod commands;
+mod tokenizer;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -8,8 +10,11 @@ use tvq_model::device::DeviceSpec;
 
 /// Transformer-VQ: linear-time attention through vector-quantized keys.
 ///
-/// Models run on the CPU, or on a GPU through wgpu or CUDA, chosen with
-/// --device at run time.
+/// Workflow: `tvq train --config configs/quickstart.toml` trains into
+/// runs/quickstart (resume an interrupted run with --resume); `tvq eval
+/// --checkpoint runs/quickstart` reports bits per byte; `tvq sample
+/// --checkpoint runs/quickstart --prompt "..."` generates text; `tvq export`
+/// writes safetensors. Every command takes --device cpu|wgpu|cuda.
 #[derive(Parser, Debug)]
 #[command(name = "tvq", version, about, long_about)]
 struct Cli {
@@ -19,9 +24,20 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Train a model from a TOML config (or continue one with --resume).
+    Train(commands::TrainArgs),
+    /// Evaluate a checkpoint on a whole split: loss, bits per token and per byte.
+    Eval(commands::EvalArgs),
+    /// Generate text from a checkpoint with the recurrent form.
+    Sample(commands::SampleArgs),
+    /// Write a checkpoint's weights as safetensors, with its config as JSON.
+    Export(commands::ExportArgs),
     /// Measure forward+backward throughput of the GAU stack, VQ attention
     /// against the quadratic baseline, over several sequence lengths.
     Bench(bench::BenchArgs),
+    /// Tokenizers for tokenized corpora (PG-19, plain text).
+    #[command(subcommand)]
+    Tokenizer(tokenizer::TokenizerCommand),
 }
 
 /// Parses `--device` values (`cpu`, `wgpu`, `wgpu:N`, `cuda`, `cuda:N`).
@@ -38,7 +54,12 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Train(args) => commands::run_train(args),
+        Command::Eval(args) => commands::run_eval(args),
+        Command::Sample(args) => commands::run_sample(args),
+        Command::Export(args) => commands::run_export(args),
         Command::Bench(args) => bench::run(args),
+        Command::Tokenizer(cmd) => tokenizer::run(cmd),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,3 +1,20 @@
-//! Training of Transformer-VQ models: the loop, optimizer, checkpoints and
-//! metrics. Not implemented yet (issue 4); the crate exists so the
-//! workspace has its final shape.
+//! Training, evaluation, sampling and checkpoints for Transformer-VQ.
+//!
+//! [`RunConfig`] is the TOML config; [`train`] runs or resumes a run in a run
+//! directory; [`evaluate`] streams a split through the model; [`sample`]
+//! generates with the recurrent form; [`export`] writes safetensors.
+
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod evaluate;
+pub mod export;
+pub mod optim;
+pub mod sample;
+pub mod trainer;
+
+pub use config::RunConfig;
+pub use error::TrainError;
+pub use evaluate::{EvalReport, evaluate};
+pub use sample::{SampleOptions, sample};
+pub use trainer::{StepMetrics, TrainOptions, TrainSummary, train};

@@ -1,0 +1,334 @@
+//! `tvq train`, `eval`, `sample` and `export`: parse, load, call the train crate.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::{Context, Result, bail};
+use burn::DispatchDevice;
+use clap::{Args, ValueEnum};
+use tvq_data::{Corpus, Split, Vocab};
+use tvq_model::device::DeviceSpec;
+use tvq_train::export::{ExportInfo, export, load_export};
+use tvq_train::optim::{B, Model};
+use tvq_train::{RunConfig, SampleOptions, TrainOptions, checkpoint, evaluate, sample, train};
+
+/// Options of `tvq train`.
+#[derive(Args, Debug)]
+pub struct TrainArgs {
+    /// The run's TOML config (sections [model], [data], [train], [eval]).
+    #[arg(long)]
+    config: PathBuf,
+    /// Device: cpu, wgpu, wgpu:N, cuda or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
+    device: DeviceSpec,
+    /// Run directory for the config, metrics and checkpoints [default: runs/<config name>].
+    #[arg(long)]
+    run_dir: Option<PathBuf>,
+    /// Continue from the run directory's latest valid checkpoint.
+    #[arg(long)]
+    resume: bool,
+    /// Use a run directory that holds another run (deletes its checkpoints unless resuming).
+    #[arg(long)]
+    force: bool,
+    /// Override a config value, e.g. --set train.lr=3e-4 (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    overrides: Vec<String>,
+    /// Stop after this many steps in total (the schedule still follows train.steps).
+    #[arg(long)]
+    max_steps: Option<u64>,
+    /// No progress bars (logs only).
+    #[arg(long)]
+    quiet: bool,
+}
+
+/// Split to evaluate.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum SplitArg {
+    /// The validation split.
+    Validation,
+    /// The test split.
+    Test,
+}
+
+/// Options of `tvq eval`.
+#[derive(Args, Debug)]
+pub struct EvalArgs {
+    /// A checkpoint directory, a run directory (its latest checkpoint) or an exported .safetensors.
+    #[arg(long, alias = "run-dir")]
+    checkpoint: PathBuf,
+    /// Config naming the corpus (default: the run directory's config.toml).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Split to evaluate.
+    #[arg(long, value_enum, default_value = "validation")]
+    split: SplitArg,
+    /// Device: cpu, wgpu, wgpu:N, cuda or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
+    device: DeviceSpec,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Options of `tvq sample`.
+#[derive(Args, Debug)]
+pub struct SampleArgs {
+    /// A checkpoint directory, a run directory (its latest checkpoint) or an exported .safetensors.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Text to continue.
+    #[arg(long, default_value = "")]
+    prompt: String,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f64,
+    /// Nucleus sampling: keep the most likely tokens holding this much probability.
+    #[arg(long, default_value_t = 0.9)]
+    top_p: f64,
+    /// Seed of the draws.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Device: cpu, wgpu, wgpu:N, cuda or cuda:N.
+    #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
+    device: DeviceSpec,
+}
+
+/// Options of `tvq export`.
+#[derive(Args, Debug)]
+pub struct ExportArgs {
+    /// A checkpoint directory or a run directory (its latest checkpoint).
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Output .safetensors file (a .json with the config is written beside it).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+fn init_device(spec: DeviceSpec) -> Result<DispatchDevice> {
+    let (device, info) = spec.init()?;
+    tracing::info!("device: {info}");
+    Ok(device)
+}
+
+/// Runs `tvq train`.
+pub fn run_train(args: TrainArgs) -> Result<()> {
+    let cfg = RunConfig::load(&args.config, &args.overrides)?;
+    let device = init_device(args.device)?;
+    let run_dir = args.run_dir.unwrap_or_else(|| {
+        let stem = args
+            .config
+            .file_stem()
+            .map_or("run".into(), |s| s.to_string_lossy().into_owned());
+        PathBuf::from("runs").join(stem)
+    });
+    let interrupt = Arc::new(AtomicBool::new(false));
+    let flag = interrupt.clone();
+    ctrlc::set_handler(move || {
+        if flag.swap(true, Ordering::SeqCst) {
+            std::process::exit(130); // a second Ctrl-C does not wait
+        }
+        eprintln!("\ninterrupt: writing a checkpoint, then stopping (Ctrl-C again to abort)");
+    })
+    .context("cannot install the Ctrl-C handler")?;
+    let opts = TrainOptions {
+        run_dir: run_dir.clone(),
+        resume: args.resume,
+        force: args.force,
+        max_steps: args.max_steps,
+        interrupt,
+        progress: !args.quiet,
+    };
+    tracing::info!("run directory: {}", run_dir.display());
+    let summary = train(&cfg, &device, &opts)?;
+    println!("checkpoint: {}", summary.checkpoint.display());
+    match summary.validation {
+        Some(v) => println!(
+            "step {}: validation loss {:.4} nats/token, {:.4} bits/byte over {} tokens",
+            summary.step, v.loss, v.bits_per_byte, v.tokens
+        ),
+        None => println!("stopped at step {}; continue with --resume", summary.step),
+    }
+    Ok(())
+}
+
+/// A model ready for inference and where it came from.
+struct Loaded {
+    model: Model,
+    config: Option<RunConfig>,
+    vocab: Vocab,
+    step: u64,
+}
+
+/// Loads a checkpoint directory, a run directory's latest checkpoint, or an export.
+fn load_for_inference(
+    path: &Path,
+    config: Option<&Path>,
+    device: &DispatchDevice,
+) -> Result<Loaded> {
+    let explicit = config.map(|c| RunConfig::load(c, &[])).transpose()?;
+    if path.extension().is_some_and(|e| e == "safetensors") {
+        let (info, model) = load_export(path, device)?;
+        let vocab = match &info.tokenizer {
+            Some(t) => Vocab::load_tokenizer(t)?,
+            None => Vocab::Bytes,
+        };
+        return Ok(Loaded {
+            model,
+            config: explicit,
+            vocab,
+            step: info.step,
+        });
+    }
+    let dir = if path.join("manifest.json").is_file() {
+        path.to_path_buf()
+    } else if path.join("checkpoints").is_dir() {
+        checkpoint::latest_valid(path)
+            .with_context(|| format!("{} has no valid checkpoint", path.display()))?
+    } else {
+        bail!(
+            "{} is neither a checkpoint, a run directory nor a .safetensors export",
+            path.display()
+        );
+    };
+    let run_dir = dir
+        .parent()
+        .and_then(Path::parent)
+        .context("a checkpoint lives in <run>/checkpoints/")?;
+    let cfg = match explicit {
+        Some(c) => c,
+        None => RunConfig::load(&run_dir.join("config.toml"), &[])
+            .with_context(|| format!("reading the run's config in {}", run_dir.display()))?,
+    };
+    let vocab = match &cfg.data.tokenizer {
+        Some(t) => Vocab::load_tokenizer(t)?,
+        None => Vocab::Bytes,
+    };
+    let model = cfg
+        .model
+        .to_model(vocab.size())
+        .init::<B>(device)
+        .map_err(|e| anyhow::anyhow!(e))?;
+    let model = checkpoint::load_model(&dir, model, device)?;
+    let trainer: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("trainer.json"))?)?;
+    Ok(Loaded {
+        model,
+        config: Some(cfg),
+        vocab,
+        step: trainer["step"].as_u64().unwrap_or(0),
+    })
+}
+
+/// Runs `tvq eval`.
+pub fn run_eval(args: EvalArgs) -> Result<()> {
+    let device = init_device(args.device)?;
+    let loaded = load_for_inference(&args.checkpoint, args.config.as_deref(), &device)?;
+    let cfg = loaded
+        .config
+        .context("an export carries no corpus: pass --config naming the data")?;
+    let corpus = Corpus::open(&cfg.corpus_spec())?;
+    let split = corpus.split(match args.split {
+        SplitArg::Validation => Split::Validation,
+        SplitArg::Test => Split::Test,
+    });
+    let report = evaluate(
+        &loaded.model,
+        &split,
+        cfg.eval.batch_size,
+        cfg.eval.update_len,
+        None,
+        !args.json,
+    )?;
+    if args.json {
+        let mut v = serde_json::to_value(&report)?;
+        v["step"] = loaded.step.into();
+        println!("{v}");
+    } else {
+        println!(
+            "{} split, step {}: {} tokens, loss {:.4} nats/token, {:.4} bits/token, {:.4} bits/byte{}",
+            report.split,
+            loaded.step,
+            report.tokens,
+            report.loss,
+            report.bits_per_token,
+            report.bits_per_byte,
+            report
+                .word_perplexity
+                .map_or(String::new(), |p| format!(", word perplexity {p:.2}"))
+        );
+    }
+    Ok(())
+}
+
+/// Runs `tvq sample`.
+pub fn run_sample(args: SampleArgs) -> Result<()> {
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
+        bail!("--top-p must be in (0, 1], got {}", args.top_p);
+    }
+    if args.temperature < 0.0 {
+        bail!(
+            "--temperature must not be negative, got {}",
+            args.temperature
+        );
+    }
+    let device = init_device(args.device)?;
+    let loaded = load_for_inference(&args.checkpoint, None, &device)?;
+    let prompt = loaded.vocab.encode(&args.prompt)?;
+    let opts = SampleOptions {
+        max_tokens: args.max_tokens,
+        temperature: args.temperature,
+        top_p: args.top_p,
+        seed: args.seed,
+    };
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    write!(out, "{}", args.prompt)?;
+    let mut pending: Vec<u32> = vec![];
+    let mut shown = String::new();
+    let vocab = &loaded.vocab;
+    sample(&loaded.model, &prompt, vocab.eos(), opts, |t| {
+        if t == vocab.eos() {
+            return false;
+        }
+        // Decode the tokens so far and print what is new (UTF-8 may span tokens).
+        pending.push(t);
+        if let Ok(text) = vocab.decode(&pending)
+            && !text.ends_with('\u{fffd}')
+        {
+            let _ = write!(out, "{}", &text[shown.len().min(text.len())..]);
+            let _ = out.flush();
+            shown = text;
+        }
+        true
+    })?;
+    writeln!(out)?;
+    Ok(())
+}
+
+/// Runs `tvq export`.
+pub fn run_export(args: ExportArgs) -> Result<()> {
+    let device = DeviceSpec::Cpu.init()?.0;
+    let loaded = load_for_inference(&args.checkpoint, None, &device)?;
+    let cfg = loaded
+        .config
+        .context("export needs a checkpoint of a run")?;
+    let info = ExportInfo {
+        format: "tvq".into(),
+        model: cfg.model.to_model(loaded.vocab.size()),
+        vocab: loaded.vocab.id(),
+        tokenizer: cfg.data.tokenizer.clone(),
+        step: loaded.step,
+    };
+    export(&loaded.model, &info, &args.out)?;
+    println!(
+        "wrote {} and {}",
+        args.out.display(),
+        tvq_train::export::info_path(&args.out).display()
+    );
+    Ok(())
+}

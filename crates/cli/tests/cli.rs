@@ -1,0 +1,405 @@
+//! The `tvq` binary end to end on a tiny config: kill-and-resume equality,
+//! evaluation, sampling, export, and errors on bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+const TVQ: &str = env!("CARGO_BIN_EXE_tvq");
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// A tiny run on a slice of the KJV: a few hundred milliseconds a step.
+fn tiny_config(dir: &Path, steps: u64, checkpoint_every: u64) -> PathBuf {
+    let corpus = dir.join("kjv-small.txt");
+    if !corpus.exists() {
+        let text = std::fs::read(repo().join("data/kjv.txt")).unwrap();
+        std::fs::write(&corpus, &text[..400_000]).unwrap();
+    }
+    let path = dir.join(format!("tiny-{steps}-{checkpoint_every}.toml"));
+    std::fs::write(
+        &path,
+        format!(
+            r#"
+[model]
+d_model = 32
+d_k = 16
+d_v = 64
+n_code = 16
+n_layer = 1
+block_len = 16
+dropout_residual = 0.1
+dropout_layer = 0.1
+
+[data]
+kind = "text"
+path = "{corpus}"
+batch_size = 4
+update_len = 64
+sequence_len = 128
+
+[train]
+steps = {steps}
+lr = 3e-3
+warmup_steps = 2
+micro_batches = 2
+checkpoint_every = {checkpoint_every}
+keep_checkpoints = 10
+
+[eval]
+every = 3
+segments = 2
+batch_size = 4
+update_len = 64
+"#,
+            corpus = corpus.display()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn tvq(args: &[&str]) -> Output {
+    Command::new(TVQ).args(args).output().expect("tvq runs")
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = tvq(args);
+    assert!(
+        out.status.success(),
+        "tvq {args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// `tvq args` must fail with a one-line error containing `needle`, and no panic.
+fn fails(args: &[&str], needle: &str) {
+    let out = tvq(args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "tvq {args:?} should fail");
+    assert!(!err.contains("panicked"), "tvq {args:?} panicked:\n{err}");
+    let last = err
+        .lines()
+        .filter(|l| l.starts_with("error"))
+        .collect::<Vec<_>>();
+    assert_eq!(last.len(), 1, "one error line expected:\n{err}");
+    assert!(
+        last[0].contains(needle),
+        "error should mention `{needle}`:\n{err}"
+    );
+}
+
+/// Losses per step from metrics.jsonl.
+fn losses(run: &Path) -> Vec<(u64, String)> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["kind"] == "train")
+        .map(|v| {
+            (
+                v["step"].as_u64().unwrap(),
+                format!("{} {} {}", v["loss"], v["grad_norm"], v["commitment"]),
+            )
+        })
+        .collect()
+}
+
+/// Every tensor of a checkpoint's model, by name, via `tvq export`
+/// (`model.bin` also holds burn's parameter ids, which differ between processes).
+fn final_weights(run: &Path, step: u64) -> Vec<(String, Vec<u8>)> {
+    let out = run.join("weights.safetensors");
+    let checkpoint = run.join(format!("checkpoints/step-{step:08}"));
+    ok(&[
+        "export",
+        "--checkpoint",
+        checkpoint.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let bytes = std::fs::read(&out).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<_> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.data().to_vec()))
+        .collect();
+    tensors.sort();
+    tensors
+}
+
+#[test]
+fn killed_and_resumed_training_equals_uninterrupted_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let (k, total) = (4, 8);
+    let config = tiny_config(dir.path(), total, k);
+    let config = config.to_str().unwrap();
+    let straight = dir.path().join("straight");
+    ok(&[
+        "train",
+        "--config",
+        config,
+        "--run-dir",
+        straight.to_str().unwrap(),
+        "--quiet",
+    ]);
+
+    // Second run: SIGKILL as soon as checkpoint K exists, then resume.
+    let killed = dir.path().join("killed");
+    let mut child = Command::new(TVQ)
+        .args([
+            "train",
+            "--config",
+            config,
+            "--run-dir",
+            killed.to_str().unwrap(),
+            "--quiet",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let marker = killed.join(format!("checkpoints/step-{k:08}/manifest.json"));
+    let start = Instant::now();
+    while !marker.exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(300),
+            "no checkpoint at step {k}"
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "training ended before it could be killed"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    assert!(
+        !killed.join(format!("checkpoints/step-{total:08}")).exists(),
+        "the kill must land before the run finishes"
+    );
+    ok(&[
+        "train",
+        "--config",
+        config,
+        "--run-dir",
+        killed.to_str().unwrap(),
+        "--resume",
+        "--quiet",
+    ]);
+
+    let (a, b) = (losses(&straight), losses(&killed));
+    assert_eq!(a.len(), total as usize);
+    assert_eq!(
+        a, b,
+        "every step's loss, gradient norm and commitment match"
+    );
+    let (wa, wb) = (
+        final_weights(&straight, total),
+        final_weights(&killed, total),
+    );
+    assert!(wa.len() > 10, "{} tensors", wa.len());
+    assert!(wa == wb, "final weights differ");
+}
+
+#[test]
+fn eval_sample_and_export_on_a_trained_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 6, 3);
+    let run = dir.path().join("run");
+    let run_s = run.to_str().unwrap();
+    let out = ok(&[
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--run-dir",
+        run_s,
+        "--quiet",
+    ]);
+    assert!(
+        out.contains("bits/byte"),
+        "training ends with a validation line: {out}"
+    );
+
+    let report: serde_json::Value =
+        serde_json::from_str(&ok(&["eval", "--checkpoint", run_s, "--json"])).unwrap();
+    let validation_bytes = 400_000 * 19 / 20 - 400_000 * 9 / 10;
+    assert_eq!(
+        report["tokens"], validation_bytes,
+        "the whole validation split is scored"
+    );
+    assert_eq!(report["complete"], true);
+    assert_eq!(report["step"], 6);
+    let bpb = report["bits_per_byte"].as_f64().unwrap();
+    assert!(bpb > 1.0 && bpb < 8.5, "bits per byte {bpb}");
+    let test: serde_json::Value = serde_json::from_str(&ok(&[
+        "eval",
+        "--checkpoint",
+        run_s,
+        "--split",
+        "test",
+        "--json",
+    ]))
+    .unwrap();
+    assert_eq!(test["split"], "test");
+
+    let a = ok(&[
+        "sample",
+        "--checkpoint",
+        run_s,
+        "--prompt",
+        "And God",
+        "--max-tokens",
+        "40",
+        "--seed",
+        "3",
+    ]);
+    let b = ok(&[
+        "sample",
+        "--checkpoint",
+        run_s,
+        "--prompt",
+        "And God",
+        "--max-tokens",
+        "40",
+        "--seed",
+        "3",
+    ]);
+    let c = ok(&[
+        "sample",
+        "--checkpoint",
+        run_s,
+        "--prompt",
+        "And God",
+        "--max-tokens",
+        "40",
+        "--seed",
+        "4",
+    ]);
+    assert_eq!(a, b, "sampling is reproducible for a seed");
+    assert_ne!(a, c, "another seed, another sample");
+    assert!(a.starts_with("And God"));
+
+    let weights = dir.path().join("model.safetensors");
+    ok(&[
+        "export",
+        "--checkpoint",
+        run_s,
+        "--out",
+        weights.to_str().unwrap(),
+    ]);
+    let bytes = std::fs::read(&weights).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let names = st.names();
+    assert!(names.contains(&"sublayers.0.kvg_proj.weight"), "{names:?}");
+    assert!(names.contains(&"sublayers.1.quantizer.c_sum"));
+    let info: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(weights.with_extension("json")).unwrap()).unwrap();
+    assert_eq!(info["model"]["vocab_size"], 259);
+    // The export evaluates exactly like the checkpoint it came from.
+    let from_export: serde_json::Value = serde_json::from_str(&ok(&[
+        "eval",
+        "--checkpoint",
+        weights.to_str().unwrap(),
+        "--config",
+        config.to_str().unwrap(),
+        "--json",
+    ]))
+    .unwrap();
+    assert_eq!(from_export["loss"], report["loss"]);
+}
+
+#[test]
+fn bad_input_is_a_one_line_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 2, 1);
+    let text = std::fs::read_to_string(&config).unwrap();
+    let write = |name: &str, body: String| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, body).unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    let unknown = write(
+        "unknown.toml",
+        text.replace("[train]", "[train]\nlearning_rate = 1.0"),
+    );
+    fails(&["train", "--config", &unknown], "learning_rate");
+    let missing = write("missing.toml", text.replace("kjv-small.txt", "nowhere.txt"));
+    fails(
+        &[
+            "train",
+            "--config",
+            &missing,
+            "--run-dir",
+            dir.path().join("r0").to_str().unwrap(),
+        ],
+        "nowhere.txt",
+    );
+    let c = config.to_str().unwrap();
+    fails(
+        &["train", "--config", c, "--set", "model.block_len=48"],
+        "update_len",
+    );
+    fails(
+        &["train", "--config", c, "--set", "model.n_code=1"],
+        "n_code",
+    );
+    fails(&["train", "--config", c, "--device", "cuda:7"], "cuda:7");
+    fails(
+        &["train", "--config", "/no/such/config.toml"],
+        "config.toml",
+    );
+
+    // A run directory holding another config's checkpoints is refused.
+    let run = dir.path().join("run");
+    let run_s = run.to_str().unwrap();
+    ok(&["train", "--config", c, "--run-dir", run_s, "--quiet"]);
+    fails(
+        &[
+            "train",
+            "--config",
+            c,
+            "--run-dir",
+            run_s,
+            "--set",
+            "model.d_k=8",
+            "--resume",
+        ],
+        "--force",
+    );
+    fails(&["train", "--config", c, "--run-dir", run_s], "--resume");
+
+    // A corrupt newest checkpoint is skipped with a warning on resume.
+    let newest = run.join("checkpoints/step-00000002/model.bin");
+    std::fs::write(&newest, b"corrupt").unwrap();
+    let out = tvq(&[
+        "train",
+        "--config",
+        c,
+        "--run-dir",
+        run_s,
+        "--resume",
+        "--quiet",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("skipping"),
+        "a warning names the skipped checkpoint"
+    );
+    fails(
+        &[
+            "eval",
+            "--checkpoint",
+            dir.path().join("nothing").to_str().unwrap(),
+        ],
+        "nothing",
+    );
+    fails(&["sample", "--checkpoint", run_s, "--top-p", "0"], "top-p");
+}

@@ -1,0 +1,399 @@
+//! Checkpoints that resume exactly.
+//!
+//! A checkpoint is a directory `checkpoints/step-NNNNNNNN/` holding the model
+//! (codebooks included), both optimizers' state, the model state carried
+//! between segments (`state.safetensors`), and `trainer.json` (step, data
+//! cursor, best validation loss). The learning rate is a function of the
+//! step and dropout is reseeded from (seed, step), so nothing else is needed
+//! to continue bit-identically. `manifest.json` lists every file with its
+//! size and FNV-1a hash; a checkpoint whose files do not match is skipped.
+//! The directory is written under a temporary name, synced, then renamed.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use burn::module::Module;
+use burn::optim::Optimizer;
+use burn::prelude::*;
+use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::backend::DeviceOps;
+use serde::{Deserialize, Serialize};
+use tvq_data::TrainCursor;
+use tvq_model::ModelState;
+use tvq_model::attention::{AttentionState, CachedBlock, CompressedCache};
+
+use crate::error::TrainError;
+use crate::optim::{B, Model, Optimizers};
+
+/// Progress of a run, saved with each checkpoint.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Optimizer steps done.
+    pub step: u64,
+    /// Where the data loader continues.
+    pub cursor: TrainCursor,
+    /// Best validation loss so far and its step.
+    pub best: Option<(f64, u64)>,
+    /// Training tokens consumed.
+    pub tokens: u64,
+}
+
+type Rec = BinFileRecorder<FullPrecisionSettings>;
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> TrainError + '_ {
+    move |e| TrainError::io(path, e)
+}
+
+fn bad(path: &Path, reason: impl Into<String>) -> TrainError {
+    TrainError::Checkpoint {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
+/// Tensors of the carried states (one per micro-batch) as safetensors.
+fn states_to_bytes(states: &[ModelState<B>]) -> Result<Vec<u8>, TrainError> {
+    let mut tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)> = BTreeMap::new();
+    let mut meta = std::collections::HashMap::new();
+    let mut put = |name: String, dims: Vec<usize>, data: TensorData| {
+        tensors.insert(
+            name,
+            (dims, data.convert::<f32>().to_vec::<f32>().expect("f32")),
+        );
+    };
+    for (m, state) in states.iter().enumerate() {
+        for (i, s) in state.sublayers.iter().enumerate() {
+            let p = format!("micro{m}/sublayer{i}");
+            meta.insert(format!("{p}/pos"), s.pos.to_string());
+            for (slot, block) in [("prev", &s.prev), ("current", &s.current)] {
+                if let Some(b) = block {
+                    put(
+                        format!("{p}/{slot}/k_hat"),
+                        b.k_hat.dims().to_vec(),
+                        b.k_hat.to_data(),
+                    );
+                    put(format!("{p}/{slot}/v"), b.v.dims().to_vec(), b.v.to_data());
+                    put(
+                        format!("{p}/{slot}/codes"),
+                        b.codes.dims().to_vec(),
+                        b.codes.to_data(),
+                    );
+                }
+            }
+            if let Some(c) = &s.cache {
+                put(
+                    format!("{p}/cache/counts"),
+                    c.counts.dims().to_vec(),
+                    c.counts.to_data(),
+                );
+                put(
+                    format!("{p}/cache/means"),
+                    c.means.dims().to_vec(),
+                    c.means.to_data(),
+                );
+            }
+        }
+    }
+    meta.insert("micro_batches".into(), states.len().to_string());
+    meta.insert(
+        "sublayers".into(),
+        states.first().map_or(0, |s| s.sublayers.len()).to_string(),
+    );
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .into_iter()
+        .map(|(n, (dims, data))| (n, dims, data.iter().flat_map(|x| x.to_le_bytes()).collect()))
+        .collect();
+    let views = bytes
+        .iter()
+        .map(|(n, dims, data)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, dims.clone(), data)
+                .map(|v| (n.clone(), v))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| TrainError::Toml(format!("state serialization: {e}")))?;
+    safetensors::serialize(views, Some(meta))
+        .map_err(|e| TrainError::Toml(format!("state serialization: {e}")))
+}
+
+fn states_from_bytes(
+    path: &Path,
+    bytes: &[u8],
+    device: &burn::DispatchDevice,
+) -> Result<Vec<ModelState<B>>, TrainError> {
+    let (_, header) =
+        safetensors::SafeTensors::read_metadata(bytes).map_err(|e| bad(path, e.to_string()))?;
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| bad(path, e.to_string()))?;
+    let meta = header.metadata().clone().unwrap_or_default();
+    let num = |k: &str| -> Result<usize, TrainError> {
+        meta.get(k)
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| bad(path, format!("state has no `{k}`")))
+    };
+    let float = |name: &str| -> Option<TensorData> {
+        st.tensor(name).ok().map(|v| {
+            let data: Vec<f32> = v
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            TensorData::new(data, v.shape().to_vec())
+        })
+    };
+    let mut states = vec![];
+    for m in 0..num("micro_batches")? {
+        let mut sublayers = vec![];
+        for i in 0..num("sublayers")? {
+            let p = format!("micro{m}/sublayer{i}");
+            let block = |slot: &str| -> Option<CachedBlock<B>> {
+                let codes = float(&format!("{p}/{slot}/codes"))?;
+                let codes = TensorData::new(
+                    codes
+                        .to_vec::<f32>()
+                        .ok()?
+                        .iter()
+                        .map(|&c| c as i64)
+                        .collect::<Vec<_>>(),
+                    codes.shape.clone(),
+                );
+                Some(CachedBlock {
+                    k_hat: Tensor::from_data(float(&format!("{p}/{slot}/k_hat"))?, device),
+                    v: Tensor::from_data(float(&format!("{p}/{slot}/v"))?, device),
+                    codes: Tensor::from_data(codes, device),
+                })
+            };
+            let cache = match (
+                float(&format!("{p}/cache/counts")),
+                float(&format!("{p}/cache/means")),
+            ) {
+                (Some(c), Some(m)) => Some(CompressedCache {
+                    counts: Tensor::from_data(c, device),
+                    means: Tensor::from_data(m, device),
+                }),
+                _ => None,
+            };
+            sublayers.push(AttentionState {
+                pos: num(&format!("{p}/pos"))?,
+                prev: block("prev"),
+                cache,
+                current: block("current"),
+            });
+        }
+        states.push(ModelState { sublayers });
+    }
+    Ok(states)
+}
+
+/// Directory of the checkpoint after `step`.
+pub fn checkpoint_dir(run_dir: &Path, step: u64) -> PathBuf {
+    run_dir.join("checkpoints").join(format!("step-{step:08}"))
+}
+
+fn sync_dir(path: &Path) {
+    if let Ok(d) = std::fs::File::open(path) {
+        let _ = d.sync_all();
+    }
+}
+
+/// Writes a checkpoint atomically; returns its directory.
+pub fn save(
+    run_dir: &Path,
+    model: &Model,
+    optim: &Optimizers,
+    states: &[ModelState<B>],
+    trainer: &TrainerState,
+) -> Result<PathBuf, TrainError> {
+    let final_dir = checkpoint_dir(run_dir, trainer.step);
+    let parent = final_dir
+        .parent()
+        .expect("under checkpoints/")
+        .to_path_buf();
+    std::fs::create_dir_all(&parent).map_err(io(&parent))?;
+    let tmp = parent.join(format!(
+        ".tmp-step-{:08}-{}",
+        trainer.step,
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
+    let rec = Rec::new();
+    let record_err = |e: burn::record::RecorderError| bad(&tmp, e.to_string());
+    model
+        .clone()
+        .save_file(tmp.join("model"), &rec)
+        .map_err(record_err)?;
+    rec.record(optim.decay.to_record(), tmp.join("optim-decay"))
+        .map_err(record_err)?;
+    rec.record(optim.no_decay.to_record(), tmp.join("optim-no-decay"))
+        .map_err(record_err)?;
+    std::fs::write(tmp.join("state.safetensors"), states_to_bytes(states)?).map_err(io(&tmp))?;
+    let json = serde_json::to_vec_pretty(trainer).expect("serializable");
+    std::fs::write(tmp.join("trainer.json"), json).map_err(io(&tmp))?;
+
+    let mut manifest = BTreeMap::new();
+    for entry in std::fs::read_dir(&tmp).map_err(io(&tmp))? {
+        let path = entry.map_err(io(&tmp))?.path();
+        let bytes = std::fs::read(&path).map_err(io(&path))?;
+        std::fs::File::open(&path)
+            .and_then(|f| f.sync_all())
+            .map_err(io(&path))?;
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        manifest.insert(
+            name,
+            serde_json::json!({"bytes": bytes.len(), "fnv1a": format!("{:016x}", fnv1a(&bytes))}),
+        );
+    }
+    let manifest_path = tmp.join("manifest.json");
+    std::fs::write(
+        &manifest_path,
+        serde_json::to_vec_pretty(&manifest).expect("serializable"),
+    )
+    .map_err(io(&manifest_path))?;
+    std::fs::File::open(&manifest_path)
+        .and_then(|f| f.sync_all())
+        .map_err(io(&manifest_path))?;
+    sync_dir(&tmp);
+    let _ = std::fs::remove_dir_all(&final_dir);
+    std::fs::rename(&tmp, &final_dir).map_err(io(&final_dir))?;
+    sync_dir(&parent);
+    Ok(final_dir)
+}
+
+/// Checks every file of a checkpoint against its manifest.
+pub fn verify(dir: &Path) -> Result<(), TrainError> {
+    let manifest_path = dir.join("manifest.json");
+    let text = std::fs::read(&manifest_path)
+        .map_err(|_| bad(dir, "no manifest.json (incomplete checkpoint)"))?;
+    let manifest: BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(&text).map_err(|e| bad(dir, format!("manifest.json: {e}")))?;
+    for required in [
+        "model.bin",
+        "optim-decay.bin",
+        "optim-no-decay.bin",
+        "state.safetensors",
+        "trainer.json",
+    ] {
+        if !manifest.contains_key(required) {
+            return Err(bad(dir, format!("manifest lacks {required}")));
+        }
+    }
+    for (name, entry) in &manifest {
+        let bytes =
+            std::fs::read(dir.join(name)).map_err(|_| bad(dir, format!("{name} is missing")))?;
+        let want = entry["fnv1a"].as_str().unwrap_or_default();
+        if entry["bytes"].as_u64() != Some(bytes.len() as u64)
+            || format!("{:016x}", fnv1a(&bytes)) != want
+        {
+            return Err(bad(dir, format!("{name} does not match its checksum")));
+        }
+    }
+    Ok(())
+}
+
+/// Checkpoint directories of a run, newest first.
+pub fn list(run_dir: &Path) -> Vec<(u64, PathBuf)> {
+    let mut found: Vec<(u64, PathBuf)> = std::fs::read_dir(run_dir.join("checkpoints"))
+        .into_iter()
+        .flatten()
+        .filter_map(|e| {
+            let path = e.ok()?.path();
+            let step = path
+                .file_name()?
+                .to_str()?
+                .strip_prefix("step-")?
+                .parse()
+                .ok()?;
+            Some((step, path))
+        })
+        .collect();
+    found.sort_by_key(|f| std::cmp::Reverse(f.0));
+    found
+}
+
+/// The newest checkpoint that verifies, warning about any skipped.
+pub fn latest_valid(run_dir: &Path) -> Option<PathBuf> {
+    for (_, dir) in list(run_dir) {
+        match verify(&dir) {
+            Ok(()) => return Some(dir),
+            Err(e) => tracing::warn!("skipping {e}"),
+        }
+    }
+    None
+}
+
+/// A loaded checkpoint.
+pub struct Loaded {
+    /// The model (on the autodiff device given to [`load`]).
+    pub model: Model,
+    /// Optimizer state.
+    pub optim: Optimizers,
+    /// Carried states, one per micro-batch.
+    pub states: Vec<ModelState<B>>,
+    /// Progress.
+    pub trainer: TrainerState,
+}
+
+/// Loads a verified checkpoint into `model` / `optim` built from the run's config.
+pub fn load(
+    dir: &Path,
+    model: Model,
+    mut optim: Optimizers,
+    device: &burn::DispatchDevice,
+) -> Result<Loaded, TrainError> {
+    verify(dir)?;
+    let rec = Rec::new();
+    let record_err = |e: burn::record::RecorderError| bad(dir, e.to_string());
+    let model = model
+        .load_file(dir.join("model"), &rec, device)
+        .map_err(record_err)?;
+    // Optimizer records live on the plain (non-autodiff) device.
+    let inner = device.inner();
+    optim.decay = optim.decay.load_record(
+        rec.load(dir.join("optim-decay"), inner)
+            .map_err(record_err)?,
+    );
+    optim.no_decay = optim.no_decay.load_record(
+        rec.load(dir.join("optim-no-decay"), inner)
+            .map_err(record_err)?,
+    );
+    let state_path = dir.join("state.safetensors");
+    let bytes = std::fs::read(&state_path).map_err(io(&state_path))?;
+    let states = states_from_bytes(dir, &bytes, device)?;
+    let trainer_path = dir.join("trainer.json");
+    let trainer = serde_json::from_slice(&std::fs::read(&trainer_path).map_err(io(&trainer_path))?)
+        .map_err(|e| bad(dir, format!("trainer.json: {e}")))?;
+    Ok(Loaded {
+        model,
+        optim,
+        states,
+        trainer,
+    })
+}
+
+/// Loads only the model weights of a checkpoint (for evaluation and sampling).
+pub fn load_model(
+    dir: &Path,
+    model: Model,
+    device: &burn::DispatchDevice,
+) -> Result<Model, TrainError> {
+    verify(dir)?;
+    model
+        .load_file(dir.join("model"), &Rec::new(), device)
+        .map_err(|e| bad(dir, e.to_string()))
+}
+
+/// Deletes all but the `keep` newest checkpoints and the one at `best_step`.
+pub fn prune(run_dir: &Path, keep: usize, best_step: Option<u64>) {
+    for (step, dir) in list(run_dir).into_iter().skip(keep) {
+        if Some(step) != best_step
+            && let Err(e) = std::fs::remove_dir_all(&dir)
+        {
+            tracing::warn!("could not delete old checkpoint {}: {e}", dir.display());
+        }
+    }
+}

@@ -1,0 +1,70 @@
+//! Errors of the training crate.
+
+use std::path::PathBuf;
+
+use thiserror::Error;
+
+/// Why a run cannot start or continue.
+#[derive(Debug, Error)]
+pub enum TrainError {
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The config text does not parse or has unknown keys.
+    #[error("config: {0}")]
+    Toml(String),
+    /// A config value is out of range.
+    #[error("config: `{key}` {reason}")]
+    Config {
+        /// Offending key.
+        key: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The corpus cannot be used.
+    #[error(transparent)]
+    Data(#[from] tvq_data::DataError),
+    /// The model rejected its input.
+    #[error(transparent)]
+    Model(#[from] tvq_model::ModelError),
+    /// A checkpoint is missing, corrupt or from another run.
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint {
+        /// The checkpoint directory.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The run directory belongs to another config.
+    #[error(
+        "{path} holds checkpoints of a different config; use another --run-dir, or --force to train there anyway"
+    )]
+    ForeignRunDir {
+        /// The run directory.
+        path: PathBuf,
+    },
+    /// The loss stopped being a finite number.
+    #[error("loss is {loss} at step {step}; the last good checkpoint is kept in {checkpoint}")]
+    NonFinite {
+        /// The step.
+        step: u64,
+        /// The loss value.
+        loss: f64,
+        /// The last checkpoint.
+        checkpoint: String,
+    },
+}
+
+impl TrainError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,115 @@
+//! Streaming evaluation: a whole split through the model with the state
+//! carried from segment to segment.
+
+use burn::prelude::*;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use tvq_data::{Batch, EvalBatches, TokenSplit};
+use tvq_model::{ModelState, TransformerVq, token_nll};
+
+use crate::error::TrainError;
+use crate::optim::B;
+
+/// Results of evaluating a split (or its first segments).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct EvalReport {
+    /// Which split.
+    pub split: String,
+    /// Tokens scored.
+    pub tokens: u64,
+    /// Whether the whole split was scored.
+    pub complete: bool,
+    /// Mean negative log-likelihood per token, nats.
+    pub loss: f64,
+    /// Bits per token.
+    pub bits_per_token: f64,
+    /// Bits per byte of text (estimated from the split's bytes-per-token
+    /// ratio when only part of the split was scored).
+    pub bits_per_byte: f64,
+    /// Perplexity per token.
+    pub token_perplexity: f64,
+    /// Perplexity per whitespace-separated word, where words were counted.
+    pub word_perplexity: Option<f64>,
+}
+
+/// Integer, target and validity tensors of rows `rows` of a batch.
+pub fn batch_tensors(
+    batch: &Batch,
+    rows: std::ops::Range<usize>,
+    device: &burn::DispatchDevice,
+) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>, Tensor<B, 2, Bool>) {
+    let t = batch.len;
+    let span = rows.start * t..rows.end * t;
+    let ints = |v: &[u32]| {
+        let data: Vec<i64> = v[span.clone()].iter().map(|&x| x as i64).collect();
+        Tensor::<B, 2, Int>::from_data(TensorData::new(data, [rows.len(), t]), device)
+    };
+    let valid = Tensor::<B, 2, Bool>::from_data(
+        TensorData::new(batch.valid[span.clone()].to_vec(), [rows.len(), t]),
+        device,
+    );
+    (ints(&batch.inputs), ints(&batch.targets), valid)
+}
+
+/// Scores `split` with `model` (a plain, non-autodiff model), `batch` rows
+/// of `update_len` tokens, the first `max_segments` batches or all of them.
+pub fn evaluate(
+    model: &TransformerVq<B>,
+    split: &TokenSplit,
+    batch: usize,
+    update_len: usize,
+    max_segments: Option<usize>,
+    show_progress: bool,
+) -> Result<EvalReport, TrainError> {
+    let batches = EvalBatches::new(split.clone(), batch, update_len)?;
+    let total = batches.num_batches();
+    let n = max_segments.map_or(total, |m| m.min(total));
+    let bar = if show_progress {
+        ProgressBar::new(n as u64)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("eval {split} [{bar:30}] {pos}/{len} eta {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    let device = model.embedding.weight.device();
+    let mut state = model.empty_state();
+    let (mut nll, mut tokens) = (0f64, 0u64);
+    for b in batches.take(n) {
+        if b.reset {
+            state = ModelState::new(model.sublayers.len());
+        }
+        let (inputs, targets, valid) = batch_tensors(&b, 0..b.batch, &device);
+        let out = model.forward(inputs, state, Some(valid.clone()))?;
+        state = out.state;
+        let w = Tensor::<B, 2>::zeros(valid.dims(), &device).mask_fill(valid, 1.0);
+        nll += (token_nll(out.logits, targets) * w)
+            .sum()
+            .into_scalar()
+            .elem::<f64>();
+        tokens += b.valid.iter().filter(|&&v| v).count() as u64;
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let complete = n == total;
+    let ln2 = std::f64::consts::LN_2;
+    // Share of the split's bytes (and words) behind the tokens scored.
+    let share = tokens as f64 / split.len().max(1) as f64;
+    let bytes = split.stats.bytes as f64 * if complete { 1.0 } else { share };
+    let loss = nll / tokens.max(1) as f64;
+    Ok(EvalReport {
+        split: split.split.to_string(),
+        tokens,
+        complete,
+        loss,
+        bits_per_token: loss / ln2,
+        bits_per_byte: nll / ln2 / bytes.max(1.0),
+        token_perplexity: loss.exp(),
+        word_perplexity: split
+            .stats
+            .words
+            .map(|w| (nll / (w as f64 * if complete { 1.0 } else { share }).max(1.0)).exp()),
+    })
+}

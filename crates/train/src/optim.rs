@@ -1,0 +1,156 @@
+//! AdamW with decoupled weight decay on matrices only, global-norm clipping
+//! and the warm-up + cosine schedule.
+//!
+//! burn 0.21 has no parameter groups, so the gradients are split by
+//! parameter id and two AdamW optimizers (with and without decay) each step
+//! their share. burn's own clipping works per tensor; the spec clips the
+//! norm of all gradients together.
+
+use std::collections::HashSet;
+
+use burn::Dispatch;
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer};
+use burn::prelude::*;
+use tvq_model::TransformerVq;
+
+use crate::config::TrainSection;
+
+/// The backend of training.
+pub type B = Dispatch;
+/// The model being trained.
+pub type Model = TransformerVq<B>;
+/// One AdamW optimizer over the model.
+pub type Adam = OptimizerAdaptor<AdamW, Model, B>;
+
+/// Learning rate at optimizer step `step` (1-based): linear warm-up to `lr`,
+/// cosine down to `lr * lr_floor` at `decay_steps`, then held there.
+pub fn learning_rate(t: &TrainSection, step: u64) -> f64 {
+    let peak = t.lr;
+    let floor = t.lr * t.lr_floor;
+    let end = t.decay_steps.unwrap_or(t.steps).max(t.warmup_steps + 1);
+    if step <= t.warmup_steps {
+        peak * step as f64 / t.warmup_steps.max(1) as f64
+    } else if step >= end {
+        floor
+    } else {
+        let p = (step - t.warmup_steps) as f64 / (end - t.warmup_steps) as f64;
+        floor + 0.5 * (peak - floor) * (1.0 + (std::f64::consts::PI * p).cos())
+    }
+}
+
+/// The two optimizers of a run: decayed (matrices) and not decayed (vectors).
+pub struct Optimizers {
+    /// AdamW with weight decay, for parameters of rank >= 2.
+    pub decay: Adam,
+    /// AdamW without weight decay, for gains, biases and other vectors.
+    pub no_decay: Adam,
+}
+
+fn adam(t: &TrainSection, weight_decay: f64) -> Adam {
+    AdamWConfig::new()
+        .with_beta_1(t.beta1 as f32)
+        .with_beta_2(t.beta2 as f32)
+        .with_epsilon(t.epsilon as f32)
+        .with_weight_decay(weight_decay as f32)
+        .with_grad_clipping(None)
+        .init::<B, Model>()
+}
+
+/// Ids of the parameters of rank >= 2.
+fn matrix_ids(model: &Model) -> HashSet<ParamId> {
+    struct Matrices(HashSet<ParamId>);
+    impl ModuleVisitor<B> for Matrices {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            if D >= 2 {
+                self.0.insert(p.id);
+            }
+        }
+    }
+    let mut v = Matrices(HashSet::new());
+    model.visit(&mut v);
+    v.0
+}
+
+impl Optimizers {
+    /// Fresh optimizers.
+    pub fn new(t: &TrainSection) -> Self {
+        Self {
+            decay: adam(t, t.weight_decay),
+            no_decay: adam(t, 0.0),
+        }
+    }
+
+    /// One update at learning rate `lr`. The split into matrices and vectors
+    /// is taken from `model` itself, whose parameter ids are the ones the
+    /// optimizer state is keyed by (a loaded checkpoint brings its own ids).
+    pub fn step(&mut self, lr: f64, model: Model, mut grads: GradientsParams) -> Model {
+        let decay_ids = matrix_ids(&model);
+        struct Take<'a> {
+            ids: &'a HashSet<ParamId>,
+            from: &'a mut GradientsParams,
+            to: GradientsParams,
+        }
+        impl ModuleVisitor<B> for Take<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+                if self.ids.contains(&p.id)
+                    && let Some(g) = self.from.remove::<B, D>(p.id)
+                {
+                    self.to.register::<B, D>(p.id, g);
+                }
+            }
+        }
+        let mut take = Take {
+            ids: &decay_ids,
+            from: &mut grads,
+            to: GradientsParams::new(),
+        };
+        model.visit(&mut take);
+        let decayed = take.to;
+        let model = self.decay.step(lr, model, decayed);
+        self.no_decay.step(lr, model, grads)
+    }
+}
+
+/// Scales `grads` so that their global L2 norm is at most `max_norm` (no-op
+/// for `max_norm <= 0`); returns the norm before clipping.
+pub fn clip_global_norm(model: &Model, grads: &mut GradientsParams, max_norm: f64) -> f64 {
+    struct SumSquares<'a> {
+        grads: &'a GradientsParams,
+        total: Option<Tensor<B, 1>>,
+    }
+    impl ModuleVisitor<B> for SumSquares<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            if let Some(g) = self.grads.get::<B, D>(p.id) {
+                let s = g.square().sum();
+                self.total = Some(match self.total.take() {
+                    Some(t) => t + s,
+                    None => s,
+                });
+            }
+        }
+    }
+    let mut sum = SumSquares { grads, total: None };
+    model.visit(&mut sum);
+    let Some(total) = sum.total else { return 0.0 };
+    let norm = total.into_scalar().elem::<f64>().sqrt();
+    if max_norm > 0.0 && norm > max_norm {
+        struct Scale<'a> {
+            grads: &'a mut GradientsParams,
+            factor: f64,
+        }
+        impl ModuleVisitor<B> for Scale<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+                if let Some(g) = self.grads.remove::<B, D>(p.id) {
+                    self.grads.register::<B, D>(p.id, g * self.factor);
+                }
+            }
+        }
+        model.visit(&mut Scale {
+            grads,
+            factor: max_norm / norm,
+        });
+    }
+    norm
+}
