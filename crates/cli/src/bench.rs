@@ -54,6 +54,10 @@ pub struct BenchArgs {
     /// Print one JSON object per setting instead of a table.
     #[arg(long)]
     json: bool,
+    /// Time a full training step: forward, backward, global-norm clipping,
+    /// AdamW and the EMA codebook update (default: forward and backward only).
+    #[arg(long)]
+    optimizer: bool,
     /// Measure the data loader instead: training-batch production from this
     /// byte-level text file or directory, for each --seq-len as the segment length.
     #[arg(long)]
@@ -176,16 +180,29 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 .with_block_len(args.block_len)
                 .with_attention(form);
             B::seed(&device, 0);
-            let model = cfg.init::<B>(&device).context("benchmark model")?;
+            let mut model = Some(cfg.init::<B>(&device).context("benchmark model")?);
+            let train_cfg = tvq_train::config::TrainSection::default();
+            let mut optim = tvq_train::optim::Optimizers::new(&train_cfg);
             let tokens: Vec<i64> = (0..args.batch * t).map(|i| (i * 31 % 256) as i64).collect();
             let tokens =
                 Tensor::<B, 2, Int>::from_data(TensorData::new(tokens, [args.batch, t]), &device);
-            let step = || -> Result<()> {
-                let out = model.forward(tokens.clone(), model.empty_state(), None)?;
+            let mut step = || -> Result<()> {
+                let m = model.take().expect("the model is put back after each step");
+                let out = m.forward(tokens.clone(), m.empty_state(), None)?;
                 let loss = masked_mean(token_nll(out.logits, tokens.clone()), None)
                     + masked_mean(out.commitment, None) * 1e-4;
-                let _grads = loss.backward();
+                let grads = loss.backward();
+                let m = if args.optimizer {
+                    let mut grads = burn::optim::GradientsParams::from_grads(grads, &m);
+                    tvq_train::optim::clip_global_norm(&m, &mut grads, train_cfg.grad_clip);
+                    optim
+                        .step(train_cfg.lr, m, grads)
+                        .update_codebooks(&out.stats, train_cfg.codebook_decay)
+                } else {
+                    m
+                };
                 B::sync(&device).map_err(|e| anyhow::anyhow!("device sync failed: {e:?}"))?;
+                model = Some(m);
                 Ok(())
             };
             reset_peak_rss();
@@ -203,6 +220,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     json!({
                         "form": form_name, "seq_len": t, "batch": args.batch,
                         "tokens_per_s": tokens_per_s, "peak_rss_bytes": rss, "device": info,
+                        "step": if args.optimizer { "full" } else { "forward+backward" },
                     })
                 );
             } else {

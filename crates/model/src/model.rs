@@ -228,8 +228,12 @@ impl<B: Backend> TransformerVq<B> {
 
     /// Returns the model with every sublayer's codebook moved one EMA step
     /// (`gamma`, 0.99 in the recipe) towards the step's statistics, one entry
-    /// of `stats` per sublayer.
+    /// of `stats` per sublayer. Empty `stats` (the quadratic form, which
+    /// quantizes nothing) leave the model as it is.
     pub fn update_codebooks(mut self, stats: &[CodebookStats<B>], gamma: f64) -> Self {
+        if stats.is_empty() {
+            return self;
+        }
         assert_eq!(
             stats.len(),
             self.sublayers.len(),

@@ -58,7 +58,7 @@ fn bad(path: &Path, reason: impl Into<String>) -> TrainError {
 }
 
 /// Tensors of the carried states (one per micro-batch) as safetensors.
-fn states_to_bytes(states: &[ModelState<B>]) -> Result<Vec<u8>, TrainError> {
+fn states_to_bytes(path: &Path, states: &[ModelState<B>]) -> Result<Vec<u8>, TrainError> {
     let mut tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)> = BTreeMap::new();
     let mut meta = std::collections::HashMap::new();
     let mut put = |name: String, dims: Vec<usize>, data: TensorData| {
@@ -116,9 +116,9 @@ fn states_to_bytes(states: &[ModelState<B>]) -> Result<Vec<u8>, TrainError> {
                 .map(|v| (n.clone(), v))
         })
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| TrainError::Toml(format!("state serialization: {e}")))?;
+        .map_err(|e| bad(path, format!("state serialization: {e}")))?;
     safetensors::serialize(views, Some(meta))
-        .map_err(|e| TrainError::Toml(format!("state serialization: {e}")))
+        .map_err(|e| bad(path, format!("state serialization: {e}")))
 }
 
 fn states_from_bytes(
@@ -231,7 +231,11 @@ pub fn save(
         .map_err(record_err)?;
     rec.record(optim.no_decay.to_record(), tmp.join("optim-no-decay"))
         .map_err(record_err)?;
-    std::fs::write(tmp.join("state.safetensors"), states_to_bytes(states)?).map_err(io(&tmp))?;
+    std::fs::write(
+        tmp.join("state.safetensors"),
+        states_to_bytes(&tmp, states)?,
+    )
+    .map_err(io(&tmp))?;
     let json = serde_json::to_vec_pretty(trainer).expect("serializable");
     std::fs::write(tmp.join("trainer.json"), json).map_err(io(&tmp))?;
 

@@ -143,6 +143,18 @@ fn truncate_metrics(path: &Path, step: u64) -> Result<(), TrainError> {
     std::fs::write(path, kept).map_err(|e| TrainError::io(path, e))
 }
 
+/// Appends one JSON line to the metrics log and flushes it.
+fn append_json(
+    file: &mut std::fs::File,
+    path: &Path,
+    value: &impl Serialize,
+) -> Result<(), TrainError> {
+    let line = serde_json::to_string(value).expect("metrics serialize");
+    writeln!(file, "{line}")
+        .and_then(|_| file.flush())
+        .map_err(|e| TrainError::io(path, e))
+}
+
 fn mean(values: impl Iterator<Item = f64>) -> f64 {
     let (sum, n) = values.fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
     if n == 0 { 0.0 } else { sum / n as f64 }
@@ -210,11 +222,6 @@ pub fn train(
         .append(true)
         .open(&metrics_path)
         .map_err(|e| TrainError::io(&metrics_path, e))?;
-    let mut log = |value: &dyn erased::Json| -> Result<(), TrainError> {
-        writeln!(metrics, "{}", value.json())
-            .and_then(|_| metrics.flush())
-            .map_err(|e| TrainError::io(&metrics_path, e))
-    };
 
     let train_split = corpus.split(Split::Train);
     let valid_split = corpus.split(Split::Validation);
@@ -332,7 +339,7 @@ pub fn train(
             tokens_per_s: tokens as f64 / started.elapsed().as_secs_f64(),
             tokens: progress.tokens,
         };
-        log(&m)?;
+        append_json(&mut metrics, &metrics_path, &m)?;
         bar.set_position(step);
         bar.set_message(format!(
             "loss {:.3} bpb {:.3} {:.0} tok/s",
@@ -352,11 +359,15 @@ pub fn train(
             if progress.best.is_none_or(|(best, _)| report.loss < best) {
                 progress.best = Some((report.loss, step));
             }
-            log(&EvalLine {
-                kind: "eval",
-                step,
-                report: &report,
-            })?;
+            append_json(
+                &mut metrics,
+                &metrics_path,
+                &EvalLine {
+                    kind: "eval",
+                    step,
+                    report: &report,
+                },
+            )?;
             bar.println(format!(
                 "step {step}: validation loss {:.4}, {:.4} bits/byte",
                 report.loss, report.bits_per_byte
@@ -379,11 +390,15 @@ pub fn train(
         None,
         opts.progress,
     )?;
-    log(&EvalLine {
-        kind: "final_eval",
-        step: progress.step,
-        report: &report,
-    })?;
+    append_json(
+        &mut metrics,
+        &metrics_path,
+        &EvalLine {
+            kind: "final_eval",
+            step: progress.step,
+            report: &report,
+        },
+    )?;
     Ok(TrainSummary {
         step: progress.step,
         interrupted: false,
@@ -398,16 +413,4 @@ struct EvalLine<'a> {
     step: u64,
     #[serde(flatten)]
     report: &'a EvalReport,
-}
-
-/// Object-safe JSON serialization for the metrics log.
-mod erased {
-    pub trait Json {
-        fn json(&self) -> String;
-    }
-    impl<T: serde::Serialize> Json for T {
-        fn json(&self) -> String {
-            serde_json::to_string(self).expect("metrics serialize")
-        }
-    }
 }
