@@ -1,10 +1,10 @@
 //! `tvq tokenizer train`: a tokenizer from a corpus's training text.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::{Args, Subcommand, ValueEnum};
-use tvq_data::{TokenizerKind, Vocab, train_tokenizer};
+use tvq_data::{TokenizerKind, Vocab, text_files, train_tokenizer};
 
 /// Tokenizer commands.
 #[derive(Subcommand, Debug)]
@@ -40,33 +40,14 @@ pub struct TrainArgs {
     vocab_size: usize,
 }
 
-fn txt_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut files = vec![];
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for entry in
-            std::fs::read_dir(&d).with_context(|| format!("cannot read {}", d.display()))?
-        {
-            let path = entry?.path();
-            if path.is_dir() {
-                stack.push(path);
-            } else if path.extension().is_some_and(|e| e == "txt") {
-                files.push(path);
-            }
-        }
-    }
-    files.sort();
-    Ok(files)
-}
-
 /// Runs a tokenizer command.
 pub fn run(cmd: TokenizerCommand) -> Result<()> {
     let TokenizerCommand::Train(args) = cmd;
     let corpus = &args.corpus;
     let files = if corpus.join("train").is_dir() {
-        txt_files(&corpus.join("train"))?
+        text_files(&corpus.join("train"))?
     } else if corpus.is_dir() {
-        txt_files(corpus)?
+        text_files(corpus)?
     } else if corpus.is_file() {
         vec![corpus.clone()]
     } else {

@@ -246,39 +246,20 @@ fn eval_sample_and_export_on_a_trained_run() {
     .unwrap();
     assert_eq!(test["split"], "test");
 
-    let a = ok(&[
-        "sample",
-        "--checkpoint",
-        run_s,
-        "--prompt",
-        "And God",
-        "--max-tokens",
-        "40",
-        "--seed",
-        "3",
-    ]);
-    let b = ok(&[
-        "sample",
-        "--checkpoint",
-        run_s,
-        "--prompt",
-        "And God",
-        "--max-tokens",
-        "40",
-        "--seed",
-        "3",
-    ]);
-    let c = ok(&[
-        "sample",
-        "--checkpoint",
-        run_s,
-        "--prompt",
-        "And God",
-        "--max-tokens",
-        "40",
-        "--seed",
-        "4",
-    ]);
+    let sample = |seed: &str| {
+        ok(&[
+            "sample",
+            "--checkpoint",
+            run_s,
+            "--prompt",
+            "And God",
+            "--max-tokens",
+            "40",
+            "--seed",
+            seed,
+        ])
+    };
+    let (a, b, c) = (sample("3"), sample("3"), sample("4"));
     assert_eq!(a, b, "sampling is reproducible for a seed");
     assert_ne!(a, c, "another seed, another sample");
     assert!(a.starts_with("And God"));

@@ -184,7 +184,8 @@ fn cache_path(spec: &CorpusSpec, name: &str) -> PathBuf {
     }
 }
 
-fn text_files(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
+/// The `.txt` files under `dir`, recursively, in name order.
+pub fn text_files(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
     let mut files = vec![];
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {

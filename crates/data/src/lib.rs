@@ -22,7 +22,7 @@ mod tokenizer;
 pub mod vocab;
 
 pub use batch::{Batch, EvalBatches, TrainBatches, TrainCursor, TrainLayout};
-pub use corpus::{Corpus, CorpusKind, CorpusSpec, Split, TextStats, TokenSplit};
+pub use corpus::{Corpus, CorpusKind, CorpusSpec, Split, TextStats, TokenSplit, text_files};
 pub use error::DataError;
 pub use tokenizer::{SPECIAL_TOKENS, TokenizerKind, train_tokenizer};
 pub use vocab::Vocab;
