@@ -384,3 +384,53 @@ fn bad_input_is_a_one_line_error() {
     );
     fails(&["sample", "--checkpoint", run_s, "--top-p", "0"], "top-p");
 }
+
+#[test]
+fn ctrl_c_writes_a_checkpoint_and_exits_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 100_000, 100_000);
+    let run = dir.path().join("run");
+    let child = Command::new(TVQ)
+        .args([
+            "train",
+            "--config",
+            config.to_str().unwrap(),
+            "--run-dir",
+            run.to_str().unwrap(),
+            "--quiet",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until training is under way, then send SIGINT as a terminal's Ctrl-C would.
+    let start = Instant::now();
+    while std::fs::read_to_string(run.join("metrics.jsonl")).map_or(0, |m| m.lines().count()) < 3 {
+        assert!(
+            start.elapsed() < Duration::from_secs(300),
+            "training did not start"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let status = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "clean exit: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("--resume"),
+        "says how to continue"
+    );
+    let steps = losses(&run).len() as u64;
+    let checkpoint = run.join(format!("checkpoints/step-{steps:08}/manifest.json"));
+    assert!(
+        checkpoint.exists(),
+        "a checkpoint at the last finished step ({steps})"
+    );
+}
