@@ -92,6 +92,12 @@ fn fails(args: &[&str], needle: &str) {
     );
 }
 
+/// Checkpoint directories of a run.
+fn checkpoint_list(run: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(run.join("checkpoints"))
+        .map_or(vec![], |d| d.map(|e| e.unwrap().path()).collect())
+}
+
 /// Losses per step from metrics.jsonl.
 fn losses(run: &Path) -> Vec<(u64, String)> {
     std::fs::read_to_string(run.join("metrics.jsonl"))
@@ -332,6 +338,28 @@ fn bad_input_is_a_one_line_error() {
     fails(
         &["train", "--config", "/no/such/config.toml"],
         "config.toml",
+    );
+    fails(
+        &["train", "--config", c, "--run-dir", "/proc/tvq-run"],
+        "/proc/tvq-run",
+    );
+    // A diverging run stops at the first non-finite loss and names the last good checkpoint.
+    let diverged = dir.path().join("diverged");
+    let diverged_s = diverged.to_str().unwrap();
+    let blow_up = [
+        "train.lr=1e30",
+        "train.warmup_steps=0",
+        "train.grad_clip=0",
+        "train.checkpoint_every=1",
+    ];
+    let mut args = vec!["train", "--config", c, "--run-dir", diverged_s, "--quiet"];
+    for s in &blow_up {
+        args.extend(["--set", s]);
+    }
+    fails(&args, "the last good checkpoint is kept in");
+    assert!(
+        !checkpoint_list(&diverged).is_empty(),
+        "the good checkpoints stay"
     );
 
     // A run directory holding another config's checkpoints is refused.
