@@ -181,13 +181,14 @@ pub fn train(
     let rows = cfg.data.batch_size / micro;
     let fresh_states = || vec![ModelState::<B>::new(model_cfg.n_sublayers()); micro];
 
-    let (mut model, mut optim, mut states, mut progress) = match opts
+    // Without --resume the run directory holds no checkpoints (prepare_run_dir).
+    let resumed_from = opts
         .resume
         .then(|| checkpoint::latest_valid(&opts.run_dir))
-        .flatten()
-    {
+        .flatten();
+    let (mut model, mut optim, mut states, mut progress) = match &resumed_from {
         Some(dir) => {
-            let loaded = checkpoint::load(&dir, model, optim, &ad)?;
+            let loaded = checkpoint::load(dir, model, optim, &ad)?;
             tracing::info!(
                 "resuming from {} (step {})",
                 dir.display(),
@@ -239,7 +240,7 @@ pub fn train(
             .progress_chars("=> "),
     );
     bar.set_position(progress.step);
-    let mut last_checkpoint = checkpoint::latest_valid(&opts.run_dir);
+    let mut last_checkpoint = resumed_from;
     let save = |model: &Model,
                 optim: &Optimizers,
                 states: &[ModelState<B>],
