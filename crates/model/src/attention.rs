@@ -24,7 +24,7 @@ use burn::tensor::activation::softmax;
 
 use crate::config::CacheGrad;
 use crate::error::ModelError;
-use crate::quantizer::one_hot;
+use crate::quantizer::code_totals;
 
 /// Keys, values and codes of one block as they were when it was the present block.
 #[derive(Clone, Debug)]
@@ -221,18 +221,27 @@ fn cache_scores<B: Backend>(
 /// Joint softmax over window and cache scores, then the weighted values.
 /// `win_scores` `[.., n, 2L]` with `win_v` `[.., 2L, V]`; `cache_scores`
 /// `[.., n, S]` with `cache_v` `[.., S, V]`. Returns `[.., n, V]`.
+///
+/// The two groups are normalised together without concatenating them (a
+/// concatenation, and the slices after it, cost more than the softmax
+/// itself). The row maximum only keeps `exp` in range and cancels in the
+/// quotient, so it carries no gradient. Every query sees at least itself, so
+/// the maximum is finite.
 fn attend<B: Backend>(
     win_scores: Tensor<B, 5>,
     win_v: Tensor<B, 5>,
     cache_scores: Tensor<B, 5>,
     cache_v: Tensor<B, 5>,
 ) -> Tensor<B, 5> {
-    let w = win_scores.dims()[4];
-    let p = softmax(Tensor::cat(vec![win_scores, cache_scores], 4), 4);
-    let [b, h, r, n, ws] = p.dims();
-    let p_win = p.clone().slice([0..b, 0..h, 0..r, 0..n, 0..w]);
-    let p_cache = p.slice([0..b, 0..h, 0..r, 0..n, w..ws]);
-    p_win.matmul(win_v) + p_cache.matmul(cache_v)
+    let max = win_scores
+        .clone()
+        .max_dim(4)
+        .max_pair(cache_scores.clone().max_dim(4))
+        .detach(); // [.., n, 1]
+    let win_p = (win_scores - max.clone()).exp(); // [.., n, 2L], unnormalised
+    let cache_p = (cache_scores - max).exp(); // [.., n, S], unnormalised
+    let denom = win_p.clone().sum_dim(4) + cache_p.clone().sum_dim(4); // [.., n, 1]
+    (win_p.matmul(win_v) + cache_p.matmul(cache_v)) / denom
 }
 
 /// Empty-slot placeholders for a missing previous block.
@@ -372,9 +381,14 @@ pub fn block_attention<B: Backend>(
         CacheGrad::Full => prev_v,
         CacheGrad::None | CacheGrad::Window => prev_v.detach(),
     };
-    let onehot: Tensor<B, 5> = one_hot(prev_codes, s, &device); // [B, H, R, L, S]
-    let blk_counts = onehot.clone().sum_dim(3).reshape([b, h, r, s]); // [B, H, R, S]
-    let blk_sums = onehot.swap_dims(3, 4).matmul(cache_v_src); // [B, H, R, S, V]
+    let (blk_counts, blk_sums) = code_totals(
+        prev_codes.reshape([b * h * r, l]),
+        None,
+        cache_v_src.reshape([b * h * r, l, dv]),
+        s,
+    );
+    let blk_counts = blk_counts.reshape([b, h, r, s]); // [B, H, R, S]
+    let blk_sums = blk_sums.reshape([b, h, r, s, dv]); // [B, H, R, S, V]
     let counts_before = blk_counts.clone().cumsum(2) - blk_counts.clone();
     let sums_before = blk_sums.clone().cumsum(2) - blk_sums.clone();
     let (n_c, mu_c) = match state.cache {
@@ -440,9 +454,15 @@ fn fold_into_cache<B: Backend>(
 ) -> CompressedCache<B> {
     let [b, h, _, dv] = block.v.dims();
     let device = block.v.device();
-    let onehot: Tensor<B, 4> = one_hot(block.codes.clone(), s, &device); // [B, H, L, S]
-    let add_n = onehot.clone().sum_dim(2).reshape([b, h, s]);
-    let add_sum = onehot.swap_dims(2, 3).matmul(block.v.clone()); // [B, H, S, V]
+    let l = block.v.dims()[2];
+    let (add_n, add_sum) = code_totals(
+        block.codes.clone().reshape([b * h, l]),
+        None,
+        block.v.clone().reshape([b * h, l, dv]),
+        s,
+    );
+    let add_n = add_n.reshape([b, h, s]);
+    let add_sum = add_sum.reshape([b, h, s, dv]);
     let (n, mu) = match cache {
         Some(c) => (c.counts, c.means),
         None => (

@@ -9,6 +9,7 @@ use crate::attention::{self, AttentionInput, AttentionState};
 use crate::bias::PositionBias;
 use crate::config::{AttentionForm, CacheGrad, TransformerVqConfig};
 use crate::error::ModelError;
+use crate::layout::{merge_heads, split_heads};
 use crate::norm::{RmsNorm, rms_normalize};
 use crate::quantizer::{CodebookStats, VectorQuantizer};
 
@@ -101,28 +102,33 @@ impl<B: Backend> Gau<B> {
     }
 
     fn project(&self, x: Tensor<B, 3>) -> Projected<B> {
-        let [b, t, _] = x.dims();
         let (h, k, v) = (self.n_head, self.d_k, self.d_v);
         let scale = (k as f64).powf(-0.25); // twice applied: the 1/sqrt(K) of attention
         let x = self.input_norm.forward(x);
-        let heads = |y: Tensor<B, 3>, width: usize| y.reshape([b, t, h, width]).swap_dims(1, 2);
-        let q = rms_normalize(heads(self.q_proj.forward(x.clone()), k)) * scale;
-        let kvg = self.kvg_proj.forward(x); // [B, T, H (K + 2V)]
+        let q = rms_normalize(split_heads(self.q_proj.forward(x.clone()), h)) * scale;
+        // One matmul per column block of the fused weight, rather than slicing
+        // its output: slices of the last axis are strided views, and every
+        // elementwise op (and the slice's backward) on them is far slower
+        // than on contiguous tensors.
+        let w = self.kvg_proj.weight.val(); // [D, H (K + 2V)]
+        let d = w.dims()[0];
         let (hk, hv) = (h * k, h * v);
-        let k_raw = kvg.clone().slice([0..b, 0..t, 0..hk]);
-        let v_raw = kvg.clone().slice([0..b, 0..t, hk..hk + hv]);
-        let g_raw = kvg.slice([0..b, 0..t, hk + hv..hk + 2 * hv]);
+        let columns = |x: Tensor<B, 3>, cols: std::ops::Range<usize>| {
+            x.matmul(w.clone().slice([0..d, cols]).unsqueeze::<3>())
+        };
+        let k_raw = columns(x.clone(), 0..hk); // [B, T, H K]
+        let v_raw = columns(x.clone(), hk..hk + hv); // [B, T, H V]
+        let g_raw = columns(x, hk + hv..hk + 2 * hv); // [B, T, H V]
         Projected {
             q,
-            k: rms_normalize(heads(k_raw, k)) * scale,
-            v: heads(silu(v_raw), v),
+            k: rms_normalize(split_heads(k_raw, h)) * scale,
+            v: split_heads(silu(v_raw), h),
             gate: silu(g_raw),
         }
     }
 
     fn finish(&self, o: Tensor<B, 4>, gate: Tensor<B, 3>) -> Tensor<B, 3> {
-        let [b, h, t, v] = o.dims();
-        let o = o.swap_dims(1, 2).reshape([b, t, h * v]) * gate; // [B, T, H V]
+        let o = merge_heads(o) * gate; // [B, T, H V]
         self.dropout.forward(self.out_proj.forward(o))
     }
 

@@ -15,6 +15,7 @@ pub mod config;
 pub mod device;
 pub mod error;
 pub mod gau;
+pub mod layout;
 pub mod model;
 pub mod norm;
 pub mod official;

@@ -7,7 +7,7 @@
 
 use burn::module::{Module, Param};
 use burn::prelude::*;
-use burn::tensor::Distribution;
+use burn::tensor::{Distribution, IndexingUpdateOp};
 
 /// Floor on `c_count` when dividing, as in the official code.
 const MIN_COUNT: f64 = 0.01;
@@ -70,23 +70,43 @@ pub(crate) fn bool_to_float<B: Backend, const D: usize>(
     Tensor::zeros(mask.shape(), device).mask_fill(mask, 1.0)
 }
 
-/// One-hot encoding of `codes` over `n_code` classes as floats; a code equal
-/// to `n_code` (the empty-slot sentinel) encodes as all zeros.
-pub(crate) fn one_hot<B: Backend, const D: usize, const D2: usize>(
-    codes: Tensor<B, D, Int>,
+/// How many tokens carry each code, and the sum of their `values`, within
+/// each of `G` groups, by scatter-add (a one-hot matmul would cost `S` times
+/// more). `codes` `[G, N]` with values in `0..=n_code`, where `n_code` marks
+/// an empty slot that counts nowhere; `weight` `[G, N]` scales each token
+/// (e.g. 0 for padding); `values` `[G, N, W]`. Returns the counts `[G, S]`
+/// and sums `[G, S, W]`; gradient flows into `values`.
+pub(crate) fn code_totals<B: Backend>(
+    codes: Tensor<B, 2, Int>,
+    weight: Option<Tensor<B, 2>>,
+    values: Tensor<B, 3>,
     n_code: usize,
-    device: &B::Device,
-) -> Tensor<B, D2> {
-    let mut shape = codes.dims().to_vec();
-    shape.push(n_code);
-    let shape: [usize; D2] = shape.try_into().expect("D2 = D + 1");
-    let mut class_shape = [1usize; D2];
-    class_shape[D2 - 1] = n_code;
-    let classes = Tensor::<B, 1, Int>::arange(0..n_code as i64, &codes.device())
-        .reshape(class_shape)
-        .expand(shape);
-    let hit = codes.unsqueeze_dim::<D2>(D).expand(shape).equal(classes);
-    bool_to_float(hit, device)
+) -> (Tensor<B, 2>, Tensor<B, 3>) {
+    let [g, n, w] = values.dims();
+    let device = values.device();
+    let s = n_code;
+    let mut keep = bool_to_float(codes.clone().lower_elem(s as i64), &device); // [G, N]
+    if let Some(weight) = weight {
+        keep = keep * weight;
+    }
+    // Row of each token in the flattened [G S] table; an empty slot goes to
+    // code S - 1 of its group with weight 0.
+    let group =
+        Tensor::<B, 1, Int>::arange_step(0..(g * s) as i64, s, &codes.device()).reshape([g, 1]);
+    let row = (codes.clamp_max(s as i64 - 1) + group).reshape([g * n]);
+    let counts = Tensor::<B, 1>::zeros([g * s], &device)
+        .select_assign(
+            0,
+            row.clone(),
+            keep.clone().reshape([g * n]),
+            IndexingUpdateOp::Add,
+        )
+        .reshape([g, s]);
+    let weighted = (values * keep.unsqueeze_dim::<3>(2)).reshape([g * n, w]);
+    let sums = Tensor::<B, 2>::zeros([g * s, w], &device)
+        .select_assign(0, row, weighted, IndexingUpdateOp::Add)
+        .reshape([g, s, w]);
+    (counts, sums)
 }
 
 impl<B: Backend> VectorQuantizer<B> {
@@ -135,7 +155,7 @@ impl<B: Backend> VectorQuantizer<B> {
             .clone()
             .matmul(codebook.clone().swap_dims(1, 2).unsqueeze_dim(0)); // [B, H, T, S]
         let c_sq = codebook.clone().square().sum_dim(2).reshape([1, h, 1, s]); // [1, H, 1, S]
-        let dist = c_sq - cross * 2.0; // [B, H, T, S]
+        let dist = cross * -2.0 + c_sq; // [B, H, T, S]
         let codes = dist.argmin(3).reshape([b, h, t]); // [B, H, T]
 
         // Gather C_z per head from the flattened [H*S, K] codebook.
@@ -152,18 +172,23 @@ impl<B: Backend> VectorQuantizer<B> {
         let commitment = err.clone().sum_dim(1).reshape([b, t]); // [B, T]
 
         // Statistics over valid tokens only (no gradient).
-        let mut onehot: Tensor<B, 4> = one_hot(codes.clone(), s, &device); // [B, H, T, S]
-        let mut weight = Tensor::<B, 4>::ones([b, 1, t, 1], &device);
-        if let Some(valid) = valid {
-            weight = bool_to_float(valid.reshape([b, 1, t, 1]), &device);
-            onehot = onehot * weight.clone();
-        }
-        let counts = onehot.clone().sum_dim(0).sum_dim(2).reshape([h, s]);
-        let sums = onehot
-            .swap_dims(2, 3)
-            .matmul(kd.clone())
-            .sum_dim(0)
-            .reshape([h, s, d_k]);
+        let weight = valid.map(|valid| bool_to_float(valid, &device)); // [B, T]
+        let (counts, sums) = code_totals(
+            codes.clone().reshape([b * h, t]),
+            weight.clone().map(|w| {
+                w.unsqueeze_dim::<3>(1)
+                    .expand([b, h, t])
+                    .reshape([b * h, t])
+            }),
+            kd.clone().reshape([b * h, t, d_k]),
+            s,
+        );
+        let counts = counts.reshape([b, h, s]).sum_dim(0).reshape([h, s]);
+        let sums = sums.reshape([b, h, s, d_k]).sum_dim(0).reshape([h, s, d_k]);
+        let weight = weight.map_or_else(
+            || Tensor::ones([b, 1, t, 1], &device),
+            |w| w.reshape([b, 1, t, 1]),
+        );
         let sq_error = (err.detach() * weight.clone()).sum();
         let sq_norm = (kd.square().sum_dim(3) * weight).sum();
 
