@@ -8,6 +8,13 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 use tvq_model::device::DeviceSpec;
 
+/// The CPU backend allocates a fresh buffer for nearly every tensor op, many
+/// of them megabytes; glibc returns those to the kernel on free, so each new
+/// one page-faults in again. mimalloc keeps and reuses them (about 7% more
+/// training tokens/s, measured with `tvq bench --optimizer`).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Transformer-VQ: linear-time attention through vector-quantized keys.
 ///
 /// Workflow: `tvq train --config configs/quickstart.toml` trains into
