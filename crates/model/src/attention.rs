@@ -115,83 +115,83 @@ pub struct AttentionInput<B: Backend> {
     pub codebook: Tensor<B, 3>,
 }
 
-/// Window layout shared by both forms. A query at offset `i` of its block
-/// sees `2L` window slots: the previous block (`j < L`) then the present
-/// block (`j >= L`). Slot `j` is at distance `d = L + i - j`.
-struct Window {
-    /// `clamp(L + i - j, 0, L)`, `[L * 2L]` row-major over `(i, j)`.
-    distance: Vec<i64>,
-    /// Whether `(i, j)` gets a bias term, `0 <= d <= L`.
-    has_bias: Vec<bool>,
-    /// Whether `(i, j)` is a future key of the present block.
-    future: Vec<bool>,
+/// One of the two blocks a query attends key by key. For a query at offset
+/// `i` of its block, key `j` of the previous block is at distance `L + i - j`
+/// and key `j` of the present block at `i - j` (a future key when negative).
+#[derive(Clone, Copy, Debug)]
+enum WindowBlock {
+    Previous,
+    Present,
 }
 
-impl Window {
-    fn new(l: usize) -> Self {
-        let n = l * 2 * l;
-        let (mut distance, mut has_bias, mut future) = (
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-        );
-        for i in 0..l as i64 {
-            for j in 0..2 * l as i64 {
-                let d = l as i64 + i - j;
-                distance.push(d.clamp(0, l as i64));
-                has_bias.push((0..=l as i64).contains(&d));
-                future.push(d < 0);
-            }
-        }
-        Self {
-            distance,
-            has_bias,
-            future,
+/// For queries at block offsets `rows` against the `L` keys of `block`:
+/// the distances clamped to `0..=L`, and which pairs get no bias (distance
+/// outside `0..=L`; in the present block exactly the future keys).
+/// Row-major over `(i, j)`.
+fn window_distances(
+    block: WindowBlock,
+    rows: std::ops::Range<usize>,
+    l: usize,
+) -> (Vec<i64>, Vec<bool>) {
+    let offset = match block {
+        WindowBlock::Previous => l as i64,
+        WindowBlock::Present => 0,
+    };
+    let n = rows.len() * l;
+    let (mut distance, mut no_bias) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for i in rows {
+        for j in 0..l {
+            let d = offset + i as i64 - j as i64;
+            distance.push(d.clamp(0, l as i64));
+            no_bias.push(!(0..=l as i64).contains(&d));
         }
     }
+    (distance, no_bias)
 }
 
-/// Window bias `[B or 1, H, R, n, 2L]` for queries at block offsets `rows`
-/// (all `L` offsets, or the single offset of the recurrent form), from the
-/// per-distance table `bias` `[B or 1, H, R * n or 1, L + 1]`.
-fn window_bias<B: Backend>(
+/// Scores of queries `q` `[B, H, R, n, K]` at block offsets `rows` against
+/// the keys `k` `[B, H, R, L, K]` of one window block, with the relative bias
+/// from the per-distance table `bias` `[B or 1, H, R * n or 1, L + 1]`, and
+/// future keys at `-inf`. Returns `[B, H, R, n, L]`.
+fn window_scores<B: Backend>(
+    q: Tensor<B, 5>,
+    k: Tensor<B, 5>,
     bias: Tensor<B, 4>,
-    window: &Window,
+    block: WindowBlock,
     rows: std::ops::Range<usize>,
-    r: usize,
-    l: usize,
 ) -> Tensor<B, 5> {
-    let [bb, h, tb, _] = bias.dims();
-    let n = rows.len();
-    let device = bias.device();
-    let pick = |v: &[i64]| v[rows.start * 2 * l..rows.end * 2 * l].to_vec();
-    let idx = Tensor::<B, 1, Int>::from_data(
-        TensorData::new(pick(&window.distance), [n * 2 * l]),
-        &device,
-    );
-    let no_bias: Vec<bool> = window.has_bias[rows.start * 2 * l..rows.end * 2 * l]
-        .iter()
-        .map(|b| !b)
-        .collect();
-    let no_bias = Tensor::<B, 1, Bool>::from_data(TensorData::new(no_bias, [n * 2 * l]), &device);
+    let [b, h, r, n, _] = q.dims();
+    let l = k.dims()[3];
+    let [bb, _, tb, _] = bias.dims();
+    let device = q.device();
+    let (distance, no_bias) = window_distances(block, rows, l);
+    let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(distance, [n * l]), &device);
+    let no_bias = Tensor::<B, 1, Bool>::from_data(TensorData::new(no_bias, [n * l]), &device);
+    // Pairs without a bias get 0, except future keys, which get -inf: the
+    // causal mask rides on the bias add instead of costing a pass of its own.
+    let fill = match block {
+        WindowBlock::Previous => 0.0,
+        WindowBlock::Present => f32::NEG_INFINITY,
+    };
+    let scores = q.matmul(k.swap_dims(3, 4)); // [B, H, R, n, L]
     if tb == 1 {
-        // One table for all queries (Toeplitz): pick by distance.
-        bias.reshape([bb, h, l + 1])
+        // One table for all queries (Toeplitz): pick by distance. Added as
+        // rows of n L so the backend sees one shared row when H = 1.
+        let table = bias
+            .reshape([bb, h, l + 1])
             .select(2, idx)
-            .mask_fill(
-                no_bias
-                    .reshape([1, 1, n * 2 * l])
-                    .expand([bb, h, n * 2 * l]),
-                0.0,
-            )
-            .reshape([bb, h, 1, n, 2 * l])
+            .mask_fill(no_bias.reshape([1, 1, n * l]).expand([bb, h, n * l]), fill)
+            .reshape([bb, h, 1, n * l]);
+        (scores.reshape([b, h, r, n * l]) + table).reshape([b, h, r, n, l])
     } else {
         // A table per query (XL): gather each query's distances.
-        let shape = [bb, h, r, n, 2 * l];
-        let idx = idx.reshape([1, 1, 1, n, 2 * l]).expand(shape);
-        bias.reshape([bb, h, r, n, l + 1])
+        let shape = [bb, h, r, n, l];
+        let idx = idx.reshape([1, 1, 1, n, l]).expand(shape);
+        let table = bias
+            .reshape([bb, h, r, n, l + 1])
             .gather(4, idx)
-            .mask_fill(no_bias.reshape([1, 1, 1, n, 2 * l]).expand(shape), 0.0)
+            .mask_fill(no_bias.reshape([1, 1, 1, n, l]).expand(shape), fill);
+        scores + table
     }
 }
 
@@ -203,45 +203,42 @@ fn cache_scores<B: Backend>(
     codebook: Tensor<B, 3>,
     counts: Tensor<B, 4>,
 ) -> Tensor<B, 5> {
-    let [b, h, r, n, _] = q.dims();
-    let s = codebook.dims()[1];
     let c_t = codebook
         .swap_dims(1, 2)
         .unsqueeze_dim::<4>(1)
         .unsqueeze_dim::<5>(0); // [1, H, 1, K, S]
     let scores = q.matmul(c_t); // [B, H, R, n, S]
-    let log_n = counts.clone().clamp_min(1.0).log().unsqueeze_dim::<5>(3); // [B, H, R, 1, S]
-    let empty = counts
-        .equal_elem(0.0)
-        .unsqueeze_dim::<5>(3)
-        .expand([b, h, r, n, s]);
-    (scores + log_n).mask_fill(empty, f32::NEG_INFINITY)
+    // ln 0 = -inf masks the empty codes; counts carry no gradient.
+    let log_n = counts.log().unsqueeze_dim::<5>(3); // [B, H, R, 1, S]
+    scores + log_n
 }
 
-/// Joint softmax over window and cache scores, then the weighted values.
-/// `win_scores` `[.., n, 2L]` with `win_v` `[.., 2L, V]`; `cache_scores`
-/// `[.., n, S]` with `cache_v` `[.., S, V]`. Returns `[.., n, V]`.
+/// One softmax over several groups of keys, then the weighted values: each
+/// group is scores `[.., n, N_g]` with values `[.., N_g, V]`. Returns
+/// `[.., n, V]`.
 ///
-/// The two groups are normalised together without concatenating them (a
-/// concatenation, and the slices after it, cost more than the softmax
-/// itself). The row maximum only keeps `exp` in range and cancels in the
-/// quotient, so it carries no gradient. Every query sees at least itself, so
-/// the maximum is finite.
-fn attend<B: Backend>(
-    win_scores: Tensor<B, 5>,
-    win_v: Tensor<B, 5>,
-    cache_scores: Tensor<B, 5>,
-    cache_v: Tensor<B, 5>,
-) -> Tensor<B, 5> {
-    let max = win_scores
-        .clone()
-        .max_dim(4)
-        .max_pair(cache_scores.clone().max_dim(4))
+/// The groups (previous block, present block, compressed cache) are
+/// normalised together without concatenating them: a concatenation, and the
+/// slices of its gradient, cost more than the softmax itself. The row maximum
+/// only keeps `exp` in range and cancels in the quotient, so it carries no
+/// gradient. Every query sees at least itself, so the maximum is finite.
+fn attend<B: Backend, const G: usize>(groups: [(Tensor<B, 5>, Tensor<B, 5>); G]) -> Tensor<B, 5> {
+    let max = groups
+        .iter()
+        .map(|(scores, _)| scores.clone().max_dim(4))
+        .reduce(|a, b| a.max_pair(b))
+        .expect("at least one group")
         .detach(); // [.., n, 1]
-    let win_p = (win_scores - max.clone()).exp(); // [.., n, 2L], unnormalised
-    let cache_p = (cache_scores - max).exp(); // [.., n, S], unnormalised
-    let denom = win_p.clone().sum_dim(4) + cache_p.clone().sum_dim(4); // [.., n, 1]
-    (win_p.matmul(win_v) + cache_p.matmul(cache_v)) / denom
+    let mut denom = None;
+    let mut out = None;
+    for (scores, values) in groups {
+        let p = (scores - max.clone()).exp(); // [.., n, N_g], unnormalised
+        let sum = p.clone().sum_dim(4);
+        let o = p.matmul(values);
+        denom = Some(denom.map_or(sum.clone(), |d: Tensor<B, 5>| d + sum));
+        out = Some(out.map_or(o.clone(), |acc: Tensor<B, 5>| acc + o));
+    }
+    out.expect("at least one group") / denom.expect("at least one group")
 }
 
 /// Empty-slot placeholders for a missing previous block.
@@ -355,31 +352,29 @@ pub fn block_attention<B: Backend>(
         }
     }; // [B, H, R, L]
 
-    // 1 + 2: the window (previous block, then present block).
-    let win_k = Tensor::cat(vec![prev_k, k_hat.clone()], 3); // [B, H, R, 2L, K]
-    let win_v = Tensor::cat(vec![prev_v.clone(), v.clone()], 3); // [B, H, R, 2L, V]
-    let window = Window::new(l);
-    let mut masked = Vec::with_capacity(r * l * 2 * l);
-    for blk in 0..r {
-        for i in 0..l {
-            for j in 0..2 * l {
-                let missing_prev = blk == 0 && !has_prev && j < l;
-                masked.push(missing_prev || window.future[i * 2 * l + j]);
-            }
-        }
+    // 1: the present block (causal) and 2: the previous block.
+    let present_scores = window_scores(
+        q.clone(),
+        k_hat.clone(),
+        bias.clone(),
+        WindowBlock::Present,
+        0..l,
+    ); // [B, H, R, L, L]
+    let mut prev_scores = window_scores(q.clone(), prev_k, bias, WindowBlock::Previous, 0..l); // [B, H, R, L, L]
+    if !has_prev {
+        // Block 0 of a fresh stream has no previous block.
+        let first: Vec<bool> = (0..r).map(|blk| blk == 0).collect();
+        let first = Tensor::<B, 1, Bool>::from_data(TensorData::new(first, [r]), &device)
+            .reshape([1, 1, r, 1, 1])
+            .expand([b, h, r, l, l]);
+        prev_scores = prev_scores.mask_fill(first, f32::NEG_INFINITY);
     }
-    let masked = Tensor::<B, 1, Bool>::from_data(TensorData::new(masked, [r * l * 2 * l]), &device)
-        .reshape([1, 1, r, l, 2 * l])
-        .expand([b, h, r, l, 2 * l]);
-    let win_scores = q.clone().matmul(win_k.swap_dims(3, 4)) // [B, H, R, L, 2L]
-        + window_bias(bias, &window, 0..l, r, l);
-    let win_scores = win_scores.mask_fill(masked, f32::NEG_INFINITY);
 
     // 3: the compressed cache. Block r's cache holds the carried cache plus
     // the previous blocks of blocks 0..r-1 (an exclusive cumulative sum).
     let cache_v_src = match cache_grad {
-        CacheGrad::Full => prev_v,
-        CacheGrad::None | CacheGrad::Window => prev_v.detach(),
+        CacheGrad::Full => prev_v.clone(),
+        CacheGrad::None | CacheGrad::Window => prev_v.clone().detach(),
     };
     let (blk_counts, blk_sums) = code_totals(
         prev_codes.reshape([b * h * r, l]),
@@ -415,7 +410,12 @@ pub fn block_attention<B: Backend>(
     let (cache_n, cache_mu) = merge(n_c.clone(), mu_c.clone(), counts_before, sums_before);
     let c_scores = cache_scores(q, codebook, cache_n);
 
-    let out = attend(win_scores, win_v, c_scores, cache_mu).reshape([b, h, t, dv]);
+    let out = attend([
+        (present_scores, v.clone()),
+        (prev_scores, prev_v),
+        (c_scores, cache_mu),
+    ])
+    .reshape([b, h, t, dv]);
 
     // State after the segment: the last block is the new previous block; the
     // cache absorbs every block's previous block.
@@ -523,20 +523,25 @@ pub fn step_attention<B: Backend>(
         .prev
         .unwrap_or_else(|| empty_block(b, h, l, dk, dv, s, &device));
 
-    let window = Window::new(l);
-    let masked: Vec<bool> = (0..2 * l)
-        .map(|j| (j < l && !has_prev) || window.future[i * 2 * l + j])
-        .collect();
-    let masked = Tensor::<B, 1, Bool>::from_data(TensorData::new(masked, [2 * l]), &device)
-        .reshape([1, 1, 1, 1, 2 * l])
-        .expand([b, h, 1, 1, 2 * l]);
     let q = q.unsqueeze_dim::<5>(2); // [B, H, 1, 1, K]
-    let win_k =
-        Tensor::cat(vec![prev.k_hat.clone(), current.k_hat.clone()], 2).unsqueeze_dim::<5>(2); // [B, H, 1, 2L, K]
-    let win_v = Tensor::cat(vec![prev.v.clone(), current.v.clone()], 2).unsqueeze_dim::<5>(2); // [B, H, 1, 2L, V]
-    let win_scores = (q.clone().matmul(win_k.swap_dims(3, 4))
-        + window_bias(bias, &window, i..i + 1, 1, l))
-    .mask_fill(masked, f32::NEG_INFINITY); // [B, H, 1, 1, 2L]
+    let block = |x: &Tensor<B, 4>| x.clone().unsqueeze_dim::<5>(2); // [B, H, 1, L, width]
+    let present_scores = window_scores(
+        q.clone(),
+        block(&current.k_hat),
+        bias.clone(),
+        WindowBlock::Present,
+        i..i + 1,
+    ); // [B, H, 1, 1, L]
+    let mut prev_scores = window_scores(
+        q.clone(),
+        block(&prev.k_hat),
+        bias,
+        WindowBlock::Previous,
+        i..i + 1,
+    ); // [B, H, 1, 1, L]
+    if !has_prev {
+        prev_scores = prev_scores.full_like(f32::NEG_INFINITY);
+    }
 
     let (cache_n, cache_mu) = match &state.cache {
         Some(c) => (c.counts.clone(), c.means.clone()),
@@ -546,7 +551,12 @@ pub fn step_attention<B: Backend>(
         ),
     };
     let c_scores = cache_scores(q, codebook, cache_n.unsqueeze_dim(2)); // [B, H, 1, 1, S]
-    let out = attend(win_scores, win_v, c_scores, cache_mu.unsqueeze_dim(2)).reshape([b, h, 1, dv]);
+    let out = attend([
+        (present_scores, block(&current.v)),
+        (prev_scores, block(&prev.v)),
+        (c_scores, cache_mu.unsqueeze_dim(2)),
+    ])
+    .reshape([b, h, 1, dv]);
 
     // At the end of a block the previous block leaves the window.
     let new_state = if i + 1 == l {
