@@ -109,6 +109,17 @@ pub struct ExportArgs {
     out: PathBuf,
 }
 
+/// Options of `tvq plot`.
+#[derive(Args, Debug)]
+pub struct PlotArgs {
+    /// Run directory holding metrics.jsonl (training may still be going on).
+    #[arg(long)]
+    run_dir: PathBuf,
+    /// PNG to write [default: RUN_DIR/loss.png].
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
 fn init_device(spec: DeviceSpec) -> Result<DispatchDevice> {
     let (device, info) = spec.init()?;
     tracing::info!("device: {info}");
@@ -330,5 +341,19 @@ pub fn run_export(args: ExportArgs) -> Result<()> {
         args.out.display(),
         tvq_train::export::info_path(&args.out).display()
     );
+    Ok(())
+}
+
+/// Runs `tvq plot`.
+pub fn run_plot(args: PlotArgs) -> Result<()> {
+    let out = args.out.unwrap_or_else(|| args.run_dir.join("loss.png"));
+    let title = args
+        .run_dir
+        .canonicalize()
+        .ok()
+        .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "tvq".into());
+    tvq_train::plot::plot_metrics(&args.run_dir.join("metrics.jsonl"), &out, &title)?;
+    println!("wrote {}", out.display());
     Ok(())
 }

@@ -39,6 +39,8 @@ enum Command {
     Sample(commands::SampleArgs),
     /// Write a checkpoint's weights as safetensors, with its config as JSON.
     Export(commands::ExportArgs),
+    /// Draw a run's loss curves (training and validation bits per byte) to a PNG.
+    Plot(commands::PlotArgs),
     /// Measure forward+backward throughput of the GAU stack, VQ attention
     /// against the quadratic baseline, over several sequence lengths.
     Bench(bench::BenchArgs),
@@ -65,6 +67,7 @@ fn main() {
         Command::Eval(args) => commands::run_eval(args),
         Command::Sample(args) => commands::run_sample(args),
         Command::Export(args) => commands::run_export(args),
+        Command::Plot(args) => commands::run_plot(args),
         Command::Bench(args) => bench::run(args),
         Command::Tokenizer(cmd) => tokenizer::run(cmd),
     };

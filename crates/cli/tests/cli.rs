@@ -229,6 +229,17 @@ fn eval_sample_and_export_on_a_trained_run() {
         out.contains("bits/byte"),
         "training ends with a validation line: {out}"
     );
+    let png = std::fs::read(run.join("loss.png")).expect("training draws loss.png");
+    assert_eq!(&png[..4], b"\x89PNG");
+    let replot = dir.path().join("curves.png");
+    ok(&[
+        "plot",
+        "--run-dir",
+        run_s,
+        "--out",
+        replot.to_str().unwrap(),
+    ]);
+    assert!(replot.exists(), "tvq plot draws on demand");
 
     let report: serde_json::Value =
         serde_json::from_str(&ok(&["eval", "--checkpoint", run_s, "--json"])).unwrap();

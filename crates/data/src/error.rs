@@ -8,12 +8,13 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum DataError {
     /// The path does not exist or cannot be read.
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}: {error}")]
     Io {
         /// The path.
         path: PathBuf,
-        /// The OS error.
-        source: std::io::Error,
+        /// The OS error (in the message, not a separate `source`, so that
+        /// an error chain prints it once).
+        error: std::io::Error,
     },
     /// The corpus holds no tokens.
     #[error("{path} is empty: point the data path at a non-empty corpus")]
@@ -94,7 +95,7 @@ impl DataError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Self::Io {
             path: path.into(),
-            source,
+            error: source,
         }
     }
 }

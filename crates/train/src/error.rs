@@ -8,12 +8,13 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum TrainError {
     /// A file could not be read or written.
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         /// The path.
         path: PathBuf,
-        /// The OS error.
-        source: std::io::Error,
+        /// The OS error (in the message, not a separate `source`, so that
+        /// an error chain prints it once).
+        error: std::io::Error,
     },
     /// The config text does not parse or has unknown keys.
     #[error("config: {0}")]
@@ -48,6 +49,14 @@ pub enum TrainError {
         /// The run directory.
         path: PathBuf,
     },
+    /// The loss curves cannot be drawn.
+    #[error("plot {path}: {reason}")]
+    Plot {
+        /// The metrics file or the PNG.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
     /// The loss stopped being a finite number.
     #[error("loss is {loss} at step {step}; the last good checkpoint is kept in {checkpoint}")]
     NonFinite {
@@ -64,7 +73,7 @@ impl TrainError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Self::Io {
             path: path.into(),
-            source,
+            error: source,
         }
     }
 }

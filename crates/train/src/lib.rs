@@ -10,6 +10,7 @@ pub mod error;
 pub mod evaluate;
 pub mod export;
 pub mod optim;
+pub mod plot;
 pub mod sample;
 pub mod trainer;
 

@@ -27,6 +27,7 @@ use crate::config::RunConfig;
 use crate::error::TrainError;
 use crate::evaluate::{EvalReport, batch_tensors, evaluate};
 use crate::optim::{B, Model, Optimizers, clip_global_norm, learning_rate};
+use crate::plot;
 
 /// How `train` is run.
 #[derive(Clone, Debug)]
@@ -260,6 +261,7 @@ pub fn train(
             let dir = save(&model, &optim, &states, &progress)?;
             bar.abandon_with_message("interrupted");
             tracing::info!("interrupted: checkpoint written to {}", dir.display());
+            draw_curves(&opts.run_dir);
             return Ok(TrainSummary {
                 step: progress.step,
                 interrupted: true,
@@ -400,12 +402,26 @@ pub fn train(
             report: &report,
         },
     )?;
+    draw_curves(&opts.run_dir);
     Ok(TrainSummary {
         step: progress.step,
         interrupted: false,
         validation: Some(report),
         checkpoint,
     })
+}
+
+/// Draws `loss.png` into the run directory from the metrics so far. A
+/// failure only warns: the run itself is complete and saved.
+fn draw_curves(run_dir: &Path) {
+    let out = run_dir.join("loss.png");
+    let title = run_dir
+        .file_name()
+        .map_or_else(|| "tvq".to_string(), |n| n.to_string_lossy().into_owned());
+    match plot::plot_metrics(&run_dir.join("metrics.jsonl"), &out, &title) {
+        Ok(()) => tracing::info!("loss curves: {}", out.display()),
+        Err(e) => tracing::warn!("no loss curves: {e}"),
+    }
 }
 
 #[derive(Serialize)]

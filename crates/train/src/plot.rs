@@ -1,0 +1,294 @@
+//! A run's loss curves, drawn from its `metrics.jsonl` to a PNG.
+//!
+//! Training bits per byte per step (faint) with its moving average, the
+//! periodic validation points and the final full validation, against the
+//! optimizer step. The trainer draws `loss.png` into the run directory at the
+//! end of a run; `tvq plot` draws it on demand (also mid-run).
+
+use std::path::Path;
+use std::sync::Once;
+
+use plotters::prelude::*;
+use plotters::style::{FontStyle, register_font};
+use serde::Deserialize;
+
+use crate::error::TrainError;
+
+/// DejaVu Sans (see `assets/DejaVuSans-LICENSE.txt`), so text renders the
+/// same on every machine, with no system fonts involved.
+static FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
+
+/// Steps in the moving average of the training curve.
+const SMOOTHING: usize = 25;
+
+/// The points of one run's curves, in bits per byte.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Curves {
+    /// `(step, bits per byte)` of every training step.
+    pub train: Vec<(u64, f64)>,
+    /// `(step, bits per byte)` of every periodic validation.
+    pub validation: Vec<(u64, f64)>,
+    /// `(step, bits per byte)` of the final full validation, once there is one.
+    pub final_validation: Option<(u64, f64)>,
+}
+
+#[derive(Deserialize)]
+struct Line {
+    kind: String,
+    step: u64,
+    bits_per_byte: f64,
+}
+
+impl Curves {
+    /// Reads `metrics.jsonl`; lines of other kinds are skipped, a line that
+    /// does not parse is an error naming it.
+    pub fn read(path: &Path) -> Result<Self, TrainError> {
+        let text = std::fs::read_to_string(path).map_err(|e| TrainError::io(path, e))?;
+        let mut curves = Self::default();
+        for (i, line) in text
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+        {
+            let line: Line = serde_json::from_str(line).map_err(|e| TrainError::Plot {
+                path: path.to_path_buf(),
+                reason: format!("line {}: {e}", i + 1),
+            })?;
+            let point = (line.step, line.bits_per_byte);
+            match line.kind.as_str() {
+                "train" => curves.train.push(point),
+                "eval" => curves.validation.push(point),
+                "final_eval" => curves.final_validation = Some(point),
+                _ => {}
+            }
+        }
+        Ok(curves)
+    }
+
+    /// The mean of the last [`SMOOTHING`] training points at each step.
+    pub fn smoothed_train(&self) -> Vec<(u64, f64)> {
+        let mut sum = 0.0;
+        self.train
+            .iter()
+            .enumerate()
+            .map(|(i, &(step, y))| {
+                sum += y;
+                if i >= SMOOTHING {
+                    sum -= self.train[i - SMOOTHING].1;
+                }
+                (step, sum / (i + 1).min(SMOOTHING) as f64)
+            })
+            .collect()
+    }
+}
+
+/// Draws the curves of `metrics` (a `metrics.jsonl`) to the PNG `out`, titled `title`.
+pub fn plot_metrics(metrics: &Path, out: &Path, title: &str) -> Result<(), TrainError> {
+    let curves = Curves::read(metrics)?;
+    if curves.train.is_empty() {
+        return Err(TrainError::Plot {
+            path: metrics.to_path_buf(),
+            reason: "no training steps recorded yet".into(),
+        });
+    }
+    let root = BitMapBackend::new(out, SIZE).into_drawing_area();
+    draw(&curves, &root, title)
+        .and_then(|()| root.present().map_err(|e| e.to_string()))
+        .map_err(|reason| TrainError::Plot {
+            path: out.to_path_buf(),
+            reason,
+        })
+}
+
+/// Width and height of the PNG in pixels.
+pub const SIZE: (u32, u32) = (960, 540);
+
+/// Draws `curves` onto `root` (any plotters backend).
+fn draw<DB: DrawingBackend>(
+    curves: &Curves,
+    root: &DrawingArea<DB, plotters::coord::Shift>,
+    title: &str,
+) -> Result<(), String> {
+    static REGISTER: Once = Once::new();
+    REGISTER.call_once(|| {
+        // The font is compiled in and known to parse; a failure would show as missing text.
+        let _ = register_font("sans-serif", FontStyle::Normal, FONT);
+    });
+    let smoothed = curves.smoothed_train();
+    let evals: Vec<(u64, f64)> = curves
+        .validation
+        .iter()
+        .chain(curves.final_validation.iter())
+        .copied()
+        .collect();
+    let last_step = curves
+        .train
+        .iter()
+        .chain(&evals)
+        .map(|p| p.0)
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    // The y range follows the smoothed curve and the validations, so the
+    // first steps (~8 bits per byte) do not flatten everything after them.
+    let ys = smoothed.iter().chain(&evals).map(|p| p.1);
+    let (lo, hi) = ys.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), y| {
+        (lo.min(y), hi.max(y))
+    });
+    let pad = ((hi - lo) * 0.05).max(0.01);
+    let (lo, hi) = ((lo - pad).max(0.0), hi + pad);
+
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(root)
+        .caption(title, ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(40)
+        .y_label_area_size(56)
+        .build_cartesian_2d(0u64..last_step, lo..hi)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("optimizer step")
+        .y_desc("bits per byte")
+        .light_line_style(WHITE.mix(0.0))
+        .draw()
+        .map_err(|e| err(&e))?;
+    let faint = BLUE.mix(0.25);
+    chart
+        .draw_series(LineSeries::new(
+            curves.train.iter().map(|&(x, y)| (x, y.min(hi))),
+            faint,
+        ))
+        .map_err(|e| err(&e))?
+        .label("train, per step")
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], faint));
+    chart
+        .draw_series(LineSeries::new(smoothed, BLUE.stroke_width(2)))
+        .map_err(|e| err(&e))?
+        .label(format!("train, {SMOOTHING}-step mean"))
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
+    if !evals.is_empty() {
+        chart
+            .draw_series(LineSeries::new(evals.clone(), RED.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label("validation")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED.stroke_width(2)));
+        chart
+            .draw_series(evals.iter().map(|&p| Circle::new(p, 4, RED.filled())))
+            .map_err(|e| err(&e))?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK.mix(0.3))
+        .label_font(("sans-serif", 16))
+        .draw()
+        .map_err(|e| err(&e))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn metrics(lines: &[&str]) -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        (dir, path)
+    }
+
+    fn train_line(step: u64, bpb: f64) -> String {
+        format!(r#"{{"kind":"train","step":{step},"lr":0.001,"bits_per_byte":{bpb}}}"#)
+    }
+
+    #[test]
+    fn reads_each_kind_and_names_a_bad_line() {
+        let lines = [
+            train_line(1, 8.0),
+            train_line(2, 6.0),
+            r#"{"kind":"eval","step":2,"bits_per_byte":5.5,"tokens":10}"#.into(),
+            r#"{"kind":"final_eval","step":2,"bits_per_byte":5.25}"#.into(),
+            r#"{"kind":"something_else","step":2,"bits_per_byte":1.0}"#.into(),
+        ];
+        let refs: Vec<&str> = lines.iter().map(String::as_str).collect();
+        let (_dir, path) = metrics(&refs);
+        let curves = Curves::read(&path).unwrap();
+        assert_eq!(curves.train, vec![(1, 8.0), (2, 6.0)]);
+        assert_eq!(curves.validation, vec![(2, 5.5)]);
+        assert_eq!(curves.final_validation, Some((2, 5.25)));
+
+        let (_dir, path) = metrics(&[&train_line(1, 8.0), "{not json"]);
+        let err = Curves::read(&path).unwrap_err().to_string();
+        assert!(err.contains("line 2"), "{err}");
+    }
+
+    #[test]
+    fn smoothing_is_a_trailing_mean() {
+        let curves = Curves {
+            train: (0..60).map(|i| (i, i as f64)).collect(),
+            ..Curves::default()
+        };
+        let s = curves.smoothed_train();
+        assert_eq!(s[0], (0, 0.0));
+        assert_eq!(s[3], (3, 1.5)); // mean of 0..=3
+        // Step 59: mean of 35..=59.
+        assert!((s[59].1 - 47.0).abs() < 1e-12);
+    }
+
+    /// Pixels that are clearly red (validation) and clearly blue (training mean).
+    fn render(curves: &Curves) -> (usize, usize) {
+        let (w, h) = SIZE;
+        let mut buf = vec![0u8; (w * h * 3) as usize];
+        {
+            let root = BitMapBackend::with_buffer(&mut buf, SIZE).into_drawing_area();
+            draw(curves, &root, "test").unwrap();
+            root.present().unwrap();
+        }
+        let px = buf.chunks(3);
+        let red = px
+            .clone()
+            .filter(|p| p[0] > 200 && p[1] < 60 && p[2] < 60)
+            .count();
+        let blue = px.filter(|p| p[2] > 200 && p[0] < 60 && p[1] < 60).count();
+        (red, blue)
+    }
+
+    #[test]
+    fn draws_the_training_and_validation_curves() {
+        let train: Vec<(u64, f64)> = (1..=200).map(|i| (i, 8.0 / (i as f64).sqrt())).collect();
+        let with_eval = Curves {
+            train: train.clone(),
+            validation: vec![(100, 1.0), (200, 0.7)],
+            final_validation: Some((200, 0.68)),
+        };
+        let (red, blue) = render(&with_eval);
+        assert!(red > 100, "validation curve drawn: {red} red pixels");
+        assert!(blue > 300, "training curve drawn: {blue} blue pixels");
+        let (red, _) = render(&Curves {
+            train,
+            ..Curves::default()
+        });
+        assert_eq!(red, 0, "no validation, nothing red");
+    }
+
+    #[test]
+    fn writes_a_png_and_refuses_an_empty_run() {
+        let lines = [train_line(1, 8.0), train_line(2, 7.0), train_line(3, 6.5)];
+        let refs: Vec<&str> = lines.iter().map(String::as_str).collect();
+        let (dir, path) = metrics(&refs);
+        let out = dir.path().join("loss.png");
+        plot_metrics(&path, &out, "run").unwrap();
+        let png = std::fs::read(&out).unwrap();
+        assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+        // IHDR: width and height, big-endian, at bytes 16..24.
+        assert_eq!(u32::from_be_bytes(png[16..20].try_into().unwrap()), SIZE.0);
+        assert_eq!(u32::from_be_bytes(png[20..24].try_into().unwrap()), SIZE.1);
+
+        let (_dir, empty) = metrics(&[]);
+        let err = plot_metrics(&empty, &out, "run").unwrap_err().to_string();
+        assert!(err.contains("no training steps"), "{err}");
+    }
+}
