@@ -229,16 +229,17 @@ fn attend<B: Backend, const G: usize>(groups: [(Tensor<B, 5>, Tensor<B, 5>); G])
         .reduce(|a, b| a.max_pair(b))
         .expect("at least one group")
         .detach(); // [.., n, 1]
-    let mut denom = None;
-    let mut out = None;
+    let mut total: Option<(Tensor<B, 5>, Tensor<B, 5>)> = None; // (sum p v, sum p)
     for (scores, values) in groups {
         let p = (scores - max.clone()).exp(); // [.., n, N_g], unnormalised
-        let sum = p.clone().sum_dim(4);
-        let o = p.matmul(values);
-        denom = Some(denom.map_or(sum.clone(), |d: Tensor<B, 5>| d + sum));
-        out = Some(out.map_or(o.clone(), |acc: Tensor<B, 5>| acc + o));
+        let (o, z) = (p.clone().matmul(values), p.sum_dim(4)); // [.., n, V], [.., n, 1]
+        total = Some(match total {
+            Some((acc_o, acc_z)) => (acc_o + o, acc_z + z),
+            None => (o, z),
+        });
     }
-    out.expect("at least one group") / denom.expect("at least one group")
+    let (o, z) = total.expect("at least one group");
+    o / z
 }
 
 /// Empty-slot placeholders for a missing previous block.

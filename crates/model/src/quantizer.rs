@@ -263,3 +263,46 @@ impl<B: Backend> CodebookStats<B> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::flex::FlexDevice;
+    use burn::{Dispatch, DispatchDevice};
+
+    use super::*;
+
+    #[test]
+    fn code_totals_count_and_sum_per_group_and_skip_empty_slots() {
+        let device = DispatchDevice::Flex(FlexDevice);
+        // Two groups of four tokens, S = 3; code 3 is the empty-slot sentinel.
+        let codes = Tensor::<Dispatch, 2, Int>::from_data([[0, 2, 0, 3], [1, 1, 3, 2]], &device);
+        let values = Tensor::<Dispatch, 3>::from_data(
+            [
+                [[1.0, 10.0], [2.0, 20.0], [3.0, 30.0], [4.0, 40.0]],
+                [[5.0, 50.0], [6.0, 60.0], [7.0, 70.0], [8.0, 80.0]],
+            ],
+            &device,
+        );
+        let weight = Tensor::<Dispatch, 2>::from_data([[1.0, 1.0, 0.0, 1.0], [1.0; 4]], &device);
+        let (counts, sums) = code_totals(codes.clone(), None, values.clone(), 3);
+        counts.into_data().assert_eq(
+            &TensorData::from([[2.0f32, 0.0, 1.0], [0.0, 2.0, 1.0]]),
+            false,
+        );
+        sums.into_data().assert_eq(
+            &TensorData::from([
+                [[4.0f32, 40.0], [0.0, 0.0], [2.0, 20.0]],
+                [[0.0, 0.0], [11.0, 110.0], [8.0, 80.0]],
+            ]),
+            false,
+        );
+        // A zero weight removes the token from both.
+        let (counts, sums) = code_totals(codes, Some(weight), values, 3);
+        counts.into_data().assert_eq(
+            &TensorData::from([[1.0f32, 0.0, 1.0], [0.0, 2.0, 1.0]]),
+            false,
+        );
+        let first = sums.slice([0..1, 0..1, 0..2]).into_data();
+        first.assert_eq(&TensorData::from([[[1.0f32, 10.0]]]), false);
+    }
+}
