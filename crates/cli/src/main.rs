@@ -20,8 +20,9 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// Workflow: `tvq train --config configs/quickstart.toml` trains into
 /// runs/quickstart (resume an interrupted run with --resume); `tvq eval
 /// --checkpoint runs/quickstart` reports bits per byte; `tvq sample
-/// --checkpoint runs/quickstart --prompt "..."` generates text; `tvq export`
-/// writes safetensors. Every command takes --device cpu|wgpu|cuda.
+/// --checkpoint runs/quickstart --prompt "..."` generates text; `tvq plot
+/// --run-dir runs/quickstart` draws the loss curves; `tvq export` writes
+/// safetensors. train, eval, sample and bench take --device cpu|wgpu|cuda.
 #[derive(Parser, Debug)]
 #[command(name = "tvq", version, about, long_about)]
 struct Cli {
