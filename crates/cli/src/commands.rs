@@ -347,13 +347,7 @@ pub fn run_export(args: ExportArgs) -> Result<()> {
 /// Runs `tvq plot`.
 pub fn run_plot(args: PlotArgs) -> Result<()> {
     let out = args.out.unwrap_or_else(|| args.run_dir.join("loss.png"));
-    let title = args
-        .run_dir
-        .canonicalize()
-        .ok()
-        .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
-        .unwrap_or_else(|| "tvq".into());
-    tvq_train::plot::plot_metrics(&args.run_dir.join("metrics.jsonl"), &out, &title)?;
+    tvq_train::plot::plot_run(&args.run_dir, &out)?;
     println!("wrote {}", out.display());
     Ok(())
 }

@@ -93,6 +93,28 @@ fn fails(args: &[&str], needle: &str) {
 }
 
 /// Checkpoint directories of a run.
+/// `tvq train --quiet` on `config` into `run` in the background, its stdout
+/// and stderr made by `stdio`.
+fn spawn_train(
+    config: &str,
+    run: &Path,
+    stdio: fn() -> std::process::Stdio,
+) -> std::process::Child {
+    Command::new(TVQ)
+        .args([
+            "train",
+            "--config",
+            config,
+            "--run-dir",
+            run.to_str().unwrap(),
+            "--quiet",
+        ])
+        .stdout(stdio())
+        .stderr(stdio())
+        .spawn()
+        .unwrap()
+}
+
 fn checkpoint_list(run: &Path) -> Vec<PathBuf> {
     std::fs::read_dir(run.join("checkpoints"))
         .map_or(vec![], |d| d.map(|e| e.unwrap().path()).collect())
@@ -155,19 +177,7 @@ fn killed_and_resumed_training_equals_uninterrupted_training() {
 
     // Second run: SIGKILL as soon as checkpoint K exists, then resume.
     let killed = dir.path().join("killed");
-    let mut child = Command::new(TVQ)
-        .args([
-            "train",
-            "--config",
-            config,
-            "--run-dir",
-            killed.to_str().unwrap(),
-            "--quiet",
-        ])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_train(config, &killed, std::process::Stdio::null);
     let marker = killed.join(format!("checkpoints/step-{k:08}/manifest.json"));
     let start = Instant::now();
     while !marker.exists() {
@@ -429,19 +439,7 @@ fn ctrl_c_writes_a_checkpoint_and_exits_cleanly() {
     let dir = tempfile::tempdir().unwrap();
     let config = tiny_config(dir.path(), 100_000, 100_000);
     let run = dir.path().join("run");
-    let child = Command::new(TVQ)
-        .args([
-            "train",
-            "--config",
-            config.to_str().unwrap(),
-            "--run-dir",
-            run.to_str().unwrap(),
-            "--quiet",
-        ])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = spawn_train(config.to_str().unwrap(), &run, std::process::Stdio::piped);
     // Wait until training is under way, then send SIGINT as a terminal's Ctrl-C would.
     let start = Instant::now();
     while std::fs::read_to_string(run.join("metrics.jsonl")).map_or(0, |m| m.lines().count()) < 3 {

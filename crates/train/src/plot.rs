@@ -82,6 +82,17 @@ impl Curves {
     }
 }
 
+/// Draws the curves of the run in `run_dir` (its `metrics.jsonl`) to the PNG
+/// `out`, titled with the run directory's name.
+pub fn plot_run(run_dir: &Path, out: &Path) -> Result<(), TrainError> {
+    let title = run_dir
+        .canonicalize()
+        .ok()
+        .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "tvq".into());
+    plot_metrics(&run_dir.join("metrics.jsonl"), out, &title)
+}
+
 /// Draws the curves of `metrics` (a `metrics.jsonl`) to the PNG `out`, titled `title`.
 pub fn plot_metrics(metrics: &Path, out: &Path, title: &str) -> Result<(), TrainError> {
     let curves = Curves::read(metrics)?;

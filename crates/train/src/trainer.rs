@@ -415,10 +415,7 @@ pub fn train(
 /// failure only warns: the run itself is complete and saved.
 fn draw_curves(run_dir: &Path) {
     let out = run_dir.join("loss.png");
-    let title = run_dir
-        .file_name()
-        .map_or_else(|| "tvq".to_string(), |n| n.to_string_lossy().into_owned());
-    match plot::plot_metrics(&run_dir.join("metrics.jsonl"), &out, &title) {
+    match plot::plot_run(run_dir, &out) {
         Ok(()) => tracing::info!("loss curves: {}", out.display()),
         Err(e) => tracing::warn!("no loss curves: {e}"),
     }
