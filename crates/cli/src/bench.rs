@@ -8,7 +8,8 @@ use burn::{Dispatch, DispatchDevice};
 use clap::Args;
 use serde_json::json;
 use tvq_model::device::DeviceSpec;
-use tvq_model::{AttentionForm, TransformerVqConfig, masked_mean, token_nll};
+use tvq_model::{AttentionForm, TransformerVqConfig};
+use tvq_train::step::{Shard, compute_gradients};
 
 type B = Dispatch;
 
@@ -58,6 +59,10 @@ pub struct BenchArgs {
     /// AdamW and the EMA codebook update (default: forward and backward only).
     #[arg(long)]
     optimizer: bool,
+    /// Threads that run shards of the batch at once, as `train.workers`
+    /// (divides --batch).
+    #[arg(long, default_value_t = 1)]
+    workers: usize,
     /// Measure the data loader instead: training-batch production from this
     /// byte-level text file or directory, for each --seq-len as the segment length.
     #[arg(long)]
@@ -135,6 +140,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if let Some(path) = &args.loader {
         return bench_loader(&args, path);
     }
+    if args.workers == 0 || !args.batch.is_multiple_of(args.workers) {
+        anyhow::bail!(
+            "--workers {} must be positive and divide --batch {}",
+            args.workers,
+            args.batch
+        );
+    }
     let (device, info) = args.device.init()?;
     let device = DispatchDevice::autodiff(device);
     let forms = args
@@ -144,8 +156,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .collect::<Result<Vec<_>>>()?;
     if !args.json {
         println!(
-            "device: {info}; batch {}, d_model {}, d_k {}, d_v {}, {} layers, S {}, L {}",
-            args.batch, args.d_model, args.d_k, args.d_v, args.n_layer, args.n_code, args.block_len
+            "device: {info}; batch {} on {} workers, d_model {}, d_k {}, d_v {}, {} layers, S {}, L {}",
+            args.batch,
+            args.workers,
+            args.d_model,
+            args.d_k,
+            args.d_v,
+            args.n_layer,
+            args.n_code,
+            args.block_len
         );
         println!(
             "{:<10} {:>8} {:>14} {:>14}",
@@ -186,18 +205,27 @@ pub fn run(args: BenchArgs) -> Result<()> {
             let tokens: Vec<i64> = (0..args.batch * t).map(|i| (i * 31 % 256) as i64).collect();
             let tokens =
                 Tensor::<B, 2, Int>::from_data(TensorData::new(tokens, [args.batch, t]), &device);
+            let rows = args.batch / args.workers;
             let mut step = || -> Result<()> {
                 let m = model.take().expect("the model is put back after each step");
-                let out = m.forward(tokens.clone(), m.empty_state(), None)?;
-                let loss = masked_mean(token_nll(out.logits, tokens.clone()), None)
-                    + masked_mean(out.commitment, None) * 1e-4;
-                let grads = loss.backward();
+                let shards = (0..args.workers)
+                    .map(|w| {
+                        let part = tokens.clone().slice([w * rows..(w + 1) * rows, 0..t]);
+                        Shard {
+                            inputs: part.clone(),
+                            targets: part,
+                            valid: Tensor::<B, 2, Bool>::full([rows, t], true, &device),
+                            state: m.empty_state(),
+                        }
+                    })
+                    .collect();
+                let step = compute_gradients(&m, shards, args.workers, train_cfg.commit_weight)?;
                 let m = if args.optimizer {
-                    let mut grads = burn::optim::GradientsParams::from_grads(grads, &m);
+                    let mut grads = step.grads;
                     tvq_train::optim::clip_global_norm(&m, &mut grads, train_cfg.grad_clip);
                     optim
                         .step(train_cfg.lr, m, grads)
-                        .update_codebooks(&out.stats, train_cfg.codebook_decay)
+                        .update_codebooks(&step.stats, train_cfg.codebook_decay)
                 } else {
                     m
                 };
@@ -220,6 +248,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     json!({
                         "form": form_name, "seq_len": t, "batch": args.batch,
                         "tokens_per_s": tokens_per_s, "peak_rss_bytes": rss, "device": info,
+                        "workers": args.workers,
                         "step": if args.optimizer { "full" } else { "forward+backward" },
                     })
                 );

@@ -67,6 +67,10 @@ pub struct EvalArgs {
     /// Device: cpu, wgpu, wgpu:N, cuda or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     device: DeviceSpec,
+    /// Threads that score groups of the batch's rows at once (default: the
+    /// config's train.workers).
+    #[arg(long)]
+    workers: Option<usize>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -254,6 +258,7 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
         cfg.eval.update_len,
         None,
         !args.json,
+        args.workers.unwrap_or(cfg.train.workers),
     )?;
     if args.json {
         let mut v = serde_json::to_value(&report)?;

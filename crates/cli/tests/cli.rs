@@ -222,6 +222,77 @@ fn killed_and_resumed_training_equals_uninterrupted_training() {
 }
 
 #[test]
+fn worker_threads_train_exactly_like_sequential_micro_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let total = 5;
+    let config = tiny_config(dir.path(), total, 5);
+    let config = config.to_str().unwrap();
+    // Dropout would force one worker: its draws must stay in order.
+    let args = |run: &Path, workers: &str, micro: &str| -> Vec<String> {
+        let run = run.to_str().unwrap();
+        let set = [
+            "model.dropout_residual=0".to_string(),
+            "model.dropout_layer=0".into(),
+            format!("train.workers={workers}"),
+            format!("train.micro_batches={micro}"),
+        ];
+        let mut args: Vec<String> = ["train", "--config", config, "--run-dir", run, "--quiet"]
+            .map(String::from)
+            .into();
+        for s in set {
+            args.extend(["--set".to_string(), s]);
+        }
+        args
+    };
+    let train = |run: &Path, workers: &str, micro: &str| {
+        ok(&args(run, workers, micro)
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>())
+    };
+    // The same two shards of two rows: one after another, or on two threads.
+    let (sequential, parallel) = (dir.path().join("seq"), dir.path().join("par"));
+    train(&sequential, "1", "2");
+    train(&parallel, "2", "1");
+    let (a, b) = (losses(&sequential), losses(&parallel));
+    assert_eq!(a.len(), total as usize);
+    assert_eq!(
+        a, b,
+        "every step's loss, gradient norm and commitment match"
+    );
+    assert!(
+        final_weights(&sequential, total) == final_weights(&parallel, total),
+        "final weights differ"
+    );
+
+    // Evaluation on two threads scores the same tokens to the same loss
+    // (up to the summation order of the row groups).
+    let eval = |workers: &str| -> serde_json::Value {
+        serde_json::from_str(&ok(&[
+            "eval",
+            "--checkpoint",
+            parallel.to_str().unwrap(),
+            "--json",
+            "--workers",
+            workers,
+        ]))
+        .unwrap()
+    };
+    let (one, two) = (eval("1"), eval("2"));
+    assert_eq!(one["tokens"], two["tokens"]);
+    let (l1, l2) = (one["loss"].as_f64().unwrap(), two["loss"].as_f64().unwrap());
+    assert!((l1 - l2).abs() < 1e-5 * l1, "eval loss {l1} vs {l2}");
+
+    // A checkpoint's carried states belong to its shard layout.
+    let mut resume = args(&parallel, "1", "1");
+    resume.extend(["--resume", "--set", "train.steps=6"].map(String::from));
+    fails(
+        &resume.iter().map(String::as_str).collect::<Vec<_>>(),
+        "train.workers",
+    );
+}
+
+#[test]
 fn eval_sample_and_export_on_a_trained_run() {
     let dir = tempfile::tempdir().unwrap();
     let config = tiny_config(dir.path(), 6, 3);

@@ -118,6 +118,20 @@ impl<B: Backend> TransformerVq<B> {
         ModelState::new(self.sublayers.len())
     }
 
+    /// Whether a training-mode forward pass draws random numbers (any
+    /// dropout active). Such passes must run one after another to be
+    /// reproducible: the backends draw from one global generator.
+    pub fn uses_dropout(&self) -> bool {
+        self.layer_drop > 0.0
+            || self.sublayers.iter().any(|g| {
+                g.dropout.prob > 0.0
+                    || g.bias
+                        .xl
+                        .as_ref()
+                        .is_some_and(|xl| xl.sinusoid_dropout.prob > 0.0)
+            })
+    }
+
     /// Block length `L`.
     pub fn block_len(&self) -> usize {
         self.sublayers[0].block_len

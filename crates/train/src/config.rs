@@ -179,14 +179,28 @@ pub struct TrainSection {
     pub commit_weight: f64,
     /// EMA decay of the codebooks (gamma).
     pub codebook_decay: f64,
-    /// Micro-batches per step (gradient accumulation); divides `batch_size`.
+    /// Micro-batches per step (gradient accumulation): each worker runs its
+    /// rows in this many passes, one after another, to save memory.
     pub micro_batches: usize,
+    /// Threads that run shards of the batch at once (data parallel over
+    /// rows; the CPU backend's elementwise ops use one core per thread).
+    /// The batch is cut into `workers x micro_batches` shards of equal rows;
+    /// the result does not depend on the thread timing. Ignored (one
+    /// thread) when dropout is on, whose random draws must stay in order.
+    pub workers: usize,
     /// Seed of initialization, data order and dropout.
     pub seed: u64,
     /// Write a checkpoint every this many steps (and at the end).
     pub checkpoint_every: u64,
     /// Keep this many recent checkpoints (plus the best by validation loss).
     pub keep_checkpoints: usize,
+}
+
+impl TrainSection {
+    /// Shards each batch is cut into: `workers x micro_batches`.
+    pub fn shards(&self) -> usize {
+        self.workers * self.micro_batches
+    }
 }
 
 impl Default for TrainSection {
@@ -205,6 +219,7 @@ impl Default for TrainSection {
             commit_weight: 1e-4,
             codebook_decay: 0.99,
             micro_batches: 1,
+            workers: 1,
             seed: 0,
             checkpoint_every: 200,
             keep_checkpoints: 2,
@@ -338,6 +353,16 @@ impl RunConfig {
                 format!("must divide data.batch_size ({})", d.batch_size),
             ));
         }
+        if t.workers == 0 || !d.batch_size.is_multiple_of(t.shards()) {
+            return Err(invalid(
+                "train.workers",
+                format!(
+                    "must be positive, and train.workers x train.micro_batches ({}) must divide data.batch_size ({})",
+                    t.shards(),
+                    d.batch_size
+                ),
+            ));
+        }
         if !(t.lr.is_finite() && t.lr > 0.0) {
             return Err(invalid("train.lr", "must be a positive number"));
         }
@@ -398,8 +423,8 @@ impl RunConfig {
         }
     }
 
-    /// The training batch layout of one micro-batch.
-    pub fn micro_layout(&self) -> TrainLayout {
+    /// The layout of the training batches (all shards' rows).
+    pub fn train_layout(&self) -> TrainLayout {
         let d = &self.data;
         TrainLayout {
             batch: d.batch_size,

@@ -5,10 +5,11 @@ use burn::prelude::*;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use tvq_data::{Batch, EvalBatches, TokenSplit};
-use tvq_model::{ModelState, TransformerVq, token_nll};
+use tvq_model::{TransformerVq, token_nll};
 
 use crate::error::TrainError;
 use crate::optim::B;
+use crate::workers::map_in_workers;
 
 /// Results of evaluating a split (or its first segments).
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -53,6 +54,8 @@ pub fn batch_tensors(
 
 /// Scores `split` with `model` (a plain, non-autodiff model), `batch` rows
 /// of `update_len` tokens, the first `max_segments` batches or all of them.
+/// The rows are cut into up to `workers` groups that run on their own
+/// threads ([`map_in_workers`]), each carrying its own state.
 pub fn evaluate(
     model: &TransformerVq<B>,
     split: &TokenSplit,
@@ -60,6 +63,7 @@ pub fn evaluate(
     update_len: usize,
     max_segments: Option<usize>,
     show_progress: bool,
+    workers: usize,
 ) -> Result<EvalReport, TrainError> {
     let batches = EvalBatches::new(split.clone(), batch, update_len)?;
     let total = batches.num_batches();
@@ -75,20 +79,41 @@ pub fn evaluate(
             .progress_chars("=> "),
     );
     let device = model.embedding.weight.device();
-    let mut state = model.empty_state();
+    // Rows [start, end) of every batch per group: as even as possible.
+    let groups = workers.clamp(1, batch.max(1));
+    let bounds: Vec<_> = (0..groups)
+        .map(|g| g * batch / groups..(g + 1) * batch / groups)
+        .collect();
+    let mut states = vec![model.empty_state(); groups];
     let (mut nll, mut tokens) = (0f64, 0u64);
     for b in batches.take(n) {
         if b.reset {
-            state = ModelState::new(model.sublayers.len());
+            states = vec![model.empty_state(); groups];
         }
-        let (inputs, targets, valid) = batch_tensors(&b, 0..b.batch, &device);
-        let out = model.forward(inputs, state, Some(valid.clone()))?;
-        state = out.state;
-        let w = Tensor::<B, 2>::zeros(valid.dims(), &device).mask_fill(valid, 1.0);
-        nll += (token_nll(out.logits, targets) * w)
-            .sum()
-            .into_scalar()
-            .elem::<f64>();
+        let work: Vec<_> = bounds
+            .iter()
+            .cloned()
+            .zip(std::mem::take(&mut states))
+            .collect();
+        let scored = map_in_workers(
+            work,
+            groups,
+            || (),
+            |_, (rows, state)| -> Result<_, TrainError> {
+                let (inputs, targets, valid) = batch_tensors(&b, rows, &device);
+                let out = model.forward(inputs, state, Some(valid.clone()))?;
+                let w = Tensor::<B, 2>::zeros(valid.dims(), &device).mask_fill(valid, 1.0);
+                let nll: f64 = (token_nll(out.logits, targets) * w)
+                    .sum()
+                    .into_scalar()
+                    .elem();
+                Ok((nll, out.state))
+            },
+        )?;
+        for (group_nll, state) in scored {
+            nll += group_nll;
+            states.push(state);
+        }
         tokens += b.valid.iter().filter(|&&v| v).count() as u64;
         bar.inc(1);
     }

@@ -12,7 +12,9 @@ pub mod export;
 pub mod optim;
 pub mod plot;
 pub mod sample;
+pub mod step;
 pub mod trainer;
+pub mod workers;
 
 pub use config::RunConfig;
 pub use error::TrainError;

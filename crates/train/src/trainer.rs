@@ -1,11 +1,12 @@
 //! The training loop.
 //!
 //! One optimizer step: take the next batch (all rows advance one segment),
-//! run each micro-batch from its carried state, sum the gradients, clip
-//! them by their global norm, step AdamW, then move the codebooks one EMA
-//! step with the statistics of every micro-batch. The state each micro-batch
-//! leaves behind is detached and carried into the next step, unless the
-//! batch starts new sequences.
+//! cut its rows into shards (`workers x micro_batches`), run each shard from
+//! its carried state and sum the gradients ([`crate::step`]), clip them by
+//! their global norm, step AdamW, then move the codebooks one EMA step with
+//! the statistics of every shard. The state each shard leaves behind is
+//! detached and carried into the next step, unless the batch starts new
+//! sequences.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -15,12 +16,11 @@ use std::time::Instant;
 
 use burn::DispatchDevice;
 use burn::module::AutodiffModule;
-use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use tvq_data::{Corpus, Split, TrainBatches, TrainCursor};
-use tvq_model::{CodebookStats, ModelState, masked_mean, token_nll};
+use tvq_model::ModelState;
 
 use crate::checkpoint::{self, TrainerState};
 use crate::config::RunConfig;
@@ -28,6 +28,7 @@ use crate::error::TrainError;
 use crate::evaluate::{EvalReport, batch_tensors, evaluate};
 use crate::optim::{B, Model, Optimizers, clip_global_norm, learning_rate};
 use crate::plot;
+use crate::step::{Shard, StepGradients, compute_gradients};
 
 /// How `train` is run.
 #[derive(Clone, Debug)]
@@ -178,9 +179,9 @@ pub fn train(
         reason: e.reason,
     })?;
     let optim = Optimizers::new(t);
-    let micro = t.micro_batches;
-    let rows = cfg.data.batch_size / micro;
-    let fresh_states = || vec![ModelState::<B>::new(model_cfg.n_sublayers()); micro];
+    let n_shards = t.shards();
+    let rows = cfg.data.batch_size / n_shards;
+    let fresh_states = || vec![ModelState::<B>::new(model_cfg.n_sublayers()); n_shards];
 
     // Without --resume the run directory holds no checkpoints (prepare_run_dir).
     let resumed_from = opts
@@ -190,6 +191,16 @@ pub fn train(
     let (mut model, mut optim, mut states, mut progress) = match &resumed_from {
         Some(dir) => {
             let loaded = checkpoint::load(dir, model, optim, &ad)?;
+            if loaded.states.len() != n_shards {
+                return Err(TrainError::Config {
+                    key: "train.workers".into(),
+                    reason: format!(
+                        "{} carries the state of {} shards, but train.workers x train.micro_batches = {n_shards}: resume with the values it was written with",
+                        dir.display(),
+                        loaded.states.len()
+                    ),
+                });
+            }
             tracing::info!(
                 "resuming from {} (step {})",
                 dir.display(),
@@ -228,7 +239,7 @@ pub fn train(
     let train_split = corpus.split(Split::Train);
     let valid_split = corpus.split(Split::Validation);
     let bytes_per_token = train_split.stats.bytes as f64 / train_split.len().max(1) as f64;
-    let mut loader = TrainBatches::new(train_split, cfg.micro_layout(), progress.cursor)?;
+    let mut loader = TrainBatches::new(train_split, cfg.train_layout(), progress.cursor)?;
     let total = opts.max_steps.map_or(t.steps, |m| m.min(t.steps));
     let bar = if opts.progress {
         ProgressBar::new(total)
@@ -276,33 +287,27 @@ pub fn train(
         if batch.reset {
             states = fresh_states();
         }
-        let mut accumulator = GradientsAccumulator::<Model>::new();
-        let mut stats: Option<Vec<CodebookStats<B>>> = None;
-        let (mut ce_sum, mut commit_sum) = (0.0, 0.0);
-        for (m, state) in states.iter_mut().enumerate() {
-            let (inputs, targets, valid) = batch_tensors(&batch, m * rows..(m + 1) * rows, &ad);
-            let out = model.forward(
-                inputs,
-                std::mem::replace(state, ModelState::new(0)),
-                Some(valid.clone()),
-            )?;
-            *state = out.state;
-            let ce = masked_mean(token_nll(out.logits, targets), Some(valid.clone()));
-            let commit = masked_mean(out.commitment, Some(valid));
-            let loss = (ce.clone() + commit.clone() * t.commit_weight) / micro as f64;
-            ce_sum += ce.into_scalar().elem::<f64>();
-            commit_sum += commit.into_scalar().elem::<f64>();
-            accumulator.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
-            stats = Some(match stats {
-                None => out.stats,
-                Some(acc) => acc
-                    .into_iter()
-                    .zip(out.stats)
-                    .map(|(a, b)| a.merge(b))
-                    .collect(),
-            });
-        }
-        let (ce, commitment) = (ce_sum / micro as f64, commit_sum / micro as f64);
+        let shards = std::mem::take(&mut states)
+            .into_iter()
+            .enumerate()
+            .map(|(i, state)| {
+                let (inputs, targets, valid) = batch_tensors(&batch, i * rows..(i + 1) * rows, &ad);
+                Shard {
+                    inputs,
+                    targets,
+                    valid,
+                    state,
+                }
+            })
+            .collect();
+        let StepGradients {
+            mut grads,
+            ce,
+            commitment,
+            stats,
+            states: next_states,
+        } = compute_gradients(&model, shards, t.workers, t.commit_weight)?;
+        states = next_states;
         let loss = ce + t.commit_weight * commitment;
         if !loss.is_finite() {
             bar.abandon();
@@ -314,11 +319,9 @@ pub fn train(
                 checkpoint,
             });
         }
-        let mut grads = accumulator.grads();
         let grad_norm = clip_global_norm(&model, &mut grads, t.grad_clip);
         let lr = learning_rate(t, step);
         model = optim.step(lr, model, grads);
-        let stats = stats.unwrap_or_default();
         model = model.update_codebooks(&stats, t.codebook_decay);
 
         progress.step = step;
@@ -358,6 +361,7 @@ pub fn train(
                 cfg.eval.update_len,
                 Some(cfg.eval.segments),
                 false,
+                t.workers,
             )?;
             if progress.best.is_none_or(|(best, _)| report.loss < best) {
                 progress.best = Some((report.loss, step));
@@ -392,6 +396,7 @@ pub fn train(
         cfg.eval.update_len,
         None,
         opts.progress,
+        t.workers,
     )?;
     append_json(
         &mut metrics,

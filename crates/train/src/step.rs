@@ -1,0 +1,122 @@
+//! The forward and backward passes of one optimizer step.
+//!
+//! The batch's rows are cut into shards, each with its own carried state;
+//! shards are independent until their gradients are summed, so they can run
+//! on several worker threads ([`crate::workers`]).
+
+use burn::module::Module;
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::prelude::*;
+use tvq_model::{CodebookStats, ModelState, masked_mean, token_nll};
+
+use crate::error::TrainError;
+use crate::optim::{B, Model};
+use crate::workers::map_in_workers;
+
+/// One shard of a batch: `[R, T]` inputs, targets and validity, and the
+/// state its rows carry from the previous segment.
+pub struct Shard {
+    /// Token ids, `[R, T]`.
+    pub inputs: Tensor<B, 2, Int>,
+    /// Next-token targets, `[R, T]`.
+    pub targets: Tensor<B, 2, Int>,
+    /// Which positions hold real tokens (not padding), `[R, T]`.
+    pub valid: Tensor<B, 2, Bool>,
+    /// The rows' carried state.
+    pub state: ModelState<B>,
+}
+
+/// What one step's forward and backward passes produce.
+pub struct StepGradients {
+    /// Gradients of the loss (the mean over shards of each shard's mean
+    /// token loss), keyed by parameter.
+    pub grads: GradientsParams,
+    /// Mean cross-entropy (nats per token), averaged over shards.
+    pub ce: f64,
+    /// Mean commitment loss, averaged over shards.
+    pub commitment: f64,
+    /// Codebook statistics of every sublayer, summed over shards.
+    pub stats: Vec<CodebookStats<B>>,
+    /// Each shard's state after the segment (detached by the model), in
+    /// shard order.
+    pub states: Vec<ModelState<B>>,
+}
+
+struct ShardResult {
+    grads: GradientsParams,
+    ce: f64,
+    commitment: f64,
+    stats: Vec<CodebookStats<B>>,
+    state: ModelState<B>,
+}
+
+fn run_shard(
+    model: &Model,
+    shard: Shard,
+    n_shards: usize,
+    commit_weight: f64,
+) -> Result<ShardResult, TrainError> {
+    let out = model.forward(shard.inputs, shard.state, Some(shard.valid.clone()))?;
+    let ce = masked_mean(
+        token_nll(out.logits, shard.targets),
+        Some(shard.valid.clone()),
+    );
+    let commitment = masked_mean(out.commitment, Some(shard.valid));
+    let loss = (ce.clone() + commitment.clone() * commit_weight) / n_shards as f64;
+    Ok(ShardResult {
+        ce: ce.into_scalar().elem(),
+        commitment: commitment.into_scalar().elem(),
+        grads: GradientsParams::from_grads(loss.backward(), model),
+        stats: out.stats,
+        state: out.state,
+    })
+}
+
+/// Runs the forward and backward passes of `shards` on `workers` threads
+/// ([`map_in_workers`]), each on its own fork of the model: a fork has its
+/// own autodiff graph and the same parameter ids, so the gradients line up.
+/// One thread when the model uses dropout: its random draws come from one
+/// global generator, so concurrent passes would draw in a timing-dependent
+/// order. Summing in shard order makes the result independent of `workers`
+/// (it depends on the shards only).
+pub fn compute_gradients(
+    model: &Model,
+    shards: Vec<Shard>,
+    workers: usize,
+    commit_weight: f64,
+) -> Result<StepGradients, TrainError> {
+    let n = shards.len();
+    let workers = if model.uses_dropout() { 1 } else { workers };
+    let device = model.embedding.weight.device();
+    let results = map_in_workers(
+        shards,
+        workers,
+        || model.clone().fork(&device),
+        |fork, shard| run_shard(fork, shard, n, commit_weight),
+    )?;
+    let mut accumulator = GradientsAccumulator::<Model>::new();
+    let (mut ce_sum, mut commitment_sum) = (0.0, 0.0);
+    let mut stats: Option<Vec<CodebookStats<B>>> = None;
+    let mut states = Vec::with_capacity(n);
+    for r in results {
+        accumulator.accumulate(model, r.grads);
+        ce_sum += r.ce;
+        commitment_sum += r.commitment;
+        stats = Some(match stats {
+            None => r.stats,
+            Some(acc) => acc
+                .into_iter()
+                .zip(r.stats)
+                .map(|(a, b)| a.merge(b))
+                .collect(),
+        });
+        states.push(r.state);
+    }
+    Ok(StepGradients {
+        grads: accumulator.grads(),
+        ce: ce_sum / n as f64,
+        commitment: commitment_sum / n as f64,
+        stats: stats.unwrap_or_default(),
+        states,
+    })
+}
