@@ -120,7 +120,9 @@ impl ModelSection {
     }
 }
 
-/// `[data]`.
+/// `[data]`: where the corpus is (the fields of [`CorpusSpec`], repeated
+/// because serde's `flatten` cannot be combined with `deny_unknown_fields`)
+/// and how it is cut into batches.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataSection {
