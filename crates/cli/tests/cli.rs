@@ -227,12 +227,11 @@ fn worker_threads_train_exactly_like_sequential_micro_batches() {
     let total = 5;
     let config = tiny_config(dir.path(), total, 5);
     let config = config.to_str().unwrap();
-    // Dropout would force one worker: its draws must stay in order.
-    let args = |run: &Path, workers: &str, micro: &str| -> Vec<String> {
+    let args = |run: &Path, dropout: &str, workers: &str, micro: &str| -> Vec<String> {
         let run = run.to_str().unwrap();
         let set = [
-            "model.dropout_residual=0".to_string(),
-            "model.dropout_layer=0".into(),
+            format!("model.dropout_residual={dropout}"),
+            format!("model.dropout_layer={dropout}"),
             format!("train.workers={workers}"),
             format!("train.micro_batches={micro}"),
         ];
@@ -244,26 +243,26 @@ fn worker_threads_train_exactly_like_sequential_micro_batches() {
         }
         args
     };
-    let train = |run: &Path, workers: &str, micro: &str| {
-        ok(&args(run, workers, micro)
-            .iter()
-            .map(String::as_str)
-            .collect::<Vec<_>>())
-    };
-    // The same two shards of two rows: one after another, or on two threads.
-    let (sequential, parallel) = (dir.path().join("seq"), dir.path().join("par"));
-    train(&sequential, "1", "2");
-    train(&parallel, "2", "1");
-    let (a, b) = (losses(&sequential), losses(&parallel));
-    assert_eq!(a.len(), total as usize);
-    assert_eq!(
-        a, b,
-        "every step's loss, gradient norm and commitment match"
-    );
-    assert!(
-        final_weights(&sequential, total) == final_weights(&parallel, total),
-        "final weights differ"
-    );
+    let run = |args: Vec<String>| ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    // The same two shards of two rows: one after another, or on two threads;
+    // with dropout the two threads must draw its masks in the same order.
+    let mut parallel = PathBuf::new();
+    for dropout in ["0", "0.2"] {
+        let sequential = dir.path().join(format!("seq-{dropout}"));
+        parallel = dir.path().join(format!("par-{dropout}"));
+        run(args(&sequential, dropout, "1", "2"));
+        run(args(&parallel, dropout, "2", "1"));
+        let (a, b) = (losses(&sequential), losses(&parallel));
+        assert_eq!(a.len(), total as usize);
+        assert_eq!(
+            a, b,
+            "dropout {dropout}: every step's loss, gradient norm and commitment match"
+        );
+        assert!(
+            final_weights(&sequential, total) == final_weights(&parallel, total),
+            "dropout {dropout}: final weights differ"
+        );
+    }
 
     // Evaluation on two threads scores the same tokens to the same loss
     // (up to the summation order of the row groups).
@@ -284,7 +283,7 @@ fn worker_threads_train_exactly_like_sequential_micro_batches() {
     assert!((l1 - l2).abs() < 1e-5 * l1, "eval loss {l1} vs {l2}");
 
     // A checkpoint's carried states belong to its shard layout.
-    let mut resume = args(&parallel, "1", "1");
+    let mut resume = args(&parallel, "0.2", "1", "1");
     resume.extend(["--resume", "--set", "train.steps=6"].map(String::from));
     fails(
         &resume.iter().map(String::as_str).collect::<Vec<_>>(),

@@ -187,8 +187,8 @@ pub struct TrainSection {
     /// Threads that run shards of the batch at once (data parallel over
     /// rows; the CPU backend's elementwise ops use one core per thread).
     /// The batch is cut into `workers x micro_batches` shards of equal rows;
-    /// the result does not depend on the thread timing. Ignored (one
-    /// thread) when dropout is on, whose random draws must stay in order.
+    /// the result does not depend on the thread timing. With dropout the
+    /// forward passes take turns (their random draws must stay in order).
     pub workers: usize,
     /// Seed of initialization, data order and dropout.
     pub seed: u64,

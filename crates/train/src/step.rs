@@ -4,6 +4,8 @@
 //! shards are independent until their gradients are summed, so they can run
 //! on several worker threads ([`crate::workers`]).
 
+use std::sync::{Condvar, Mutex};
+
 use burn::module::Module;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
@@ -50,13 +52,48 @@ struct ShardResult {
     state: ModelState<B>,
 }
 
+/// Lets forward passes run one at a time in shard order. The backends draw
+/// random numbers (dropout) from one global generator; taking turns makes
+/// the draws come in the order one thread would make them, while backward
+/// passes (which draw nothing) still overlap.
+#[derive(Default)]
+struct ForwardTurns {
+    next: Mutex<usize>,
+    turn_over: Condvar,
+}
+
+/// Shard `i`'s turn; the next shard's begins when this is dropped (also on
+/// an error or a panic, so no worker waits forever).
+struct Turn<'a>(&'a ForwardTurns);
+
+impl ForwardTurns {
+    fn wait_for(&self, i: usize) -> Turn<'_> {
+        let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
+        while *next != i {
+            next = self.turn_over.wait(next).unwrap_or_else(|e| e.into_inner());
+        }
+        Turn(self)
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        *self.0.next.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        self.0.turn_over.notify_all();
+    }
+}
+
 fn run_shard(
     model: &Model,
-    shard: Shard,
+    (i, shard): (usize, Shard),
+    turns: Option<&ForwardTurns>,
     n_shards: usize,
     commit_weight: f64,
 ) -> Result<ShardResult, TrainError> {
-    let out = model.forward(shard.inputs, shard.state, Some(shard.valid.clone()))?;
+    let out = {
+        let _turn = turns.map(|t| t.wait_for(i));
+        model.forward(shard.inputs, shard.state, Some(shard.valid.clone()))?
+    };
     let ce = masked_mean(
         token_nll(out.logits, shard.targets),
         Some(shard.valid.clone()),
@@ -75,10 +112,9 @@ fn run_shard(
 /// Runs the forward and backward passes of `shards` on `workers` threads
 /// ([`map_in_workers`]), each on its own fork of the model: a fork has its
 /// own autodiff graph and the same parameter ids, so the gradients line up.
-/// One thread when the model uses dropout: its random draws come from one
-/// global generator, so concurrent passes would draw in a timing-dependent
-/// order. Summing in shard order makes the result independent of `workers`
-/// (it depends on the shards only).
+/// With dropout the forward passes take turns in shard order
+/// ([`ForwardTurns`]). Summing in shard order makes the result independent
+/// of `workers` (it depends on the shards only).
 pub fn compute_gradients(
     model: &Model,
     shards: Vec<Shard>,
@@ -86,13 +122,13 @@ pub fn compute_gradients(
     commit_weight: f64,
 ) -> Result<StepGradients, TrainError> {
     let n = shards.len();
-    let workers = if model.uses_dropout() { 1 } else { workers };
+    let turns = (workers > 1 && model.uses_dropout()).then(ForwardTurns::default);
     let device = model.embedding.weight.device();
     let results = map_in_workers(
-        shards,
+        shards.into_iter().enumerate().collect(),
         workers,
         || model.clone().fork(&device),
-        |fork, shard| run_shard(fork, shard, n, commit_weight),
+        |fork, shard| run_shard(fork, shard, turns.as_ref(), n, commit_weight),
     )?;
     let mut accumulator = GradientsAccumulator::<Model>::new();
     let (mut ce_sum, mut commitment_sum) = (0.0, 0.0);
