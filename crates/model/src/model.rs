@@ -119,7 +119,7 @@ impl<B: Backend> TransformerVq<B> {
     }
 
     /// Whether a training-mode forward pass draws random numbers (any
-    /// dropout active). Such passes must run one after another to be
+    /// dropout active). Concurrent such passes must take turns to be
     /// reproducible: the backends draw from one global generator.
     pub fn uses_dropout(&self) -> bool {
         self.layer_drop > 0.0
