@@ -36,7 +36,7 @@ pub struct Quantized<B: Backend> {
 }
 
 /// Per-step code statistics of one sublayer over the valid tokens, summed
-/// over batch rows (and micro-batches with [`CodebookStats::merge`]).
+/// over batch rows (and shards of a batch with [`CodebookStats::merge`]).
 #[derive(Clone, Debug)]
 pub struct CodebookStats<B: Backend> {
     /// Tokens assigned to each code, `[H, S]`.
@@ -220,7 +220,7 @@ impl<B: Backend> VectorQuantizer<B> {
 }
 
 impl<B: Backend> CodebookStats<B> {
-    /// Sum of two statistics (e.g. of two micro-batches of one step).
+    /// Sum of two statistics (e.g. of two shards of one step).
     pub fn merge(self, other: Self) -> Self {
         Self {
             counts: self.counts + other.counts,

@@ -57,7 +57,9 @@ fn bad(path: &Path, reason: impl Into<String>) -> TrainError {
     }
 }
 
-/// Tensors of the carried states (one per micro-batch) as safetensors.
+/// Tensors of the carried states (one per shard of the batch) as
+/// safetensors. The stored names say `micro`, from before worker threads
+/// made shards of micro-batches; they are kept so older checkpoints load.
 fn states_to_bytes(path: &Path, states: &[ModelState<B>]) -> Result<Vec<u8>, TrainError> {
     let mut tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)> = BTreeMap::new();
     let mut meta = std::collections::HashMap::new();
@@ -336,7 +338,7 @@ pub struct Loaded {
     pub model: Model,
     /// Optimizer state.
     pub optim: Optimizers,
-    /// Carried states, one per micro-batch.
+    /// Carried states, one per shard of the batch.
     pub states: Vec<ModelState<B>>,
     /// Progress.
     pub trainer: TrainerState,
