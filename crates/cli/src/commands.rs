@@ -56,7 +56,7 @@ pub enum SplitArg {
 #[derive(Args, Debug)]
 pub struct EvalArgs {
     /// A checkpoint directory, a run directory (its latest checkpoint) or an exported .safetensors.
-    #[arg(long, alias = "run-dir")]
+    #[arg(long, visible_alias = "run-dir")]
     checkpoint: PathBuf,
     /// Config naming the corpus (default: the run directory's config.toml).
     #[arg(long)]

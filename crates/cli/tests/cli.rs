@@ -232,6 +232,8 @@ fn worker_threads_train_exactly_like_sequential_micro_batches() {
         let set = [
             format!("model.dropout_residual={dropout}"),
             format!("model.dropout_layer={dropout}"),
+            format!("model.dropout_sinusoid={dropout}"),
+            "model.bias=xl".to_string(),
             format!("train.workers={workers}"),
             format!("train.micro_batches={micro}"),
         ];
@@ -245,8 +247,10 @@ fn worker_threads_train_exactly_like_sequential_micro_batches() {
     };
     let run = |args: Vec<String>| ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
     // The same two shards of two rows: one after another, or on two threads;
-    // with dropout the two threads must draw its masks in the same order.
+    // with dropout (residual, layer and XL sinusoid) the two threads must
+    // draw the masks in the same order.
     let mut parallel = PathBuf::new();
+    let mut runs = Vec::new();
     for dropout in ["0", "0.2"] {
         let sequential = dir.path().join(format!("seq-{dropout}"));
         parallel = dir.path().join(format!("par-{dropout}"));
@@ -262,7 +266,9 @@ fn worker_threads_train_exactly_like_sequential_micro_batches() {
             final_weights(&sequential, total) == final_weights(&parallel, total),
             "dropout {dropout}: final weights differ"
         );
+        runs.push(a);
     }
+    assert_ne!(runs[0], runs[1], "dropout 0.2 must change the losses");
 
     // Evaluation on two threads scores the same tokens to the same loss
     // (up to the summation order of the row groups).

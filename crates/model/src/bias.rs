@@ -4,7 +4,7 @@
 //! distance `d = 0..=L`; keys farther than `L` get none.
 
 use burn::module::{Module, Param};
-use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
+use burn::nn::{Initializer, Linear, LinearConfig};
 use burn::prelude::*;
 
 use crate::config::{RelativeBias, TransformerVqConfig};
@@ -18,8 +18,6 @@ pub struct XlBias<B: Backend> {
     pub u: Param<Tensor<B, 2>>,
     /// Position bias `w`, `[H, K]` (the paper's `v`; renamed to avoid values).
     pub w: Param<Tensor<B, 2>>,
-    /// Dropout on the sinusoid embedding.
-    pub sinusoid_dropout: Dropout,
     /// Wavelength base of the sinusoid.
     pub sinusoid_base: f64,
 }
@@ -78,7 +76,6 @@ impl<B: Backend> PositionBias<B> {
                         .init(device),
                     u: Param::from_tensor(Tensor::zeros([h, k], device)),
                     w: Param::from_tensor(Tensor::zeros([h, k], device)),
-                    sinusoid_dropout: DropoutConfig::new(cfg.dropout_sinusoid).init(),
                     sinusoid_base: cfg.sinusoid_base,
                 }),
             },
@@ -87,8 +84,14 @@ impl<B: Backend> PositionBias<B> {
 
     /// From the scaled query `q` `[B, H, T, K]` (already `K^(-1/4)`), the
     /// content query (`q + u'` for XL) and the per-distance bias table
-    /// `[B or 1, H, T or 1, L + 1]`.
-    pub fn apply(&self, q: Tensor<B, 4>, block_len: usize) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    /// `[B or 1, H, T or 1, L + 1]`. `sinusoid_mask` `[L + 1, D]` is the XL
+    /// sinusoid embedding's dropout mask.
+    pub fn apply(
+        &self,
+        q: Tensor<B, 4>,
+        block_len: usize,
+        sinusoid_mask: Option<Tensor<B, 2>>,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
         if let Some(table) = &self.toeplitz {
             let [h, n] = table.dims();
             return (q, table.val().reshape([1, h, 1, n]));
@@ -101,7 +104,8 @@ impl<B: Backend> PositionBias<B> {
         let scale = (k as f64).powf(-0.25);
         let d_model = xl.r_proj.weight.dims()[0];
         let sin = sinusoid_embedding::<B>(block_len + 1, d_model, xl.sinusoid_base, &q.device());
-        let r = xl.r_proj.forward(xl.sinusoid_dropout.forward(sin)) * scale; // [L+1, H K]
+        let sin = crate::dropout::apply(sin, sinusoid_mask);
+        let r = xl.r_proj.forward(sin) * scale; // [L+1, H K]
         let r = r
             .reshape([block_len + 1, h, k])
             .swap_dims(0, 1)

@@ -47,6 +47,9 @@ pub enum ModelError {
     /// The state belongs to another model shape or batch size.
     #[error("the carried state does not match the input: {0}")]
     StateMismatch(String),
+    /// Dropout masks drawn for another model or input shape.
+    #[error("the dropout masks do not match the input: {0}")]
+    MaskMismatch(String),
     /// The quadratic baseline keeps no state between segments.
     #[error("the quadratic attention form has no recurrent form and carries no state")]
     QuadraticIsStateless,

@@ -1,13 +1,14 @@
 //! One gated attention unit (GAU) sublayer with VQ attention.
 
 use burn::module::Module;
-use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
+use burn::nn::{Initializer, Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::activation::silu;
 
 use crate::attention::{self, AttentionInput, AttentionState};
 use crate::bias::PositionBias;
-use crate::config::{AttentionForm, CacheGrad, TransformerVqConfig};
+use crate::config::{AttentionForm, CacheGrad, RelativeBias, TransformerVqConfig};
+use crate::dropout::{self, SublayerDropout, SublayerMasks};
 use crate::error::ModelError;
 use crate::layout::{merge_heads, split_heads};
 use crate::norm::{RmsNorm, rms_normalize};
@@ -39,8 +40,9 @@ pub struct Gau<B: Backend> {
     pub quantizer: VectorQuantizer<B>,
     /// Relative position bias.
     pub bias: PositionBias<B>,
-    /// Residual dropout.
-    pub dropout: Dropout,
+    /// Dropout probabilities (masks come from [`SublayerMasks::draw`]).
+    #[module(skip)]
+    pub dropout: SublayerDropout,
     /// Heads `H`.
     pub n_head: usize,
     /// Key width `K`.
@@ -91,7 +93,14 @@ impl<B: Backend> Gau<B> {
             out_proj: projection(h * v, d, device),
             quantizer: VectorQuantizer::new(h, cfg.n_code, k, device),
             bias: PositionBias::new(cfg, device),
-            dropout: DropoutConfig::new(cfg.dropout_residual).init(),
+            dropout: SublayerDropout {
+                sinusoid: match cfg.bias {
+                    RelativeBias::Xl => cfg.dropout_sinusoid,
+                    RelativeBias::Toeplitz => 0.0,
+                },
+                residual: cfg.dropout_residual,
+                layer: cfg.dropout_layer,
+            },
             n_head: h,
             d_k: k,
             d_v: v,
@@ -127,31 +136,46 @@ impl<B: Backend> Gau<B> {
         }
     }
 
-    fn finish(&self, o: Tensor<B, 4>, gate: Tensor<B, 3>) -> Tensor<B, 3> {
+    /// `[B, T, D]` from the attention output `o` `[B, H, T, V]` and the gate.
+    fn finish(
+        &self,
+        o: Tensor<B, 4>,
+        gate: Tensor<B, 3>,
+        residual_mask: Option<Tensor<B, 3>>,
+    ) -> Tensor<B, 3> {
         let o = merge_heads(o) * gate; // [B, T, H V]
-        self.dropout.forward(self.out_proj.forward(o))
+        dropout::apply(self.out_proj.forward(o), residual_mask)
+    }
+
+    /// Draws this sublayer's dropout masks for `[batch, len]` tokens (none
+    /// outside training).
+    pub fn dropout_masks(&self, shape: [usize; 2], device: &B::Device) -> SublayerMasks<B> {
+        let d_model = self.out_proj.weight.dims()[1];
+        SublayerMasks::draw(self.dropout, shape, d_model, self.block_len, device)
     }
 
     /// Block-parallel form over a segment `x` `[B, T, D]` (`T` a multiple of
     /// `L`); `valid` `[B, T]` marks the tokens that count towards the codebook
-    /// statistics.
+    /// statistics. The layer-drop mask in `masks` is the caller's (it acts on
+    /// the residual connection).
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
         state: AttentionState<B>,
         valid: Option<Tensor<B, 2, Bool>>,
+        masks: &mut SublayerMasks<B>,
     ) -> Result<GauOutput<B>, ModelError> {
         let [b, t, _] = x.dims();
         let device = x.device();
         let p = self.project(x);
-        let (q, bias) = self.bias.apply(p.q, self.block_len);
+        let (q, bias) = self.bias.apply(p.q, self.block_len, masks.sinusoid.take());
         if self.form == AttentionForm::Quadratic {
             if state.pos != 0 || state.prev.is_some() {
                 return Err(ModelError::QuadraticIsStateless);
             }
             let o = attention::quadratic_attention(q, bias, p.k, p.v, self.block_len);
             return Ok(GauOutput {
-                out: self.finish(o, p.gate),
+                out: self.finish(o, p.gate, masks.residual.take()),
                 commitment: Tensor::zeros([b, t], &device),
                 stats: None,
                 codes: None,
@@ -169,7 +193,7 @@ impl<B: Backend> Gau<B> {
         };
         let (o, state) = attention::block_attention(input, state, self.block_len, self.cache_grad)?;
         Ok(GauOutput {
-            out: self.finish(o, p.gate),
+            out: self.finish(o, p.gate, masks.residual.take()),
             commitment: vq.commitment,
             stats: Some(vq.stats),
             codes: Some(vq.codes),
@@ -177,17 +201,19 @@ impl<B: Backend> Gau<B> {
         })
     }
 
-    /// Recurrent form for one token `x` `[B, 1, D]`.
+    /// Recurrent form for one token `x` `[B, 1, D]` (masks as in
+    /// [`Gau::forward`]).
     pub fn step(
         &self,
         x: Tensor<B, 3>,
         state: AttentionState<B>,
+        masks: &mut SublayerMasks<B>,
     ) -> Result<(Tensor<B, 3>, AttentionState<B>), ModelError> {
         if self.form == AttentionForm::Quadratic {
             return Err(ModelError::QuadraticIsStateless);
         }
         let p = self.project(x);
-        let (q, bias) = self.bias.apply(p.q, self.block_len);
+        let (q, bias) = self.bias.apply(p.q, self.block_len, masks.sinusoid.take());
         let vq = self.quantizer.quantize(p.k, None);
         let input = AttentionInput {
             q,
@@ -198,6 +224,6 @@ impl<B: Backend> Gau<B> {
             codebook: self.quantizer.codebook(),
         };
         let (o, state) = attention::step_attention(input, state, self.block_len)?;
-        Ok((self.finish(o, p.gate), state))
+        Ok((self.finish(o, p.gate, masks.residual.take()), state))
     }
 }

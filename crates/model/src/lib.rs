@@ -13,6 +13,7 @@ pub mod attention;
 pub mod bias;
 pub mod config;
 pub mod device;
+pub mod dropout;
 pub mod error;
 pub mod gau;
 pub mod layout;
@@ -23,6 +24,7 @@ pub mod quantizer;
 
 pub use attention::AttentionState;
 pub use config::{AttentionForm, CacheGrad, RelativeBias, TransformerVqConfig};
+pub use dropout::DropoutMasks;
 pub use error::{ConfigError, ModelError};
 pub use model::{ModelOutput, ModelState, TransformerVq, masked_mean, token_nll};
 pub use quantizer::{CodebookMetrics, CodebookStats};

@@ -4,11 +4,11 @@
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
-use burn::tensor::Distribution;
 use burn::tensor::activation::log_softmax;
 
 use crate::attention::AttentionState;
 use crate::config::TransformerVqConfig;
+use crate::dropout::{self, DropoutMasks};
 use crate::error::ModelError;
 use crate::gau::Gau;
 use crate::norm::RmsNorm;
@@ -29,8 +29,6 @@ pub struct TransformerVq<B: Backend> {
     pub output_bias: Option<Param<Tensor<B, 1>>>,
     /// Multiplier on the logits.
     pub logit_scale: f64,
-    /// Probability of dropping a sublayer for a batch row in training.
-    pub layer_drop: f64,
 }
 
 /// State of every sublayer, carried between segments of one stream.
@@ -109,7 +107,6 @@ impl<B: Backend> TransformerVq<B> {
             }),
             output_bias: tied.then(|| Param::from_tensor(Tensor::zeros([cfg.vocab_size], device))),
             logit_scale: cfg.logit_scale,
-            layer_drop: cfg.dropout_layer,
         }
     }
 
@@ -119,17 +116,30 @@ impl<B: Backend> TransformerVq<B> {
     }
 
     /// Whether a training-mode forward pass draws random numbers (any
-    /// dropout active). Concurrent such passes must take turns to be
-    /// reproducible: the backends draw from one global generator.
+    /// dropout active). Concurrent passes must draw their masks
+    /// ([`Self::dropout_masks`]) in turn to be reproducible: the backends
+    /// draw from one global generator.
     pub fn uses_dropout(&self) -> bool {
-        self.layer_drop > 0.0
-            || self.sublayers.iter().any(|g| {
-                g.dropout.prob > 0.0
-                    || g.bias
-                        .xl
-                        .as_ref()
-                        .is_some_and(|xl| xl.sinusoid_dropout.prob > 0.0)
-            })
+        self.sublayers.iter().any(|g| {
+            let p = g.dropout;
+            p.sinusoid > 0.0 || p.residual > 0.0 || p.layer > 0.0
+        })
+    }
+
+    /// Draws every dropout mask of a forward pass over `[batch, len]` tokens,
+    /// sublayer by sublayer. Outside training (a model without autodiff)
+    /// nothing is drawn and nothing dropped.
+    pub fn dropout_masks(&self, shape: [usize; 2]) -> DropoutMasks<B> {
+        // The parameters' device says whether this is a training model (the
+        // token tensors' does not: integer tensors carry no autodiff).
+        let device = self.embedding.weight.device();
+        DropoutMasks {
+            sublayers: self
+                .sublayers
+                .iter()
+                .map(|g| g.dropout_masks(shape, &device))
+                .collect(),
+        }
     }
 
     /// Block length `L`.
@@ -153,18 +163,24 @@ impl<B: Backend> TransformerVq<B> {
         Ok(())
     }
 
-    /// Residual with layer drop: in training each batch row skips the
-    /// sublayer with probability `p` (survivors scaled by `1 / (1 - p)`).
-    fn residual(&self, h: Tensor<B, 3>, out: Tensor<B, 3>) -> Tensor<B, 3> {
-        let device = out.device();
-        if self.layer_drop > 0.0 && B::ad_enabled(&device) {
-            let keep = 1.0 - self.layer_drop;
-            let rows = out.dims()[0];
-            let mask = Tensor::<B, 3>::random([rows, 1, 1], Distribution::Bernoulli(keep), &device);
-            h + out * mask / keep
-        } else {
-            h + out
+    fn check_masks(&self, masks: &DropoutMasks<B>, [b, t]: [usize; 2]) -> Result<(), ModelError> {
+        if masks.sublayers.len() != self.sublayers.len() {
+            return Err(ModelError::MaskMismatch(format!(
+                "masks for {} sublayers, the model has {}",
+                masks.sublayers.len(),
+                self.sublayers.len()
+            )));
         }
+        for m in &masks.sublayers {
+            let rows = m.residual.iter().map(|r| r.dims()[..2].to_vec());
+            let layer = m.layer.iter().map(|l| vec![l.dims()[0], t]);
+            if let Some(dims) = rows.chain(layer).find(|d| d[..] != [b, t]) {
+                return Err(ModelError::MaskMismatch(format!(
+                    "masks drawn for {dims:?} tokens, the input is [{b}, {t}]"
+                )));
+            }
+        }
+        Ok(())
     }
 
     fn head(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
@@ -191,23 +207,40 @@ impl<B: Backend> TransformerVq<B> {
     /// Block-parallel forward over a segment `tokens` `[B, T]` (`T` a multiple
     /// of `L`) from `state`. `valid` `[B, T]` marks real tokens (padding is
     /// excluded from the codebook statistics). The returned state is detached:
-    /// no gradient crosses a segment boundary.
+    /// no gradient crosses a segment boundary. Dropout masks are drawn as
+    /// the pass begins ([`Self::forward_with_masks`] takes them drawn).
     pub fn forward(
         &self,
         tokens: Tensor<B, 2, Int>,
         state: ModelState<B>,
         valid: Option<Tensor<B, 2, Bool>>,
     ) -> Result<ModelOutput<B>, ModelError> {
+        let masks = self.dropout_masks(tokens.dims());
+        self.forward_with_masks(tokens, state, valid, masks)
+    }
+
+    /// [`Self::forward`] with dropout masks drawn beforehand by
+    /// [`Self::dropout_masks`] for the same `[B, T]`.
+    pub fn forward_with_masks(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        state: ModelState<B>,
+        valid: Option<Tensor<B, 2, Bool>>,
+        masks: DropoutMasks<B>,
+    ) -> Result<ModelOutput<B>, ModelError> {
         self.check_state(&state)?;
         let [b, t] = tokens.dims();
+        self.check_masks(&masks, [b, t])?;
         let mut h = self.embedding.forward(tokens); // [B, T, D]
         let mut commitment = Tensor::zeros([b, t], &h.device());
         let mut stats = Vec::with_capacity(self.sublayers.len());
         let mut codes = Vec::with_capacity(self.sublayers.len());
         let mut states = Vec::with_capacity(self.sublayers.len());
-        for (gau, s) in self.sublayers.iter().zip(state.sublayers) {
-            let out = gau.forward(h.clone(), s, valid.clone())?;
-            h = self.residual(h, out.out);
+        let layers = self.sublayers.iter().zip(state.sublayers);
+        for ((gau, s), mut m) in layers.zip(masks.sublayers) {
+            let out = gau.forward(h.clone(), s, valid.clone(), &mut m)?;
+            // Layer drop: a row keeps or skips the whole sublayer.
+            h = h + dropout::apply(out.out, m.layer);
             commitment = commitment + out.commitment;
             stats.extend(out.stats);
             codes.extend(out.codes);
@@ -230,11 +263,13 @@ impl<B: Backend> TransformerVq<B> {
         state: ModelState<B>,
     ) -> Result<(Tensor<B, 3>, ModelState<B>), ModelError> {
         self.check_state(&state)?;
+        let masks = self.dropout_masks(token.dims());
         let mut h = self.embedding.forward(token);
         let mut states = Vec::with_capacity(self.sublayers.len());
-        for (gau, s) in self.sublayers.iter().zip(state.sublayers) {
-            let (out, s) = gau.step(h.clone(), s)?;
-            h = self.residual(h, out);
+        let layers = self.sublayers.iter().zip(state.sublayers);
+        for ((gau, s), mut m) in layers.zip(masks.sublayers) {
+            let (out, s) = gau.step(h.clone(), s, &mut m)?;
+            h = h + dropout::apply(out, m.layer);
             states.push(s.detach());
         }
         Ok((self.head(h), ModelState { sublayers: states }))

@@ -188,7 +188,7 @@ pub struct TrainSection {
     /// rows; the CPU backend's elementwise ops use one core per thread).
     /// The batch is cut into `workers x micro_batches` shards of equal rows;
     /// the result does not depend on the thread timing. With dropout the
-    /// forward passes take turns (their random draws must stay in order).
+    /// shards draw their masks in turn (the draws must stay in order).
     pub workers: usize,
     /// Seed of initialization, data order and dropout.
     pub seed: u64,

@@ -52,21 +52,22 @@ struct ShardResult {
     state: ModelState<B>,
 }
 
-/// Lets forward passes run one at a time in shard order. The backends draw
-/// random numbers (dropout) from one global generator; taking turns makes
-/// the draws come in the order one thread would make them, while backward
-/// passes (which draw nothing) still overlap.
+/// Lets shards draw their dropout masks one at a time in shard order. The
+/// backends draw random numbers from one global generator; taking turns
+/// makes the draws come in the order one thread would make them, while the
+/// forward and backward passes (which draw nothing once they have their
+/// masks) overlap.
 #[derive(Default)]
-struct ForwardTurns {
+struct MaskTurns {
     next: Mutex<usize>,
     turn_over: Condvar,
 }
 
 /// Shard `i`'s turn; the next shard's begins when this is dropped (also on
 /// an error or a panic, so no worker waits forever).
-struct Turn<'a>(&'a ForwardTurns);
+struct Turn<'a>(&'a MaskTurns);
 
-impl ForwardTurns {
+impl MaskTurns {
     fn wait_for(&self, i: usize) -> Turn<'_> {
         let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
         while *next != i {
@@ -86,14 +87,16 @@ impl Drop for Turn<'_> {
 fn run_shard(
     model: &Model,
     (i, shard): (usize, Shard),
-    turns: Option<&ForwardTurns>,
+    turns: Option<&MaskTurns>,
     n_shards: usize,
     commit_weight: f64,
 ) -> Result<ShardResult, TrainError> {
-    let out = {
+    let masks = {
         let _turn = turns.map(|t| t.wait_for(i));
-        model.forward(shard.inputs, shard.state, Some(shard.valid.clone()))?
+        model.dropout_masks(shard.inputs.dims())
     };
+    let out =
+        model.forward_with_masks(shard.inputs, shard.state, Some(shard.valid.clone()), masks)?;
     let ce = masked_mean(
         token_nll(out.logits, shard.targets),
         Some(shard.valid.clone()),
@@ -112,8 +115,8 @@ fn run_shard(
 /// Runs the forward and backward passes of `shards` on `workers` threads
 /// ([`map_in_workers`]), each on its own fork of the model: a fork has its
 /// own autodiff graph and the same parameter ids, so the gradients line up.
-/// With dropout the forward passes take turns in shard order
-/// ([`ForwardTurns`]). Summing in shard order makes the result independent
+/// With dropout the shards draw their masks in turn, in shard order
+/// ([`MaskTurns`]), before their passes run at once. Summing in shard order makes the result independent
 /// of `workers` (it depends on the shards only).
 pub fn compute_gradients(
     model: &Model,
@@ -122,7 +125,7 @@ pub fn compute_gradients(
     commit_weight: f64,
 ) -> Result<StepGradients, TrainError> {
     let n = shards.len();
-    let turns = (workers > 1 && model.uses_dropout()).then(ForwardTurns::default);
+    let turns = (workers > 1 && model.uses_dropout()).then(MaskTurns::default);
     let device = model.embedding.weight.device();
     let results = map_in_workers(
         shards.into_iter().enumerate().collect(),

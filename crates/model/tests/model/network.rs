@@ -1,6 +1,7 @@
 //! Whole-network properties: forms agree, causality, state, dropout, EMA.
 
 use burn::prelude::*;
+use tvq_model::dropout::SublayerDropout;
 use tvq_model::{CacheGrad, ModelError, RelativeBias, TransformerVq, TransformerVqConfig};
 
 use crate::common::*;
@@ -156,17 +157,28 @@ fn changing_a_token_changes_no_earlier_output() {
     }
 }
 
+/// The model of `cfg` with every dropout at `p` (the same weights: tests
+/// run in parallel and share the backend's generator, so two models built
+/// under one seed need not be equal).
+fn with_dropout(m: &TransformerVq<B>, p: f64) -> TransformerVq<B> {
+    let mut m = m.clone();
+    for g in m.sublayers.iter_mut() {
+        g.dropout = SublayerDropout {
+            sinusoid: p,
+            residual: p,
+            layer: p,
+        };
+    }
+    m
+}
+
 #[test]
 fn dropout_is_off_in_evaluation_and_on_in_training() {
     let device = cpu_ad();
     let cfg = config(RelativeBias::Xl);
-    let drop_cfg = cfg
-        .clone()
-        .with_dropout_residual(0.3)
-        .with_dropout_layer(0.3)
-        .with_dropout_sinusoid(0.3);
     let plain = model(&cfg, 4, &device);
-    let dropped = model(&drop_cfg, 4, &device);
+    let dropped = with_dropout(&plain, 0.3);
+    assert!(!plain.uses_dropout() && dropped.uses_dropout());
     let data = random_tokens(2, 8, cfg.vocab_size, 10);
     let eval = |m: &TransformerVq<B>| {
         let m = burn::module::AutodiffModule::valid(m);
@@ -193,6 +205,36 @@ fn dropout_is_off_in_evaluation_and_on_in_training() {
         max_abs_diff(train(&dropped), eval(&dropped)) > 1e-3,
         "dropout must act in training"
     );
+
+    // Masks drawn beforehand: the pass itself draws nothing (the same masks
+    // give the same logits, whatever is drawn in between), and masks drawn
+    // for another batch are an error, not a broadcast.
+    let masks = dropped.dropout_masks([2, 8]);
+    let with_masks = |masks| {
+        dropped
+            .forward_with_masks(
+                tokens(&data, 2, &device),
+                dropped.empty_state(),
+                None,
+                masks,
+            )
+            .unwrap()
+            .logits
+            .inner()
+    };
+    let first = with_masks(masks.clone());
+    let _ = Tensor::<B, 2>::random([2, 8], burn::tensor::Distribution::Default, &device);
+    assert_eq!(max_abs_diff(first.clone(), with_masks(masks)), 0.0);
+    assert!(max_abs_diff(first, eval(&dropped)) > 1e-3, "the masks act");
+    let err = dropped
+        .forward_with_masks(
+            tokens(&data, 2, &device),
+            dropped.empty_state(),
+            None,
+            dropped.dropout_masks([1, 8]),
+        )
+        .unwrap_err();
+    assert!(matches!(err, ModelError::MaskMismatch(_)), "{err}");
 }
 
 #[test]
