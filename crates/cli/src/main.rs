@@ -22,7 +22,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// --checkpoint runs/quickstart` reports bits per byte; `tvq sample
 /// --checkpoint runs/quickstart --prompt "..."` generates text; `tvq plot
 /// --run-dir runs/quickstart` draws the loss curves; `tvq export` writes
-/// safetensors. train, eval, sample and bench take --device cpu|wgpu|cuda.
+/// safetensors (`tvq import` reads an official checkpoint). train, eval, sample and bench take --device cpu|wgpu|cuda.
 #[derive(Parser, Debug)]
 #[command(name = "tvq", version, about, long_about)]
 struct Cli {
@@ -40,6 +40,9 @@ enum Command {
     Sample(commands::SampleArgs),
     /// Write a checkpoint's weights as safetensors, with its config as JSON.
     Export(commands::ExportArgs),
+    /// Convert a checkpoint of the official JAX implementation into a tvq
+    /// export (for eval and sample).
+    Import(commands::ImportArgs),
     /// Draw a run's loss curves (training and validation bits per byte) to a PNG.
     Plot(commands::PlotArgs),
     /// Measure forward+backward throughput of the GAU stack, VQ attention
@@ -68,6 +71,7 @@ fn main() {
         Command::Eval(args) => commands::run_eval(args),
         Command::Sample(args) => commands::run_sample(args),
         Command::Export(args) => commands::run_export(args),
+        Command::Import(args) => commands::run_import(args),
         Command::Plot(args) => commands::run_plot(args),
         Command::Bench(args) => bench::run(args),
         Command::Tokenizer(cmd) => tokenizer::run(cmd),

@@ -148,7 +148,12 @@ fn final_weights(run: &Path, step: u64) -> Vec<(String, Vec<u8>)> {
         "--out",
         out.to_str().unwrap(),
     ]);
-    let bytes = std::fs::read(&out).unwrap();
+    tensors_of(&out)
+}
+
+/// Every tensor of a safetensors file, as (name, bytes), sorted by name.
+fn tensors_of(file: &Path) -> Vec<(String, Vec<u8>)> {
+    let bytes = std::fs::read(file).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut tensors: Vec<_> = st
         .tensors()
@@ -546,4 +551,122 @@ fn ctrl_c_writes_a_checkpoint_and_exits_cleanly() {
         checkpoint.exists(),
         "a checkpoint at the last finished step ({steps})"
     );
+}
+
+/// The fixture tensor `name` as f32 (int32 tensors converted).
+fn fixture_tensor(file: &Path, name: &str) -> (Vec<usize>, Vec<f32>) {
+    let bytes = std::fs::read(file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let view = st.tensor(name).unwrap();
+    let data = view
+        .data()
+        .chunks_exact(4)
+        .map(|c| {
+            let c = [c[0], c[1], c[2], c[3]];
+            match view.dtype() {
+                safetensors::Dtype::I32 => i32::from_le_bytes(c) as f32,
+                _ => f32::from_le_bytes(c),
+            }
+        })
+        .collect();
+    (view.shape().to_vec(), data)
+}
+
+#[test]
+fn an_imported_official_checkpoint_reproduces_the_official_log_probs() {
+    use burn::prelude::*;
+    let dir = tempfile::tempdir().unwrap();
+    let fixture = repo().join("crates/model/tests/fixtures/official-gtc0");
+    let (config, weights) = (
+        fixture.join("config.json"),
+        fixture.join("eval.safetensors"),
+    );
+    let out = dir.path().join("official.safetensors");
+    let out_s = out.to_str().unwrap();
+    let import = |config: &Path, weights: &Path| -> Vec<String> {
+        ["import", "--official-config", config.to_str().unwrap()]
+            .into_iter()
+            .chain(["--weights", weights.to_str().unwrap(), "--out", out_s])
+            .map(String::from)
+            .collect()
+    };
+    let run = |args: Vec<String>| ok(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    run(import(&config, &weights));
+
+    // The export loads back and scores the fixture's text as the official
+    // code did.
+    let device = tvq_model::device::DeviceSpec::Cpu.init().unwrap().0;
+    let (info, model) = tvq_train::export::load_export(&out, &device).unwrap();
+    assert_eq!((info.vocab.as_str(), info.step), ("bytes+3", 0));
+    let (shape, inputs) = fixture_tensor(&weights, "inputs");
+    let inputs: Vec<i64> = inputs.iter().map(|&x| x as i64).collect();
+    let inputs = Tensor::<tvq_train::optim::B, 2, Int>::from_data(
+        TensorData::new(inputs, [shape[0], shape[1]]),
+        &device,
+    );
+    let logits = model
+        .forward(inputs, model.empty_state(), None)
+        .unwrap()
+        .logits;
+    let logprobs: Vec<f32> = burn::tensor::activation::log_softmax(logits, 2)
+        .into_data()
+        .to_vec()
+        .unwrap();
+    let (_, want) = fixture_tensor(&weights, "logprobs");
+    let worst = logprobs
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert_eq!(logprobs.len(), want.len());
+    assert!(worst <= 1e-4, "log-probs differ by {worst}");
+
+    // Sampling and evaluation take the import like any export.
+    ok(&["sample", "--checkpoint", out_s, "--max-tokens", "8"]);
+    let corpus = tiny_config(dir.path(), 1, 1);
+    let eval = ok(&[
+        "eval",
+        "--checkpoint",
+        out_s,
+        "--config",
+        corpus.to_str().unwrap(),
+        "--json",
+    ]);
+    let eval: serde_json::Value = serde_json::from_str(&eval).unwrap();
+    assert!(eval["bits_per_byte"].as_f64().unwrap().is_finite());
+
+    // A flax tree saved whole, parameters under `params/`, imports the same.
+    let bytes = std::fs::read(&weights).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let prefixed: Vec<(String, safetensors::tensor::TensorView)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| (format!("params/{name}"), view))
+        .collect();
+    let nested = dir.path().join("nested.safetensors");
+    safetensors::serialize_to_file(prefixed, None, &nested).unwrap();
+    let first = tensors_of(&out);
+    run(import(&config, &nested));
+    assert!(
+        tensors_of(&out) == first,
+        "params/ prefix changes the import"
+    );
+
+    // Wrong files are one-line errors naming them.
+    let bad = |config: &Path, weights: &Path, needle: &str| {
+        let args = import(config, weights);
+        fails(&args.iter().map(String::as_str).collect::<Vec<_>>(), needle);
+    };
+    bad(&config, &config, "not a safetensors file");
+    bad(&weights, &weights, "not JSON");
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
+    json["config"]["mem_len"] = 16.into();
+    let changed = dir.path().join("mem_len.json");
+    std::fs::write(&changed, json.to_string()).unwrap();
+    bad(&changed, &weights, "mem_len");
+    json["config"]["mem_len"] = 8.into();
+    json["config"]["d_model"] = 32.into();
+    std::fs::write(&changed, json.to_string()).unwrap();
+    bad(&changed, &weights, "has shape");
 }

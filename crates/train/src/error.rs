@@ -41,6 +41,14 @@ pub enum TrainError {
         /// What is wrong.
         reason: String,
     },
+    /// An official checkpoint cannot be imported.
+    #[error("cannot import {path}: {reason}")]
+    Import {
+        /// The official config or weights file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
     /// The run directory belongs to another config.
     #[error(
         "{path} holds checkpoints of a different config; use another --run-dir, or --force to train there anyway"

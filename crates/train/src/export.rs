@@ -5,12 +5,19 @@
 //! linear weights stored `[in, out]` (`y = x W`; PyTorch's `nn.Linear`
 //! stores the transpose). `FILE.json` beside it holds the model config and
 //! the vocabulary, enough to rebuild the model.
+//!
+//! [`import_official`] reads a checkpoint of the official JAX code (its
+//! parameters under their official names in a safetensors file, and its
+//! config as JSON) so that it can be exported in tvq's layout.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use burn::store::{ModuleSnapshot, SafetensorsStore};
+use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 use tvq_model::TransformerVqConfig;
+use tvq_model::official::{self, OfficialConfig, OfficialTensor};
 
 use crate::error::TrainError;
 use crate::optim::{B, Model};
@@ -26,7 +33,8 @@ pub struct ExportInfo {
     pub vocab: String,
     /// The tokenizer file used in training, if any.
     pub tokenizer: Option<PathBuf>,
-    /// Optimizer steps the weights were trained for.
+    /// Optimizer steps the weights were trained for (0 when imported from
+    /// an official checkpoint: its step is not known).
     pub step: u64,
 }
 
@@ -87,4 +95,62 @@ pub fn load_export(
         });
     }
     Ok((info, model))
+}
+
+/// Builds a model from an official checkpoint: `config` is the official
+/// config as JSON (the object itself, or an object holding it under
+/// `config`), `weights` a safetensors file with the parameters under their
+/// official names (`transformer_layers_0/scanned_attn1/q_proj/kernel`, ...,
+/// optionally under `params/`; float32; other tensors in the file are
+/// ignored). See
+/// [`tvq_model::official`] for the mapping.
+pub fn import_official(
+    config: &Path,
+    weights: &Path,
+    device: &burn::DispatchDevice,
+) -> Result<(TransformerVqConfig, Model), TrainError> {
+    let fail = |path: &Path, reason: String| TrainError::Import {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let text = std::fs::read(config).map_err(|e| TrainError::io(config, e))?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&text).map_err(|e| fail(config, format!("not JSON ({e})")))?;
+    let json = json.get("config").cloned().unwrap_or(json);
+    let official: OfficialConfig =
+        serde_json::from_value(json).map_err(|e| fail(config, e.to_string()))?;
+    let tensors = read_float_tensors(weights)?;
+    official::import::<B>(&official, &tensors, device).map_err(|e| match e {
+        official::ImportError::Missing(_) | official::ImportError::Shape { .. } => {
+            fail(weights, e.to_string())
+        }
+        _ => fail(config, e.to_string()),
+    })
+}
+
+/// Every float32 tensor of a safetensors file, by name.
+fn read_float_tensors(path: &Path) -> Result<BTreeMap<String, OfficialTensor>, TrainError> {
+    let bytes = std::fs::read(path).map_err(|e| TrainError::io(path, e))?;
+    let file = SafeTensors::deserialize(&bytes).map_err(|e| TrainError::Import {
+        path: path.to_path_buf(),
+        reason: format!("not a safetensors file ({e})"),
+    })?;
+    Ok(file
+        .tensors()
+        .into_iter()
+        .filter(|(_, view)| view.dtype() == Dtype::F32)
+        .map(|(name, view)| {
+            let data = view
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            let shape = view.shape().to_vec();
+            // A flax tree saved whole has its parameters under `params/`.
+            let name = name
+                .strip_prefix("params/")
+                .map_or(name.clone(), String::from);
+            (name, OfficialTensor { shape, data })
+        })
+        .collect())
 }
