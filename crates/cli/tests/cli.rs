@@ -1,5 +1,6 @@
 //! The `tvq` binary end to end on a tiny config: kill-and-resume equality,
-//! evaluation, sampling, export, and errors on bad input.
+//! worker threads, evaluation, sampling, export, importing an official
+//! checkpoint, runs written by earlier versions, and errors on bad input.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -669,4 +670,52 @@ fn an_imported_official_checkpoint_reproduces_the_official_log_probs() {
     json["config"]["d_model"] = 32.into();
     std::fs::write(&changed, json.to_string()).unwrap();
     bad(&changed, &weights, "has shape");
+}
+
+/// Copies the directory tree `from` to `to`.
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let path = entry.unwrap().path();
+        let target = to.join(path.file_name().unwrap());
+        if path.is_dir() {
+            copy_tree(&path, &target);
+        } else {
+            std::fs::copy(&path, &target).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_run_written_by_an_earlier_version_evaluates_and_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run");
+    copy_tree(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/run-format-1"),
+        &run,
+    );
+    let corpus = dir.path().join("kjv-small.txt");
+    let text = std::fs::read(repo().join("data/kjv.txt")).unwrap();
+    std::fs::write(&corpus, &text[..400_000]).unwrap();
+    let config = run.join("config.toml");
+    let toml = std::fs::read_to_string(&config).unwrap();
+    let corpus = corpus.to_str().unwrap();
+    std::fs::write(&config, toml.replace("CORPUS", corpus)).unwrap();
+    let (run_s, config_s) = (run.to_str().unwrap(), config.to_str().unwrap());
+
+    let eval: serde_json::Value =
+        serde_json::from_str(&ok(&["eval", "--checkpoint", run_s, "--json"])).unwrap();
+    assert_eq!(eval["step"], 2);
+    assert!(eval["bits_per_byte"].as_f64().unwrap().is_finite());
+    ok(&[
+        "train",
+        "--config",
+        config_s,
+        "--run-dir",
+        run_s,
+        "--resume",
+        "--quiet",
+    ]);
+    let steps: Vec<u64> = losses(&run).iter().map(|(step, _)| *step).collect();
+    assert_eq!(steps, [3, 4], "the run goes on from its step 2");
 }

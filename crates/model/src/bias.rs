@@ -4,7 +4,7 @@
 //! distance `d = 0..=L`; keys farther than `L` get none.
 
 use burn::module::{Module, Param};
-use burn::nn::{Initializer, Linear, LinearConfig};
+use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
 
 use crate::config::{RelativeBias, TransformerVqConfig};
@@ -18,6 +18,10 @@ pub struct XlBias<B: Backend> {
     pub u: Param<Tensor<B, 2>>,
     /// Position bias `w`, `[H, K]` (the paper's `v`; renamed to avoid values).
     pub w: Param<Tensor<B, 2>>,
+    /// Dropout on the sinusoid embedding: only its probability is used
+    /// (masks come from [`crate::dropout`]); kept as burn's `Dropout` so the
+    /// recorded layout of checkpoints does not change.
+    pub sinusoid_dropout: Dropout,
     /// Wavelength base of the sinusoid.
     pub sinusoid_base: f64,
 }
@@ -76,6 +80,7 @@ impl<B: Backend> PositionBias<B> {
                         .init(device),
                     u: Param::from_tensor(Tensor::zeros([h, k], device)),
                     w: Param::from_tensor(Tensor::zeros([h, k], device)),
+                    sinusoid_dropout: DropoutConfig::new(cfg.dropout_sinusoid).init(),
                     sinusoid_base: cfg.sinusoid_base,
                 }),
             },

@@ -1,13 +1,13 @@
 //! One gated attention unit (GAU) sublayer with VQ attention.
 
 use burn::module::Module;
-use burn::nn::{Initializer, Linear, LinearConfig};
+use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::activation::silu;
 
 use crate::attention::{self, AttentionInput, AttentionState};
 use crate::bias::PositionBias;
-use crate::config::{AttentionForm, CacheGrad, RelativeBias, TransformerVqConfig};
+use crate::config::{AttentionForm, CacheGrad, TransformerVqConfig};
 use crate::dropout::{self, SublayerDropout, SublayerMasks};
 use crate::error::ModelError;
 use crate::layout::{merge_heads, split_heads};
@@ -40,9 +40,10 @@ pub struct Gau<B: Backend> {
     pub quantizer: VectorQuantizer<B>,
     /// Relative position bias.
     pub bias: PositionBias<B>,
-    /// Dropout probabilities (masks come from [`SublayerMasks::draw`]).
-    #[module(skip)]
-    pub dropout: SublayerDropout,
+    /// Residual dropout: only its probability is used (masks come from
+    /// [`Gau::dropout_masks`]); kept as burn's `Dropout` so the recorded
+    /// layout of checkpoints does not change.
+    pub dropout: Dropout,
     /// Heads `H`.
     pub n_head: usize,
     /// Key width `K`.
@@ -93,14 +94,7 @@ impl<B: Backend> Gau<B> {
             out_proj: projection(h * v, d, device),
             quantizer: VectorQuantizer::new(h, cfg.n_code, k, device),
             bias: PositionBias::new(cfg, device),
-            dropout: SublayerDropout {
-                sinusoid: match cfg.bias {
-                    RelativeBias::Xl => cfg.dropout_sinusoid,
-                    RelativeBias::Toeplitz => 0.0,
-                },
-                residual: cfg.dropout_residual,
-                layer: cfg.dropout_layer,
-            },
+            dropout: DropoutConfig::new(cfg.dropout_residual).init(),
             n_head: h,
             d_k: k,
             d_v: v,
@@ -147,11 +141,30 @@ impl<B: Backend> Gau<B> {
         dropout::apply(self.out_proj.forward(o), residual_mask)
     }
 
+    /// Dropout probabilities of this sublayer, with the model's layer drop.
+    pub fn dropout_probs(&self, layer_drop: f64) -> SublayerDropout {
+        SublayerDropout {
+            sinusoid: self
+                .bias
+                .xl
+                .as_ref()
+                .map_or(0.0, |xl| xl.sinusoid_dropout.prob),
+            residual: self.dropout.prob,
+            layer: layer_drop,
+        }
+    }
+
     /// Draws this sublayer's dropout masks for `[batch, len]` tokens (none
-    /// outside training).
-    pub fn dropout_masks(&self, shape: [usize; 2], device: &B::Device) -> SublayerMasks<B> {
+    /// outside training), with the model's layer drop.
+    pub fn dropout_masks(
+        &self,
+        layer_drop: f64,
+        shape: [usize; 2],
+        device: &B::Device,
+    ) -> SublayerMasks<B> {
         let d_model = self.out_proj.weight.dims()[1];
-        SublayerMasks::draw(self.dropout, shape, d_model, self.block_len, device)
+        let p = self.dropout_probs(layer_drop);
+        SublayerMasks::draw(p, shape, d_model, self.block_len, device)
     }
 
     /// Block-parallel form over a segment `x` `[B, T, D]` (`T` a multiple of

@@ -29,6 +29,8 @@ pub struct TransformerVq<B: Backend> {
     pub output_bias: Option<Param<Tensor<B, 1>>>,
     /// Multiplier on the logits.
     pub logit_scale: f64,
+    /// Probability of dropping a sublayer for a batch row in training.
+    pub layer_drop: f64,
 }
 
 /// State of every sublayer, carried between segments of one stream.
@@ -107,6 +109,7 @@ impl<B: Backend> TransformerVq<B> {
             }),
             output_bias: tied.then(|| Param::from_tensor(Tensor::zeros([cfg.vocab_size], device))),
             logit_scale: cfg.logit_scale,
+            layer_drop: cfg.dropout_layer,
         }
     }
 
@@ -121,7 +124,7 @@ impl<B: Backend> TransformerVq<B> {
     /// draw from one global generator.
     pub fn uses_dropout(&self) -> bool {
         self.sublayers.iter().any(|g| {
-            let p = g.dropout;
+            let p = g.dropout_probs(self.layer_drop);
             p.sinusoid > 0.0 || p.residual > 0.0 || p.layer > 0.0
         })
     }
@@ -137,7 +140,7 @@ impl<B: Backend> TransformerVq<B> {
             sublayers: self
                 .sublayers
                 .iter()
-                .map(|g| g.dropout_masks(shape, &device))
+                .map(|g| g.dropout_masks(self.layer_drop, shape, &device))
                 .collect(),
         }
     }

@@ -1,7 +1,7 @@
 //! Whole-network properties: forms agree, causality, state, dropout, EMA.
 
+use burn::nn::DropoutConfig;
 use burn::prelude::*;
-use tvq_model::dropout::SublayerDropout;
 use tvq_model::{CacheGrad, ModelError, RelativeBias, TransformerVq, TransformerVqConfig};
 
 use crate::common::*;
@@ -162,12 +162,12 @@ fn changing_a_token_changes_no_earlier_output() {
 /// under one seed need not be equal).
 fn with_dropout(m: &TransformerVq<B>, p: f64) -> TransformerVq<B> {
     let mut m = m.clone();
+    m.layer_drop = p;
     for g in m.sublayers.iter_mut() {
-        g.dropout = SublayerDropout {
-            sinusoid: p,
-            residual: p,
-            layer: p,
-        };
+        g.dropout = DropoutConfig::new(p).init();
+        if let Some(xl) = g.bias.xl.as_mut() {
+            xl.sinusoid_dropout = DropoutConfig::new(p).init();
+        }
     }
     m
 }
