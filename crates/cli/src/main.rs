@@ -22,7 +22,8 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// --checkpoint runs/quickstart` reports bits per byte; `tvq sample
 /// --checkpoint runs/quickstart --prompt "..."` generates text; `tvq plot
 /// --run-dir runs/quickstart` draws the loss curves; `tvq export` writes
-/// safetensors (`tvq import` reads an official checkpoint). train, eval, sample and bench take --device cpu|wgpu|cuda.
+/// safetensors (`tvq import` reads an official checkpoint). train, eval,
+/// sample and bench take --device cpu|wgpu|cuda.
 #[derive(Parser, Debug)]
 #[command(name = "tvq", version, about, long_about)]
 struct Cli {

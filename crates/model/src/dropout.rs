@@ -57,15 +57,6 @@ pub struct SublayerMasks<B: Backend> {
 }
 
 impl<B: Backend> SublayerMasks<B> {
-    /// No dropout.
-    pub fn none() -> Self {
-        Self {
-            sinusoid: None,
-            residual: None,
-            layer: None,
-        }
-    }
-
     /// Draws the masks for `[batch, len]` tokens of model width `d_model`
     /// and block length `block_len`, in the order the forward pass uses them.
     pub(crate) fn draw(

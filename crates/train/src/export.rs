@@ -102,8 +102,7 @@ pub fn load_export(
 /// `config`), `weights` a safetensors file with the parameters under their
 /// official names (`transformer_layers_0/scanned_attn1/q_proj/kernel`, ...,
 /// optionally under `params/`; float32; other tensors in the file are
-/// ignored). See
-/// [`tvq_model::official`] for the mapping.
+/// ignored). See [`tvq_model::official`] for the mapping.
 pub fn import_official(
     config: &Path,
     weights: &Path,
