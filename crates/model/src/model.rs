@@ -8,7 +8,7 @@ use burn::tensor::activation::log_softmax;
 
 use crate::attention::AttentionState;
 use crate::config::TransformerVqConfig;
-use crate::dropout::{self, DropoutMasks};
+use crate::dropout::{self, DropoutMasks, SublayerMasks};
 use crate::error::ModelError;
 use crate::gau::Gau;
 use crate::norm::RmsNorm;
@@ -174,14 +174,14 @@ impl<B: Backend> TransformerVq<B> {
                 self.sublayers.len()
             )));
         }
-        for m in &masks.sublayers {
-            let rows = m.residual.iter().map(|r| r.dims()[..2].to_vec());
-            let layer = m.layer.iter().map(|l| vec![l.dims()[0], t]);
-            if let Some(dims) = rows.chain(layer).find(|d| d[..] != [b, t]) {
-                return Err(ModelError::MaskMismatch(format!(
-                    "masks drawn for {dims:?} tokens, the input is [{b}, {t}]"
-                )));
-            }
+        let fits = |m: &SublayerMasks<B>| {
+            m.residual.as_ref().is_none_or(|r| r.dims()[..2] == [b, t])
+                && m.layer.as_ref().is_none_or(|l| l.dims()[0] == b)
+        };
+        if !masks.sublayers.iter().all(fits) {
+            return Err(ModelError::MaskMismatch(format!(
+                "masks drawn for another batch or length than the input [{b}, {t}]"
+            )));
         }
         Ok(())
     }

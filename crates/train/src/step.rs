@@ -116,8 +116,9 @@ fn run_shard(
 /// ([`map_in_workers`]), each on its own fork of the model: a fork has its
 /// own autodiff graph and the same parameter ids, so the gradients line up.
 /// With dropout the shards draw their masks in turn, in shard order
-/// ([`MaskTurns`]), before their passes run at once. Summing in shard order makes the result independent
-/// of `workers` (it depends on the shards only).
+/// ([`MaskTurns`]), before their passes run at once. Summing in shard order
+/// makes the result independent of `workers` (it depends on the shards
+/// only).
 pub fn compute_gradients(
     model: &Model,
     shards: Vec<Shard>,
