@@ -3,13 +3,16 @@
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use burn::Dispatch;
 use burn::prelude::*;
-use burn::{Dispatch, DispatchDevice};
 use clap::Args;
+use serde::Deserialize;
 use serde_json::json;
+use tvq_data::{Batch, TrainCursor};
 use tvq_model::device::DeviceSpec;
 use tvq_model::{AttentionForm, TransformerVqConfig};
-use tvq_train::step::{Shard, compute_gradients};
+use tvq_train::Trainer;
+use tvq_train::config::TrainSection;
 
 type B = Dispatch;
 
@@ -28,24 +31,14 @@ pub struct BenchArgs {
     /// Batch rows.
     #[arg(long, default_value_t = 4)]
     batch: usize,
-    /// Model width D.
-    #[arg(long, default_value_t = 256)]
-    d_model: usize,
-    /// Key width K.
-    #[arg(long, default_value_t = 64)]
-    d_k: usize,
-    /// Value width V.
-    #[arg(long, default_value_t = 512)]
-    d_v: usize,
-    /// Layers (two GAU sublayers each).
-    #[arg(long, default_value_t = 2)]
-    n_layer: usize,
-    /// Codebook size S.
-    #[arg(long, default_value_t = 128)]
-    n_code: usize,
-    /// Block length L.
-    #[arg(long, default_value_t = 128)]
-    block_len: usize,
+    /// A run config whose [model] and [train] tables set the model and the
+    /// step (default: their defaults; [data] and [eval] are ignored).
+    #[arg(long)]
+    config: Option<std::path::PathBuf>,
+    /// Override a [model] or [train] value, e.g. --set model.d_model=512 or
+    /// --set train.workers=2 (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    overrides: Vec<String>,
     /// Timed forward+backward passes per setting (after one untimed warm-up).
     #[arg(long, default_value_t = 2)]
     steps: usize,
@@ -55,14 +48,11 @@ pub struct BenchArgs {
     /// Print one JSON object per setting instead of a table.
     #[arg(long)]
     json: bool,
-    /// Time a full training step: forward, backward, global-norm clipping,
-    /// AdamW and the EMA codebook update (default: forward and backward only).
+    /// Time the whole training step (the one training runs): forward,
+    /// backward, global-norm clipping, AdamW and the EMA codebook update
+    /// (default: forward and backward only).
     #[arg(long)]
     optimizer: bool,
-    /// Threads that run shards of the batch at once, as `train.workers`
-    /// (divides --batch).
-    #[arg(long, default_value_t = 1)]
-    workers: usize,
     /// Measure the data loader instead: training-batch production from this
     /// byte-level text file or directory, for each --seq-len as the segment length.
     #[arg(long)]
@@ -71,15 +61,8 @@ pub struct BenchArgs {
 
 /// Tokens per second of training-batch production (the model is not run).
 fn bench_loader(args: &BenchArgs, path: &std::path::Path) -> Result<()> {
-    use tvq_data::{Corpus, CorpusKind, CorpusSpec, Split, TrainBatches, TrainCursor, TrainLayout};
-    let spec = CorpusSpec {
-        kind: CorpusKind::Text,
-        path: path.to_path_buf(),
-        tokenizer: None,
-        allow_proportional_split: false,
-        cache_dir: None,
-    };
-    let corpus = Corpus::open(&spec)?;
+    use tvq_data::{Corpus, CorpusKind, DataConfig, Split, TrainBatches, TrainCursor, TrainLayout};
+    let corpus = Corpus::open(&DataConfig::new(CorpusKind::Text, path))?;
     if !args.json {
         println!("{:<10} {:>8} {:>14}", "form", "seq_len", "tokens/s");
     }
@@ -135,20 +118,48 @@ fn parse_form(s: &str) -> Result<AttentionForm> {
     }
 }
 
+/// The `[model]` and `[train]` tables the benchmark runs with.
+#[derive(Deserialize)]
+struct Measured {
+    #[serde(default)]
+    model: TransformerVqConfig,
+    #[serde(default)]
+    train: TrainSection,
+}
+
+/// The token ids of the benchmark batch: a fixed pattern over 256 ids.
+fn pattern_batch(rows: usize, len: usize) -> Batch {
+    let tokens: Vec<u32> = (0..rows * len).map(|i| (i * 31 % 256) as u32).collect();
+    Batch {
+        batch: rows,
+        len,
+        targets: tokens.clone(),
+        inputs: tokens,
+        valid: vec![true; rows * len],
+        reset: true,
+    }
+}
+
 /// Runs the benchmark and prints the results.
 pub fn run(args: BenchArgs) -> Result<()> {
     if let Some(path) = &args.loader {
         return bench_loader(&args, path);
     }
-    if args.workers == 0 || !args.batch.is_multiple_of(args.workers) {
+    let text = match &args.config {
+        Some(path) => {
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?
+        }
+        None => String::new(),
+    };
+    let Measured { model, train } = tvq_train::config::parse_toml(&text, &args.overrides)?;
+    if !args.batch.is_multiple_of(train.shards()) {
         anyhow::bail!(
-            "--workers {} must be positive and divide --batch {}",
-            args.workers,
+            "train.workers x train.micro_batches ({}) must divide --batch {}",
+            train.shards(),
             args.batch
         );
     }
     let (device, info) = args.device.init()?;
-    let device = DispatchDevice::autodiff(device);
     let forms = args
         .form
         .iter()
@@ -158,13 +169,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
         println!(
             "device: {info}; batch {} on {} workers, d_model {}, d_k {}, d_v {}, {} layers, S {}, L {}",
             args.batch,
-            args.workers,
-            args.d_model,
-            args.d_k,
-            args.d_v,
-            args.n_layer,
-            args.n_code,
-            args.block_len
+            train.workers,
+            model.d_model,
+            model.d_k,
+            model.d_v,
+            model.n_layer,
+            model.n_code,
+            model.block_len
         );
         println!(
             "{:<10} {:>8} {:>14} {:>14}",
@@ -190,47 +201,17 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 }
                 continue;
             }
-            let cfg = TransformerVqConfig::new(256)
-                .with_d_model(args.d_model)
-                .with_d_k(args.d_k)
-                .with_d_v(args.d_v)
-                .with_n_layer(args.n_layer)
-                .with_n_code(args.n_code)
-                .with_block_len(args.block_len)
-                .with_attention(form);
-            B::seed(&device, 0);
-            let mut model = Some(cfg.init::<B>(&device).context("benchmark model")?);
-            let train_cfg = tvq_train::config::TrainSection::default();
-            let mut optim = tvq_train::optim::Optimizers::new(&train_cfg);
-            let tokens: Vec<i64> = (0..args.batch * t).map(|i| (i * 31 % 256) as i64).collect();
-            let tokens =
-                Tensor::<B, 2, Int>::from_data(TensorData::new(tokens, [args.batch, t]), &device);
-            let rows = args.batch / args.workers;
+            let cfg = model.clone().with_vocab_size(256).with_attention(form);
+            let mut trainer =
+                Trainer::new(&cfg, &train, &device, 1.0).context("benchmark model")?;
+            let batch = pattern_batch(args.batch, t);
             let mut step = || -> Result<()> {
-                let m = model.take().expect("the model is put back after each step");
-                let shards = (0..args.workers)
-                    .map(|w| {
-                        let part = tokens.clone().slice([w * rows..(w + 1) * rows, 0..t]);
-                        Shard {
-                            inputs: part.clone(),
-                            targets: part,
-                            valid: Tensor::<B, 2, Bool>::full([rows, t], true, &device),
-                            state: m.empty_state(),
-                        }
-                    })
-                    .collect();
-                let step = compute_gradients(&m, shards, args.workers, train_cfg.commit_weight)?;
-                let m = if args.optimizer {
-                    let mut grads = step.grads;
-                    tvq_train::optim::clip_global_norm(&m, &mut grads, train_cfg.grad_clip);
-                    optim
-                        .step(train_cfg.lr, m, grads)
-                        .update_codebooks(&step.stats, train_cfg.codebook_decay)
+                if args.optimizer {
+                    trainer.step(&batch, TrainCursor::default())?;
                 } else {
-                    m
-                };
+                    trainer.gradients(&batch)?;
+                }
                 B::sync(&device).map_err(|e| anyhow::anyhow!("device sync failed: {e:?}"))?;
-                model = Some(m);
                 Ok(())
             };
             reset_peak_rss();
@@ -248,7 +229,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     json!({
                         "form": form_name, "seq_len": t, "batch": args.batch,
                         "tokens_per_s": tokens_per_s, "peak_rss_bytes": rss, "device": info,
-                        "workers": args.workers,
+                        "workers": train.workers,
                         "step": if args.optimizer { "full" } else { "forward+backward" },
                     })
                 );

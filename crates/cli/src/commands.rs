@@ -245,11 +245,7 @@ fn load_for_inference(
         Some(t) => Vocab::load_tokenizer(t)?,
         None => Vocab::Bytes,
     };
-    let model = cfg
-        .model
-        .to_model(vocab.size())
-        .init::<B>(device)
-        .map_err(|e| anyhow::anyhow!(e))?;
+    let model = cfg.model_config(vocab.size()).init::<B>(device)?;
     let model = checkpoint::load_model(&dir, model, device)?;
     let trainer: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("trainer.json"))?)?;
@@ -268,7 +264,7 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
     let cfg = loaded
         .config
         .context("an export carries no corpus: pass --config naming the data")?;
-    let corpus = Corpus::open(&cfg.corpus_spec())?;
+    let corpus = Corpus::open(&cfg.data)?;
     let split = corpus.split(match args.split {
         SplitArg::Validation => Split::Validation,
         SplitArg::Test => Split::Test,
@@ -276,8 +272,7 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
     let report = evaluate(
         &loaded.model,
         &split,
-        cfg.eval.batch_size,
-        cfg.eval.update_len,
+        &cfg.eval,
         None,
         !args.json,
         args.workers.unwrap_or(cfg.train.workers),
@@ -357,7 +352,7 @@ pub fn run_export(args: ExportArgs) -> Result<()> {
         .context("export needs a checkpoint of a run")?;
     let info = ExportInfo {
         format: "tvq".into(),
-        model: cfg.model.to_model(loaded.vocab.size()),
+        model: cfg.model_config(loaded.vocab.size()),
         vocab: loaded.vocab.id(),
         tokenizer: cfg.data.tokenizer.clone(),
         step: loaded.step,

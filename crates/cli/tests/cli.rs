@@ -719,3 +719,50 @@ fn a_run_written_by_an_earlier_version_evaluates_and_resumes() {
     let steps: Vec<u64> = losses(&run).iter().map(|(step, _)| *step).collect();
     assert_eq!(steps, [3, 4], "the run goes on from its step 2");
 }
+
+#[test]
+fn bench_times_the_training_step_of_the_configured_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 2, 2);
+    let config = config.to_str().unwrap();
+    let common = [
+        "bench",
+        "--config",
+        config,
+        "--form",
+        "vq,quadratic",
+        "--seq-len",
+        "32,64",
+        "--batch",
+        "2",
+        "--steps",
+        "1",
+        "--json",
+        "--set",
+        "train.micro_batches=1",
+    ];
+    for (extra, step) in [
+        (&["--optimizer", "--set", "train.workers=2"][..], "full"),
+        (&["--set", "model.d_model=16"][..], "forward+backward"),
+    ] {
+        let out = ok(&[&common[..], extra].concat());
+        let lines: Vec<serde_json::Value> = out
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 4, "{out}");
+        for l in &lines {
+            assert_eq!(l["step"], step, "{l}");
+            assert!(l["tokens_per_s"].as_f64().unwrap() > 0.0, "{l}");
+        }
+        assert_eq!(lines[0]["workers"], if step == "full" { 2 } else { 1 });
+    }
+    fails(
+        &[&common[..], &["--set", "model.d_modle=16"]].concat(),
+        "d_modle",
+    );
+    fails(
+        &[&common[..], &["--set", "train.workers=3"]].concat(),
+        "must divide --batch 2",
+    );
+}

@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::corpus::TokenSplit;
 use crate::error::DataError;
+use crate::hash::splitmix64;
 use crate::vocab::{EOS, PAD};
 
 /// `batch` rows of `len` tokens, row-major.
@@ -70,14 +71,6 @@ pub struct TrainBatches {
     cursor: TrainCursor,
     /// Sequences per row and epoch.
     seqs_per_row: usize,
-}
-
-/// SplitMix64: a fixed, portable mixing function for the epoch offsets.
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
 }
 
 impl TrainBatches {

@@ -16,6 +16,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
 use crate::cache::{CacheWriter, MappedTokens, open_cache};
+use crate::config::DataConfig;
 use crate::error::DataError;
 use crate::vocab::Vocab;
 
@@ -37,25 +38,6 @@ pub enum CorpusKind {
     Text,
     /// PG-19's layout: `train/`, `validation/`, `test/` of `<id>.txt` books.
     Pg19,
-}
-
-/// Where a corpus is and how to read it.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CorpusSpec {
-    /// Corpus kind.
-    pub kind: CorpusKind,
-    /// File or directory.
-    pub path: PathBuf,
-    /// A `tokenizer.json`; byte-level when absent.
-    #[serde(default)]
-    pub tokenizer: Option<PathBuf>,
-    /// Accept an `enwik8` of another size and split it 90/5/5.
-    #[serde(default)]
-    pub allow_proportional_split: bool,
-    /// Where token caches go (default: beside the corpus).
-    #[serde(default)]
-    pub cache_dir: Option<PathBuf>,
 }
 
 /// A split of a corpus.
@@ -124,6 +106,11 @@ impl TokenSplit {
         self.len == 0
     }
 
+    /// Bytes of text per token (1 for byte-level text).
+    pub fn bytes_per_token(&self) -> f64 {
+        self.stats.bytes as f64 / self.len.max(1) as f64
+    }
+
     /// Token `i` of the split.
     pub fn get(&self, i: usize) -> u32 {
         debug_assert!(i < self.len);
@@ -138,7 +125,7 @@ pub struct Corpus {
     pub vocab: Vocab,
     splits: [TokenSplit; 3],
     /// Where the corpus was read from.
-    pub spec: CorpusSpec,
+    pub spec: DataConfig,
 }
 
 /// A byte range of one file: part of a split's text.
@@ -167,7 +154,7 @@ fn file_identity(path: &Path) -> Result<serde_json::Value, DataError> {
     Ok(serde_json::json!({"path": canonical, "len": meta.len(), "mtime_ns": mtime.to_string()}))
 }
 
-fn cache_path(spec: &CorpusSpec, name: &str) -> PathBuf {
+fn cache_path(spec: &DataConfig, name: &str) -> PathBuf {
     match &spec.cache_dir {
         Some(dir) => {
             let stem = spec
@@ -339,7 +326,7 @@ fn is_zip(path: &Path) -> Result<bool, DataError> {
 }
 
 /// Extracts the `enwik8` member of a zip into a byte cache (once).
-fn unzip_enwik8(spec: &CorpusSpec) -> Result<MappedTokens, DataError> {
+fn unzip_enwik8(spec: &DataConfig) -> Result<MappedTokens, DataError> {
     let zip_path = &spec.path;
     let fingerprint =
         serde_json::json!({"kind": "enwik8-zip", "source": file_identity(zip_path)?}).to_string();
@@ -387,8 +374,11 @@ fn unzip_enwik8(spec: &CorpusSpec) -> Result<MappedTokens, DataError> {
 
 impl Corpus {
     /// Opens a corpus: maps it, tokenizing it into caches first if needed.
-    pub fn open(spec: &CorpusSpec) -> Result<Self, DataError> {
+    pub fn open(spec: &DataConfig) -> Result<Self, DataError> {
         let path = &spec.path;
+        if let Some(dir) = &spec.cache_dir {
+            std::fs::create_dir_all(dir).map_err(|e| DataError::io(dir, e))?;
+        }
         let meta = std::fs::metadata(path).map_err(|e| DataError::io(path, e))?;
         let vocab = match &spec.tokenizer {
             None => Vocab::Bytes,
@@ -500,7 +490,7 @@ impl Corpus {
     }
 
     fn tokenize_splits(
-        spec: &CorpusSpec,
+        spec: &DataConfig,
         vocab: &Vocab,
         pieces: impl Fn(Split) -> Result<Vec<Piece>, DataError>,
     ) -> Result<[TokenSplit; 3], DataError> {

@@ -3,7 +3,7 @@
 //! tokenizer) and any text file or directory (byte-level or tokenized).
 //!
 //! The crate knows nothing about tensors or the model: it opens a corpus
-//! ([`Corpus`]), hands out the tokens of a split as a memory-mapped array
+//! ([`Corpus`], from the `[data]` table [`DataConfig`]), hands out the tokens of a split as a memory-mapped array
 //! ([`TokenSplit`]), and cuts them into batches for stateful training
 //! ([`TrainBatches`], resumable from a [`TrainCursor`]) or for evaluation
 //! ([`EvalBatches`], every token exactly once).
@@ -16,13 +16,16 @@
 
 mod batch;
 mod cache;
+mod config;
 mod corpus;
 mod error;
+pub mod hash;
 mod tokenizer;
 pub mod vocab;
 
 pub use batch::{Batch, EvalBatches, TrainBatches, TrainCursor, TrainLayout};
-pub use corpus::{Corpus, CorpusKind, CorpusSpec, Split, TextStats, TokenSplit, text_files};
+pub use config::DataConfig;
+pub use corpus::{Corpus, CorpusKind, Split, TextStats, TokenSplit, text_files};
 pub use error::DataError;
 pub use tokenizer::{SPECIAL_TOKENS, TokenizerKind, train_tokenizer};
 pub use vocab::Vocab;

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use tokenizers::Tokenizer;
 
 use crate::error::DataError;
+use crate::hash::fnv1a;
 
 /// Padding: the target of positions past the end of a split; never predicted.
 pub const PAD: u32 = 0;
@@ -58,13 +59,6 @@ impl std::fmt::Debug for Vocab {
             }
         }
     }
-}
-
-/// FNV-1a, 64 bit: a stable content hash for cache keys.
-pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    })
 }
 
 impl Vocab {

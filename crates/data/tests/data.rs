@@ -5,18 +5,12 @@ use std::path::{Path, PathBuf};
 
 use tvq_data::vocab::{EOS, PAD, byte_token};
 use tvq_data::{
-    Corpus, CorpusKind, CorpusSpec, DataError, EvalBatches, Split, TrainBatches, TrainCursor,
+    Corpus, CorpusKind, DataConfig, DataError, EvalBatches, Split, TrainBatches, TrainCursor,
     TrainLayout,
 };
 
-fn spec(kind: CorpusKind, path: &Path) -> CorpusSpec {
-    CorpusSpec {
-        kind,
-        path: path.to_path_buf(),
-        tokenizer: None,
-        allow_proportional_split: false,
-        cache_dir: None,
-    }
+fn spec(kind: CorpusKind, path: &Path) -> DataConfig {
+    DataConfig::new(kind, path)
 }
 
 fn pattern(i: usize) -> u8 {

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use tvq_data::{
-    Corpus, CorpusKind, CorpusSpec, DataError, EvalBatches, SPECIAL_TOKENS, Split, TokenizerKind,
+    Corpus, CorpusKind, DataConfig, DataError, EvalBatches, SPECIAL_TOKENS, Split, TokenizerKind,
     Vocab, train_tokenizer,
 };
 
@@ -67,15 +67,17 @@ fn trained_tokenizers_round_trip_and_tokenize_pg19() {
         );
 
         // The whole corpus, tokenized per split, decodes back to the books.
-        let spec = CorpusSpec {
-            kind: CorpusKind::Pg19,
-            path: root.clone(),
+        // The cache directory does not exist yet: opening creates it.
+        let cache_dir = dir.path().join(format!("caches/{kind:?}"));
+        let spec = DataConfig {
             tokenizer: Some(out.clone()),
-            allow_proportional_split: false,
-            cache_dir: Some(dir.path().join(format!("cache-{kind:?}"))),
+            cache_dir: Some(cache_dir.clone()),
+            ..DataConfig::new(CorpusKind::Pg19, &root)
         };
-        std::fs::create_dir_all(spec.cache_dir.as_ref().unwrap()).unwrap();
         let corpus = Corpus::open(&spec).unwrap();
+        for split in Split::ALL {
+            assert!(cache_dir.join(format!("pg19.{split}.tvq-cache")).is_file());
+        }
         let val = corpus.split(Split::Validation);
         let mut books: Vec<_> = std::fs::read_dir(root.join("validation"))
             .unwrap()
@@ -118,12 +120,9 @@ fn trained_tokenizers_round_trip_and_tokenize_pg19() {
 fn pg19_bad_inputs_are_errors() {
     let dir = tempfile::tempdir().unwrap();
     let root = sample_copy(dir.path());
-    let spec = |tokenizer: Option<PathBuf>| CorpusSpec {
-        kind: CorpusKind::Pg19,
-        path: root.clone(),
+    let spec = |tokenizer: Option<PathBuf>| DataConfig {
         tokenizer,
-        allow_proportional_split: false,
-        cache_dir: None,
+        ..DataConfig::new(CorpusKind::Pg19, &root)
     };
     let bad = dir.path().join("tokenizer.json");
     std::fs::write(&bad, "{ not json").unwrap();
@@ -149,12 +148,9 @@ fn invalid_utf8_is_replaced_for_tokenizers_and_kept_for_bytes() {
     train_tokenizer(&train_files(&root), TokenizerKind::Bpe, 400, &tok).unwrap();
     let text = dir.path().join("latin1.txt");
     std::fs::write(&text, b"caf\xe9 au lait, na\xefve ".repeat(40)).unwrap();
-    let spec = |tokenizer| CorpusSpec {
-        kind: CorpusKind::Text,
-        path: text.clone(),
+    let spec = |tokenizer| DataConfig {
         tokenizer,
-        allow_proportional_split: false,
-        cache_dir: None,
+        ..DataConfig::new(CorpusKind::Text, &text)
     };
     let corpus = Corpus::open(&spec(Some(tok))).unwrap();
     let train = corpus.split(Split::Train);

@@ -89,11 +89,57 @@ impl<B: Backend> AttentionState<B> {
         Self {
             pos: self.pos,
             prev: self.prev.map(CachedBlock::detach),
-            cache: self.cache.map(|c| CompressedCache {
-                counts: c.counts.detach(),
-                means: c.means.detach(),
-            }),
+            cache: self.cache.map(CompressedCache::detach),
             current: self.current.map(CachedBlock::detach),
+        }
+    }
+}
+
+impl<B: Backend> CompressedCache<B> {
+    fn detach(self) -> Self {
+        Self {
+            counts: self.counts.detach(),
+            means: self.means.detach(),
+        }
+    }
+
+    /// The cache of a stream with nothing older than its previous block.
+    fn empty(b: usize, h: usize, s: usize, v: usize, device: &B::Device) -> Self {
+        Self {
+            counts: Tensor::zeros([b, h, s], device),
+            means: Tensor::zeros([b, h, s, v], device),
+        }
+    }
+
+    /// The cache after adding, for each of `R` alternatives, `add_counts`
+    /// `[B, H, R, S]` more keys per code whose values sum to `add_sums`
+    /// `[B, H, R, S, V]`. Returns counts `[B, H, R, S]` and means
+    /// `[B, H, R, S, V]`. Kept as a running mean,
+    /// `mu = mu_c n_c / n + sums / n`, so nothing grows with the stream.
+    /// The block form merges every block's cache at once; the recurrent
+    /// form merges one block (`R = 1`).
+    fn merge(
+        &self,
+        add_counts: Tensor<B, 4>,
+        add_sums: Tensor<B, 5>,
+    ) -> (Tensor<B, 4>, Tensor<B, 5>) {
+        let n_c = self.counts.clone().unsqueeze_dim::<4>(2); // [B, H, 1, S]
+        let total = n_c.clone() + add_counts; // [B, H, R, S]
+        let denom = total.clone().clamp_min(1.0);
+        let means = self.means.clone().unsqueeze_dim::<5>(2)
+            * (n_c / denom.clone()).unsqueeze_dim::<5>(4)
+            + add_sums / denom.unsqueeze_dim::<5>(4); // [B, H, R, S, V]
+        (total, means)
+    }
+
+    /// The cache with one more block of keys folded in: `add_counts`
+    /// `[B, H, S]`, `add_sums` `[B, H, S, V]`.
+    fn absorb(&self, add_counts: Tensor<B, 3>, add_sums: Tensor<B, 4>) -> Self {
+        let [b, h, s, v] = add_sums.dims();
+        let (counts, means) = self.merge(add_counts.unsqueeze_dim(2), add_sums.unsqueeze_dim(2));
+        Self {
+            counts: counts.reshape([b, h, s]),
+            means: means.reshape([b, h, s, v]),
         }
     }
 }
@@ -259,12 +305,184 @@ fn empty_block<B: Backend>(
     }
 }
 
+/// Keys, values and codes of a segment cut into its `R` blocks.
+struct Blocks<B: Backend> {
+    /// `[B, H, R, L, K]`.
+    k_hat: Tensor<B, 5>,
+    /// `[B, H, R, L, V]`.
+    v: Tensor<B, 5>,
+    /// `[B, H, R, L]`.
+    codes: Tensor<B, 4, Int>,
+}
+
+fn expect_dims(what: &str, got: &[usize], want: &[usize]) -> Result<(), ModelError> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(ModelError::StateMismatch(format!(
+            "{what} is {got:?}, expected {want:?}"
+        )))
+    }
+}
+
+/// Step 2: the previous block of every block: the carried one for block 0,
+/// block `r - 1` for block `r`. Under `CacheGrad::None` the window's
+/// previous blocks carry no gradient.
+fn previous_blocks<B: Backend>(
+    carried: CachedBlock<B>,
+    blocks: &Blocks<B>,
+    cache_grad: CacheGrad,
+) -> Blocks<B> {
+    let [b, h, r, l, _] = blocks.k_hat.dims();
+    let no_grad = cache_grad == CacheGrad::None;
+    let shift = |carried: Tensor<B, 4>, x: Tensor<B, 5>| -> Tensor<B, 5> {
+        let x = if no_grad { x.detach() } else { x };
+        let head = carried.unsqueeze_dim::<5>(2); // [B, H, 1, L, W]
+        if r == 1 {
+            return head;
+        }
+        let width = x.dims()[4];
+        Tensor::cat(
+            vec![head, x.slice([0..b, 0..h, 0..r - 1, 0..l, 0..width])],
+            2,
+        )
+    };
+    let head = carried.codes.unsqueeze_dim::<4>(2); // [B, H, 1, L]
+    let codes = if r == 1 {
+        head
+    } else {
+        let earlier = blocks.codes.clone().slice([0..b, 0..h, 0..r - 1, 0..l]);
+        Tensor::cat(vec![head, earlier], 2)
+    };
+    Blocks {
+        k_hat: shift(carried.k_hat, blocks.k_hat.clone()),
+        v: shift(carried.v, blocks.v.clone()),
+        codes,
+    }
+}
+
+/// Step 4: the compressed cache each block's queries see. Block `r`'s cache
+/// holds the carried cache plus the previous blocks of blocks `0..r-1`,
+/// i.e. everything up to block `r - 2`: an exclusive cumulative sum of
+/// per-block code totals. Returns the per-block counts `[B, H, R, S]` and
+/// means `[B, H, R, S, V]`, and the carried cache with every block's
+/// previous block folded in (the state after the segment, detached).
+fn block_caches<B: Backend>(
+    carried: CompressedCache<B>,
+    prev: &Blocks<B>,
+    s: usize,
+    cache_grad: CacheGrad,
+) -> (Tensor<B, 4>, Tensor<B, 5>, CompressedCache<B>) {
+    let [b, h, r, l, dv] = prev.v.dims();
+    let values = match cache_grad {
+        CacheGrad::Full => prev.v.clone(),
+        CacheGrad::None | CacheGrad::Window => prev.v.clone().detach(),
+    };
+    let (counts, sums) = code_totals(
+        prev.codes.clone().reshape([b * h * r, l]),
+        None,
+        values.reshape([b * h * r, l, dv]),
+        s,
+    );
+    let counts = counts.reshape([b, h, r, s]); // [B, H, R, S]
+    let sums = sums.reshape([b, h, r, s, dv]); // [B, H, R, S, V]
+    let counts_before = counts.clone().cumsum(2) - counts.clone();
+    let sums_before = sums.clone().cumsum(2) - sums.clone();
+    let (cache_counts, cache_means) = carried.merge(counts_before, sums_before);
+    let after = carried.absorb(
+        counts.detach().sum_dim(2).reshape([b, h, s]),
+        sums.detach().sum_dim(2).reshape([b, h, s, dv]),
+    );
+    (cache_counts, cache_means, after)
+}
+
+/// What a segment starts from: the carried previous block (empty slots
+/// when there is none yet) and compressed cache, checked against the
+/// segment's sizes.
+struct Carried<B: Backend> {
+    has_prev: bool,
+    prev: CachedBlock<B>,
+    cache: CompressedCache<B>,
+}
+
+impl<B: Backend> Carried<B> {
+    /// `dims` = `[B, H, L, K, V, S]`.
+    fn unpack(
+        state: AttentionState<B>,
+        dims: [usize; 6],
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        let [b, h, l, dk, dv, s] = dims;
+        if !state.pos.is_multiple_of(l) || state.current.is_some() {
+            return Err(ModelError::StateNotBlockAligned {
+                pos: state.pos,
+                block_len: l,
+            });
+        }
+        let has_prev = state.prev.is_some();
+        let prev = state
+            .prev
+            .unwrap_or_else(|| empty_block(b, h, l, dk, dv, s, device));
+        expect_dims("previous-block k_hat", &prev.k_hat.dims(), &[b, h, l, dk])?;
+        expect_dims("previous-block v", &prev.v.dims(), &[b, h, l, dv])?;
+        let cache = state
+            .cache
+            .unwrap_or_else(|| CompressedCache::empty(b, h, s, dv, device));
+        expect_dims("cache counts", &cache.counts.dims(), &[b, h, s])?;
+        expect_dims("cache means", &cache.means.dims(), &[b, h, s, dv])?;
+        Ok(Self {
+            has_prev,
+            prev,
+            cache,
+        })
+    }
+}
+
+/// Block 0 of a fresh stream has no previous block: its previous-block
+/// scores `[B, H, R, L, L]` become `-inf`.
+fn mask_first_previous<B: Backend>(scores: Tensor<B, 5>) -> Tensor<B, 5> {
+    let [b, h, r, l, _] = scores.dims();
+    let first: Vec<bool> = (0..r).map(|blk| blk == 0).collect();
+    let first = Tensor::<B, 1, Bool>::from_data(TensorData::new(first, [r]), &scores.device())
+        .reshape([1, 1, r, 1, 1])
+        .expand([b, h, r, l, l]);
+    scores.mask_fill(first, f32::NEG_INFINITY)
+}
+
+/// Step 6: the state after a segment: its last block becomes the previous
+/// block; `cache` already holds every block's previous block. Detached.
+fn state_after<B: Backend>(
+    pos: usize,
+    blocks: Blocks<B>,
+    cache: CompressedCache<B>,
+) -> AttentionState<B> {
+    let [b, h, r, l, dk] = blocks.k_hat.dims();
+    let dv = blocks.v.dims()[4];
+    let last = |x: Tensor<B, 5>, width: usize| {
+        x.slice([0..b, 0..h, r - 1..r, 0..l, 0..width])
+            .reshape([b, h, l, width])
+            .detach()
+    };
+    AttentionState {
+        pos,
+        prev: Some(CachedBlock {
+            k_hat: last(blocks.k_hat, dk),
+            v: last(blocks.v, dv),
+            codes: blocks
+                .codes
+                .slice([0..b, 0..h, r - 1..r, 0..l])
+                .reshape([b, h, l]),
+        }),
+        cache: Some(cache.detach()),
+        current: None,
+    }
+}
+
 /// Block-parallel VQ attention over one segment of `T = R L` tokens that
-/// starts at a block boundary. Returns the output `[B, H, T, V]` and the
-/// detached state after the segment. No loop over blocks: every block's
-/// scores come from batched matmuls, and every block's compressed cache from
-/// an exclusive cumulative sum of per-block code statistics, lagged by two
-/// blocks.
+/// starts at a block boundary, in the steps of docs/architecture.md.
+/// Returns the output `[B, H, T, V]` and the detached state after the
+/// segment. No loop over blocks: every block's scores come from batched
+/// matmuls, and every block's compressed cache from a cumulative sum.
 pub fn block_attention<B: Backend>(
     input: AttentionInput<B>,
     state: AttentionState<B>,
@@ -280,204 +498,62 @@ pub fn block_attention<B: Backend>(
         codebook,
     } = input;
     let [b, h, t, dk] = q.dims();
-    let dv = v.dims()[3];
-    let s = codebook.dims()[1];
-    let l = block_len;
+    let (dv, s, l) = (v.dims()[3], codebook.dims()[1], block_len);
     if t == 0 || !t.is_multiple_of(l) {
         return Err(ModelError::SegmentNotBlockAligned {
             len: t,
             block_len: l,
         });
     }
-    if !state.pos.is_multiple_of(l) || state.current.is_some() {
-        return Err(ModelError::StateNotBlockAligned {
-            pos: state.pos,
-            block_len: l,
-        });
-    }
-    let r = t / l;
-    let device = q.device();
+    let (r, pos) = (t / l, state.pos);
+    let carried = Carried::unpack(state, [b, h, l, dk, dv, s], &q.device())?;
 
+    // 1: blocks.
     let q = q.reshape([b, h, r, l, dk]);
-    let k_hat = k_hat.reshape([b, h, r, l, dk]);
-    let v = v.reshape([b, h, r, l, dv]);
-    let codes = codes.reshape([b, h, r, l]);
-
-    // Previous block of every block: the carried one for block 0, block r-1 otherwise.
-    let has_prev = state.prev.is_some();
-    let carried = match state.prev {
-        Some(p) => p,
-        None => empty_block(b, h, l, dk, dv, s, &device),
+    let blocks = Blocks {
+        k_hat: k_hat.reshape([b, h, r, l, dk]),
+        v: v.reshape([b, h, r, l, dv]),
+        codes: codes.reshape([b, h, r, l]),
     };
-    let check = |what: &str, got: &[usize], want: &[usize]| {
-        if got != want {
-            Err(ModelError::StateMismatch(format!(
-                "{what} is {got:?}, expected {want:?}"
-            )))
-        } else {
-            Ok(())
-        }
-    };
-    check(
-        "previous-block k_hat",
-        &carried.k_hat.dims(),
-        &[b, h, l, dk],
-    )?;
-    check("previous-block v", &carried.v.dims(), &[b, h, l, dv])?;
-    let shift = |carried: Tensor<B, 4>, blocks: Tensor<B, 5>, width: usize| -> Tensor<B, 5> {
-        let head = carried.unsqueeze_dim::<5>(2); // [B, H, 1, L, width]
-        if r == 1 {
-            head
-        } else {
-            Tensor::cat(
-                vec![head, blocks.slice([0..b, 0..h, 0..r - 1, 0..l, 0..width])],
-                2,
-            )
-        }
-    };
-    let (k_win_src, v_win_src) = match cache_grad {
-        CacheGrad::None => (k_hat.clone().detach(), v.clone().detach()),
-        CacheGrad::Window | CacheGrad::Full => (k_hat.clone(), v.clone()),
-    };
-    let prev_k = shift(carried.k_hat, k_win_src, dk); // [B, H, R, L, K]
-    let prev_v = shift(carried.v, v_win_src, dv); // [B, H, R, L, V]
-    let prev_codes = {
-        let head = carried.codes.unsqueeze_dim::<4>(2); // [B, H, 1, L]
-        if r == 1 {
-            head
-        } else {
-            Tensor::cat(
-                vec![head, codes.clone().slice([0..b, 0..h, 0..r - 1, 0..l])],
-                2,
-            )
-        }
-    }; // [B, H, R, L]
-
-    // 1: the present block (causal) and 2: the previous block.
-    let present_scores = window_scores(
-        q.clone(),
-        k_hat.clone(),
-        bias.clone(),
-        WindowBlock::Present,
-        0..l,
-    ); // [B, H, R, L, L]
-    let mut prev_scores = window_scores(q.clone(), prev_k, bias, WindowBlock::Previous, 0..l); // [B, H, R, L, L]
-    if !has_prev {
-        // Block 0 of a fresh stream has no previous block.
-        let first: Vec<bool> = (0..r).map(|blk| blk == 0).collect();
-        let first = Tensor::<B, 1, Bool>::from_data(TensorData::new(first, [r]), &device)
-            .reshape([1, 1, r, 1, 1])
-            .expand([b, h, r, l, l]);
-        prev_scores = prev_scores.mask_fill(first, f32::NEG_INFINITY);
+    // 2: previous blocks.
+    let prev = previous_blocks(carried.prev, &blocks, cache_grad);
+    // 3: window scores, present block (causal) and previous block, [B, H, R, L, L].
+    let k = blocks.k_hat.clone();
+    let present_scores = window_scores(q.clone(), k, bias.clone(), WindowBlock::Present, 0..l);
+    let k = prev.k_hat.clone();
+    let mut prev_scores = window_scores(q.clone(), k, bias, WindowBlock::Previous, 0..l);
+    if !carried.has_prev {
+        prev_scores = mask_first_previous(prev_scores);
     }
-
-    // 3: the compressed cache. Block r's cache holds the carried cache plus
-    // the previous blocks of blocks 0..r-1 (an exclusive cumulative sum).
-    let cache_v_src = match cache_grad {
-        CacheGrad::Full => prev_v.clone(),
-        CacheGrad::None | CacheGrad::Window => prev_v.clone().detach(),
-    };
-    let (blk_counts, blk_sums) = code_totals(
-        prev_codes.reshape([b * h * r, l]),
-        None,
-        cache_v_src.reshape([b * h * r, l, dv]),
-        s,
-    );
-    let blk_counts = blk_counts.reshape([b, h, r, s]); // [B, H, R, S]
-    let blk_sums = blk_sums.reshape([b, h, r, s, dv]); // [B, H, R, S, V]
-    let counts_before = blk_counts.clone().cumsum(2) - blk_counts.clone();
-    let sums_before = blk_sums.clone().cumsum(2) - blk_sums.clone();
-    let (n_c, mu_c) = match state.cache {
-        Some(c) => {
-            check("cache counts", &c.counts.dims(), &[b, h, s])?;
-            check("cache means", &c.means.dims(), &[b, h, s, dv])?;
-            (c.counts, c.means)
-        }
-        None => (
-            Tensor::zeros([b, h, s], &device),
-            Tensor::zeros([b, h, s, dv], &device),
-        ),
-    };
-    // Running mean: mu = mu_c * n_c / n + sums / n, so nothing grows with the stream.
-    let merge =
-        |n_c: Tensor<B, 3>, mu_c: Tensor<B, 4>, add_n: Tensor<B, 4>, add_sum: Tensor<B, 5>| {
-            let n_c = n_c.unsqueeze_dim::<4>(2); // [B, H, 1, S]
-            let total = n_c.clone() + add_n; // [B, H, R', S]
-            let denom = total.clone().clamp_min(1.0);
-            let means = mu_c.unsqueeze_dim::<5>(2) * (n_c / denom.clone()).unsqueeze_dim::<5>(4)
-                + add_sum / denom.unsqueeze_dim::<5>(4);
-            (total, means)
-        };
-    let (cache_n, cache_mu) = merge(n_c.clone(), mu_c.clone(), counts_before, sums_before);
-    let c_scores = cache_scores(q, codebook, cache_n);
-
+    // 4: compressed cache by cumulative sum, [B, H, R, S] and [B, H, R, S, V].
+    let (cache_counts, cache_means, cache_after) =
+        block_caches(carried.cache, &prev, s, cache_grad);
+    let cache_scores = cache_scores(q, codebook, cache_counts); // [B, H, R, L, S]
+    // 5: one softmax over the three groups.
     let out = attend([
-        (present_scores, v.clone()),
-        (prev_scores, prev_v),
-        (c_scores, cache_mu),
-    ])
-    .reshape([b, h, t, dv]);
-
-    // State after the segment: the last block is the new previous block; the
-    // cache absorbs every block's previous block.
-    let (n_new, mu_new) = merge(
-        n_c.detach(),
-        mu_c.detach(),
-        blk_counts.detach().sum_dim(2),
-        blk_sums.detach().sum_dim(2),
-    );
-    let last = |x: Tensor<B, 5>, width: usize| {
-        x.slice([0..b, 0..h, r - 1..r, 0..l, 0..width])
-            .reshape([b, h, l, width])
-            .detach()
-    };
-    let new_state = AttentionState {
-        pos: state.pos + t,
-        prev: Some(CachedBlock {
-            k_hat: last(k_hat, dk),
-            v: last(v, dv),
-            codes: codes.slice([0..b, 0..h, r - 1..r, 0..l]).reshape([b, h, l]),
-        }),
-        cache: Some(CompressedCache {
-            counts: n_new.reshape([b, h, s]),
-            means: mu_new.reshape([b, h, s, dv]),
-        }),
-        current: None,
-    };
-    Ok((out, new_state))
+        (present_scores, blocks.v.clone()),
+        (prev_scores, prev.v),
+        (cache_scores, cache_means),
+    ]);
+    // 6: state out.
+    let out = out.reshape([b, h, t, dv]);
+    Ok((out, state_after(pos + t, blocks, cache_after)))
 }
 
 /// Folds a block that leaves the window into the compressed cache.
 fn fold_into_cache<B: Backend>(
-    cache: Option<CompressedCache<B>>,
+    cache: CompressedCache<B>,
     block: &CachedBlock<B>,
     s: usize,
 ) -> CompressedCache<B> {
-    let [b, h, _, dv] = block.v.dims();
-    let device = block.v.device();
-    let l = block.v.dims()[2];
+    let [b, h, l, dv] = block.v.dims();
     let (add_n, add_sum) = code_totals(
         block.codes.clone().reshape([b * h, l]),
         None,
         block.v.clone().reshape([b * h, l, dv]),
         s,
     );
-    let add_n = add_n.reshape([b, h, s]);
-    let add_sum = add_sum.reshape([b, h, s, dv]);
-    let (n, mu) = match cache {
-        Some(c) => (c.counts, c.means),
-        None => (
-            Tensor::zeros([b, h, s], &device),
-            Tensor::zeros([b, h, s, dv], &device),
-        ),
-    };
-    let total = n.clone() + add_n;
-    let denom = total.clone().clamp_min(1.0).unsqueeze_dim::<4>(3); // [B, H, S, 1]
-    let means = mu * n.unsqueeze_dim::<4>(3) / denom.clone() + add_sum / denom;
-    CompressedCache {
-        counts: total,
-        means,
-    }
+    cache.absorb(add_n.reshape([b, h, s]), add_sum.reshape([b, h, s, dv]))
 }
 
 /// Recurrent VQ attention for one token (`T = 1` in every input), O(L + S)
@@ -544,39 +620,34 @@ pub fn step_attention<B: Backend>(
         prev_scores = prev_scores.full_like(f32::NEG_INFINITY);
     }
 
-    let (cache_n, cache_mu) = match &state.cache {
-        Some(c) => (c.counts.clone(), c.means.clone()),
-        None => (
-            Tensor::zeros([b, h, s], &device),
-            Tensor::zeros([b, h, s, dv], &device),
-        ),
-    };
-    let c_scores = cache_scores(q, codebook, cache_n.unsqueeze_dim(2)); // [B, H, 1, 1, S]
+    let cache = state
+        .cache
+        .unwrap_or_else(|| CompressedCache::empty(b, h, s, dv, &device));
+    let c_scores = cache_scores(q, codebook, cache.counts.clone().unsqueeze_dim(2)); // [B, H, 1, 1, S]
     let out = attend([
         (present_scores, block(&current.v)),
         (prev_scores, block(&prev.v)),
-        (c_scores, cache_mu.unsqueeze_dim(2)),
+        (c_scores, cache.means.clone().unsqueeze_dim(2)),
     ])
     .reshape([b, h, 1, dv]);
 
     // At the end of a block the previous block leaves the window.
     let new_state = if i + 1 == l {
-        let cache = if has_prev {
-            Some(fold_into_cache(state.cache, &prev, s))
-        } else {
-            state.cache
-        };
         AttentionState {
             pos: state.pos + 1,
             prev: Some(current),
-            cache,
+            cache: Some(if has_prev {
+                fold_into_cache(cache, &prev, s)
+            } else {
+                cache
+            }),
             current: None,
         }
     } else {
         AttentionState {
             pos: state.pos + 1,
             prev: has_prev.then_some(prev),
-            cache: state.cache,
+            cache: Some(cache),
             current: Some(current),
         }
     };

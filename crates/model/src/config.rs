@@ -1,6 +1,5 @@
 //! Hyper-parameters of a Transformer-VQ network and their validation.
 
-use burn::config::Config;
 use serde::{Deserialize, Serialize};
 
 use crate::{TransformerVq, error::ConfigError};
@@ -54,64 +53,127 @@ pub enum AttentionForm {
 ///
 /// Symbols follow the spec: `D = d_model`, `K = d_k`, `V = d_v`, `S = n_code`,
 /// `H = n_head`, `L = block_len`, `N = n_layer` (each layer holds two GAU sublayers).
-#[derive(Config, Debug, PartialEq)]
+///
+/// This is also the `[model]` table of a run's TOML config: missing keys take
+/// the defaults of [`Default`] (the only place they are written), unknown
+/// keys are an error. There `vocab_size` is left out (0): it comes from the
+/// corpus's vocabulary.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct TransformerVqConfig {
-    /// Vocabulary size.
+    /// Vocabulary size (0 until the vocabulary is known).
+    #[serde(skip_serializing_if = "is_zero")]
     pub vocab_size: usize,
     /// Model width `D`.
-    #[config(default = 256)]
     pub d_model: usize,
     /// Query/key width per head `K`.
-    #[config(default = 64)]
     pub d_k: usize,
     /// Value width per head `V`.
-    #[config(default = 512)]
     pub d_v: usize,
     /// Codebook size `S` (codes per head and sublayer).
-    #[config(default = 128)]
     pub n_code: usize,
     /// Heads `H`; each head has its own codebook.
-    #[config(default = 1)]
     pub n_head: usize,
     /// Layers `N`; each holds two GAU sublayers.
-    #[config(default = 2)]
     pub n_layer: usize,
     /// Block length `L`; segments fed to the block-parallel form are a multiple of it.
-    #[config(default = 128)]
     pub block_len: usize,
     /// Relative position bias.
-    #[config(default = "RelativeBias::Toeplitz")]
     pub bias: RelativeBias,
     /// Gradient through the caches within a segment.
-    #[config(default = "CacheGrad::Window")]
     pub cache_grad: CacheGrad,
     /// Attention form (VQ, or the quadratic baseline).
-    #[config(default = "AttentionForm::Vq")]
     pub attention: AttentionForm,
     /// RMS-normalise the features before the output projection (reference name `e_preln`).
-    #[config(default = false)]
     pub final_norm: bool,
     /// Tie the output projection to the embedding (`logits = h E^T + b`).
-    #[config(default = false)]
     pub tie_embeddings: bool,
     /// Constant multiplier on the logits (reference name `e_scale`).
-    #[config(default = 1.0)]
     pub logit_scale: f64,
     /// Residual dropout on each GAU output (`p_dropres`).
-    #[config(default = 0.0)]
     pub dropout_residual: f64,
     /// Probability of dropping a whole GAU sublayer for one batch row (`p_droplyr`).
-    #[config(default = 0.0)]
     pub dropout_layer: f64,
     /// Dropout on the XL sinusoid embedding (`p_dropsin`).
-    #[config(default = 0.0)]
     pub dropout_sinusoid: f64,
     /// Wavelength base `lambda` of the XL sinusoid embedding (`pe_lam`).
-    #[config(default = 100000.0)]
     pub sinusoid_base: f64,
 }
 
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+impl Default for TransformerVqConfig {
+    /// The defaults of every hyper-parameter (the recipe's small model),
+    /// with the vocabulary still unknown.
+    fn default() -> Self {
+        Self {
+            vocab_size: 0,
+            d_model: 256,
+            d_k: 64,
+            d_v: 512,
+            n_code: 128,
+            n_head: 1,
+            n_layer: 2,
+            block_len: 128,
+            bias: RelativeBias::Toeplitz,
+            cache_grad: CacheGrad::Window,
+            attention: AttentionForm::Vq,
+            final_norm: false,
+            tie_embeddings: false,
+            logit_scale: 1.0,
+            dropout_residual: 0.0,
+            dropout_layer: 0.0,
+            dropout_sinusoid: 0.0,
+            sinusoid_base: 100000.0,
+        }
+    }
+}
+
+/// `with_field(value)` builders, one per field, for configs written in code.
+macro_rules! builders {
+    ($($with:ident => $field:ident: $ty:ty),* $(,)?) => {
+        $(
+            #[doc = concat!("Sets `", stringify!($field), "`.")]
+            pub fn $with(mut self, value: $ty) -> Self {
+                self.$field = value;
+                self
+            }
+        )*
+    };
+}
+
 impl TransformerVqConfig {
+    /// The default architecture for a vocabulary of `vocab_size` ids.
+    pub fn new(vocab_size: usize) -> Self {
+        Self {
+            vocab_size,
+            ..Self::default()
+        }
+    }
+
+    builders! {
+        with_vocab_size => vocab_size: usize,
+        with_d_model => d_model: usize,
+        with_d_k => d_k: usize,
+        with_d_v => d_v: usize,
+        with_n_code => n_code: usize,
+        with_n_head => n_head: usize,
+        with_n_layer => n_layer: usize,
+        with_block_len => block_len: usize,
+        with_bias => bias: RelativeBias,
+        with_cache_grad => cache_grad: CacheGrad,
+        with_attention => attention: AttentionForm,
+        with_final_norm => final_norm: bool,
+        with_tie_embeddings => tie_embeddings: bool,
+        with_logit_scale => logit_scale: f64,
+        with_dropout_residual => dropout_residual: f64,
+        with_dropout_layer => dropout_layer: f64,
+        with_dropout_sinusoid => dropout_sinusoid: f64,
+        with_sinusoid_base => sinusoid_base: f64,
+    }
+
     /// Checks every constraint the model relies on; the error names the key.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let positive = [

@@ -4,7 +4,6 @@
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
-use burn::tensor::activation::log_softmax;
 
 use crate::attention::AttentionState;
 use crate::config::TransformerVqConfig;
@@ -12,7 +11,7 @@ use crate::dropout::{self, DropoutMasks, SublayerMasks};
 use crate::error::ModelError;
 use crate::gau::Gau;
 use crate::norm::RmsNorm;
-use crate::quantizer::{CodebookStats, bool_to_float};
+use crate::quantizer::CodebookStats;
 
 /// The Transformer-VQ language model. Build it with [`TransformerVqConfig::init`].
 #[derive(Module, Debug)]
@@ -301,31 +300,5 @@ impl<B: Backend> TransformerVq<B> {
             })
             .collect();
         self
-    }
-}
-
-/// Per-token negative log-likelihood in nats, `[B, T]`, of `targets` `[B, T]`
-/// under `logits` `[B, T, vocab]`.
-pub fn token_nll<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 2> {
-    let [b, t, _] = logits.dims();
-    let logp = log_softmax(logits, 2);
-    logp.gather(2, targets.reshape([b, t, 1]))
-        .reshape([b, t])
-        .neg()
-}
-
-/// Mean of a per-token quantity over the valid tokens (all when `valid` is
-/// `None`). The official code divides by all `B T` positions instead; the two
-/// agree when nothing is padded.
-pub fn masked_mean<B: Backend>(
-    per_token: Tensor<B, 2>,
-    valid: Option<Tensor<B, 2, Bool>>,
-) -> Tensor<B, 1> {
-    match valid {
-        None => per_token.mean(),
-        Some(valid) => {
-            let w = bool_to_float(valid, &per_token.device());
-            (per_token * w.clone()).sum() / w.sum().clamp_min(1.0)
-        }
     }
 }

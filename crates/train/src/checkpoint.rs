@@ -19,14 +19,16 @@ use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::DeviceOps;
 use serde::{Deserialize, Serialize};
 use tvq_data::TrainCursor;
+use tvq_data::hash::fnv1a;
 use tvq_model::ModelState;
 use tvq_model::attention::{AttentionState, CachedBlock, CompressedCache};
 
 use crate::error::TrainError;
+use crate::export::f32_values;
 use crate::optim::{B, Model, Optimizers};
 
 /// Progress of a run, saved with each checkpoint.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct TrainerState {
     /// Optimizer steps done.
     pub step: u64,
@@ -39,12 +41,6 @@ pub struct TrainerState {
 }
 
 type Rec = BinFileRecorder<FullPrecisionSettings>;
-
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> TrainError + '_ {
     move |e| TrainError::io(path, e)
@@ -138,14 +134,9 @@ fn states_from_bytes(
             .ok_or_else(|| bad(path, format!("state has no `{k}`")))
     };
     let float = |name: &str| -> Option<TensorData> {
-        st.tensor(name).ok().map(|v| {
-            let data: Vec<f32> = v
-                .data()
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                .collect();
-            TensorData::new(data, v.shape().to_vec())
-        })
+        st.tensor(name)
+            .ok()
+            .map(|v| TensorData::new(f32_values(&v), v.shape().to_vec()))
     };
     let mut states = vec![];
     for m in 0..num("micro_batches")? {
@@ -401,5 +392,110 @@ pub fn prune(run_dir: &Path, keep: usize, best_step: Option<u64>) {
         {
             tracing::warn!("could not delete old checkpoint {}: {e}", dir.display());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tvq_model::TransformerVqConfig;
+    use tvq_model::device::DeviceSpec;
+
+    fn values<const D: usize>(t: &Tensor<B, D>) -> Vec<f32> {
+        t.to_data().convert::<f32>().to_vec().unwrap()
+    }
+
+    fn codes(t: &Tensor<B, 3, Int>) -> Vec<i64> {
+        t.to_data().convert::<i64>().to_vec().unwrap()
+    }
+
+    /// A state with a previous block, a compressed cache and a partial
+    /// current block (two blocks through the block form, then one token).
+    fn carried_state(device: &burn::DispatchDevice) -> ModelState<B> {
+        let model = TransformerVqConfig::new(7)
+            .with_d_model(8)
+            .with_d_k(4)
+            .with_d_v(6)
+            .with_n_code(3)
+            .with_n_layer(1)
+            .with_block_len(2)
+            .init::<B>(device)
+            .unwrap();
+        let tokens =
+            Tensor::<B, 2, Int>::from_data([[1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1]], device);
+        let out = model.forward(tokens, model.empty_state(), None).unwrap();
+        let token = Tensor::<B, 2, Int>::from_data([[1], [2]], device);
+        model.step(token, out.state).unwrap().1
+    }
+
+    #[test]
+    fn carried_states_survive_serialisation() {
+        let device = DeviceSpec::Cpu.init().unwrap().0;
+        let states = vec![carried_state(&device), ModelState::new(2)];
+        let path = Path::new("state.safetensors");
+        let bytes = states_to_bytes(path, &states).unwrap();
+        let back = states_from_bytes(path, &bytes, &device).unwrap();
+        assert_eq!(back.len(), 2);
+        for (a, b) in states.iter().zip(&back) {
+            assert_eq!(a.sublayers.len(), b.sublayers.len());
+            for (a, b) in a.sublayers.iter().zip(&b.sublayers) {
+                assert_eq!(a.pos, b.pos);
+                for (x, y) in [(&a.prev, &b.prev), (&a.current, &b.current)] {
+                    assert_eq!(x.is_some(), y.is_some());
+                    if let (Some(x), Some(y)) = (x, y) {
+                        assert_eq!(values(&x.k_hat), values(&y.k_hat));
+                        assert_eq!(values(&x.v), values(&y.v));
+                        assert_eq!(codes(&x.codes), codes(&y.codes));
+                    }
+                }
+                assert_eq!(a.cache.is_some(), b.cache.is_some());
+                if let (Some(x), Some(y)) = (&a.cache, &b.cache) {
+                    assert_eq!(values(&x.counts), values(&y.counts));
+                    assert_eq!(values(&x.means), values(&y.means));
+                }
+            }
+        }
+        let s = &back[0].sublayers[0];
+        assert_eq!(s.pos, 7);
+        assert!(s.prev.is_some() && s.cache.is_some() && s.current.is_some());
+        assert_eq!(back[1].sublayers[0].pos, 0);
+    }
+
+    #[test]
+    fn a_changed_byte_fails_verification_and_old_checkpoints_are_pruned() {
+        let run = tempfile::tempdir().unwrap();
+        let device = DeviceSpec::Cpu.init().unwrap().0;
+        let model = TransformerVqConfig::new(5)
+            .with_d_model(4)
+            .with_d_k(2)
+            .with_d_v(2)
+            .with_n_code(2)
+            .with_n_layer(1)
+            .with_block_len(2)
+            .init::<B>(&burn::DispatchDevice::autodiff(device))
+            .unwrap();
+        let optim = Optimizers::new(&crate::config::TrainSection::default());
+        for step in 1..=4 {
+            let progress = TrainerState {
+                step,
+                ..TrainerState::default()
+            };
+            save(run.path(), &model, &optim, &[], &progress).unwrap();
+        }
+        let dir = checkpoint_dir(run.path(), 4);
+        verify(&dir).unwrap();
+        let trainer = dir.join("trainer.json");
+        let mut bytes = std::fs::read(&trainer).unwrap();
+        bytes[0] ^= 1;
+        std::fs::write(&trainer, bytes).unwrap();
+        assert!(verify(&dir).unwrap_err().to_string().contains("checksum"));
+        assert_eq!(
+            latest_valid(run.path()),
+            Some(checkpoint_dir(run.path(), 3))
+        );
+
+        prune(run.path(), 2, Some(1));
+        let kept: Vec<u64> = list(run.path()).into_iter().map(|(s, _)| s).collect();
+        assert_eq!(kept, [4, 3, 1], "the two newest and the best");
     }
 }

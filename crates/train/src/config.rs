@@ -5,11 +5,11 @@
 //! `--set`) are applied to the TOML before it is read, so they are checked
 //! the same way.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
-use tvq_data::{CorpusKind, CorpusSpec, TrainLayout};
-use tvq_model::{AttentionForm, CacheGrad, RelativeBias, TransformerVqConfig};
+use tvq_data::DataConfig;
+use tvq_model::TransformerVqConfig;
 
 use crate::error::TrainError;
 
@@ -17,140 +17,17 @@ use crate::error::TrainError;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RunConfig {
-    /// The network.
+    /// `[model]`: the network; `vocab_size` comes from the corpus.
     #[serde(default)]
-    pub model: ModelSection,
-    /// The corpus and the batch layout.
-    pub data: DataSection,
-    /// Optimization.
+    pub model: TransformerVqConfig,
+    /// `[data]`: the corpus and the batch layout.
+    pub data: DataConfig,
+    /// `[train]`: optimization.
     #[serde(default)]
     pub train: TrainSection,
-    /// Periodic and final evaluation.
+    /// `[eval]`: periodic and final evaluation.
     #[serde(default)]
     pub eval: EvalSection,
-}
-
-/// `[model]`: every [`TransformerVqConfig`] field but the vocabulary size,
-/// which comes from the corpus.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ModelSection {
-    /// Model width D.
-    pub d_model: usize,
-    /// Key width K per head.
-    pub d_k: usize,
-    /// Value width V per head.
-    pub d_v: usize,
-    /// Codebook size S.
-    pub n_code: usize,
-    /// Heads H.
-    pub n_head: usize,
-    /// Layers N (two GAU sublayers each).
-    pub n_layer: usize,
-    /// Block length L.
-    pub block_len: usize,
-    /// `toeplitz` or `xl`.
-    pub bias: RelativeBias,
-    /// `window`, `none` or `full`.
-    pub cache_grad: CacheGrad,
-    /// `vq` or `quadratic`.
-    pub attention: AttentionForm,
-    /// RMS norm before the output.
-    pub final_norm: bool,
-    /// Tie output and embedding.
-    pub tie_embeddings: bool,
-    /// Multiplier on the logits.
-    pub logit_scale: f64,
-    /// Residual dropout.
-    pub dropout_residual: f64,
-    /// Layer drop.
-    pub dropout_layer: f64,
-    /// XL sinusoid dropout.
-    pub dropout_sinusoid: f64,
-    /// XL sinusoid base.
-    pub sinusoid_base: f64,
-}
-
-impl Default for ModelSection {
-    fn default() -> Self {
-        let d = TransformerVqConfig::new(1);
-        Self {
-            d_model: d.d_model,
-            d_k: d.d_k,
-            d_v: d.d_v,
-            n_code: d.n_code,
-            n_head: d.n_head,
-            n_layer: d.n_layer,
-            block_len: d.block_len,
-            bias: d.bias,
-            cache_grad: d.cache_grad,
-            attention: d.attention,
-            final_norm: d.final_norm,
-            tie_embeddings: d.tie_embeddings,
-            logit_scale: d.logit_scale,
-            dropout_residual: d.dropout_residual,
-            dropout_layer: d.dropout_layer,
-            dropout_sinusoid: d.dropout_sinusoid,
-            sinusoid_base: d.sinusoid_base,
-        }
-    }
-}
-
-impl ModelSection {
-    /// The model config for a vocabulary of `vocab_size` ids.
-    pub fn to_model(&self, vocab_size: usize) -> TransformerVqConfig {
-        TransformerVqConfig::new(vocab_size)
-            .with_d_model(self.d_model)
-            .with_d_k(self.d_k)
-            .with_d_v(self.d_v)
-            .with_n_code(self.n_code)
-            .with_n_head(self.n_head)
-            .with_n_layer(self.n_layer)
-            .with_block_len(self.block_len)
-            .with_bias(self.bias)
-            .with_cache_grad(self.cache_grad)
-            .with_attention(self.attention)
-            .with_final_norm(self.final_norm)
-            .with_tie_embeddings(self.tie_embeddings)
-            .with_logit_scale(self.logit_scale)
-            .with_dropout_residual(self.dropout_residual)
-            .with_dropout_layer(self.dropout_layer)
-            .with_dropout_sinusoid(self.dropout_sinusoid)
-            .with_sinusoid_base(self.sinusoid_base)
-    }
-}
-
-/// `[data]`: where the corpus is (the fields of [`CorpusSpec`], repeated
-/// because serde's `flatten` cannot be combined with `deny_unknown_fields`)
-/// and how it is cut into batches.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct DataSection {
-    /// `enwik8`, `text` or `pg19`.
-    pub kind: CorpusKind,
-    /// Corpus file or directory (relative paths are relative to the working directory).
-    pub path: PathBuf,
-    /// `tokenizer.json` for tokenized text; byte-level when absent.
-    #[serde(default)]
-    pub tokenizer: Option<PathBuf>,
-    /// Accept an enwik8 file of another size, split 90/5/5.
-    #[serde(default)]
-    pub allow_proportional_split: bool,
-    /// Where token caches go (default: beside the corpus).
-    #[serde(default)]
-    pub cache_dir: Option<PathBuf>,
-    /// Rows per optimizer step (the global batch).
-    #[serde(default = "defaults::batch_size")]
-    pub batch_size: usize,
-    /// Tokens per row per step (one segment, `T`); a multiple of `block_len`.
-    #[serde(default = "defaults::update_len")]
-    pub update_len: usize,
-    /// Tokens per sequence: the state is carried across its segments; a multiple of `update_len`.
-    #[serde(default = "defaults::update_len")]
-    pub sequence_len: usize,
-    /// Reset the state at every sequence (false: only at epoch starts).
-    #[serde(default = "defaults::yes")]
-    pub reset_each_sequence: bool,
 }
 
 /// `[train]`.
@@ -254,18 +131,6 @@ impl Default for EvalSection {
     }
 }
 
-mod defaults {
-    pub fn batch_size() -> usize {
-        8
-    }
-    pub fn update_len() -> usize {
-        512
-    }
-    pub fn yes() -> bool {
-        true
-    }
-}
-
 fn invalid(key: &str, reason: impl Into<String>) -> TrainError {
     TrainError::Config {
         key: key.to_string(),
@@ -301,6 +166,21 @@ fn set_key(root: &mut toml::Table, assignment: &str) -> Result<(), TrainError> {
     Ok(())
 }
 
+/// Reads TOML text into `T` after applying `overrides` (`section.key=value`).
+pub fn parse_toml<T: serde::de::DeserializeOwned>(
+    text: &str,
+    overrides: &[String],
+) -> Result<T, TrainError> {
+    let mut table: toml::Table =
+        toml::from_str(text).map_err(|e| TrainError::Toml(e.to_string()))?;
+    for o in overrides {
+        set_key(&mut table, o)?;
+    }
+    toml::Value::Table(table)
+        .try_into()
+        .map_err(|e: toml::de::Error| TrainError::Toml(e.to_string()))
+}
+
 impl RunConfig {
     /// Reads a TOML config, applies `overrides` (`section.key=value`), validates.
     pub fn load(path: &Path, overrides: &[String]) -> Result<Self, TrainError> {
@@ -313,14 +193,7 @@ impl RunConfig {
 
     /// Parses TOML text (see [`RunConfig::load`]).
     pub fn parse(text: &str, overrides: &[String]) -> Result<Self, TrainError> {
-        let mut table: toml::Table =
-            toml::from_str(text).map_err(|e| TrainError::Toml(e.to_string()))?;
-        for o in overrides {
-            set_key(&mut table, o)?;
-        }
-        let config: RunConfig = toml::Value::Table(table)
-            .try_into()
-            .map_err(|e: toml::de::Error| TrainError::Toml(e.to_string()))?;
+        let config: RunConfig = parse_toml(text, overrides)?;
         config.validate()?;
         Ok(config)
     }
@@ -407,38 +280,83 @@ impl RunConfig {
                 ),
             ));
         }
-        self.model
-            .to_model(2)
-            .validate()
-            .map_err(|e| invalid(&format!("model.{}", e.key), e.reason))
+        if m.vocab_size != 0 {
+            return Err(invalid(
+                "model.vocab_size",
+                "is set by the corpus's vocabulary: remove it from [model]",
+            ));
+        }
+        Ok(self.model_config(2).validate()?)
     }
 
-    /// Where the corpus is.
-    pub fn corpus_spec(&self) -> CorpusSpec {
-        let d = &self.data;
-        CorpusSpec {
-            kind: d.kind,
-            path: d.path.clone(),
-            tokenizer: d.tokenizer.clone(),
-            allow_proportional_split: d.allow_proportional_split,
-            cache_dir: d.cache_dir.clone(),
-        }
-    }
-
-    /// The layout of the training batches (all shards' rows).
-    pub fn train_layout(&self) -> TrainLayout {
-        let d = &self.data;
-        TrainLayout {
-            batch: d.batch_size,
-            update_len: d.update_len,
-            sequence_len: d.sequence_len,
-            seed: self.train.seed,
-            reset_each_sequence: d.reset_each_sequence,
-        }
+    /// The model config for a vocabulary of `vocab_size` ids.
+    pub fn model_config(&self, vocab_size: usize) -> TransformerVqConfig {
+        self.model.clone().with_vocab_size(vocab_size)
     }
 
     /// The config as TOML text (written into the run directory).
     pub fn to_toml(&self) -> String {
         toml::to_string_pretty(self).expect("a config serializes")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tvq_model::RelativeBias;
+
+    const MINIMAL: &str = "[data]\nkind = \"text\"\npath = \"data/kjv.txt\"\n";
+
+    fn error(text: &str, overrides: &[&str]) -> String {
+        let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        RunConfig::parse(text, &overrides).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn missing_keys_take_the_model_and_data_defaults() {
+        let cfg = RunConfig::parse(MINIMAL, &[]).unwrap();
+        assert_eq!(cfg.model, TransformerVqConfig::default());
+        assert_eq!(cfg.model_config(259), TransformerVqConfig::new(259));
+        assert_eq!(cfg.data.batch_size, 8);
+        assert_eq!(cfg.train, TrainSection::default());
+        // The TOML written into a run directory reads back the same.
+        assert_eq!(RunConfig::parse(&cfg.to_toml(), &[]).unwrap(), cfg);
+    }
+
+    #[test]
+    fn overrides_set_numbers_strings_and_booleans_in_any_section() {
+        let overrides = [
+            "model.d_model=64",
+            "model.bias=xl",
+            "model.logit_scale = 0.5",
+            "data.reset_each_sequence=false",
+            "data.path=\"other.txt\"",
+            "train.lr=3e-4",
+            "eval.every=0",
+        ]
+        .map(String::from);
+        let cfg = RunConfig::parse(MINIMAL, &overrides).unwrap();
+        assert_eq!(cfg.model.d_model, 64);
+        assert_eq!(cfg.model.bias, RelativeBias::Xl);
+        assert_eq!(cfg.model.logit_scale, 0.5);
+        assert!(!cfg.data.reset_each_sequence);
+        assert_eq!(cfg.data.path, std::path::PathBuf::from("other.txt"));
+        assert_eq!(cfg.train.lr, 3e-4);
+        assert_eq!(cfg.eval.every, 0);
+    }
+
+    #[test]
+    fn bad_keys_and_values_are_errors_naming_the_key() {
+        assert!(error(MINIMAL, &["model.d_modle=64"]).contains("d_modle"));
+        assert!(error(MINIMAL, &["data.batch_sise=4"]).contains("batch_sise"));
+        assert!(error(MINIMAL, &["train.lr"]).contains("section.key=value"));
+        assert!(error(MINIMAL, &["model.vocab_size=300"]).contains("model.vocab_size"));
+        assert!(error(MINIMAL, &["model.d_model=0"]).contains("model.d_model"));
+        assert!(error(MINIMAL, &["model.n_code=1"]).contains("model.n_code"));
+        assert!(error(MINIMAL, &["data.update_len=100"]).contains("data.update_len"));
+        assert!(error(MINIMAL, &["train.workers=3"]).contains("train.workers"));
+        assert!(error(MINIMAL, &["train.beta2=1.0"]).contains("train.beta2"));
+        assert!(error(MINIMAL, &["data.kind.x=1"]).contains("not a section"));
+        assert!(error("[model]\nd_model = 8\n", &[]).contains("data"));
     }
 }

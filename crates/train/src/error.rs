@@ -77,6 +77,16 @@ pub enum TrainError {
     },
 }
 
+/// A model config error names its key as it appears in the run config.
+impl From<tvq_model::ConfigError> for TrainError {
+    fn from(e: tvq_model::ConfigError) -> Self {
+        Self::Config {
+            key: format!("model.{}", e.key),
+            reason: e.reason,
+        }
+    }
+}
+
 impl TrainError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Self::Io {

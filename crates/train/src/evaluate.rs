@@ -4,9 +4,11 @@
 use burn::prelude::*;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
-use tvq_data::{Batch, EvalBatches, TokenSplit};
-use tvq_model::{TransformerVq, token_nll};
+use tvq_data::{EvalBatches, TokenSplit};
+use tvq_model::{Loss, TransformerVq};
 
+use crate::batch::BatchTensors;
+use crate::config::EvalSection;
 use crate::error::TrainError;
 use crate::optim::B;
 use crate::workers::map_in_workers;
@@ -33,38 +35,30 @@ pub struct EvalReport {
     pub word_perplexity: Option<f64>,
 }
 
-/// Integer, target and validity tensors of rows `rows` of a batch.
-pub fn batch_tensors(
-    batch: &Batch,
-    rows: std::ops::Range<usize>,
-    device: &burn::DispatchDevice,
-) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>, Tensor<B, 2, Bool>) {
-    let t = batch.len;
-    let span = rows.start * t..rows.end * t;
-    let ints = |v: &[u32]| {
-        let data: Vec<i64> = v[span.clone()].iter().map(|&x| x as i64).collect();
-        Tensor::<B, 2, Int>::from_data(TensorData::new(data, [rows.len(), t]), device)
-    };
-    let valid = Tensor::<B, 2, Bool>::from_data(
-        TensorData::new(batch.valid[span.clone()].to_vec(), [rows.len(), t]),
-        device,
-    );
-    (ints(&batch.inputs), ints(&batch.targets), valid)
+impl EvalReport {
+    /// "loss L nats/token, X bits/byte".
+    pub fn summary(&self) -> String {
+        format!(
+            "loss {:.4} nats/token, {:.4} bits/byte",
+            self.loss, self.bits_per_byte
+        )
+    }
 }
 
-/// Scores `split` with `model` (a plain, non-autodiff model), `batch` rows
-/// of `update_len` tokens, the first `max_segments` batches or all of them.
-/// The rows are cut into up to `workers` groups that run on their own
-/// threads ([`map_in_workers`]), each carrying its own state.
+/// Scores `split` with `model` (a plain, non-autodiff model) in batches of
+/// `eval.batch_size` rows of `eval.update_len` tokens: the first
+/// `max_segments` batches or all of them. The rows are cut into up to
+/// `workers` groups that run on their own threads ([`map_in_workers`]),
+/// each carrying its own state.
 pub fn evaluate(
     model: &TransformerVq<B>,
     split: &TokenSplit,
-    batch: usize,
-    update_len: usize,
+    eval: &EvalSection,
     max_segments: Option<usize>,
     show_progress: bool,
     workers: usize,
 ) -> Result<EvalReport, TrainError> {
+    let (batch, update_len) = (eval.batch_size, eval.update_len);
     let batches = EvalBatches::new(split.clone(), batch, update_len)?;
     let total = batches.num_batches();
     let n = max_segments.map_or(total, |m| m.min(total));
@@ -100,11 +94,14 @@ pub fn evaluate(
             groups,
             || (),
             |_, (rows, state)| -> Result<_, TrainError> {
-                let (inputs, targets, valid) = batch_tensors(&b, rows, &device);
+                let BatchTensors {
+                    inputs,
+                    targets,
+                    valid,
+                } = BatchTensors::rows(&b, rows, &device);
                 let out = model.forward(inputs, state, Some(valid.clone()))?;
-                let w = Tensor::<B, 2>::zeros(valid.dims(), &device).mask_fill(valid, 1.0);
-                let nll: f64 = (token_nll(out.logits, targets) * w)
-                    .sum()
+                let nll: f64 = Loss::new(&out, targets, Some(valid))
+                    .nll_sum
                     .into_scalar()
                     .elem();
                 Ok((nll, out.state))

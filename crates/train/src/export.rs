@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use burn::store::{ModuleSnapshot, SafetensorsStore};
+use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 use tvq_model::TransformerVqConfig;
@@ -72,13 +73,7 @@ pub fn load_export(
                 path: path.clone(),
                 reason: e.to_string(),
             })?;
-    let mut model = info
-        .model
-        .init::<B>(device)
-        .map_err(|e| TrainError::Config {
-            key: format!("model.{}", e.key),
-            reason: e.reason,
-        })?;
+    let mut model = info.model.init::<B>(device)?;
     let result = model
         .load_from(&mut SafetensorsStore::from_file(weights.to_path_buf()))
         .map_err(|e| TrainError::Checkpoint {
@@ -127,6 +122,14 @@ pub fn import_official(
     })
 }
 
+/// The values of a float32 safetensors tensor (little-endian on disk).
+pub(crate) fn f32_values(view: &TensorView<'_>) -> Vec<f32> {
+    view.data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
 /// Every float32 tensor of a safetensors file, by name.
 fn read_float_tensors(path: &Path) -> Result<BTreeMap<String, OfficialTensor>, TrainError> {
     let bytes = std::fs::read(path).map_err(|e| TrainError::io(path, e))?;
@@ -139,11 +142,7 @@ fn read_float_tensors(path: &Path) -> Result<BTreeMap<String, OfficialTensor>, T
         .into_iter()
         .filter(|(_, view)| view.dtype() == Dtype::F32)
         .map(|(name, view)| {
-            let data = view
-                .data()
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
+            let data = f32_values(&view);
             let shape = view.shape().to_vec();
             // A flax tree saved whole has its parameters under `params/`.
             let name = name

@@ -1,16 +1,20 @@
 //! Training, evaluation, sampling and checkpoints for Transformer-VQ.
 //!
 //! [`RunConfig`] is the TOML config; [`train`] runs or resumes a run in a run
-//! directory; [`evaluate`] streams a split through the model; [`sample`]
-//! generates with the recurrent form; [`export`] writes safetensors.
+//! directory, one [`Trainer::step`] at a time; [`evaluate`] streams a split
+//! through the model; [`sample`] generates with the recurrent form;
+//! [`export`] writes safetensors.
 
+pub mod batch;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod evaluate;
 pub mod export;
+pub mod metrics;
 pub mod optim;
 pub mod plot;
+pub mod run;
 pub mod sample;
 pub mod step;
 pub mod trainer;
@@ -19,5 +23,7 @@ pub mod workers;
 pub use config::RunConfig;
 pub use error::TrainError;
 pub use evaluate::{EvalReport, evaluate};
+pub use metrics::StepMetrics;
+pub use run::{TrainOptions, TrainSummary, train};
 pub use sample::{SampleOptions, sample};
-pub use trainer::{StepMetrics, TrainOptions, TrainSummary, train};
+pub use trainer::Trainer;

@@ -154,3 +154,42 @@ pub fn clip_global_norm(model: &Model, grads: &mut GradientsParams, max_norm: f6
     }
     norm
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::TrainSection;
+
+    fn schedule() -> TrainSection {
+        TrainSection {
+            lr: 1e-3,
+            warmup_steps: 100,
+            steps: 1000,
+            decay_steps: Some(600),
+            lr_floor: 0.1,
+            ..TrainSection::default()
+        }
+    }
+
+    #[test]
+    fn warm_up_is_linear_then_the_cosine_decays_to_the_floor() {
+        let t = schedule();
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(close(learning_rate(&t, 1), 1e-5));
+        assert!(close(learning_rate(&t, 50), 5e-4));
+        assert!(close(learning_rate(&t, 100), 1e-3));
+        // Half-way through the decay the cosine is at the mean of peak and floor.
+        assert!(close(learning_rate(&t, 350), (1e-3 + 1e-4) / 2.0));
+        assert!(close(learning_rate(&t, 600), 1e-4));
+        assert!(close(learning_rate(&t, 1000), 1e-4));
+        let decay: Vec<f64> = (100..=600).map(|s| learning_rate(&t, s)).collect();
+        assert!(decay.windows(2).all(|w| w[1] < w[0]), "strictly decreasing");
+        // Without decay_steps the cosine ends at train.steps.
+        let t = TrainSection {
+            decay_steps: None,
+            ..schedule()
+        };
+        assert!(close(learning_rate(&t, 1000), 1e-4));
+        assert!(learning_rate(&t, 999) > 1e-4);
+    }
+}

@@ -1,6 +1,7 @@
 //! Sampling with the recurrent form: constant work and memory per token.
 
 use burn::prelude::*;
+use tvq_data::hash::SplitMix64;
 use tvq_model::TransformerVq;
 
 use crate::error::TrainError;
@@ -17,19 +18,6 @@ pub struct SampleOptions {
     pub top_p: f64,
     /// Seed of the draws.
     pub seed: u64,
-}
-
-/// SplitMix64 stream: reproducible draws without a dependency.
-struct Rng(u64);
-
-impl Rng {
-    fn uniform(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-    }
 }
 
 /// Draws a token from `logits` with temperature and nucleus sampling.
@@ -87,7 +75,7 @@ pub fn sample(
         state = s;
         logits = Some(l);
     }
-    let mut rng = Rng(opts.seed);
+    let mut rng = SplitMix64(opts.seed);
     let mut out = Vec::with_capacity(opts.max_tokens);
     for _ in 0..opts.max_tokens {
         let l: Vec<f32> = logits
@@ -107,4 +95,51 @@ pub fn sample(
         logits = Some(l);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::draw;
+
+    /// How often each token is drawn over `n` evenly spaced uniforms.
+    fn frequencies(logits: &[f32], temperature: f64, top_p: f64, n: usize) -> Vec<f64> {
+        let mut counts = vec![0usize; logits.len()];
+        for i in 0..n {
+            let u = (i as f64 + 0.5) / n as f64;
+            counts[draw(logits, temperature, top_p, u) as usize] += 1;
+        }
+        counts.iter().map(|&c| c as f64 / n as f64).collect()
+    }
+
+    #[test]
+    fn temperature_zero_is_greedy() {
+        assert_eq!(draw(&[0.1, 2.0, -1.0, 1.9], 0.0, 0.9, 0.99), 1);
+    }
+
+    #[test]
+    fn draws_follow_the_softmax_at_temperature_one() {
+        let logits = [0.0f32, 1.0, 2.0];
+        let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+        let f = frequencies(&logits, 1.0, 1.0, 10_000);
+        for (i, &l) in logits.iter().enumerate() {
+            let p = (l as f64).exp() / z;
+            assert!((f[i] - p).abs() < 1e-3, "token {i}: {} vs {p}", f[i]);
+        }
+        // A higher temperature flattens the distribution.
+        let hot = frequencies(&logits, 4.0, 1.0, 10_000);
+        assert!(hot[0] > f[0] && hot[2] < f[2]);
+    }
+
+    #[test]
+    fn the_nucleus_keeps_only_the_most_likely_tokens() {
+        // Probabilities about 0.665, 0.245, 0.090: top_p 0.5 keeps one
+        // token, 0.8 keeps two (renormalised), 1.0 all three.
+        let logits = [2.0f32, 1.0, 0.0];
+        assert_eq!(frequencies(&logits, 1.0, 0.5, 1000), [1.0, 0.0, 0.0]);
+        let two = frequencies(&logits, 1.0, 0.8, 10_000);
+        assert_eq!(two[2], 0.0);
+        let e = std::f64::consts::E;
+        assert!((two[0] - e / (e + 1.0)).abs() < 1e-3, "{two:?}");
+        assert!(frequencies(&logits, 1.0, 1.0, 1000)[2] > 0.0);
+    }
 }

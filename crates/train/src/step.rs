@@ -9,21 +9,18 @@ use std::sync::{Condvar, Mutex};
 use burn::module::Module;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
-use tvq_model::{CodebookStats, ModelState, masked_mean, token_nll};
+use tvq_model::{CodebookStats, Loss, ModelState};
 
+use crate::batch::BatchTensors;
 use crate::error::TrainError;
 use crate::optim::{B, Model};
 use crate::workers::map_in_workers;
 
-/// One shard of a batch: `[R, T]` inputs, targets and validity, and the
-/// state its rows carry from the previous segment.
+/// One shard of a batch: its rows' tokens and the state they carry from
+/// the previous segment.
 pub struct Shard {
-    /// Token ids, `[R, T]`.
-    pub inputs: Tensor<B, 2, Int>,
-    /// Next-token targets, `[R, T]`.
-    pub targets: Tensor<B, 2, Int>,
-    /// Which positions hold real tokens (not padding), `[R, T]`.
-    pub valid: Tensor<B, 2, Bool>,
+    /// Inputs, targets and validity, `[R, T]` each.
+    pub tokens: BatchTensors,
     /// The rows' carried state.
     pub state: ModelState<B>,
 }
@@ -91,22 +88,23 @@ fn run_shard(
     n_shards: usize,
     commit_weight: f64,
 ) -> Result<ShardResult, TrainError> {
+    let BatchTensors {
+        inputs,
+        targets,
+        valid,
+    } = shard.tokens;
     let masks = {
         let _turn = turns.map(|t| t.wait_for(i));
-        model.dropout_masks(shard.inputs.dims())
+        model.dropout_masks(inputs.dims())
     };
-    let out =
-        model.forward_with_masks(shard.inputs, shard.state, Some(shard.valid.clone()), masks)?;
-    let ce = masked_mean(
-        token_nll(out.logits, shard.targets),
-        Some(shard.valid.clone()),
-    );
-    let commitment = masked_mean(out.commitment, Some(shard.valid));
-    let loss = (ce.clone() + commitment.clone() * commit_weight) / n_shards as f64;
+    let out = model.forward_with_masks(inputs, shard.state, Some(valid.clone()), masks)?;
+    let loss = Loss::new(&out, targets, Some(valid));
+    // The step minimises the mean over shards of each shard's mean token loss.
+    let objective = loss.total(commit_weight) / n_shards as f64;
     Ok(ShardResult {
-        ce: ce.into_scalar().elem(),
-        commitment: commitment.into_scalar().elem(),
-        grads: GradientsParams::from_grads(loss.backward(), model),
+        ce: loss.ce.into_scalar().elem(),
+        commitment: loss.commitment.into_scalar().elem(),
+        grads: GradientsParams::from_grads(objective.backward(), model),
         stats: out.stats,
         state: out.state,
     })

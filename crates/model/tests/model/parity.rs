@@ -11,7 +11,7 @@ use burn::optim::GradientsParams;
 use burn::prelude::*;
 use safetensors::SafeTensors;
 use tvq_model::official::{self, OfficialConfig, OfficialTensor, OfficialVisitor};
-use tvq_model::{ModelState, TransformerVq, masked_mean, token_nll};
+use tvq_model::{Loss, ModelState, TransformerVq};
 
 use crate::common::*;
 
@@ -137,10 +137,9 @@ fn official_fixtures_forward_losses_state_and_codes() {
         }
 
         let targets = tokens(&fx.eval["targets"], &device);
-        let l_lm: f32 = masked_mean(token_nll(out.logits, targets), None)
-            .into_scalar()
-            .elem();
-        let l_commit: f32 = masked_mean(out.commitment, None).into_scalar().elem();
+        let loss = Loss::new(&out, targets, None);
+        let l_lm: f32 = loss.ce.into_scalar().elem();
+        let l_commit: f32 = loss.commitment.into_scalar().elem();
         close_slices(
             &[l_lm],
             &fx.train["l_lm"].data,
@@ -250,8 +249,7 @@ fn official_fixtures_gradients_and_ema_update() {
             )
             .unwrap();
         let targets = tokens(&fx.train["targets"], &device);
-        let loss = masked_mean(token_nll(out.logits, targets), None)
-            + masked_mean(out.commitment, None) * c_beta;
+        let loss = Loss::new(&out, targets, None).total(c_beta);
         let composite: f32 = loss.clone().into_scalar().elem();
         close_slices(
             &[composite],

@@ -1,0 +1,81 @@
+//! The `[data]` table of a run config: where the corpus is and how training
+//! batches are cut from it.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::batch::TrainLayout;
+use crate::corpus::CorpusKind;
+
+/// Where a corpus is, how to read it, and the layout of training batches.
+/// Missing keys take the defaults below; unknown keys are an error.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// `enwik8`, `text` or `pg19`.
+    pub kind: CorpusKind,
+    /// Corpus file or directory (relative paths are relative to the working directory).
+    pub path: PathBuf,
+    /// A `tokenizer.json` for tokenized text; byte-level when absent.
+    #[serde(default)]
+    pub tokenizer: Option<PathBuf>,
+    /// Accept an `enwik8` of another size and split it 90/5/5.
+    #[serde(default)]
+    pub allow_proportional_split: bool,
+    /// Where token caches go (default: beside the corpus); created if missing.
+    #[serde(default)]
+    pub cache_dir: Option<PathBuf>,
+    /// Rows per optimizer step (the global batch).
+    #[serde(default = "defaults::batch_size")]
+    pub batch_size: usize,
+    /// Tokens per row per step (one segment, `T`); a multiple of the model's `block_len`.
+    #[serde(default = "defaults::update_len")]
+    pub update_len: usize,
+    /// Tokens per sequence: the state is carried across its segments; a multiple of `update_len`.
+    #[serde(default = "defaults::update_len")]
+    pub sequence_len: usize,
+    /// Reset the state at every sequence (false: only at epoch starts).
+    #[serde(default = "defaults::yes")]
+    pub reset_each_sequence: bool,
+}
+
+mod defaults {
+    pub fn batch_size() -> usize {
+        8
+    }
+    pub fn update_len() -> usize {
+        512
+    }
+    pub fn yes() -> bool {
+        true
+    }
+}
+
+impl DataConfig {
+    /// A corpus of `kind` at `path`, byte-level, with the default batch layout.
+    pub fn new(kind: CorpusKind, path: impl AsRef<Path>) -> Self {
+        Self {
+            kind,
+            path: path.as_ref().to_path_buf(),
+            tokenizer: None,
+            allow_proportional_split: false,
+            cache_dir: None,
+            batch_size: defaults::batch_size(),
+            update_len: defaults::update_len(),
+            sequence_len: defaults::update_len(),
+            reset_each_sequence: defaults::yes(),
+        }
+    }
+
+    /// The layout of training batches, with the data order drawn from `seed`.
+    pub fn train_layout(&self, seed: u64) -> TrainLayout {
+        TrainLayout {
+            batch: self.batch_size,
+            update_len: self.update_len,
+            sequence_len: self.sequence_len,
+            seed,
+            reset_each_sequence: self.reset_each_sequence,
+        }
+    }
+}

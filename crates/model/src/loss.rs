@@ -1,0 +1,70 @@
+//! The language-model objective: cross-entropy plus weighted commitment.
+//! Training, evaluation and the benchmark all compute it here.
+
+use burn::prelude::*;
+use burn::tensor::activation::log_softmax;
+
+use crate::model::ModelOutput;
+use crate::quantizer::bool_to_float;
+
+/// Per-token negative log-likelihood in nats, `[B, T]`, of `targets` `[B, T]`
+/// under `logits` `[B, T, vocab]`.
+pub fn token_nll<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 2> {
+    let [b, t, _] = logits.dims();
+    let logp = log_softmax(logits, 2);
+    logp.gather(2, targets.reshape([b, t, 1]))
+        .reshape([b, t])
+        .neg()
+}
+
+/// The loss of one pass over `[B, T]` tokens, in its parts. Means are over
+/// the valid tokens; the official code divides by all `B T` positions
+/// instead, which agrees when nothing is padded.
+#[derive(Clone, Debug)]
+pub struct Loss<B: Backend> {
+    /// Cross-entropy summed over the valid tokens, nats, `[1]`.
+    pub nll_sum: Tensor<B, 1>,
+    /// Mean cross-entropy per valid token, nats, `[1]`.
+    pub ce: Tensor<B, 1>,
+    /// Mean commitment error per valid token (summed over sublayers), `[1]`.
+    pub commitment: Tensor<B, 1>,
+}
+
+impl<B: Backend> Loss<B> {
+    /// The loss of `output` against `targets` `[B, T]`; `valid` `[B, T]`
+    /// marks the tokens that count (all when `None`).
+    pub fn new(
+        output: &ModelOutput<B>,
+        targets: Tensor<B, 2, Int>,
+        valid: Option<Tensor<B, 2, Bool>>,
+    ) -> Self {
+        let nll = token_nll(output.logits.clone(), targets); // [B, T]
+        let commitment = output.commitment.clone(); // [B, T]
+        let (nll_sum, commitment_sum, count) = match valid {
+            None => {
+                let n = nll.dims().iter().product::<usize>() as f64;
+                let (nll_sum, commitment_sum) = (nll.sum(), commitment.sum());
+                return Self {
+                    ce: nll_sum.clone() / n,
+                    commitment: commitment_sum / n,
+                    nll_sum,
+                };
+            }
+            Some(valid) => {
+                let w = bool_to_float(valid, &nll.device()); // [B, T]
+                let count = w.clone().sum().clamp_min(1.0); // [1]
+                ((nll * w.clone()).sum(), (commitment * w).sum(), count)
+            }
+        };
+        Self {
+            ce: nll_sum.clone() / count.clone(),
+            commitment: commitment_sum / count,
+            nll_sum,
+        }
+    }
+
+    /// `ce + commit_weight * commitment`: what training minimises, `[1]`.
+    pub fn total(&self, commit_weight: f64) -> Tensor<B, 1> {
+        self.ce.clone() + self.commitment.clone() * commit_weight
+    }
+}

@@ -1,0 +1,140 @@
+//! `metrics.jsonl`: one JSON line per training step and per evaluation.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::error::TrainError;
+use crate::evaluate::EvalReport;
+
+/// One line of `metrics.jsonl` per optimizer step.
+#[derive(Clone, Debug, Serialize)]
+pub struct StepMetrics {
+    /// `"train"`.
+    pub kind: &'static str,
+    /// Optimizer step (1-based).
+    pub step: u64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Cross-entropy + commit_weight * commitment (what was minimised).
+    pub loss: f64,
+    /// Cross-entropy, nats per token.
+    pub ce: f64,
+    /// Cross-entropy, bits per token.
+    pub bits_per_token: f64,
+    /// Cross-entropy, bits per byte of text.
+    pub bits_per_byte: f64,
+    /// Commitment loss (summed over sublayers).
+    pub commitment: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Fraction of codes used this step (mean over sublayers).
+    pub codebook_usage: f64,
+    /// Perplexity of the code distribution (mean over sublayers).
+    pub code_perplexity: f64,
+    /// Relative quantization error |k - k_hat| / |k| (mean over sublayers).
+    pub quantization_error: f64,
+    /// Training tokens per second over this step.
+    pub tokens_per_s: f64,
+    /// Training tokens so far.
+    pub tokens: u64,
+}
+
+impl StepMetrics {
+    /// A short line for the progress bar.
+    pub fn summary(&self) -> String {
+        format!(
+            "loss {:.3} bpb {:.3} {:.0} tok/s",
+            self.loss, self.bits_per_byte, self.tokens_per_s
+        )
+    }
+}
+
+/// One line of `metrics.jsonl` per evaluation.
+#[derive(Serialize)]
+pub struct EvalLine<'a> {
+    /// `"eval"` (periodic, part of the split) or `"final_eval"` (whole split).
+    pub kind: &'static str,
+    /// The step evaluated after.
+    pub step: u64,
+    /// The results.
+    #[serde(flatten)]
+    pub report: &'a EvalReport,
+}
+
+impl<'a> EvalLine<'a> {
+    /// The line of `report`, evaluated after `step`.
+    pub fn new(kind: &'static str, step: u64, report: &'a EvalReport) -> Self {
+        Self { kind, step, report }
+    }
+}
+
+/// The metrics log of a run directory, opened for appending.
+pub struct MetricsLog {
+    file: File,
+    path: PathBuf,
+}
+
+impl MetricsLog {
+    /// Opens `run_dir/metrics.jsonl`, keeping only the lines up to `step`
+    /// (a resumed run writes the rest again).
+    pub fn open(run_dir: &Path, step: u64) -> Result<Self, TrainError> {
+        let path = run_dir.join("metrics.jsonl");
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            let kept: String = text
+                .lines()
+                .filter(|l| {
+                    serde_json::from_str::<serde_json::Value>(l)
+                        .is_ok_and(|v| v["step"].as_u64().is_some_and(|s| s <= step))
+                })
+                .map(|l| format!("{l}\n"))
+                .collect();
+            std::fs::write(&path, kept).map_err(|e| TrainError::io(&path, e))?;
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(|e| TrainError::io(&path, e))?;
+        Ok(Self { file, path })
+    }
+
+    /// Appends one JSON line and flushes it.
+    pub fn append(&mut self, value: &impl Serialize) -> Result<(), TrainError> {
+        let line = serde_json::to_string(value).expect("metrics serialize");
+        writeln!(self.file, "{line}")
+            .and_then(|_| self.file.flush())
+            .map_err(|e| TrainError::io(&self.path, e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MetricsLog;
+
+    #[test]
+    fn reopening_keeps_the_lines_up_to_the_resumed_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = MetricsLog::open(dir.path(), 0).unwrap();
+        for step in 1..=5u64 {
+            log.append(&serde_json::json!({"kind": "train", "step": step}))
+                .unwrap();
+        }
+        drop(log);
+        let mut log = MetricsLog::open(dir.path(), 3).unwrap();
+        log.append(&serde_json::json!({"kind": "train", "step": 4}))
+            .unwrap();
+        let text = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+        let steps: Vec<u64> = text
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                    .as_u64()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(steps, [1, 2, 3, 4]);
+    }
+}

@@ -1,0 +1,202 @@
+//! A training run in a run directory: set up or resume, then step, log,
+//! evaluate and checkpoint until done or interrupted.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use burn::DispatchDevice;
+use indicatif::{ProgressBar, ProgressStyle};
+use tvq_data::{Corpus, Split, TrainBatches};
+
+use crate::checkpoint;
+use crate::config::RunConfig;
+use crate::error::TrainError;
+use crate::evaluate::{EvalReport, evaluate};
+use crate::metrics::{EvalLine, MetricsLog};
+use crate::plot;
+use crate::trainer::Trainer;
+
+/// How `train` is run.
+#[derive(Clone, Debug)]
+pub struct TrainOptions {
+    /// Run directory: config, metrics, checkpoints.
+    pub run_dir: PathBuf,
+    /// Continue from the latest valid checkpoint.
+    pub resume: bool,
+    /// Train in a run directory that holds another run (its checkpoints are deleted).
+    pub force: bool,
+    /// Stop after this many steps in total (the schedule still follows `train.steps`).
+    pub max_steps: Option<u64>,
+    /// Set to stop: a checkpoint is written and `train` returns.
+    pub interrupt: Arc<AtomicBool>,
+    /// Draw progress bars.
+    pub progress: bool,
+}
+
+/// How a call to [`train`] ended.
+#[derive(Debug)]
+pub struct TrainSummary {
+    /// Steps done in total.
+    pub step: u64,
+    /// Whether it stopped because of an interrupt.
+    pub interrupted: bool,
+    /// The final full validation (absent when interrupted).
+    pub validation: Option<EvalReport>,
+    /// The last checkpoint.
+    pub checkpoint: PathBuf,
+}
+
+/// Trains (or continues) the run described by `cfg` on `device` (a plain device).
+pub fn train(
+    cfg: &RunConfig,
+    device: &DispatchDevice,
+    opts: &TrainOptions,
+) -> Result<TrainSummary, TrainError> {
+    let corpus = Corpus::open(&cfg.data)?;
+    prepare_run_dir(cfg, opts)?;
+    let (train_split, valid_split) = (corpus.split(Split::Train), corpus.split(Split::Validation));
+    let model = cfg.model_config(corpus.vocab.size());
+    let bytes_per_token = train_split.bytes_per_token();
+    let mut trainer = Trainer::new(&model, &cfg.train, device, bytes_per_token)?;
+    resume_latest(&mut trainer, opts)?;
+    let mut log = MetricsLog::open(&opts.run_dir, trainer.progress().step)?;
+    let layout = cfg.data.train_layout(cfg.train.seed);
+    let mut loader = TrainBatches::new(train_split, layout, trainer.progress().cursor)?;
+    let total = opts
+        .max_steps
+        .map_or(cfg.train.steps, |m| m.min(cfg.train.steps));
+    let bar = step_bar(opts.progress, total, trainer.progress().step);
+    let validate = |trainer: &Trainer, segments, progress| {
+        let model = trainer.inference_model();
+        evaluate(
+            &model,
+            &valid_split,
+            &cfg.eval,
+            segments,
+            progress,
+            cfg.train.workers,
+        )
+    };
+
+    while trainer.progress().step < total && !opts.interrupt.load(Ordering::SeqCst) {
+        let batch = loader.next().expect("training batches never end");
+        let m = trainer.step(&batch, loader.cursor())?;
+        log.append(&m)?;
+        bar.set_position(m.step);
+        bar.set_message(m.summary());
+        if cfg.eval.every > 0 && m.step.is_multiple_of(cfg.eval.every) {
+            let report = validate(&trainer, Some(cfg.eval.segments), false)?;
+            trainer.record_validation(report.loss);
+            log.append(&EvalLine::new("eval", m.step, &report))?;
+            bar.println(format!("step {}: validation {}", m.step, report.summary()));
+        }
+        if m.step.is_multiple_of(cfg.train.checkpoint_every) || m.step == total {
+            trainer.save(&opts.run_dir)?;
+        }
+    }
+
+    let (step, interrupted) = (trainer.progress().step, trainer.progress().step < total);
+    let checkpoint = match trainer.last_checkpoint() {
+        Some(c) if !interrupted => c.to_path_buf(),
+        _ => trainer.save(&opts.run_dir)?,
+    };
+    let validation = if interrupted {
+        bar.abandon_with_message("interrupted");
+        tracing::info!(
+            "interrupted: checkpoint written to {}",
+            checkpoint.display()
+        );
+        None
+    } else {
+        bar.finish_and_clear();
+        let report = validate(&trainer, None, opts.progress)?;
+        log.append(&EvalLine::new("final_eval", step, &report))?;
+        Some(report)
+    };
+    draw_curves(&opts.run_dir);
+    Ok(TrainSummary {
+        step,
+        interrupted,
+        validation,
+        checkpoint,
+    })
+}
+
+/// With `--resume`, continues from the run directory's newest valid
+/// checkpoint (there is none without it: [`prepare_run_dir`]).
+fn resume_latest(trainer: &mut Trainer, opts: &TrainOptions) -> Result<(), TrainError> {
+    if !opts.resume {
+        return Ok(());
+    }
+    match checkpoint::latest_valid(&opts.run_dir) {
+        Some(dir) => {
+            trainer.resume(&dir)?;
+            let step = trainer.progress().step;
+            tracing::info!("resuming from {} (step {step})", dir.display());
+        }
+        None => tracing::warn!(
+            "no valid checkpoint in {}: starting from scratch",
+            opts.run_dir.display()
+        ),
+    }
+    Ok(())
+}
+
+/// Prepares the run directory: refuses another run's directory, writes the config.
+fn prepare_run_dir(cfg: &RunConfig, opts: &TrainOptions) -> Result<(), TrainError> {
+    let dir = &opts.run_dir;
+    std::fs::create_dir_all(dir).map_err(|e| TrainError::io(dir, e))?;
+    let config_path = dir.join("config.toml");
+    let has_checkpoints = !checkpoint::list(dir).is_empty();
+    if let Ok(old) = std::fs::read_to_string(&config_path) {
+        let same = RunConfig::parse(&old, &[]).is_ok_and(|old| {
+            old.model == cfg.model && old.data == cfg.data && old.train.seed == cfg.train.seed
+        });
+        if has_checkpoints && !same && !opts.force {
+            return Err(TrainError::ForeignRunDir { path: dir.clone() });
+        }
+    }
+    if has_checkpoints && !opts.resume {
+        if !opts.force {
+            return Err(TrainError::Config {
+                key: "--run-dir".into(),
+                reason: format!(
+                    "{} already holds checkpoints: pass --resume to continue, or --force to start over",
+                    dir.display()
+                ),
+            });
+        }
+        let _ = std::fs::remove_dir_all(dir.join("checkpoints"));
+        let _ = std::fs::remove_file(dir.join("metrics.jsonl"));
+    }
+    let tmp = dir.join(".config.toml.tmp");
+    std::fs::write(&tmp, cfg.to_toml()).map_err(|e| TrainError::io(&tmp, e))?;
+    std::fs::rename(&tmp, &config_path).map_err(|e| TrainError::io(&config_path, e))
+}
+
+/// The progress bar of the steps (hidden when `show` is false).
+fn step_bar(show: bool, total: u64, done: u64) -> ProgressBar {
+    let bar = if show {
+        ProgressBar::new(total)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("[{bar:30}] step {pos}/{len} {msg} eta {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_position(done);
+    bar
+}
+
+/// Draws `loss.png` into the run directory from the metrics so far. A
+/// failure only warns: the run itself is complete and saved.
+fn draw_curves(run_dir: &Path) {
+    let out = run_dir.join("loss.png");
+    match plot::plot_run(run_dir, &out) {
+        Ok(()) => tracing::info!("loss curves: {}", out.display()),
+        Err(e) => tracing::warn!("no loss curves: {e}"),
+    }
+}
