@@ -11,8 +11,8 @@ use serde_json::json;
 use tvq_data::{Batch, TrainCursor};
 use tvq_model::device::DeviceSpec;
 use tvq_model::{AttentionForm, TransformerVqConfig};
-use tvq_train::Trainer;
 use tvq_train::config::TrainSection;
+use tvq_train::{SampleOptions, Trainer, sample};
 
 type B = Dispatch;
 
@@ -53,6 +53,15 @@ pub struct BenchArgs {
     /// (default: forward and backward only).
     #[arg(long)]
     optimizer: bool,
+    /// Measure generation instead: for each --seq-len as the prompt length,
+    /// the time to the first new token (block-form prefill), the time per
+    /// generated token, and the recurrent form's rate on the prompt for
+    /// comparison.
+    #[arg(long)]
+    generate: bool,
+    /// Tokens generated per prompt with --generate.
+    #[arg(long, default_value_t = 64)]
+    new_tokens: usize,
     /// Measure the data loader instead: training-batch production from this
     /// byte-level text file or directory, for each --seq-len as the segment length.
     #[arg(long)]
@@ -140,6 +149,83 @@ fn pattern_batch(rows: usize, len: usize) -> Batch {
     }
 }
 
+/// Generation from prompts of each --seq-len: time to first token, time per
+/// new token and peak memory, through `tvq_train::sample` itself.
+fn bench_generate(
+    args: &BenchArgs,
+    model: &TransformerVqConfig,
+    device: &burn::DispatchDevice,
+    info: &str,
+) -> Result<()> {
+    if args.new_tokens < 2 {
+        anyhow::bail!("--new-tokens must be at least 2");
+    }
+    if !args.json {
+        println!(
+            "{:>8} {:>12} {:>16} {:>16} {:>10} {:>14}",
+            "context",
+            "first tok s",
+            "prefill tok/s",
+            "recurrent tok/s",
+            "ms/token",
+            "peak RSS MiB"
+        );
+    }
+    for &n in &args.seq_len {
+        B::seed(device, 0);
+        let net = model.clone().with_vocab_size(259).init::<B>(device)?;
+        let prompt: Vec<u32> = (0..n.max(1) - 1)
+            .map(|i| 3 + (i * 31 % 256) as u32)
+            .collect();
+        let opts = SampleOptions {
+            max_tokens: args.new_tokens,
+            temperature: 1.0,
+            top_p: 1.0,
+            seed: 0,
+        };
+        reset_peak_rss();
+        let start = Instant::now();
+        let mut stamps = Vec::with_capacity(args.new_tokens);
+        sample(&net, &prompt, 1, opts, |_| {
+            stamps.push(start.elapsed().as_secs_f64());
+            true
+        })?;
+        let rss = peak_rss_bytes();
+        let first = stamps[0];
+        let per_token = (stamps[stamps.len() - 1] - first) / (stamps.len() - 1) as f64;
+        // The recurrent form alone on the prompt's first tokens: what
+        // prefill cost before it used the block form.
+        let probe = prompt.len().clamp(1, 256);
+        let started = Instant::now();
+        let mut state = net.empty_state();
+        for &t in std::iter::once(&1).chain(&prompt).take(probe) {
+            let token =
+                Tensor::<B, 2, Int>::from_data(TensorData::new(vec![t as i64], [1, 1]), device);
+            state = net.step(token, state)?.1;
+        }
+        let recurrent = probe as f64 / started.elapsed().as_secs_f64();
+        let prefill = n as f64 / first;
+        if args.json {
+            println!(
+                "{}",
+                json!({
+                    "form": "generate", "context": n, "time_to_first_token_s": first,
+                    "prefill_tokens_per_s": prefill, "recurrent_tokens_per_s": recurrent,
+                    "per_token_ms": per_token * 1e3, "new_tokens": args.new_tokens,
+                    "peak_rss_bytes": rss, "device": info,
+                })
+            );
+        } else {
+            println!(
+                "{n:>8} {first:>12.3} {prefill:>16.0} {recurrent:>16.0} {:>10.2} {:>14.0}",
+                per_token * 1e3,
+                rss as f64 / (1 << 20) as f64
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Runs the benchmark and prints the results.
 pub fn run(args: BenchArgs) -> Result<()> {
     if let Some(path) = &args.loader {
@@ -160,6 +246,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
         );
     }
     let (device, info) = args.device.init()?;
+    if args.generate {
+        return bench_generate(&args, &model, &device, &info);
+    }
     let forms = args
         .form
         .iter()

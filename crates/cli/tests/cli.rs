@@ -757,6 +757,34 @@ fn bench_times_the_training_step_of_the_configured_model() {
         }
         assert_eq!(lines[0]["workers"], if step == "full" { 2 } else { 1 });
     }
+    // Generation: time to the first token and per token, per prompt length.
+    let out = ok(&[
+        "bench",
+        "--config",
+        config,
+        "--generate",
+        "--seq-len",
+        "5,40",
+        "--new-tokens",
+        "3",
+        "--json",
+    ]);
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    for (l, context) in lines.iter().zip([5, 40]) {
+        assert_eq!(l["context"], context, "{l}");
+        for key in [
+            "time_to_first_token_s",
+            "per_token_ms",
+            "prefill_tokens_per_s",
+            "recurrent_tokens_per_s",
+        ] {
+            assert!(l[key].as_f64().unwrap() > 0.0, "{key}: {l}");
+        }
+    }
     fails(
         &[&common[..], &["--set", "model.d_modle=16"]].concat(),
         "d_modle",

@@ -2,7 +2,7 @@
 
 use burn::prelude::*;
 use tvq_data::hash::SplitMix64;
-use tvq_model::TransformerVq;
+use tvq_model::{ModelState, TransformerVq};
 
 use crate::error::TrainError;
 use crate::optim::B;
@@ -55,9 +55,69 @@ pub fn draw(logits: &[f32], temperature: f64, top_p: f64, u: f64) -> u32 {
     probs[cut - 1].0 as u32
 }
 
-/// Feeds `prompt` (after the end-of-document token `eos` that starts every
-/// stream) and generates up to `max_tokens`, calling `emit` with each new
-/// token; stops early when `emit` returns `false`.
+/// Most tokens the block form reads at once while prefilling (a multiple
+/// of the block length is taken): bounds the memory of a long prompt.
+const PREFILL_CHUNK: usize = 2048;
+
+fn one_token(t: u32, device: &burn::DispatchDevice) -> Tensor<B, 2, Int> {
+    Tensor::from_data(TensorData::new(vec![t as i64], [1, 1]), device)
+}
+
+fn logits_vec(logits: Tensor<B, 3>) -> Vec<f32> {
+    logits
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .expect("f32 logits")
+}
+
+/// Reads the stream `eos, prompt...` from a fresh state and returns the
+/// logits of the token after it, `[vocab]`, and the state. Whole blocks go
+/// through the block-parallel form (chunks of up to [`PREFILL_CHUNK`]
+/// tokens), the remaining `< L` tokens through the recurrent form, so the
+/// result equals feeding every token to the recurrent form, at the block
+/// form's speed.
+pub fn prefill(
+    model: &TransformerVq<B>,
+    eos: u32,
+    prompt: &[u32],
+) -> Result<(Vec<f32>, ModelState<B>), TrainError> {
+    prefill_in_chunks(model, eos, prompt, PREFILL_CHUNK)
+}
+
+fn prefill_in_chunks(
+    model: &TransformerVq<B>,
+    eos: u32,
+    prompt: &[u32],
+    chunk: usize,
+) -> Result<(Vec<f32>, ModelState<B>), TrainError> {
+    let device = model.embedding.weight.device();
+    let stream: Vec<u32> = std::iter::once(eos).chain(prompt.iter().copied()).collect();
+    let l = model.block_len();
+    let whole = stream.len() / l * l;
+    let mut state = model.empty_state();
+    let mut logits = None;
+    for part in stream[..whole].chunks((chunk / l).max(1) * l) {
+        let n = part.len();
+        let ids: Vec<i64> = part.iter().map(|&t| t as i64).collect();
+        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), &device);
+        let out = model.forward(tokens, state, None)?;
+        let vocab = out.logits.dims()[2];
+        logits = Some(out.logits.slice([0..1, n - 1..n, 0..vocab])); // [1, 1, vocab]
+        state = out.state;
+    }
+    for &t in &stream[whole..] {
+        let (next, s) = model.step(one_token(t, &device), state)?;
+        (logits, state) = (Some(next), s);
+    }
+    let logits = logits.expect("the stream holds at least the end-of-document token");
+    Ok((logits_vec(logits), state))
+}
+
+/// Reads `prompt` (after the end-of-document token `eos` that starts every
+/// stream; [`prefill`]) and generates up to `max_tokens` with the recurrent
+/// form, calling `emit` with each new token; stops early when `emit`
+/// returns `false`.
 pub fn sample(
     model: &TransformerVq<B>,
     prompt: &[u32],
@@ -66,40 +126,116 @@ pub fn sample(
     mut emit: impl FnMut(u32) -> bool,
 ) -> Result<Vec<u32>, TrainError> {
     let device = model.embedding.weight.device();
-    let token =
-        |t: u32| Tensor::<B, 2, Int>::from_data(TensorData::new(vec![t as i64], [1, 1]), &device);
-    let mut state = model.empty_state();
-    let mut logits = None;
-    for &t in std::iter::once(&eos).chain(prompt) {
-        let (l, s) = model.step(token(t), state)?;
-        state = s;
-        logits = Some(l);
-    }
+    let (mut logits, mut state) = prefill(model, eos, prompt)?;
     let mut rng = SplitMix64(opts.seed);
     let mut out = Vec::with_capacity(opts.max_tokens);
     for _ in 0..opts.max_tokens {
-        let l: Vec<f32> = logits
-            .take()
-            .expect("at least one step")
-            .into_data()
-            .convert::<f32>()
-            .to_vec()
-            .unwrap_or_default();
-        let next = draw(&l, opts.temperature, opts.top_p, rng.uniform());
+        let next = draw(&logits, opts.temperature, opts.top_p, rng.uniform());
         out.push(next);
         if !emit(next) {
             break;
         }
-        let (l, s) = model.step(token(next), state)?;
-        state = s;
-        logits = Some(l);
+        let (l, s) = model.step(one_token(next, &device), state)?;
+        (logits, state) = (logits_vec(l), s);
     }
     Ok(out)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::draw;
+    use super::*;
+    use tvq_model::device::DeviceSpec;
+    use tvq_model::{RelativeBias, TransformerVqConfig};
+
+    /// The stream `eos, prompt...` token by token: the recurrent form alone.
+    fn token_by_token(
+        model: &TransformerVq<B>,
+        eos: u32,
+        prompt: &[u32],
+    ) -> (Vec<f32>, ModelState<B>) {
+        let device = model.embedding.weight.device();
+        let mut state = model.empty_state();
+        let mut logits = vec![];
+        for &t in std::iter::once(&eos).chain(prompt) {
+            let (l, s) = model.step(one_token(t, &device), state).unwrap();
+            (logits, state) = (logits_vec(l), s);
+        }
+        (logits, state)
+    }
+
+    fn worst(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
+    fn floats<const D: usize>(t: &Tensor<B, D>) -> Vec<f32> {
+        t.to_data().convert::<f32>().to_vec().unwrap()
+    }
+
+    #[test]
+    fn prefill_in_blocks_equals_the_recurrent_form() {
+        let device = DeviceSpec::Cpu.init().unwrap().0;
+        for bias in [RelativeBias::Toeplitz, RelativeBias::Xl] {
+            let l = 4;
+            B::seed(&device, 3);
+            let model = TransformerVqConfig::new(13)
+                .with_d_model(16)
+                .with_d_k(8)
+                .with_d_v(12)
+                .with_n_code(5)
+                .with_n_head(2)
+                .with_n_layer(1)
+                .with_block_len(l)
+                .with_bias(bias)
+                .init::<B>(&device)
+                .unwrap();
+            let text: Vec<u32> = (0..40).map(|i| (i * 5 + 2) % 13).collect();
+            // Streams (eos + prompt) shorter than, equal to and longer than
+            // a block, and not a multiple of it.
+            for n in [0, l - 2, l - 1, l, 2 * l + 1, 3 * l - 1, 9 * l + 2] {
+                let prompt = &text[..n];
+                // Chunks of two blocks: the state also carries between chunks.
+                let (fast, fast_state) = prefill_in_chunks(&model, 1, prompt, 2 * l).unwrap();
+                let one_chunk = prefill(&model, 1, prompt).unwrap().0;
+                assert!(
+                    worst(&one_chunk, &fast) <= 1e-5,
+                    "{bias:?}, prompt of {n}: chunking"
+                );
+                let (slow, slow_state) = token_by_token(&model, 1, prompt);
+                let what = format!("{bias:?}, prompt of {n}");
+                assert!(
+                    worst(&fast, &slow) <= 1e-5,
+                    "{what}: logits differ by {}",
+                    worst(&fast, &slow)
+                );
+                for (a, b) in fast_state.sublayers.iter().zip(&slow_state.sublayers) {
+                    assert_eq!(a.pos, n + 1, "{what}");
+                    assert_eq!(a.pos, b.pos, "{what}");
+                    let (pa, pb) = (a.prev.as_ref(), b.prev.as_ref());
+                    assert_eq!(pa.is_some(), pb.is_some(), "{what}");
+                    if let (Some(pa), Some(pb)) = (pa, pb) {
+                        assert!(
+                            worst(&floats(&pa.v), &floats(&pb.v)) <= 1e-5,
+                            "{what}: previous block"
+                        );
+                    }
+                    let (ca, cb) = (a.cache.as_ref().unwrap(), b.cache.as_ref().unwrap());
+                    assert_eq!(
+                        floats(&ca.counts),
+                        floats(&cb.counts),
+                        "{what}: cache counts"
+                    );
+                    assert!(
+                        worst(&floats(&ca.means), &floats(&cb.means)) <= 1e-5,
+                        "{what}: cache means"
+                    );
+                }
+            }
+        }
+    }
 
     /// How often each token is drawn over `n` evenly spaced uniforms.
     fn frequencies(logits: &[f32], temperature: f64, top_p: f64, n: usize) -> Vec<f64> {
