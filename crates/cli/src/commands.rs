@@ -12,7 +12,9 @@ use tvq_data::{Corpus, Split, Vocab};
 use tvq_model::device::DeviceSpec;
 use tvq_train::export::{ExportInfo, export, load_export};
 use tvq_train::optim::{B, Model};
-use tvq_train::{RunConfig, SampleOptions, TrainOptions, checkpoint, evaluate, sample, train};
+use tvq_train::{
+    EvalOptions, RunConfig, SampleOptions, TrainOptions, checkpoint, evaluate, sample, train,
+};
 
 /// Options of `tvq train`.
 #[derive(Args, Debug)]
@@ -71,6 +73,15 @@ pub struct EvalArgs {
     /// config's train.workers).
     #[arg(long)]
     workers: Option<usize>,
+    /// Reset the state every N tokens of each row (a multiple of the config's
+    /// eval.update_len), as the official validation does per sequence
+    /// (default: carry it through the row).
+    #[arg(long, value_name = "N")]
+    reset_every: Option<usize>,
+    /// Also measure the loss by position in the document (log2 buckets):
+    /// written as JSON to this file, and drawn to the same name with .png.
+    #[arg(long, value_name = "FILE.json")]
+    by_position: Option<PathBuf>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -269,14 +280,24 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
         SplitArg::Validation => Split::Validation,
         SplitArg::Test => Split::Test,
     });
-    let report = evaluate(
-        &loaded.model,
-        &split,
-        &cfg.eval,
-        None,
-        !args.json,
-        args.workers.unwrap_or(cfg.train.workers),
-    )?;
+    let opts = EvalOptions {
+        max_segments: None,
+        progress: !args.json,
+        workers: args.workers.unwrap_or(cfg.train.workers),
+        reset_every: args.reset_every,
+        by_position: args.by_position.is_some(),
+    };
+    let report = evaluate(&loaded.model, &split, &cfg.eval, &opts)?;
+    if let (Some(path), Some(buckets)) = (&args.by_position, &report.by_position) {
+        std::fs::write(path, serde_json::to_vec_pretty(buckets)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        let png = path.with_extension("png");
+        let title = format!("{} split, step {}", report.split, loaded.step);
+        tvq_train::plot::plot_by_position(buckets, &png, &title)?;
+        if !args.json {
+            println!("loss by position: {} and {}", path.display(), png.display());
+        }
+    }
     if args.json {
         let mut v = serde_json::to_value(&report)?;
         v["step"] = loaded.step.into();

@@ -355,6 +355,54 @@ fn eval_sample_and_export_on_a_trained_run() {
     .unwrap();
     assert_eq!(test["split"], "test");
 
+    // Loss by position: buckets that cover every token, the same total, a PNG.
+    let positions = dir.path().join("positions.json");
+    let by_position: serde_json::Value = serde_json::from_str(&ok(&[
+        "eval",
+        "--checkpoint",
+        run_s,
+        "--json",
+        "--by-position",
+        positions.to_str().unwrap(),
+    ]))
+    .unwrap();
+    assert_eq!(by_position["bits_per_byte"], report["bits_per_byte"]);
+    let buckets: Vec<serde_json::Value> =
+        serde_json::from_slice(&std::fs::read(&positions).unwrap()).unwrap();
+    assert_eq!(
+        serde_json::Value::from(buckets.clone()),
+        by_position["by_position"]
+    );
+    let counted: u64 = buckets.iter().map(|b| b["tokens"].as_u64().unwrap()).sum();
+    assert_eq!(counted, validation_bytes as u64);
+    let nats: f64 = buckets
+        .iter()
+        .map(|b| b["bits_per_token"].as_f64().unwrap() * b["tokens"].as_f64().unwrap())
+        .sum::<f64>()
+        * std::f64::consts::LN_2;
+    let loss = report["loss"].as_f64().unwrap() * validation_bytes as f64;
+    assert!((nats - loss).abs() < 1e-3 * loss, "{nats} vs {loss}");
+    assert_eq!(buckets[0]["first"], 1);
+    let png = std::fs::read(positions.with_extension("png")).expect("a PNG beside the JSON");
+    assert_eq!(&png[..4], b"\x89PNG");
+    // Resetting the state every segment scores the same tokens with less context.
+    let reset: serde_json::Value = serde_json::from_str(&ok(&[
+        "eval",
+        "--checkpoint",
+        run_s,
+        "--json",
+        "--reset-every",
+        "64",
+    ]))
+    .unwrap();
+    assert_eq!(reset["tokens"], report["tokens"]);
+    assert_eq!(reset["reset_every"], 64);
+    assert_ne!(reset["loss"], report["loss"]);
+    fails(
+        &["eval", "--checkpoint", run_s, "--reset-every", "50"],
+        "--reset-every",
+    );
+
     let sample = |seed: &str| {
         ok(&[
             "sample",

@@ -1,13 +1,20 @@
 //! Batches for stateful training and for evaluation.
 //!
 //! Training: the split is cut into sequences of `sequence_len` tokens (from a
-//! per-epoch offset drawn from the seed), the sequences into `batch`
-//! contiguous runs, one per batch row. Each step hands every row the next
-//! segment of `update_len` tokens of its run, so a row walks contiguously
-//! through the text and the model state can be carried from one segment to
-//! the next; [`Batch::reset`] says when it must start afresh. Targets are
-//! the tokens themselves, inputs the token before each (end-of-document at a
-//! reset).
+//! per-epoch offset drawn from the seed). Each step hands every row the next
+//! segment of `update_len` tokens of its current sequence, so the model
+//! state can be carried from one segment to the next; [`Batch::reset`] says
+//! when it must start afresh. Which sequence a row takes next depends on
+//! the layout:
+//! - `reset_each_sequence` (the official layout): every epoch deals the
+//!   sequences out in a random order drawn from the seed, so the rows of a
+//!   batch and consecutive batches hold unrelated text, and every sequence
+//!   is seen once per epoch;
+//! - otherwise the state carries across sequences, so each row walks one
+//!   contiguous run of the split (the split cut into `batch` runs).
+//!
+//! Targets are the tokens themselves, inputs the token before each
+//! (end-of-document at a reset).
 //!
 //! Evaluation: the split is cut into `batch` contiguous regions; each row
 //! walks its region segment by segment, so every token is a target exactly
@@ -17,7 +24,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::corpus::TokenSplit;
 use crate::error::DataError;
-use crate::hash::splitmix64;
+use crate::hash::{SplitMix64, splitmix64};
 use crate::vocab::{EOS, PAD};
 
 /// `batch` rows of `len` tokens, row-major.
@@ -71,6 +78,8 @@ pub struct TrainBatches {
     cursor: TrainCursor,
     /// Sequences per row and epoch.
     seqs_per_row: usize,
+    /// The shuffled order of the cursor's epoch (empty when not shuffled).
+    order: (u64, Vec<u32>),
 }
 
 impl TrainBatches {
@@ -107,12 +116,15 @@ impl TrainBatches {
         }
         // The largest offset still leaves every row one whole sequence.
         let seqs_per_row = (split.len() - (sequence_len - 1).min(split.len() - needed)) / needed;
-        Ok(Self {
+        let mut batches = Self {
             split,
             layout,
             cursor,
             seqs_per_row,
-        })
+            order: (0, vec![]),
+        };
+        batches.order = (cursor.epoch, batches.epoch_order(cursor.epoch));
+        Ok(batches)
     }
 
     /// Where the iterator stands.
@@ -134,6 +146,27 @@ impl TrainBatches {
         (splitmix64(l.seed ^ splitmix64(epoch)) % range) as usize
     }
 
+    /// In which order an epoch deals out its sequences: entry
+    /// `seq * batch + row` is the sequence row `row` reads as its `seq`-th.
+    /// A seeded Fisher-Yates shuffle when every sequence starts afresh;
+    /// empty (each row walks its own contiguous run) otherwise.
+    fn epoch_order(&self, epoch: u64) -> Vec<u32> {
+        let l = &self.layout;
+        if !l.reset_each_sequence {
+            return vec![];
+        }
+        let n = self.seqs_per_row * l.batch;
+        let mut order: Vec<u32> = (0..n as u32).collect();
+        // Another stream than the epoch offsets' (which mix the seed with
+        // the epoch alone).
+        let mut rng = SplitMix64(splitmix64(l.seed) ^ splitmix64(epoch ^ 0x5EED_0F0D_E500_0000));
+        for i in (1..n).rev() {
+            let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+            order.swap(i, j);
+        }
+        order
+    }
+
     /// The batch at `cursor` (without advancing).
     pub fn batch_at(&self, cursor: TrainCursor) -> Batch {
         let l = &self.layout;
@@ -142,11 +175,22 @@ impl TrainBatches {
         let seg = cursor.step as usize % segs_per_seq;
         let reset = seg == 0 && (l.reset_each_sequence || seq == 0);
         let offset = self.epoch_offset(cursor.epoch);
+        let other_epoch;
+        let order = if self.order.0 == cursor.epoch {
+            &self.order.1
+        } else {
+            other_epoch = self.epoch_order(cursor.epoch);
+            &other_epoch
+        };
         let n = l.batch * l.update_len;
         let (mut inputs, mut targets) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for row in 0..l.batch {
-            let start =
-                offset + (row * self.seqs_per_row + seq) * l.sequence_len + seg * l.update_len;
+            let sequence = if order.is_empty() {
+                row * self.seqs_per_row + seq
+            } else {
+                order[seq * l.batch + row] as usize
+            };
+            let start = offset + sequence * l.sequence_len + seg * l.update_len;
             for p in start..start + l.update_len {
                 let first = p == start;
                 inputs.push(if (first && reset) || p == 0 {
@@ -175,10 +219,9 @@ impl Iterator for TrainBatches {
         let batch = self.batch_at(self.cursor);
         self.cursor.step += 1;
         if self.cursor.step == self.steps_per_epoch() {
-            self.cursor = TrainCursor {
-                epoch: self.cursor.epoch + 1,
-                step: 0,
-            };
+            let epoch = self.cursor.epoch + 1;
+            self.cursor = TrainCursor { epoch, step: 0 };
+            self.order = (epoch, self.epoch_order(epoch));
         }
         Some(batch)
     }

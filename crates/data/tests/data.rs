@@ -321,6 +321,61 @@ fn training_order_is_seeded_contiguous_and_resumable() {
     }
 }
 
+/// The sequences (a row's tokens from one reset to the next) of one epoch.
+fn epoch_sequences(train: &tvq_data::TokenSplit, layout: TrainLayout, epoch: u64) -> Vec<Vec<u32>> {
+    let it = TrainBatches::new(
+        train.clone(),
+        layout.clone(),
+        TrainCursor { epoch, step: 0 },
+    )
+    .unwrap();
+    let per_epoch = it.steps_per_epoch() as usize;
+    let segs = layout.sequence_len / layout.update_len;
+    let batches: Vec<_> = it.take(per_epoch).collect();
+    let mut out = vec![];
+    for group in batches.chunks(segs) {
+        for row in 0..layout.batch {
+            let span = row * layout.update_len..(row + 1) * layout.update_len;
+            out.push(
+                group
+                    .iter()
+                    .flat_map(|b| b.targets[span.clone()].to_vec())
+                    .collect(),
+            );
+        }
+    }
+    out
+}
+
+#[test]
+fn an_epoch_deals_every_sequence_once_in_a_seeded_random_order() {
+    let dir = tempfile::tempdir().unwrap();
+    // Text that does not repeat, so a sequence's tokens identify it.
+    let path = dir.path().join("counting.txt");
+    let text: String = (0..700).map(|i| format!("{i} ")).collect();
+    std::fs::write(&path, text).unwrap();
+    let corpus = Corpus::open(&spec(CorpusKind::Text, &path)).unwrap();
+    let train = corpus.split(Split::Train);
+    // The contiguous walk (no resets) reads the same sequences, in order.
+    let shuffled = epoch_sequences(&train, layout(7, true), 0);
+    let mut walk = epoch_sequences(&train, layout(7, false), 0);
+    assert!(shuffled.len() > 20);
+    assert_ne!(shuffled, walk, "the order is shuffled");
+    let mut sorted = shuffled.clone();
+    sorted.sort();
+    walk.sort();
+    assert_eq!(sorted, walk, "every sequence exactly once");
+    // The order changes with the epoch and with the seed.
+    assert_ne!(
+        epoch_sequences(&train, layout(7, true), 1)[..4],
+        shuffled[..4]
+    );
+    assert_ne!(
+        epoch_sequences(&train, layout(8, true), 0)[..4],
+        shuffled[..4]
+    );
+}
+
 #[test]
 fn never_reset_layout_carries_state_through_the_epoch() {
     let dir = tempfile::tempdir().unwrap();

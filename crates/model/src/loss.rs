@@ -22,6 +22,8 @@ pub fn token_nll<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -
 /// instead, which agrees when nothing is padded.
 #[derive(Clone, Debug)]
 pub struct Loss<B: Backend> {
+    /// Cross-entropy of every token, nats, `[B, T]` (padding included).
+    pub nll: Tensor<B, 2>,
     /// Cross-entropy summed over the valid tokens, nats, `[1]`.
     pub nll_sum: Tensor<B, 1>,
     /// Mean cross-entropy per valid token, nats, `[1]`.
@@ -43,23 +45,29 @@ impl<B: Backend> Loss<B> {
         let (nll_sum, commitment_sum, count) = match valid {
             None => {
                 let n = nll.dims().iter().product::<usize>() as f64;
-                let (nll_sum, commitment_sum) = (nll.sum(), commitment.sum());
+                let (nll_sum, commitment_sum) = (nll.clone().sum(), commitment.sum());
                 return Self {
                     ce: nll_sum.clone() / n,
                     commitment: commitment_sum / n,
                     nll_sum,
+                    nll,
                 };
             }
             Some(valid) => {
                 let w = bool_to_float(valid, &nll.device()); // [B, T]
                 let count = w.clone().sum().clamp_min(1.0); // [1]
-                ((nll * w.clone()).sum(), (commitment * w).sum(), count)
+                (
+                    (nll.clone() * w.clone()).sum(),
+                    (commitment * w).sum(),
+                    count,
+                )
             }
         };
         Self {
             ce: nll_sum.clone() / count.clone(),
             commitment: commitment_sum / count,
             nll_sum,
+            nll,
         }
     }
 

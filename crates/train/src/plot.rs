@@ -13,6 +13,7 @@ use plotters::style::{FontStyle, register_font};
 use serde::Deserialize;
 
 use crate::error::TrainError;
+use crate::evaluate::PositionBucket;
 
 /// DejaVu Sans (see `assets/DejaVuSans-LICENSE.txt`), so text renders the
 /// same on every machine, with no system fonts involved.
@@ -111,6 +112,66 @@ pub fn plot_metrics(metrics: &Path, out: &Path, title: &str) -> Result<(), Train
         })
 }
 
+fn register_the_font() {
+    static REGISTER: Once = Once::new();
+    REGISTER.call_once(|| {
+        // The font is compiled in and known to parse; a failure would show as missing text.
+        let _ = register_font("sans-serif", FontStyle::Normal, FONT);
+    });
+}
+
+/// Draws the loss by position in the document (bits per token against the
+/// position, log scale, one point per bucket at its last position) to the
+/// PNG `out`.
+pub fn plot_by_position(
+    buckets: &[PositionBucket],
+    out: &Path,
+    title: &str,
+) -> Result<(), TrainError> {
+    let fail = |reason: String| TrainError::Plot {
+        path: out.to_path_buf(),
+        reason,
+    };
+    if buckets.is_empty() {
+        return Err(fail("no tokens were scored".into()));
+    }
+    register_the_font();
+    let points: Vec<(f64, f64)> = buckets
+        .iter()
+        .map(|b| (b.last as f64, b.bits_per_token))
+        .collect();
+    let x_max = points.iter().map(|p| p.0).fold(1.0, f64::max) * 1.5;
+    let (lo, hi) = points.iter().fold((f64::INFINITY, 0f64), |(lo, hi), p| {
+        (lo.min(p.1), hi.max(p.1))
+    });
+    let pad = ((hi - lo) * 0.05).max(0.01);
+    let root = BitMapBackend::new(out, SIZE).into_drawing_area();
+    let err = |e: &dyn std::fmt::Display| fail(e.to_string());
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(16)
+        .x_label_area_size(40)
+        .y_label_area_size(56)
+        .build_cartesian_2d((1f64..x_max).log_scale(), (lo - pad).max(0.0)..hi + pad)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("position in the document (tokens read)")
+        .y_desc("bits per token")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .light_line_style(WHITE.mix(0.0))
+        .draw()
+        .map_err(|e| err(&e))?;
+    chart
+        .draw_series(LineSeries::new(points.clone(), RED.stroke_width(2)))
+        .map_err(|e| err(&e))?;
+    chart
+        .draw_series(points.iter().map(|&p| Circle::new(p, 4, RED.filled())))
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))
+}
+
 /// Width and height of the PNG in pixels.
 pub const SIZE: (u32, u32) = (960, 540);
 
@@ -120,11 +181,7 @@ fn draw<DB: DrawingBackend>(
     root: &DrawingArea<DB, plotters::coord::Shift>,
     title: &str,
 ) -> Result<(), String> {
-    static REGISTER: Once = Once::new();
-    REGISTER.call_once(|| {
-        // The font is compiled in and known to parse; a failure would show as missing text.
-        let _ = register_font("sans-serif", FontStyle::Normal, FONT);
-    });
+    register_the_font();
     let smoothed = curves.smoothed_train();
     let evals: Vec<(u64, f64)> = curves
         .validation

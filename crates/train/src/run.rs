@@ -12,7 +12,7 @@ use tvq_data::{Corpus, Split, TrainBatches};
 use crate::checkpoint;
 use crate::config::RunConfig;
 use crate::error::TrainError;
-use crate::evaluate::{EvalReport, evaluate};
+use crate::evaluate::{EvalOptions, EvalReport, evaluate};
 use crate::metrics::{EvalLine, MetricsLog};
 use crate::plot;
 use crate::trainer::Trainer;
@@ -67,16 +67,14 @@ pub fn train(
         .max_steps
         .map_or(cfg.train.steps, |m| m.min(cfg.train.steps));
     let bar = step_bar(opts.progress, total, trainer.progress().step);
-    let validate = |trainer: &Trainer, segments, progress| {
-        let model = trainer.inference_model();
-        evaluate(
-            &model,
-            &valid_split,
-            &cfg.eval,
-            segments,
+    let validate = |trainer: &Trainer, max_segments, progress| {
+        let opts = EvalOptions {
+            max_segments,
             progress,
-            cfg.train.workers,
-        )
+            workers: cfg.train.workers,
+            ..EvalOptions::default()
+        };
+        evaluate(&trainer.inference_model(), &valid_split, &cfg.eval, &opts)
     };
 
     while trainer.progress().step < total && !opts.interrupt.load(Ordering::SeqCst) {
