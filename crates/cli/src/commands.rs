@@ -13,7 +13,8 @@ use tvq_model::device::DeviceSpec;
 use tvq_train::export::{ExportInfo, export, load_export};
 use tvq_train::optim::{B, Model};
 use tvq_train::{
-    EvalOptions, RunConfig, SampleOptions, TrainOptions, checkpoint, evaluate, sample, train,
+    EvalOptions, RunConfig, SampleOptions, TrainOptions, checkpoint, evaluate, sample,
+    sample::sample_many, train,
 };
 
 /// Options of `tvq train`.
@@ -108,6 +109,11 @@ pub struct SampleArgs {
     /// Seed of the draws.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Continuations of the prompt to generate, as one batch (each from its
+    /// own stream of the seed: sample i is the same whatever N is). With
+    /// more than one, they are printed when all are done.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    num_samples: usize,
     /// Device: cpu, wgpu, wgpu:N, cuda or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     device: DeviceSpec,
@@ -339,12 +345,35 @@ pub fn run_sample(args: SampleArgs) -> Result<()> {
         top_p: args.top_p,
         seed: args.seed,
     };
+    if args.num_samples == 0 {
+        bail!("--num-samples must be at least 1");
+    }
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
+    let vocab = &loaded.vocab;
+    if args.num_samples > 1 {
+        let eos = vocab.eos();
+        let samples = sample_many(
+            &loaded.model,
+            &prompt,
+            eos,
+            args.num_samples,
+            opts,
+            |_, t| t != eos,
+        )?;
+        for (i, tokens) in samples.iter().enumerate() {
+            let end = tokens
+                .iter()
+                .position(|&t| t == eos)
+                .unwrap_or(tokens.len());
+            let text = vocab.decode(&tokens[..end])?;
+            writeln!(out, "--- sample {} ---\n{}{text}", i + 1, args.prompt)?;
+        }
+        return Ok(());
+    }
     write!(out, "{}", args.prompt)?;
     let mut pending: Vec<u32> = vec![];
     let mut shown = String::new();
-    let vocab = &loaded.vocab;
     sample(&loaded.model, &prompt, vocab.eos(), opts, |t| {
         if t == vocab.eos() {
             return false;

@@ -420,6 +420,24 @@ fn eval_sample_and_export_on_a_trained_run() {
     assert_eq!(a, b, "sampling is reproducible for a seed");
     assert_ne!(a, c, "another seed, another sample");
     assert!(a.starts_with("And God"));
+    // Three samples in one batch: the first is the single sample of the seed.
+    let three = ok(&[
+        "sample",
+        "--checkpoint",
+        run_s,
+        "--prompt",
+        "And God",
+        "--max-tokens",
+        "40",
+        "--seed",
+        "3",
+        "--num-samples",
+        "3",
+    ]);
+    let texts: Vec<&str> = three.split("--- sample ").skip(1).collect();
+    assert_eq!(texts.len(), 3, "{three}");
+    assert_eq!(texts[0].strip_prefix("1 ---\n").unwrap(), a, "{three}");
+    assert_ne!(texts[1], texts[2]);
 
     let weights = dir.path().join("model.safetensors");
     ok(&[

@@ -81,9 +81,31 @@ impl<B: Backend> CachedBlock<B> {
             codes: self.codes,
         }
     }
+
+    fn repeat_rows(self, n: usize) -> Self {
+        Self {
+            k_hat: self.k_hat.repeat_dim(0, n),
+            v: self.v.repeat_dim(0, n),
+            codes: self.codes.repeat_dim(0, n),
+        }
+    }
 }
 
 impl<B: Backend> AttentionState<B> {
+    /// The state of the batch tiled `n` times along the rows (with one row:
+    /// `n` copies of it).
+    pub fn repeat_rows(self, n: usize) -> Self {
+        Self {
+            pos: self.pos,
+            prev: self.prev.map(|b| b.repeat_rows(n)),
+            cache: self.cache.map(|c| CompressedCache {
+                counts: c.counts.repeat_dim(0, n),
+                means: c.means.repeat_dim(0, n),
+            }),
+            current: self.current.map(|b| b.repeat_rows(n)),
+        }
+    }
+
     /// The same state with every tensor cut from the autodiff graph.
     pub fn detach(self) -> Self {
         Self {

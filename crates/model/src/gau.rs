@@ -116,12 +116,23 @@ impl<B: Backend> Gau<B> {
         let w = self.kvg_proj.weight.val(); // [D, H (K + 2V)]
         let d = w.dims()[0];
         let (hk, hv) = (h * k, h * v);
-        let columns = |x: Tensor<B, 3>, cols: std::ops::Range<usize>| {
-            x.matmul(w.clone().slice([0..d, cols]).unsqueeze::<3>())
+        let [b, t, _] = x.dims();
+        let (k_raw, v_raw, g_raw) = if t == 1 {
+            // One token (the recurrent form): slicing the weight would copy
+            // it whole at every token, while the output row is tiny.
+            let kvg = x.matmul(w.unsqueeze::<3>()); // [B, 1, H (K + 2V)]
+            let cols = |c: std::ops::Range<usize>| kvg.clone().slice([0..b, 0..1, c]);
+            (cols(0..hk), cols(hk..hk + hv), cols(hk + hv..hk + 2 * hv))
+        } else {
+            let columns = |x: Tensor<B, 3>, cols: std::ops::Range<usize>| {
+                x.matmul(w.clone().slice([0..d, cols]).unsqueeze::<3>())
+            };
+            (
+                columns(x.clone(), 0..hk),        // [B, T, H K]
+                columns(x.clone(), hk..hk + hv),  // [B, T, H V]
+                columns(x, hk + hv..hk + 2 * hv), // [B, T, H V]
+            )
         };
-        let k_raw = columns(x.clone(), 0..hk); // [B, T, H K]
-        let v_raw = columns(x.clone(), hk..hk + hv); // [B, T, H V]
-        let g_raw = columns(x, hk + hv..hk + 2 * hv); // [B, T, H V]
         Projected {
             q,
             k: rms_normalize(split_heads(k_raw, h)) * scale,

@@ -54,6 +54,18 @@ impl<B: Backend> ModelState<B> {
         self.sublayers.first().map_or(0, |s| s.pos)
     }
 
+    /// A state of one row repeated `n` times: `n` streams that have read the
+    /// same tokens (to generate several continuations of one prompt).
+    pub fn repeat_rows(self, n: usize) -> Self {
+        Self {
+            sublayers: self
+                .sublayers
+                .into_iter()
+                .map(|s| s.repeat_rows(n))
+                .collect(),
+        }
+    }
+
     /// The same state cut from the autodiff graph.
     pub fn detach(self) -> Self {
         Self {

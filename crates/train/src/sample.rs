@@ -1,7 +1,7 @@
 //! Sampling with the recurrent form: constant work and memory per token.
 
 use burn::prelude::*;
-use tvq_data::hash::SplitMix64;
+use tvq_data::hash::{SplitMix64, splitmix64};
 use tvq_model::{ModelState, TransformerVq};
 
 use crate::error::TrainError;
@@ -117,7 +117,7 @@ fn prefill_in_chunks(
 /// Reads `prompt` (after the end-of-document token `eos` that starts every
 /// stream; [`prefill`]) and generates up to `max_tokens` with the recurrent
 /// form, calling `emit` with each new token; stops early when `emit`
-/// returns `false`.
+/// returns `false`. The same as [`sample_many`] with one sample.
 pub fn sample(
     model: &TransformerVq<B>,
     prompt: &[u32],
@@ -125,17 +125,60 @@ pub fn sample(
     opts: SampleOptions,
     mut emit: impl FnMut(u32) -> bool,
 ) -> Result<Vec<u32>, TrainError> {
+    let mut out = sample_many(model, prompt, eos, 1, opts, |_, t| emit(t))?;
+    Ok(out.pop().expect("one sample"))
+}
+
+/// The draws of sample `i` of a seed: sample 0 uses the seed's own stream,
+/// so one sample is the same alone or first of many.
+fn sample_rng(seed: u64, i: usize) -> SplitMix64 {
+    match i {
+        0 => SplitMix64(seed),
+        _ => SplitMix64(splitmix64(seed) ^ splitmix64(i as u64)),
+    }
+}
+
+/// `n` continuations of one prompt, generated as one batch: the prompt is
+/// read once ([`prefill`]), its state copied to `n` rows, and each row
+/// draws from its own seeded stream, so sample `i` is the same text
+/// whatever `n` is. `emit(i, token)` gets each new token of sample `i`;
+/// a sample ends when `emit` returns `false` or after `max_tokens`, and
+/// generation stops when every sample has ended.
+pub fn sample_many(
+    model: &TransformerVq<B>,
+    prompt: &[u32],
+    eos: u32,
+    n: usize,
+    opts: SampleOptions,
+    mut emit: impl FnMut(usize, u32) -> bool,
+) -> Result<Vec<Vec<u32>>, TrainError> {
     let device = model.embedding.weight.device();
-    let (mut logits, mut state) = prefill(model, eos, prompt)?;
-    let mut rng = SplitMix64(opts.seed);
-    let mut out = Vec::with_capacity(opts.max_tokens);
+    let (first, state) = prefill(model, eos, prompt)?;
+    let vocab = first.len();
+    let mut state = state.repeat_rows(n);
+    let mut logits = first.repeat(n); // [n * vocab]
+    let mut rngs: Vec<SplitMix64> = (0..n).map(|i| sample_rng(opts.seed, i)).collect();
+    let mut out = vec![Vec::with_capacity(opts.max_tokens); n];
+    let mut open = vec![true; n];
     for _ in 0..opts.max_tokens {
-        let next = draw(&logits, opts.temperature, opts.top_p, rng.uniform());
-        out.push(next);
-        if !emit(next) {
+        let mut next = vec![eos as i64; n];
+        for i in 0..n {
+            if !open[i] {
+                continue;
+            }
+            let row = &logits[i * vocab..(i + 1) * vocab];
+            let t = draw(row, opts.temperature, opts.top_p, rngs[i].uniform());
+            out[i].push(t);
+            open[i] = emit(i, t);
+            next[i] = t as i64;
+        }
+        if !open.iter().any(|&o| o) {
             break;
         }
-        let (l, s) = model.step(one_token(next, &device), state)?;
+        // Ended rows keep running (their tokens are ignored): the batch's
+        // rows share one position in the stream.
+        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(next, [n, 1]), &device);
+        let (l, s) = model.step(tokens, state)?;
         (logits, state) = (logits_vec(l), s);
     }
     Ok(out)
@@ -173,6 +216,38 @@ mod tests {
 
     fn floats<const D: usize>(t: &Tensor<B, D>) -> Vec<f32> {
         t.to_data().convert::<f32>().to_vec().unwrap()
+    }
+
+    #[test]
+    fn a_sample_is_the_same_text_whatever_the_batch_size() {
+        let device = DeviceSpec::Cpu.init().unwrap().0;
+        B::seed(&device, 4);
+        let model = TransformerVqConfig::new(13)
+            .with_d_model(16)
+            .with_d_k(8)
+            .with_d_v(12)
+            .with_n_code(5)
+            .with_n_layer(1)
+            .with_block_len(4)
+            .init::<B>(&device)
+            .unwrap();
+        let opts = SampleOptions {
+            max_tokens: 11,
+            temperature: 1.0,
+            top_p: 1.0,
+            seed: 9,
+        };
+        let prompt = [3, 4, 5, 6, 7, 8];
+        let many = sample_many(&model, &prompt, 1, 4, opts, |_, _| true).unwrap();
+        assert_eq!(many[0], sample(&model, &prompt, 1, opts, |_| true).unwrap());
+        let two = sample_many(&model, &prompt, 1, 2, opts, |_, _| true).unwrap();
+        assert_eq!(two[..], many[..2]);
+        assert!(many.iter().all(|s| s.len() == 11));
+        assert_ne!(many[0], many[1], "each sample draws from its own stream");
+        // A sample that ends early does not change the others.
+        let stopped = sample_many(&model, &prompt, 1, 4, opts, |i, _| i != 2).unwrap();
+        assert_eq!(stopped[2], many[2][..1]);
+        assert_eq!(stopped[3], many[3]);
     }
 
     #[test]
