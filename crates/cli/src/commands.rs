@@ -282,6 +282,14 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
         .config
         .context("an export carries no corpus: pass --config naming the data")?;
     let corpus = Corpus::open(&cfg.data)?;
+    if corpus.vocab.size() != loaded.model.vocab_size() {
+        bail!(
+            "the model has a vocabulary of {} tokens, the corpus's ({}) has {}: evaluate with the config of the data it was trained on",
+            loaded.model.vocab_size(),
+            corpus.vocab.id(),
+            corpus.vocab.size()
+        );
+    }
     let split = corpus.split(match args.split {
         SplitArg::Validation => Split::Validation,
         SplitArg::Test => Split::Test,

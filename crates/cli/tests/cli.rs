@@ -466,6 +466,35 @@ fn eval_sample_and_export_on_a_trained_run() {
     ]))
     .unwrap();
     assert_eq!(from_export["loss"], report["loss"]);
+
+    // The same export against a corpus of another vocabulary is refused.
+    let tokenizer = dir.path().join("bpe.json");
+    ok(&[
+        "tokenizer",
+        "train",
+        "--corpus",
+        repo().join("data/pg19-sample").to_str().unwrap(),
+        "--kind",
+        "bpe",
+        "--vocab-size",
+        "300",
+        "--out",
+        tokenizer.to_str().unwrap(),
+    ]);
+    let tokenized = dir.path().join("tokenized.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let tokenizer_line = format!("[data]\ntokenizer = \"{}\"", tokenizer.display());
+    std::fs::write(&tokenized, text.replace("[data]", &tokenizer_line)).unwrap();
+    fails(
+        &[
+            "eval",
+            "--checkpoint",
+            weights.to_str().unwrap(),
+            "--config",
+            tokenized.to_str().unwrap(),
+        ],
+        "vocabulary of 259 tokens",
+    );
 }
 
 #[test]

@@ -80,6 +80,12 @@ pub struct TransformerVqConfig {
     pub block_len: usize,
     /// Relative position bias.
     pub bias: RelativeBias,
+    /// Initial locality of the Toeplitz bias: head `h` starts at
+    /// `b_h[d] = a_h (1 - d / L)` with `a_h = toeplitz_locality 2^(-8 h / H)`,
+    /// so nearer keys start favoured and the table meets the compressed
+    /// cache's zero bias at `d = L`. 0 starts the table at zero (as before
+    /// 2026-11-22).
+    pub toeplitz_locality: f64,
     /// Gradient through the caches within a segment.
     pub cache_grad: CacheGrad,
     /// Attention form (VQ, or the quadratic baseline).
@@ -118,6 +124,7 @@ impl Default for TransformerVqConfig {
             n_layer: 2,
             block_len: 128,
             bias: RelativeBias::Toeplitz,
+            toeplitz_locality: 2.0,
             cache_grad: CacheGrad::Window,
             attention: AttentionForm::Vq,
             final_norm: false,
@@ -163,6 +170,7 @@ impl TransformerVqConfig {
         with_n_layer => n_layer: usize,
         with_block_len => block_len: usize,
         with_bias => bias: RelativeBias,
+        with_toeplitz_locality => toeplitz_locality: f64,
         with_cache_grad => cache_grad: CacheGrad,
         with_attention => attention: AttentionForm,
         with_final_norm => final_norm: bool,
@@ -210,6 +218,12 @@ impl TransformerVqConfig {
             if !(0.0..1.0).contains(&p) {
                 return Err(ConfigError::new(key, "must be in [0, 1)"));
             }
+        }
+        if !(self.toeplitz_locality.is_finite() && self.toeplitz_locality >= 0.0) {
+            return Err(ConfigError::new(
+                "toeplitz_locality",
+                "must be a number of at least 0",
+            ));
         }
         if !(self.logit_scale.is_finite() && self.logit_scale > 0.0) {
             return Err(ConfigError::new("logit_scale", "must be a positive number"));

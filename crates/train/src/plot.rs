@@ -121,7 +121,7 @@ fn register_the_font() {
 }
 
 /// Draws the loss by position in the document (bits per token against the
-/// position, log scale, one point per bucket at its last position) to the
+/// position, log scale, one point per bucket at its first position) to the
 /// PNG `out`.
 pub fn plot_by_position(
     buckets: &[PositionBucket],
@@ -138,9 +138,9 @@ pub fn plot_by_position(
     register_the_font();
     let points: Vec<(f64, f64)> = buckets
         .iter()
-        .map(|b| (b.last as f64, b.bits_per_token))
+        .map(|b| (b.first as f64, b.bits_per_token))
         .collect();
-    let x_max = points.iter().map(|p| p.0).fold(1.0, f64::max) * 1.5;
+    let x_max = points.iter().map(|p| p.0).fold(1.0, f64::max) * 2.0;
     let (lo, hi) = points.iter().fold((f64::INFINITY, 0f64), |(lo, hi), p| {
         (lo.min(p.1), hi.max(p.1))
     });

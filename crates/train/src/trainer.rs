@@ -112,7 +112,7 @@ impl Trainer {
     }
 
     /// The model without autodiff, for evaluation.
-    pub fn inference_model(&self) -> tvq_model::TransformerVq<burn::Dispatch> {
+    pub fn inference_model(&self) -> Model {
         self.model().valid()
     }
 
@@ -136,11 +136,13 @@ impl Trainer {
 
     /// The forward and backward passes of `batch` from the carried states
     /// (fresh ones when the batch starts new sequences), without updating
-    /// the model; the states move on one segment.
+    /// the model. The states move on one segment: the trainer keeps them,
+    /// and the returned `states` is empty.
     pub fn gradients(&mut self, batch: &Batch) -> Result<StepGradients, TrainError> {
         let n_shards = self.states.len();
+        let fresh = vec![ModelState::new(self.n_sublayers); n_shards];
         if batch.reset {
-            self.states = vec![ModelState::new(self.n_sublayers); n_shards];
+            self.states = fresh.clone();
         }
         let rows = batch.batch / n_shards;
         let shards = std::mem::take(&mut self.states)
@@ -153,13 +155,16 @@ impl Trainer {
             .collect();
         let model = self.model.as_ref().expect("the model is in place");
         let t = &self.settings;
-        let mut g = compute_gradients(model, shards, t.workers, t.commit_weight);
-        if let Ok(g) = &mut g {
-            self.states = std::mem::take(&mut g.states);
-        } else {
-            self.states = vec![ModelState::new(self.n_sublayers); n_shards];
+        match compute_gradients(model, shards, t.workers, t.commit_weight) {
+            Ok(mut g) => {
+                self.states = std::mem::take(&mut g.states);
+                Ok(g)
+            }
+            Err(e) => {
+                self.states = fresh;
+                Err(e)
+            }
         }
-        g
     }
 
     /// One optimizer step on `batch`; `cursor` is where the data continues
