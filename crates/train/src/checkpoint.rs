@@ -224,6 +224,8 @@ pub fn save(
         .map_err(record_err)?;
     rec.record(optim.no_decay.to_record(), tmp.join("optim-no-decay"))
         .map_err(record_err)?;
+    rec.record(optim.toeplitz.to_record(), tmp.join("optim-toeplitz"))
+        .map_err(record_err)?;
     std::fs::write(
         tmp.join("state.safetensors"),
         states_to_bytes(&tmp, states)?,
@@ -358,6 +360,14 @@ pub fn load(
         rec.load(dir.join("optim-no-decay"), inner)
             .map_err(record_err)?,
     );
+    // Checkpoints written before the Toeplitz tables had their own group
+    // have no such file: their tables start with fresh moments.
+    if dir.join("optim-toeplitz.bin").is_file() {
+        optim.toeplitz = optim.toeplitz.load_record(
+            rec.load(dir.join("optim-toeplitz"), inner)
+                .map_err(record_err)?,
+        );
+    }
     let state_path = dir.join("state.safetensors");
     let bytes = std::fs::read(&state_path).map_err(io(&state_path))?;
     let states = states_from_bytes(dir, &bytes, device)?;

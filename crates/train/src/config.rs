@@ -50,8 +50,11 @@ pub struct TrainSection {
     pub beta2: f64,
     /// AdamW epsilon.
     pub epsilon: f64,
-    /// Decoupled weight decay, on matrices only.
+    /// Decoupled weight decay, on matrices only (not the Toeplitz tables).
     pub weight_decay: f64,
+    /// Multiplier on the learning rate of the Toeplitz bias tables (1: the
+    /// common rate, as before 2026-11-22).
+    pub toeplitz_lr_scale: f64,
     /// Clip the global gradient norm to this (0: off).
     pub grad_clip: f64,
     /// Weight of the commitment loss (beta).
@@ -94,6 +97,7 @@ impl Default for TrainSection {
             beta2: 0.98,
             epsilon: 1e-9,
             weight_decay: 2e-4,
+            toeplitz_lr_scale: 10.0,
             grad_clip: 0.1,
             commit_weight: 1e-4,
             codebook_decay: 0.99,
@@ -252,6 +256,12 @@ impl RunConfig {
             if !(0.0..1.0).contains(&v) {
                 return Err(invalid(key, "must be in [0, 1)"));
             }
+        }
+        if !(t.toeplitz_lr_scale.is_finite() && t.toeplitz_lr_scale > 0.0) {
+            return Err(invalid(
+                "train.toeplitz_lr_scale",
+                "must be a positive number",
+            ));
         }
         if t.grad_clip < 0.0 || t.weight_decay < 0.0 || t.commit_weight < 0.0 {
             return Err(invalid(

@@ -2,9 +2,11 @@
 //! and the warm-up + cosine schedule.
 //!
 //! burn 0.21 has no parameter groups, so the gradients are split by
-//! parameter id and two AdamW optimizers (with and without decay) each step
-//! their share. burn's own clipping works per tensor; the spec clips the
-//! norm of all gradients together.
+//! parameter id and three AdamW optimizers each step their share: matrices
+//! (with weight decay), other parameters (without), and the Toeplitz bias
+//! tables (without, at `train.toeplitz_lr_scale` times the learning rate).
+//! burn's own clipping works per tensor; the spec clips the norm of all
+//! gradients together.
 
 use std::collections::HashSet;
 
@@ -40,12 +42,20 @@ pub fn learning_rate(t: &TrainSection, step: u64) -> f64 {
     }
 }
 
-/// The two optimizers of a run: decayed (matrices) and not decayed (vectors).
+/// The optimizers of a run, one per parameter group.
 pub struct Optimizers {
     /// AdamW with weight decay, for parameters of rank >= 2.
     pub decay: Adam,
     /// AdamW without weight decay, for gains, biases and other vectors.
     pub no_decay: Adam,
+    /// AdamW without weight decay for the Toeplitz bias tables, stepped at
+    /// `toeplitz_lr_scale` times the learning rate: AdamW moves each entry
+    /// by about its learning rate per step, and at the common rate a table
+    /// gains about one nat of locality in a whole quick-start run
+    /// (docs/learning.md).
+    pub toeplitz: Adam,
+    /// Multiplier on the learning rate of the Toeplitz tables.
+    pub toeplitz_lr_scale: f64,
 }
 
 fn adam(t: &TrainSection, weight_decay: f64) -> Adam {
@@ -56,6 +66,44 @@ fn adam(t: &TrainSection, weight_decay: f64) -> Adam {
         .with_weight_decay(weight_decay as f32)
         .with_grad_clipping(None)
         .init::<B, Model>()
+}
+
+/// Ids of the Toeplitz bias tables.
+fn toeplitz_ids(model: &Model) -> HashSet<ParamId> {
+    model
+        .sublayers
+        .iter()
+        .filter_map(|g| g.bias.toeplitz.as_ref().map(|p| p.id))
+        .collect()
+}
+
+/// Moves the gradients of the parameters `ids` out of `grads`.
+fn take_grads(
+    model: &Model,
+    ids: &HashSet<ParamId>,
+    grads: &mut GradientsParams,
+) -> GradientsParams {
+    struct Take<'a> {
+        ids: &'a HashSet<ParamId>,
+        from: &'a mut GradientsParams,
+        to: GradientsParams,
+    }
+    impl ModuleVisitor<B> for Take<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            if self.ids.contains(&p.id)
+                && let Some(g) = self.from.remove::<B, D>(p.id)
+            {
+                self.to.register::<B, D>(p.id, g);
+            }
+        }
+    }
+    let mut take = Take {
+        ids,
+        from: grads,
+        to: GradientsParams::new(),
+    };
+    model.visit(&mut take);
+    take.to
 }
 
 /// Ids of the parameters of rank >= 2.
@@ -79,36 +127,21 @@ impl Optimizers {
         Self {
             decay: adam(t, t.weight_decay),
             no_decay: adam(t, 0.0),
+            toeplitz: adam(t, 0.0),
+            toeplitz_lr_scale: t.toeplitz_lr_scale,
         }
     }
 
-    /// One update at learning rate `lr`. The split into matrices and vectors
-    /// is taken from `model` itself, whose parameter ids are the ones the
-    /// optimizer state is keyed by (a loaded checkpoint brings its own ids).
+    /// One update at learning rate `lr`. The groups are taken from `model`
+    /// itself, whose parameter ids are the ones the optimizer state is keyed
+    /// by (a loaded checkpoint brings its own ids).
     pub fn step(&mut self, lr: f64, model: Model, mut grads: GradientsParams) -> Model {
-        let decay_ids = matrix_ids(&model);
-        struct Take<'a> {
-            ids: &'a HashSet<ParamId>,
-            from: &'a mut GradientsParams,
-            to: GradientsParams,
-        }
-        impl ModuleVisitor<B> for Take<'_> {
-            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-                if self.ids.contains(&p.id)
-                    && let Some(g) = self.from.remove::<B, D>(p.id)
-                {
-                    self.to.register::<B, D>(p.id, g);
-                }
-            }
-        }
-        let mut take = Take {
-            ids: &decay_ids,
-            from: &mut grads,
-            to: GradientsParams::new(),
-        };
-        model.visit(&mut take);
-        let decayed = take.to;
-        let model = self.decay.step(lr, model, decayed);
+        let tables = take_grads(&model, &toeplitz_ids(&model), &mut grads);
+        let matrices = take_grads(&model, &matrix_ids(&model), &mut grads);
+        let model = self
+            .toeplitz
+            .step(lr * self.toeplitz_lr_scale, model, tables);
+        let model = self.decay.step(lr, model, matrices);
         self.no_decay.step(lr, model, grads)
     }
 }

@@ -347,6 +347,37 @@ mod tests {
     }
 
     #[test]
+    fn the_toeplitz_tables_step_at_their_own_learning_rate() {
+        let table = |t: &Trainer| -> Vec<f32> {
+            let p = t.model().sublayers[0].bias.toeplitz.as_ref().unwrap();
+            p.val().into_data().to_vec().unwrap()
+        };
+        let moved = |scale: f64| {
+            let settings = TrainSection {
+                toeplitz_lr_scale: scale,
+                lr: 1e-3,
+                warmup_steps: 0,
+                weight_decay: 0.1,
+                ..TrainSection::default()
+            };
+            let device = DeviceSpec::Cpu.init().unwrap().0;
+            let mut t = Trainer::new(&tiny(), &settings, &device, 1.0).unwrap();
+            let before = table(&t);
+            t.step(&batch(2, 8, true), TrainCursor::default()).unwrap();
+            let after = table(&t);
+            before
+                .iter()
+                .zip(&after)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max)
+        };
+        // Adam's first step moves every entry with a gradient by about lr.
+        let (slow, fast) = (moved(1.0), moved(10.0));
+        assert!((slow - 1e-3).abs() < 2e-4, "{slow}");
+        assert!((fast - 1e-2).abs() < 2e-3, "{fast}");
+    }
+
+    #[test]
     fn a_non_finite_loss_stops_before_the_weights_change() {
         let mut t = trainer(1, 1);
         // A NaN embedding makes every logit NaN.
