@@ -391,13 +391,16 @@ pub fn run_sample(args: SampleArgs) -> Result<()> {
         if let Ok(text) = vocab.decode(&pending)
             && !text.ends_with('\u{fffd}')
         {
-            let _ = write!(out, "{}", &text[shown.len().min(text.len())..]);
+            let _ = write!(out, "{}", text.get(shown.len()..).unwrap_or_default());
             let _ = out.flush();
             shown = text;
         }
         true
     })?;
-    writeln!(out)?;
+    // What is still held back: an incomplete UTF-8 sequence at the end,
+    // shown as the replacement character (as with --num-samples).
+    let text = vocab.decode(&pending)?;
+    writeln!(out, "{}", text.get(shown.len()..).unwrap_or_default())?;
     Ok(())
 }
 

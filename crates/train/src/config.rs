@@ -97,7 +97,7 @@ impl Default for TrainSection {
             beta2: 0.98,
             epsilon: 1e-9,
             weight_decay: 2e-4,
-            toeplitz_lr_scale: 10.0,
+            toeplitz_lr_scale: 30.0,
             grad_clip: 0.1,
             commit_weight: 1e-4,
             codebook_decay: 0.99,

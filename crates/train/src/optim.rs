@@ -51,7 +51,7 @@ pub struct Optimizers {
     /// AdamW without weight decay for the Toeplitz bias tables, stepped at
     /// `toeplitz_lr_scale` times the learning rate: AdamW moves each entry
     /// by about its learning rate per step, and at the common rate a table
-    /// gains about one nat of locality in a whole quick-start run
+    /// gains only about one nat of locality in a whole quick-start run
     /// (docs/learning.md).
     pub toeplitz: Adam,
     /// Multiplier on the learning rate of the Toeplitz tables.
