@@ -403,8 +403,8 @@ fn eval_sample_and_export_on_a_trained_run() {
         "--reset-every",
     );
 
-    let sample = |seed: &str| {
-        ok(&[
+    let sample = |seed: &str, extra: &[&str]| {
+        let args = [
             "sample",
             "--checkpoint",
             run_s,
@@ -414,26 +414,15 @@ fn eval_sample_and_export_on_a_trained_run() {
             "40",
             "--seed",
             seed,
-        ])
+        ];
+        ok(&[&args[..], extra].concat())
     };
-    let (a, b, c) = (sample("3"), sample("3"), sample("4"));
+    let (a, b, c) = (sample("3", &[]), sample("3", &[]), sample("4", &[]));
     assert_eq!(a, b, "sampling is reproducible for a seed");
     assert_ne!(a, c, "another seed, another sample");
     assert!(a.starts_with("And God"));
     // Three samples in one batch: the first is the single sample of the seed.
-    let three = ok(&[
-        "sample",
-        "--checkpoint",
-        run_s,
-        "--prompt",
-        "And God",
-        "--max-tokens",
-        "40",
-        "--seed",
-        "3",
-        "--num-samples",
-        "3",
-    ]);
+    let three = sample("3", &["--num-samples", "3"]);
     let texts: Vec<&str> = three.split("--- sample ").skip(1).collect();
     assert_eq!(texts.len(), 3, "{three}");
     assert_eq!(texts[0].strip_prefix("1 ---\n").unwrap(), a, "{three}");

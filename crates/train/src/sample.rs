@@ -218,19 +218,26 @@ mod tests {
         t.to_data().convert::<f32>().to_vec().unwrap()
     }
 
-    #[test]
-    fn a_sample_is_the_same_text_whatever_the_batch_size() {
+    /// A 13-token model with blocks of 4, 2 heads, drawn from `seed`.
+    fn tiny_model(bias: RelativeBias, seed: u64) -> TransformerVq<B> {
         let device = DeviceSpec::Cpu.init().unwrap().0;
-        B::seed(&device, 4);
-        let model = TransformerVqConfig::new(13)
+        B::seed(&device, seed);
+        TransformerVqConfig::new(13)
             .with_d_model(16)
             .with_d_k(8)
             .with_d_v(12)
             .with_n_code(5)
+            .with_n_head(2)
             .with_n_layer(1)
             .with_block_len(4)
+            .with_bias(bias)
             .init::<B>(&device)
-            .unwrap();
+            .unwrap()
+    }
+
+    #[test]
+    fn a_sample_is_the_same_text_whatever_the_batch_size() {
+        let model = tiny_model(RelativeBias::Toeplitz, 4);
         let opts = SampleOptions {
             max_tokens: 11,
             temperature: 1.0,
@@ -252,21 +259,9 @@ mod tests {
 
     #[test]
     fn prefill_in_blocks_equals_the_recurrent_form() {
-        let device = DeviceSpec::Cpu.init().unwrap().0;
         for bias in [RelativeBias::Toeplitz, RelativeBias::Xl] {
             let l = 4;
-            B::seed(&device, 3);
-            let model = TransformerVqConfig::new(13)
-                .with_d_model(16)
-                .with_d_k(8)
-                .with_d_v(12)
-                .with_n_code(5)
-                .with_n_head(2)
-                .with_n_layer(1)
-                .with_block_len(l)
-                .with_bias(bias)
-                .init::<B>(&device)
-                .unwrap();
+            let model = tiny_model(bias, 3);
             let text: Vec<u32> = (0..40).map(|i| (i * 5 + 2) % 13).collect();
             // Streams (eos + prompt) shorter than, equal to and longer than
             // a block, and not a multiple of it.
