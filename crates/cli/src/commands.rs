@@ -10,6 +10,7 @@ use burn::DispatchDevice;
 use clap::{Args, ValueEnum};
 use tvq_data::{Corpus, Split, Vocab};
 use tvq_model::device::DeviceSpec;
+use tvq_train::collective::ClusterSpec;
 use tvq_train::export::{ExportInfo, export, load_export};
 use tvq_train::optim::{B, Model};
 use tvq_train::{
@@ -44,6 +45,77 @@ pub struct TrainArgs {
     /// No progress bars (logs only).
     #[arg(long)]
     quiet: bool,
+    /// Number of processes (nodes: one per machine, or several on one)
+    /// that train this one model together, each on its share of every batch.
+    #[arg(
+        long,
+        default_value_t = 1,
+        help_heading = "Several processes or machines"
+    )]
+    nodes: usize,
+    /// This process's rank, 0..nodes. Node 0 hosts the coordinator and alone
+    /// writes the run directory (config, metrics, checkpoints).
+    #[arg(
+        long,
+        default_value_t = 0,
+        help_heading = "Several processes or machines"
+    )]
+    node_rank: usize,
+    /// HOST:PORT of the coordinator, on node 0's machine; the same on every
+    /// node (it uses PORT and PORT+1).
+    #[arg(
+        long,
+        default_value = "127.0.0.1:29500",
+        help_heading = "Several processes or machines"
+    )]
+    coordinator: String,
+    /// Host name or IP under which the other nodes reach this one
+    /// [default: this machine's address on the route to the coordinator].
+    #[arg(long, help_heading = "Several processes or machines")]
+    node_host: Option<String>,
+    /// First of the two ports of this node's tensor service
+    /// [default: coordinator port + 2 + 2 x rank].
+    #[arg(long, help_heading = "Several processes or machines")]
+    data_port: Option<u16>,
+    /// Seconds a node waits for the others (to join, at each step) before
+    /// it stops with an error naming them.
+    #[arg(
+        long,
+        default_value_t = 120.0,
+        help_heading = "Several processes or machines"
+    )]
+    peer_timeout: f64,
+    /// Resume from a checkpoint written with another number of shards
+    /// (nodes x workers x micro-batches): the carried states start afresh.
+    #[arg(long)]
+    reshard: bool,
+}
+
+impl TrainArgs {
+    /// The cluster flags as a spec (`None` for a run in one process).
+    fn cluster(&self) -> Result<Option<ClusterSpec>> {
+        if self.nodes <= 1 {
+            anyhow::ensure!(
+                self.node_rank == 0,
+                "--node-rank {} needs --nodes greater than {}",
+                self.node_rank,
+                self.node_rank
+            );
+            return Ok(None);
+        }
+        anyhow::ensure!(
+            self.peer_timeout.is_finite() && self.peer_timeout > 0.0,
+            "--peer-timeout must be a positive number of seconds"
+        );
+        Ok(Some(ClusterSpec {
+            nodes: self.nodes,
+            rank: self.node_rank,
+            coordinator: self.coordinator.clone(),
+            host: self.node_host.clone(),
+            data_port: self.data_port,
+            timeout: std::time::Duration::from_secs_f64(self.peer_timeout),
+        }))
+    }
 }
 
 /// Split to evaluate.
@@ -172,8 +244,9 @@ fn init_device(spec: DeviceSpec) -> Result<DispatchDevice> {
 /// Runs `tvq train`.
 pub fn run_train(args: TrainArgs) -> Result<()> {
     let cfg = RunConfig::load(&args.config, &args.overrides)?;
+    let cluster = args.cluster()?;
     let device = init_device(args.device)?;
-    let run_dir = args.run_dir.unwrap_or_else(|| {
+    let run_dir = args.run_dir.clone().unwrap_or_else(|| {
         let stem = args
             .config
             .file_stem()
@@ -196,18 +269,76 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         max_steps: args.max_steps,
         interrupt,
         progress: !args.quiet,
+        cluster,
+        reshard: args.reshard,
     };
     tracing::info!("run directory: {}", run_dir.display());
-    let summary = train(&cfg, &device, &opts)?;
+    let summary = {
+        let _silenced = opts.cluster.is_some().then(SilencedStdout::new);
+        train(&cfg, &device, &opts)?
+    };
     println!("checkpoint: {}", summary.checkpoint.display());
     match summary.validation {
         Some(v) => println!(
             "step {}: validation loss {:.4} nats/token, {:.4} bits/byte over {} tokens",
             summary.step, v.loss, v.bits_per_byte, v.tokens
         ),
-        None => println!("stopped at step {}; continue with --resume", summary.step),
+        None if summary.interrupted => {
+            println!("stopped at step {}; continue with --resume", summary.step)
+        }
+        None => println!(
+            "step {}: done (node {}; node 0 reports the validation)",
+            summary.step, args.node_rank
+        ),
     }
     Ok(())
+}
+
+/// Sends the standard output to /dev/null while it lives: burn-collective
+/// prints a line to it on every connection, which in a run over several
+/// nodes is every step. Logs and progress bars go to the standard error.
+struct SilencedStdout {
+    #[cfg(unix)]
+    saved: Option<std::os::fd::OwnedFd>,
+}
+
+impl SilencedStdout {
+    fn new() -> Self {
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        #[cfg(unix)]
+        {
+            use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+            let Ok(null) = std::fs::OpenOptions::new().write(true).open("/dev/null") else {
+                return Self { saved: None };
+            };
+            // SAFETY: plain descriptor calls on descriptors this process
+            // owns; `dup` gives a fresh descriptor that `saved` then owns.
+            let saved = unsafe {
+                let saved = libc::dup(1);
+                if saved < 0 || libc::dup2(null.as_raw_fd(), 1) < 0 {
+                    return Self { saved: None };
+                }
+                OwnedFd::from_raw_fd(saved)
+            };
+            Self { saved: Some(saved) }
+        }
+        #[cfg(not(unix))]
+        Self {}
+    }
+}
+
+impl Drop for SilencedStdout {
+    fn drop(&mut self) {
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        #[cfg(unix)]
+        if let Some(saved) = &self.saved {
+            use std::os::fd::AsRawFd;
+            // SAFETY: restores the descriptor saved in `new`.
+            unsafe { libc::dup2(saved.as_raw_fd(), 1) };
+        }
+    }
 }
 
 /// A model ready for inference and where it came from.

@@ -54,6 +54,29 @@ enum Command {
     Tokenizer(tokenizer::TokenizerCommand),
 }
 
+/// burn-collective's network tasks (on tokio worker threads, and the
+/// threads that wait on them) panic when a peer's connection drops. The
+/// training thread reports the lost peer as an error; the engine's panics
+/// are logged as one line each instead of a message and a backtrace.
+fn quiet_engine_panics() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let engine = std::thread::current()
+            .name()
+            .is_some_and(|n| n.starts_with("tokio") || n == tvq_train::collective::ENGINE_THREAD);
+        if !engine {
+            return default(info);
+        }
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        tracing::warn!("collective engine: {message}");
+    }));
+}
+
 /// Parses `--device` values (`cpu`, `wgpu`, `wgpu:N`, `cuda`, `cuda:N`).
 pub fn parse_device(s: &str) -> Result<DeviceSpec, String> {
     s.parse::<DeviceSpec>().map_err(|e| e.to_string())
@@ -62,10 +85,14 @@ pub fn parse_device(s: &str) -> Result<DeviceSpec, String> {
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                // burn's collective engine logs every connection at info.
+                "info,burn_collective=warn,burn_communication=warn".into()
+            }),
         )
         .with_writer(std::io::stderr)
         .init();
+    quiet_engine_panics();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(args) => commands::run_train(args),

@@ -878,3 +878,175 @@ fn bench_times_the_training_step_of_the_configured_model() {
         "must divide --batch 2",
     );
 }
+
+/// A port `p` such that `p..p + n` are free now, below the range the
+/// system hands out to outgoing connections (which could take them later).
+fn free_ports(n: u16) -> u16 {
+    let mut p = 20_000 + (std::process::id() % 5_000) as u16 * 2;
+    loop {
+        let held: Vec<_> = (p..p + n)
+            .map_while(|q| std::net::TcpListener::bind(("0.0.0.0", q)).ok())
+            .collect();
+        if held.len() == n as usize {
+            return p;
+        }
+        p = if p > 30_000 { 20_000 } else { p + n };
+    }
+}
+
+#[test]
+fn two_processes_train_like_one_and_resume_after_one_dies() {
+    let dir = tempfile::tempdir().unwrap();
+    let (k, total) = (4u64, 12u64);
+    let config = tiny_config(dir.path(), total, k);
+    let config = config.to_str().unwrap();
+    // Dropout everywhere (residual, layer, the XL sinusoid).
+    let sets = [
+        "model.bias=xl",
+        "model.dropout_sinusoid=0.1",
+        "train.micro_batches=1",
+    ];
+    let with_sets = |mut args: Vec<String>, sets: &[&str]| {
+        for s in sets {
+            args.extend(["--set".to_string(), s.to_string()]);
+        }
+        args
+    };
+
+    // One process, the batch's two shards one after the other.
+    let single = dir.path().join("single");
+    let args = [
+        "train",
+        "--config",
+        config,
+        "--run-dir",
+        single.to_str().unwrap(),
+        "--quiet",
+    ]
+    .map(String::from)
+    .to_vec();
+    let args = with_sets(args, &sets);
+    let mut one_process = args.clone();
+    one_process.extend(["--set", "train.micro_batches=2"].map(String::from));
+    ok(&one_process.iter().map(String::as_str).collect::<Vec<_>>());
+
+    // Two processes, one shard each.
+    let port = free_ports(6);
+    let coordinator = format!("127.0.0.1:{port}");
+    let nodes = dir.path().join("nodes");
+    let node = |rank: usize, resume: bool| -> std::process::Child {
+        let mut args = [
+            "train",
+            "--config",
+            config,
+            "--run-dir",
+            nodes.to_str().unwrap(),
+            "--quiet",
+            "--nodes",
+            "2",
+            "--coordinator",
+            &coordinator,
+            "--peer-timeout",
+            "5",
+        ]
+        .map(String::from)
+        .to_vec();
+        args.extend(["--node-rank".into(), rank.to_string()]);
+        if resume {
+            args.push("--resume".into());
+        }
+        Command::new(TVQ)
+            .args(with_sets(args, &sets))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut writer = node(0, false);
+    let mut other = node(1, false);
+    // Kill node 1 once node 0 has written checkpoint K.
+    let marker = nodes.join(format!("checkpoints/step-{k:08}/manifest.json"));
+    let start = Instant::now();
+    while !marker.exists() {
+        assert!(
+            start.elapsed() < Duration::from_secs(300),
+            "no checkpoint at step {k}"
+        );
+        assert!(
+            writer.try_wait().unwrap().is_none(),
+            "node 0 ended before node 1 could be killed:\n{}",
+            String::from_utf8_lossy(&writer.wait_with_output().unwrap().stderr)
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    other.kill().unwrap(); // SIGKILL
+    other.wait().unwrap();
+    let killed_at = Instant::now();
+    let out = writer.wait_with_output().unwrap();
+    let waited = killed_at.elapsed();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "node 0 must fail without node 1:\n{err}"
+    );
+    assert!(
+        waited < Duration::from_secs(5 + 10),
+        "node 0 took {waited:?} to give up (timeout 5 s)"
+    );
+    let errors: Vec<_> = err.lines().filter(|l| l.starts_with("error")).collect();
+    assert_eq!(errors.len(), 1, "one error line:\n{err}");
+    assert!(
+        errors[0].contains("node 1"),
+        "the error names node 1:\n{err}"
+    );
+    assert!(!err.contains("stack backtrace"), "no backtrace:\n{err}");
+    assert!(
+        !nodes.join(format!("checkpoints/step-{total:08}")).exists(),
+        "the kill must land before the run finishes"
+    );
+
+    // Both resume from the last checkpoint and finish.
+    let (writer, other) = (node(0, true), node(1, true));
+    for (rank, child) in [(0, writer), (1, other)] {
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "resumed node {rank} failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    // Every step's loss, gradient norm and commitment, and the final
+    // weights, are those of the single process, bit for bit.
+    let (a, b) = (losses(&single), losses(&nodes));
+    assert_eq!(a.len(), total as usize);
+    assert_eq!(a, b, "two processes must train exactly like one");
+    assert!(
+        final_weights(&single, total) == final_weights(&nodes, total),
+        "final weights differ"
+    );
+
+    // The two-shard checkpoint continues in one process with two shards;
+    // with one shard it is refused unless the states start afresh.
+    let mut more = with_sets(
+        [
+            "train",
+            "--config",
+            config,
+            "--run-dir",
+            nodes.to_str().unwrap(),
+            "--quiet",
+            "--resume",
+        ]
+        .map(String::from)
+        .to_vec(),
+        &sets,
+    );
+    more.extend(["--set".into(), format!("train.steps={}", total + 1)]);
+    fails(
+        &more.iter().map(String::as_str).collect::<Vec<_>>(),
+        "--reshard",
+    );
+    more.push("--reshard".into());
+    ok(&more.iter().map(String::as_str).collect::<Vec<_>>());
+}

@@ -20,6 +20,8 @@
 //! walks its region segment by segment, so every token is a target exactly
 //! once, in order; the rows' tails are padded and masked.
 
+use std::ops::Range;
+
 use serde::{Deserialize, Serialize};
 
 use crate::corpus::TokenSplit;
@@ -80,6 +82,8 @@ pub struct TrainBatches {
     seqs_per_row: usize,
     /// The shuffled order of the cursor's epoch (empty when not shuffled).
     order: (u64, Vec<u32>),
+    /// The rows handed out (all of them unless [`Self::with_rows`]).
+    rows: Range<usize>,
 }
 
 impl TrainBatches {
@@ -122,9 +126,23 @@ impl TrainBatches {
             cursor,
             seqs_per_row,
             order: (0, vec![]),
+            rows: 0..batch,
         };
         batches.order = (cursor.epoch, batches.epoch_order(cursor.epoch));
         Ok(batches)
+    }
+
+    /// Hands out only rows `rows` of every batch (one node's share of a
+    /// run over several): the same tokens as those rows of the whole batch.
+    pub fn with_rows(mut self, rows: Range<usize>) -> Result<Self, DataError> {
+        if rows.is_empty() || rows.end > self.layout.batch {
+            return Err(DataError::Layout(format!(
+                "rows {rows:?} are not a part of a batch of {} rows",
+                self.layout.batch
+            )));
+        }
+        self.rows = rows;
+        Ok(self)
     }
 
     /// Where the iterator stands.
@@ -182,9 +200,9 @@ impl TrainBatches {
             other_epoch = self.epoch_order(cursor.epoch);
             &other_epoch
         };
-        let n = l.batch * l.update_len;
+        let n = self.rows.len() * l.update_len;
         let (mut inputs, mut targets) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        for row in 0..l.batch {
+        for row in self.rows.clone() {
             let sequence = if order.is_empty() {
                 row * self.seqs_per_row + seq
             } else {
@@ -202,7 +220,7 @@ impl TrainBatches {
             }
         }
         Batch {
-            batch: l.batch,
+            batch: self.rows.len(),
             len: l.update_len,
             inputs,
             targets,

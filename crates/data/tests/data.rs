@@ -422,3 +422,33 @@ fn layouts_that_cannot_work_are_errors() {
     let err = TrainBatches::new(train, big, TrainCursor::default()).unwrap_err();
     assert!(matches!(err, DataError::SplitTooSmall { .. }), "{err}");
 }
+
+#[test]
+fn a_node_reads_only_its_rows_of_each_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = text_corpus(dir.path(), 2_000);
+    let train = corpus.split(Split::Train);
+    for shuffled in [true, false] {
+        let whole: Vec<_> =
+            TrainBatches::new(train.clone(), layout(7, shuffled), TrainCursor::default())
+                .unwrap()
+                .take(12)
+                .collect();
+        let part: Vec<_> =
+            TrainBatches::new(train.clone(), layout(7, shuffled), TrainCursor::default())
+                .unwrap()
+                .with_rows(1..3)
+                .unwrap()
+                .take(12)
+                .collect();
+        for (w, p) in whole.iter().zip(&part) {
+            let rows = w.len..3 * w.len;
+            assert_eq!((p.batch, p.reset), (2, w.reset));
+            assert_eq!(p.inputs, w.inputs[rows.clone()]);
+            assert_eq!(p.targets, w.targets[rows]);
+        }
+    }
+    let it = TrainBatches::new(train, layout(7, true), TrainCursor::default()).unwrap();
+    assert!(it.clone().with_rows(2..4).is_err());
+    assert!(it.with_rows(1..1).is_err());
+}

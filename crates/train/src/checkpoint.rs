@@ -56,7 +56,10 @@ fn bad(path: &Path, reason: impl Into<String>) -> TrainError {
 /// Tensors of the carried states (one per shard of the batch) as
 /// safetensors. The stored names say `micro`, from before worker threads
 /// made shards of micro-batches; they are kept so older checkpoints load.
-fn states_to_bytes(path: &Path, states: &[ModelState<B>]) -> Result<Vec<u8>, TrainError> {
+pub(crate) fn states_to_bytes(
+    path: &Path,
+    states: &[ModelState<B>],
+) -> Result<Vec<u8>, TrainError> {
     let mut tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)> = BTreeMap::new();
     let mut meta = std::collections::HashMap::new();
     let mut put = |name: String, dims: Vec<usize>, data: TensorData| {
@@ -119,7 +122,7 @@ fn states_to_bytes(path: &Path, states: &[ModelState<B>]) -> Result<Vec<u8>, Tra
         .map_err(|e| bad(path, format!("state serialization: {e}")))
 }
 
-fn states_from_bytes(
+pub(crate) fn states_from_bytes(
     path: &Path,
     bytes: &[u8],
     device: &burn::DispatchDevice,

@@ -65,6 +65,9 @@ pub enum TrainError {
         /// What is wrong.
         reason: String,
     },
+    /// Another node of a run over several failed, disagrees or does not answer.
+    #[error("{0}")]
+    Peer(String),
     /// The loss stopped being a finite number.
     #[error("loss is {loss} at step {step}; the last good checkpoint is kept in {checkpoint}")]
     NonFinite {

@@ -1,5 +1,9 @@
 //! A training run in a run directory: set up or resume, then step, log,
 //! evaluate and checkpoint until done or interrupted.
+//!
+//! Over several nodes every node runs this same loop on its rows of each
+//! batch; node 0 alone writes the run directory (config, metrics,
+//! checkpoints, plots) and runs the final evaluation.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -10,6 +14,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tvq_data::{Corpus, Split, TrainBatches};
 
 use crate::checkpoint;
+use crate::collective::{ClusterSpec, Collective};
 use crate::config::RunConfig;
 use crate::error::TrainError;
 use crate::evaluate::{EvalOptions, EvalReport, evaluate};
@@ -32,6 +37,10 @@ pub struct TrainOptions {
     pub interrupt: Arc<AtomicBool>,
     /// Draw progress bars.
     pub progress: bool,
+    /// This process's place in a run over several processes (`None`: alone).
+    pub cluster: Option<ClusterSpec>,
+    /// Resume from a checkpoint of another shard count, with fresh carried states.
+    pub reshard: bool,
 }
 
 /// How a call to [`train`] ended.
@@ -41,9 +50,10 @@ pub struct TrainSummary {
     pub step: u64,
     /// Whether it stopped because of an interrupt.
     pub interrupted: bool,
-    /// The final full validation (absent when interrupted).
+    /// The final full validation (absent when interrupted, and on nodes
+    /// other than node 0).
     pub validation: Option<EvalReport>,
-    /// The last checkpoint.
+    /// The last checkpoint (written by node 0).
     pub checkpoint: PathBuf,
 }
 
@@ -54,15 +64,28 @@ pub fn train(
     opts: &TrainOptions,
 ) -> Result<TrainSummary, TrainError> {
     let corpus = Corpus::open(&cfg.data)?;
-    prepare_run_dir(cfg, opts)?;
+    let (rank, nodes) = opts.cluster.as_ref().map_or((0, 1), |c| (c.rank, c.nodes));
+    let node_rows = node_rows(cfg, rank, nodes)?;
+    if rank == 0 {
+        prepare_run_dir(cfg, opts)?;
+    }
     let (train_split, valid_split) = (corpus.split(Split::Train), corpus.split(Split::Validation));
     let model = cfg.model_config(corpus.vocab.size());
     let bytes_per_token = train_split.bytes_per_token();
-    let mut trainer = Trainer::new(&model, &cfg.train, device, bytes_per_token)?;
+    let mut trainer =
+        Trainer::new(&model, &cfg.train, device, bytes_per_token)?.on_node(rank, nodes);
     resume_latest(&mut trainer, opts)?;
-    let mut log = MetricsLog::open(&opts.run_dir, trainer.progress().step)?;
+    if let Some(spec) = &opts.cluster {
+        trainer.join(Collective::join(spec, device)?, fingerprint(cfg))?;
+        tracing::info!("node {rank} of {nodes}: joined at {}", spec.coordinator);
+    }
+    let mut log = match rank {
+        0 => Some(MetricsLog::open(&opts.run_dir, trainer.progress().step)?),
+        _ => None,
+    };
     let layout = cfg.data.train_layout(cfg.train.seed);
-    let mut loader = TrainBatches::new(train_split, layout, trainer.progress().cursor)?;
+    let mut loader =
+        TrainBatches::new(train_split, layout, trainer.progress().cursor)?.with_rows(node_rows)?;
     let total = opts
         .max_steps
         .map_or(cfg.train.steps, |m| m.min(cfg.train.steps));
@@ -77,16 +100,24 @@ pub fn train(
         evaluate(&trainer.inference_model(), &valid_split, &cfg.eval, &opts)
     };
 
-    while trainer.progress().step < total && !opts.interrupt.load(Ordering::SeqCst) {
+    while trainer.progress().step < total
+        && !trainer.agree_to_stop(opts.interrupt.load(Ordering::SeqCst))?
+    {
         let batch = loader.next().expect("training batches never end");
         let m = trainer.step(&batch, loader.cursor())?;
-        log.append(&m)?;
+        if let Some(log) = &mut log {
+            log.append(&m)?;
+        }
         bar.set_position(m.step);
         bar.set_message(m.summary());
+        // Every node validates (the nodes stay in step; it is cheap next to
+        // waiting), node 0 records it.
         if cfg.eval.every > 0 && m.step.is_multiple_of(cfg.eval.every) {
             let report = validate(&trainer, Some(cfg.eval.segments), false)?;
             trainer.record_validation(report.loss);
-            log.append(&EvalLine::new("eval", m.step, &report))?;
+            if let Some(log) = &mut log {
+                log.append(&EvalLine::new("eval", m.step, &report))?;
+            }
             bar.println(format!("step {}: validation {}", m.step, report.summary()));
         }
         if m.step.is_multiple_of(cfg.train.checkpoint_every) || m.step == total {
@@ -99,6 +130,7 @@ pub fn train(
         Some(c) if !interrupted => c.to_path_buf(),
         _ => trainer.save(&opts.run_dir)?,
     };
+    trainer.leave();
     let validation = if interrupted {
         bar.abandon_with_message("interrupted");
         tracing::info!(
@@ -106,19 +138,58 @@ pub fn train(
             checkpoint.display()
         );
         None
-    } else {
+    } else if let Some(log) = &mut log {
         bar.finish_and_clear();
         let report = validate(&trainer, None, opts.progress)?;
         log.append(&EvalLine::new("final_eval", step, &report))?;
         Some(report)
+    } else {
+        bar.finish_and_clear();
+        None
     };
-    draw_curves(&opts.run_dir);
+    if trainer.is_writer() {
+        draw_curves(&opts.run_dir);
+    }
     Ok(TrainSummary {
         step,
         interrupted,
         validation,
         checkpoint,
     })
+}
+
+/// The rows of every batch that node `rank` of `nodes` trains on: an equal
+/// share of whole shards.
+fn node_rows(
+    cfg: &RunConfig,
+    rank: usize,
+    nodes: usize,
+) -> Result<std::ops::Range<usize>, TrainError> {
+    let batch = cfg.data.batch_size;
+    let shards = nodes * cfg.train.shards();
+    if !batch.is_multiple_of(shards) {
+        return Err(TrainError::Config {
+            key: "data.batch_size".into(),
+            reason: format!(
+                "({batch}) must be a multiple of nodes x train.workers x train.micro_batches ({shards})"
+            ),
+        });
+    }
+    let per_node = batch / nodes;
+    Ok(rank * per_node..(rank + 1) * per_node)
+}
+
+/// What every node of a run must agree on: the model, the training
+/// settings and the batch layout (not the data's paths, which may differ
+/// between machines).
+fn fingerprint(cfg: &RunConfig) -> u64 {
+    let text = format!(
+        "{}\n{}\n{:?}",
+        toml::to_string(&cfg.model).unwrap_or_default(),
+        toml::to_string(&cfg.train).unwrap_or_default(),
+        cfg.data.train_layout(cfg.train.seed)
+    );
+    tvq_data::hash::fnv1a(text.as_bytes())
 }
 
 /// With `--resume`, continues from the run directory's newest valid
@@ -129,7 +200,7 @@ fn resume_latest(trainer: &mut Trainer, opts: &TrainOptions) -> Result<(), Train
     }
     match checkpoint::latest_valid(&opts.run_dir) {
         Some(dir) => {
-            trainer.resume(&dir)?;
+            trainer.resume(&dir, opts.reshard)?;
             let step = trainer.progress().step;
             tracing::info!("resuming from {} (step {step})", dir.display());
         }

@@ -2,16 +2,21 @@
 //!
 //! The batch's rows are cut into shards, each with its own carried state;
 //! shards are independent until their gradients are summed, so they can run
-//! on several worker threads ([`crate::workers`]).
+//! on several worker threads ([`crate::workers`]) and on several nodes
+//! ([`crate::collective`]): the gradients, codebook statistics and losses
+//! are sums over shards, and a node's sums are added to the other nodes'
+//! ([`StepGradients::all_reduce`]).
 
-use std::sync::{Condvar, Mutex};
+use std::sync::Mutex;
 
-use burn::module::Module;
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
+use burn::tensor::backend::DeviceOps;
 use tvq_model::{CodebookStats, Loss, ModelState};
 
 use crate::batch::BatchTensors;
+use crate::collective::Collective;
 use crate::error::TrainError;
 use crate::optim::{B, Model};
 use crate::workers::map_in_workers;
@@ -25,67 +30,54 @@ pub struct Shard {
     pub state: ModelState<B>,
 }
 
-/// What one step's forward and backward passes produce.
+/// Which shards of the whole run a call computes, and how they draw dropout.
+#[derive(Clone, Copy, Debug)]
+pub struct ShardPlan {
+    /// Index of the first shard in the run (`rank * shards per node`).
+    pub first: usize,
+    /// Shards in the whole run (over every node): each shard's loss is
+    /// divided by it, so the sum over shards is the mean.
+    pub total: usize,
+    /// Seed of this step's dropout draws; shard `g` draws from
+    /// `shard_seed(seed, g)`, so its masks do not depend on where it runs.
+    pub seed: u64,
+}
+
+/// The seed of shard `shard`'s dropout masks in a step seeded `seed`.
+fn shard_seed(seed: u64, shard: usize) -> u64 {
+    tvq_data::hash::splitmix64(seed ^ (shard as u64).wrapping_mul(0xD1B5_4A32_D192_ED03))
+}
+
+/// What one step's forward and backward passes produce: sums over the
+/// shards computed here (and over every node after [`Self::all_reduce`]).
 pub struct StepGradients {
-    /// Gradients of the loss (the mean over shards of each shard's mean
-    /// token loss), keyed by parameter.
+    /// Gradients of the objective (the mean over the run's shards of each
+    /// shard's mean token loss), keyed by parameter.
     pub grads: GradientsParams,
-    /// Mean cross-entropy (nats per token), averaged over shards.
-    pub ce: f64,
-    /// Mean commitment loss, averaged over shards.
-    pub commitment: f64,
+    /// Sum over shards of each shard's mean cross-entropy (nats per token).
+    pub ce_sum: f32,
+    /// Sum over shards of each shard's mean commitment loss.
+    pub commitment_sum: f32,
     /// Codebook statistics of every sublayer, summed over shards.
     pub stats: Vec<CodebookStats<B>>,
     /// Each shard's state after the segment (detached by the model), in
-    /// shard order.
+    /// shard order; never reduced (each node carries its own shards).
     pub states: Vec<ModelState<B>>,
 }
 
 struct ShardResult {
     grads: GradientsParams,
-    ce: f64,
-    commitment: f64,
+    ce: f32,
+    commitment: f32,
     stats: Vec<CodebookStats<B>>,
     state: ModelState<B>,
-}
-
-/// Lets shards draw their dropout masks one at a time in shard order. The
-/// backends draw random numbers from one global generator; taking turns
-/// makes the draws come in the order one thread would make them, while the
-/// forward and backward passes (which draw nothing once they have their
-/// masks) overlap.
-#[derive(Default)]
-struct MaskTurns {
-    next: Mutex<usize>,
-    turn_over: Condvar,
-}
-
-/// Shard `i`'s turn; the next shard's begins when this is dropped (also on
-/// an error or a panic, so no worker waits forever).
-struct Turn<'a>(&'a MaskTurns);
-
-impl MaskTurns {
-    fn wait_for(&self, i: usize) -> Turn<'_> {
-        let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
-        while *next != i {
-            next = self.turn_over.wait(next).unwrap_or_else(|e| e.into_inner());
-        }
-        Turn(self)
-    }
-}
-
-impl Drop for Turn<'_> {
-    fn drop(&mut self) {
-        *self.0.next.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-        self.0.turn_over.notify_all();
-    }
 }
 
 fn run_shard(
     model: &Model,
     (i, shard): (usize, Shard),
-    turns: Option<&MaskTurns>,
-    n_shards: usize,
+    plan: ShardPlan,
+    draw: &Mutex<()>,
     commit_weight: f64,
 ) -> Result<ShardResult, TrainError> {
     let BatchTensors {
@@ -93,14 +85,22 @@ fn run_shard(
         targets,
         valid,
     } = shard.tokens;
-    let masks = {
-        let _turn = turns.map(|t| t.wait_for(i));
+    // The backends draw from one generator per device: seeding and drawing
+    // happen under one lock, so each shard's masks depend on its seed only.
+    let masks = if model.uses_dropout() {
+        let _lock = draw.lock().unwrap_or_else(|e| e.into_inner());
+        B::seed(
+            &model.embedding.weight.device(),
+            shard_seed(plan.seed, plan.first + i),
+        );
+        model.dropout_masks(inputs.dims())
+    } else {
         model.dropout_masks(inputs.dims())
     };
     let out = model.forward_with_masks(inputs, shard.state, Some(valid.clone()), masks)?;
     let loss = Loss::new(&out, targets, Some(valid));
     // The step minimises the mean over shards of each shard's mean token loss.
-    let objective = loss.total(commit_weight) / n_shards as f64;
+    let objective = loss.total(commit_weight) / plan.total as f64;
     Ok(ShardResult {
         ce: loss.ce.into_scalar().elem(),
         commitment: loss.commitment.into_scalar().elem(),
@@ -113,27 +113,26 @@ fn run_shard(
 /// Runs the forward and backward passes of `shards` on `workers` threads
 /// ([`map_in_workers`]), each on its own fork of the model: a fork has its
 /// own autodiff graph and the same parameter ids, so the gradients line up.
-/// With dropout the shards draw their masks in turn, in shard order
-/// ([`MaskTurns`]), before their passes run at once. Summing in shard order
-/// makes the result independent of `workers` (it depends on the shards
-/// only).
+/// Summing in shard order makes the result independent of `workers` (it
+/// depends on the shards only).
 pub fn compute_gradients(
     model: &Model,
     shards: Vec<Shard>,
+    plan: ShardPlan,
     workers: usize,
     commit_weight: f64,
 ) -> Result<StepGradients, TrainError> {
     let n = shards.len();
-    let turns = (workers > 1 && model.uses_dropout()).then(MaskTurns::default);
+    let draw = Mutex::new(());
     let device = model.embedding.weight.device();
     let results = map_in_workers(
         shards.into_iter().enumerate().collect(),
         workers,
         || model.clone().fork(&device),
-        |fork, shard| run_shard(fork, shard, turns.as_ref(), n, commit_weight),
+        |fork, shard| run_shard(fork, shard, plan, &draw, commit_weight),
     )?;
     let mut accumulator = GradientsAccumulator::<Model>::new();
-    let (mut ce_sum, mut commitment_sum) = (0.0, 0.0);
+    let (mut ce_sum, mut commitment_sum) = (0f32, 0f32);
     let mut stats: Option<Vec<CodebookStats<B>>> = None;
     let mut states = Vec::with_capacity(n);
     for r in results {
@@ -152,9 +151,143 @@ pub fn compute_gradients(
     }
     Ok(StepGradients {
         grads: accumulator.grads(),
-        ce: ce_sum / n as f64,
-        commitment: commitment_sum / n as f64,
+        ce_sum,
+        commitment_sum,
         stats: stats.unwrap_or_default(),
         states,
     })
+}
+
+/// The float parameters of `model` in module order: the same on every
+/// node, whatever ids their parameters got.
+fn param_shapes(model: &Model) -> Vec<(burn::module::ParamId, Vec<usize>)> {
+    struct Shapes(Vec<(burn::module::ParamId, Vec<usize>)>);
+    impl ModuleVisitor<B> for Shapes {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            self.0.push((p.id, p.val().dims().to_vec()));
+        }
+    }
+    let mut v = Shapes(vec![]);
+    model.visit(&mut v);
+    v.0
+}
+
+fn host_values<const D: usize>(t: &Tensor<B, D>) -> Vec<f32> {
+    t.to_data().convert::<f32>().to_vec().expect("f32 data")
+}
+
+fn from_values<const D: usize>(
+    values: &[f32],
+    shape: [usize; D],
+    device: &burn::DispatchDevice,
+) -> Tensor<B, D> {
+    Tensor::from_data(TensorData::new(values.to_vec(), shape), device)
+}
+
+/// Cuts a flat vector into consecutive pieces.
+struct Pieces<'a>(&'a [f32]);
+
+impl<'a> Pieces<'a> {
+    fn take(&mut self, n: usize) -> &'a [f32] {
+        let (head, tail) = self.0.split_at(n);
+        self.0 = tail;
+        head
+    }
+}
+
+impl StepGradients {
+    /// Adds every node's sums to this node's, in one collective call: the
+    /// gradients (in module order), the codebook statistics, the losses
+    /// and `extra` (values every node contributes, summed). Afterwards every
+    /// node holds the same sums, so every node's AdamW and EMA steps agree.
+    pub fn all_reduce(
+        mut self,
+        model: &Model,
+        extra: &[f32],
+        collective: &Collective,
+    ) -> Result<(Self, Vec<f32>), TrainError> {
+        let params = param_shapes(model);
+        let mut flat = vec![];
+        let mut present = vec![];
+        for (id, shape) in &params {
+            // Every node runs the same graph, so the same parameters have gradients.
+            let grad = match shape.len() {
+                1 => self.grads.remove::<B, 1>(*id).map(|g| host_values(&g)),
+                2 => self.grads.remove::<B, 2>(*id).map(|g| host_values(&g)),
+                3 => self.grads.remove::<B, 3>(*id).map(|g| host_values(&g)),
+                4 => self.grads.remove::<B, 4>(*id).map(|g| host_values(&g)),
+                d => unreachable!("no parameter of rank {d}"),
+            };
+            present.push(grad.is_some());
+            flat.extend(grad.unwrap_or_default());
+        }
+        for s in &self.stats {
+            for values in [
+                host_values(&s.counts),
+                host_values(&s.sums),
+                host_values(&s.sq_error),
+                host_values(&s.sq_norm),
+            ] {
+                flat.extend(values);
+            }
+        }
+        flat.extend([self.ce_sum, self.commitment_sum]);
+        flat.extend(extra);
+        let summed = collective.all_reduce_sum(flat, "summing a step's gradients")?;
+
+        let mut pieces = Pieces(&summed);
+        let grad_device = model.embedding.weight.device().inner().clone();
+        let mut grads = GradientsParams::new();
+        for ((id, shape), present) in params.iter().zip(present) {
+            if !present {
+                continue;
+            }
+            let values = pieces.take(shape.iter().product());
+            match shape.len() {
+                1 => grads.register::<B, 1>(*id, from_values(values, [shape[0]], &grad_device)),
+                2 => grads
+                    .register::<B, 2>(*id, from_values(values, [shape[0], shape[1]], &grad_device)),
+                3 => grads.register::<B, 3>(
+                    *id,
+                    from_values(values, [shape[0], shape[1], shape[2]], &grad_device),
+                ),
+                _ => grads.register::<B, 4>(
+                    *id,
+                    from_values(
+                        values,
+                        [shape[0], shape[1], shape[2], shape[3]],
+                        &grad_device,
+                    ),
+                ),
+            }
+        }
+        let stats = self
+            .stats
+            .iter()
+            .map(|s| {
+                let device = s.counts.device();
+                CodebookStats {
+                    counts: from_values(
+                        pieces.take(s.counts.shape().num_elements()),
+                        s.counts.dims(),
+                        &device,
+                    ),
+                    sums: from_values(
+                        pieces.take(s.sums.shape().num_elements()),
+                        s.sums.dims(),
+                        &device,
+                    ),
+                    sq_error: from_values(pieces.take(1), [1], &device),
+                    sq_norm: from_values(pieces.take(1), [1], &device),
+                }
+            })
+            .collect();
+        let [ce_sum, commitment_sum] = [pieces.take(1)[0], pieces.take(1)[0]];
+        let extra = pieces.take(extra.len()).to_vec();
+        self.grads = grads;
+        self.stats = stats;
+        self.ce_sum = ce_sum;
+        self.commitment_sum = commitment_sum;
+        Ok((self, extra))
+    }
 }

@@ -8,6 +8,11 @@
 //! step with the statistics of every shard. The state each shard leaves
 //! behind is detached and carried into the next step, unless the batch
 //! starts new sequences.
+//!
+//! In a run over several nodes ([`Trainer::join`]) each node holds the
+//! same model and optimizer and runs its own shards of the batch; one
+//! collective sum per step makes the gradients and statistics the whole
+//! batch's on every node, so every node takes the same step.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -20,11 +25,12 @@ use tvq_model::{ModelState, TransformerVqConfig};
 
 use crate::batch::BatchTensors;
 use crate::checkpoint::{self, TrainerState};
+use crate::collective::Collective;
 use crate::config::TrainSection;
 use crate::error::TrainError;
 use crate::metrics::StepMetrics;
 use crate::optim::{B, Model, Optimizers, clip_global_norm, learning_rate};
-use crate::step::{Shard, StepGradients, compute_gradients};
+use crate::step::{Shard, ShardPlan, StepGradients, compute_gradients};
 
 /// The seed of step `step`'s dropout draws: they depend on (seed, step)
 /// only, so a resumed run draws what an uninterrupted one would.
@@ -46,11 +52,16 @@ pub struct Trainer {
     /// Always `Some` between calls; taken while the optimizer consumes it.
     model: Option<Model>,
     optim: Optimizers,
-    /// One carried state per shard, in shard order.
+    /// One carried state per shard of this node, in shard order.
     states: Vec<ModelState<B>>,
     progress: TrainerState,
     bytes_per_token: f64,
     last_checkpoint: Option<PathBuf>,
+    /// This node's rank and the number of nodes (0 and 1 alone).
+    rank: usize,
+    nodes: usize,
+    /// The other nodes, once joined.
+    collective: Option<Collective>,
 }
 
 impl Trainer {
@@ -77,33 +88,143 @@ impl Trainer {
             progress: TrainerState::default(),
             bytes_per_token,
             last_checkpoint: None,
+            rank: 0,
+            nodes: 1,
+            collective: None,
         })
     }
 
+    /// Makes this trainer node `rank` of `nodes`: it runs shards
+    /// `rank * s .. (rank + 1) * s` of every batch (`s` = shards per node)
+    /// and takes the batch rows of those shards. Call before
+    /// [`Self::resume`], then [`Self::join`] the other nodes.
+    pub fn on_node(mut self, rank: usize, nodes: usize) -> Self {
+        (self.rank, self.nodes) = (rank, nodes);
+        self
+    }
+
+    /// Whether this trainer writes checkpoints, metrics and plots (node 0).
+    pub fn is_writer(&self) -> bool {
+        self.rank == 0
+    }
+
+    /// Shards per batch over every node.
+    fn total_shards(&self) -> usize {
+        self.states.len() * self.nodes
+    }
+
     /// Continues from the checkpoint in `dir`: weights, optimizer state,
-    /// carried states and progress. The checkpoint must have been written
-    /// with the same number of shards.
-    pub fn resume(&mut self, dir: &Path) -> Result<(), TrainError> {
+    /// carried states (this node's shards') and progress. The checkpoint
+    /// must hold as many shards as the run has (nodes x workers x
+    /// micro-batches, split any way: the shards are the same rows), unless
+    /// `reshard`, which starts every shard from a fresh state.
+    pub fn resume(&mut self, dir: &Path, reshard: bool) -> Result<(), TrainError> {
         let model = self.model.take().expect("the model is in place");
         let optim = std::mem::replace(&mut self.optim, Optimizers::new(&self.settings));
         let loaded = checkpoint::load(dir, model, optim, &self.device)?;
         self.model = Some(loaded.model);
         self.optim = loaded.optim;
-        if loaded.states.len() != self.states.len() {
+        let (here, total) = (self.states.len(), self.total_shards());
+        if loaded.states.len() == total {
+            self.states = loaded.states[self.rank * here..(self.rank + 1) * here].to_vec();
+        } else if reshard {
+            tracing::warn!(
+                "{} carries the state of {} shards, the run has {total}: every shard starts from a fresh state",
+                dir.display(),
+                loaded.states.len()
+            );
+            self.states = vec![ModelState::new(self.n_sublayers); here];
+        } else {
             return Err(TrainError::Config {
                 key: "train.workers".into(),
                 reason: format!(
-                    "{} carries the state of {} shards, but train.workers x train.micro_batches = {}: resume with the values it was written with",
+                    "{} carries the state of {} shards, but nodes x train.workers x train.micro_batches = {total}: \
+                     resume with a layout of {} shards, or pass --reshard to start the carried states afresh",
                     dir.display(),
                     loaded.states.len(),
-                    self.states.len()
+                    loaded.states.len()
                 ),
             });
         }
-        self.states = loaded.states;
         self.progress = loaded.trainer;
         self.last_checkpoint = Some(dir.to_path_buf());
         Ok(())
+    }
+
+    /// Joins the other nodes of the run and checks that they agree with
+    /// this one: every rank taken once, the same `fingerprint` (of the
+    /// config), the same step and the same weights. The first disagreement
+    /// is an error naming the node.
+    pub fn join(&mut self, collective: Collective, fingerprint: u64) -> Result<(), TrainError> {
+        let (rank, nodes) = (collective.rank(), collective.nodes());
+        assert_eq!(
+            (rank, nodes),
+            (self.rank, self.nodes),
+            "joined as set by on_node"
+        );
+        // Per node: [present, fingerprint, step, weights] with each u64 as
+        // four 16-bit pieces, which f32 sums carry exactly.
+        const WIDTH: usize = 13;
+        let words = [fingerprint, self.progress.step, weights_hash(self.model())];
+        let mut mine = vec![0f32; WIDTH * nodes];
+        mine[rank * WIDTH] = 1.0;
+        for (w, word) in words.iter().enumerate() {
+            for piece in 0..4 {
+                mine[rank * WIDTH + 1 + 4 * w + piece] = ((word >> (16 * piece)) & 0xFFFF) as f32;
+            }
+        }
+        let all = collective.all_reduce_sum(mine, "checking that the nodes agree")?;
+        for r in 0..nodes {
+            let slot = &all[r * WIDTH..(r + 1) * WIDTH];
+            if slot[0] != 1.0 {
+                return Err(TrainError::Peer(format!(
+                    "{} nodes joined as rank {r}: give every node its own --node-rank in 0..{nodes}",
+                    slot[0]
+                )));
+            }
+            let word = |w: usize| {
+                (0..4).fold(0u64, |acc, p| {
+                    acc | ((slot[1 + 4 * w + p] as u64) << (16 * p))
+                })
+            };
+            let differs =
+                |what: &str| TrainError::Peer(format!("node {r} and node {rank} differ in {what}"));
+            if word(0) != words[0] {
+                return Err(differs(
+                    "their config (model, train and batch layout must be the same on every node)",
+                ));
+            }
+            if word(1) != words[1] {
+                return Err(TrainError::Peer(format!(
+                    "node {r} starts at step {}, node {rank} at step {}: every node must resume from the same checkpoint",
+                    word(1),
+                    words[1]
+                )));
+            }
+            if word(2) != words[2] {
+                return Err(differs(
+                    "their initial weights (the same backend and seed on every node give the same weights)",
+                ));
+            }
+        }
+        self.collective = Some(collective);
+        Ok(())
+    }
+
+    /// Whether the run should stop now: `requested` here or on any node.
+    pub fn agree_to_stop(&self, requested: bool) -> Result<bool, TrainError> {
+        match &self.collective {
+            None => Ok(requested),
+            Some(c) => {
+                let votes = c.all_reduce_sum(vec![requested as u8 as f32], "agreeing to stop")?;
+                Ok(votes[0] > 0.0)
+            }
+        }
+    }
+
+    /// Leaves the other nodes (a no-op alone).
+    pub fn leave(&mut self) {
+        self.collective = None;
     }
 
     /// The model being trained.
@@ -134,10 +255,11 @@ impl Trainer {
         self.last_checkpoint.as_deref()
     }
 
-    /// The forward and backward passes of `batch` from the carried states
-    /// (fresh ones when the batch starts new sequences), without updating
-    /// the model. The states move on one segment: the trainer keeps them,
-    /// and the returned `states` is empty.
+    /// The forward and backward passes of `batch` (this node's rows) from
+    /// the carried states (fresh ones when the batch starts new sequences),
+    /// without updating the model or summing over nodes. The states move
+    /// on one segment: the trainer keeps them, and the returned `states`
+    /// is empty.
     pub fn gradients(&mut self, batch: &Batch) -> Result<StepGradients, TrainError> {
         let n_shards = self.states.len();
         let fresh = vec![ModelState::new(self.n_sublayers); n_shards];
@@ -153,9 +275,14 @@ impl Trainer {
                 state,
             })
             .collect();
+        let plan = ShardPlan {
+            first: self.rank * n_shards,
+            total: n_shards * self.nodes,
+            seed: step_seed(self.settings.seed, self.progress.step + 1),
+        };
         let model = self.model.as_ref().expect("the model is in place");
         let t = &self.settings;
-        match compute_gradients(model, shards, t.workers, t.commit_weight) {
+        match compute_gradients(model, shards, plan, t.workers, t.commit_weight) {
             Ok(mut g) => {
                 self.states = std::mem::take(&mut g.states);
                 Ok(g)
@@ -173,14 +300,21 @@ impl Trainer {
     pub fn step(&mut self, batch: &Batch, cursor: TrainCursor) -> Result<StepMetrics, TrainError> {
         let started = Instant::now();
         let step = self.progress.step + 1;
-        B::seed(&self.device, step_seed(self.settings.seed, step));
+        let mut g = self.gradients(batch)?;
+        let mut tokens = batch.valid.iter().filter(|&&v| v).count() as u64;
+        if let Some(c) = &self.collective {
+            let (summed, extra) = g.all_reduce(self.model(), &[tokens as f32], c)?;
+            (g, tokens) = (summed, extra[0] as u64);
+        }
         let StepGradients {
             mut grads,
-            ce,
-            commitment,
+            ce_sum,
+            commitment_sum,
             stats,
             ..
-        } = self.gradients(batch)?;
+        } = g;
+        let n = self.total_shards() as f64;
+        let (ce, commitment) = (ce_sum as f64 / n, commitment_sum as f64 / n);
         let t = &self.settings;
         let loss = ce + t.commit_weight * commitment;
         if !loss.is_finite() {
@@ -199,7 +333,6 @@ impl Trainer {
         let model = self.optim.step(lr, model, grads);
         self.model = Some(model.update_codebooks(&stats, t.codebook_decay));
 
-        let tokens = batch.valid.iter().filter(|&&v| v).count() as u64;
         self.progress.step = step;
         self.progress.cursor = cursor;
         self.progress.tokens += tokens;
@@ -225,14 +358,21 @@ impl Trainer {
 
     /// Writes a checkpoint of the current step into `run_dir` (atomically),
     /// then deletes all but the `train.keep_checkpoints` newest and the best.
+    /// Over several nodes every node calls it: node 0 gathers the carried
+    /// states of every shard and writes; the others only send theirs.
     pub fn save(&mut self, run_dir: &Path) -> Result<PathBuf, TrainError> {
-        let dir = checkpoint::save(
-            run_dir,
-            self.model(),
-            &self.optim,
-            &self.states,
-            &self.progress,
-        )?;
+        let states = match &self.collective {
+            None => self.states.clone(),
+            Some(c) => match gather_states(c, &self.states, &self.device)? {
+                Some(all) => all,
+                None => {
+                    let dir = checkpoint::checkpoint_dir(run_dir, self.progress.step);
+                    self.last_checkpoint = Some(dir.clone());
+                    return Ok(dir);
+                }
+            },
+        };
+        let dir = checkpoint::save(run_dir, self.model(), &self.optim, &states, &self.progress)?;
         checkpoint::prune(
             run_dir,
             self.settings.keep_checkpoints,
@@ -241,6 +381,69 @@ impl Trainer {
         self.last_checkpoint = Some(dir.clone());
         Ok(dir)
     }
+}
+
+/// A hash of every weight's bits, in module order.
+fn weights_hash(model: &Model) -> u64 {
+    use burn::module::{ModuleVisitor, Param};
+    struct Hash(Vec<u8>);
+    impl ModuleVisitor<B> for Hash {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            let values: Vec<f32> = p.val().into_data().convert::<f32>().to_vec().expect("f32");
+            let h = tvq_data::hash::fnv1a(
+                &values
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect::<Vec<_>>(),
+            );
+            self.0.extend(h.to_le_bytes());
+        }
+    }
+    let mut h = Hash(vec![]);
+    model.visit(&mut h);
+    tvq_data::hash::fnv1a(&h.0)
+}
+
+/// Sends this node's carried `states` to node 0, which gets every node's,
+/// in shard order (`None` on the other nodes). The states travel as their
+/// checkpoint bytes, two bytes to an `f32` (exact in a sum with zeros).
+fn gather_states(
+    c: &Collective,
+    states: &[ModelState<B>],
+    device: &DispatchDevice,
+) -> Result<Option<Vec<ModelState<B>>>, TrainError> {
+    let (rank, nodes) = (c.rank(), c.nodes());
+    let here = Path::new("(carried states)");
+    let bytes = checkpoint::states_to_bytes(here, states)?;
+    let mut lens = vec![0f32; nodes * 2];
+    lens[rank * 2] = (bytes.len() >> 24) as f32;
+    lens[rank * 2 + 1] = (bytes.len() & 0xFF_FFFF) as f32;
+    let lens = c.all_reduce_sum(lens, "gathering the carried states")?;
+    let lens: Vec<usize> = lens
+        .chunks(2)
+        .map(|l| ((l[0] as usize) << 24) | l[1] as usize)
+        .collect();
+    let width = lens.iter().max().copied().unwrap_or(0).div_ceil(2);
+    let mut mine = vec![0f32; nodes * width];
+    for (i, pair) in bytes.chunks(2).enumerate() {
+        let lo = pair[0] as u32;
+        let hi = pair.get(1).copied().unwrap_or(0) as u32;
+        mine[rank * width + i] = (lo | (hi << 8)) as f32;
+    }
+    let all = c.all_reduce_sum(mine, "gathering the carried states")?;
+    if rank != 0 {
+        return Ok(None);
+    }
+    let mut gathered = vec![];
+    for (r, len) in lens.iter().enumerate() {
+        let node_bytes: Vec<u8> = all[r * width..(r + 1) * width]
+            .iter()
+            .flat_map(|&v| (v as u32 as u16).to_le_bytes())
+            .take(*len)
+            .collect();
+        gathered.extend(checkpoint::states_from_bytes(here, &node_bytes, device)?);
+    }
+    Ok(Some(gathered))
 }
 
 #[cfg(test)]

@@ -1,0 +1,457 @@
+//! The one seam between tvq and the collective engine that joins the
+//! processes of a data-parallel run (burn 0.21's `burn-collective`).
+//!
+//! Everything tvq needs from the engine is three verbs: join the run,
+//! sum a vector of `f32` over every node, leave. The vector is plain host
+//! memory, so moving to another engine (burn's successor API, NCCL, MPI)
+//! touches this file only.
+//!
+//! burn-collective's model: a global orchestrator (a websocket server)
+//! introduces the nodes to each other; each node serves its tensors on a
+//! data port and the sums travel peer to peer (a ring). Node 0 hosts the
+//! orchestrator at the coordinator address. The engine has no timeouts of
+//! its own, so every call here waits at most [`ClusterSpec::timeout`]; a
+//! node that died or never came makes the others fail with
+//! [`TrainError::Peer`] instead of hanging.
+
+use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use burn::prelude::*;
+use burn::tensor::TensorPrimitive;
+use burn::{Dispatch, DispatchDevice};
+use burn_collective::{CollectiveConfig, PeerId, ReduceOperation};
+
+use crate::error::TrainError;
+
+/// Where this process stands in a run over several processes (nodes).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterSpec {
+    /// Number of nodes (processes) in the run.
+    pub nodes: usize,
+    /// This node's rank, `0..nodes`. Node 0 hosts the coordinator and is
+    /// the only one that writes checkpoints, metrics and plots.
+    pub rank: usize,
+    /// `HOST:PORT` of the coordinator, the same on every node (it uses
+    /// `PORT` and `PORT + 1`).
+    pub coordinator: String,
+    /// Host (name or IP) under which the other nodes reach this one;
+    /// `None`: the local address of the route to the coordinator.
+    pub host: Option<String>,
+    /// First of the two ports of this node's tensor service; `None`:
+    /// coordinator port + 2 + 2 x rank.
+    pub data_port: Option<u16>,
+    /// How long any collective call may wait for the other nodes.
+    pub timeout: Duration,
+}
+
+impl ClusterSpec {
+    /// Checks what can be checked without the network: the rank, the
+    /// coordinator address, and (on this node) that the ports are free.
+    fn validate(&self) -> Result<(String, u16), TrainError> {
+        let bad = |key: &str, reason: String| TrainError::Config {
+            key: key.into(),
+            reason,
+        };
+        if self.nodes < 2 {
+            return Err(bad(
+                "--nodes",
+                format!(
+                    "is {}; a run over several processes needs at least 2",
+                    self.nodes
+                ),
+            ));
+        }
+        if self.rank >= self.nodes {
+            return Err(bad(
+                "--node-rank",
+                format!(
+                    "is {} but ranks go from 0 to {} with --nodes {}",
+                    self.rank,
+                    self.nodes - 1,
+                    self.nodes
+                ),
+            ));
+        }
+        let (host, port) = self
+            .coordinator
+            .rsplit_once(':')
+            .and_then(|(h, p)| Some((h.to_string(), p.parse::<u16>().ok()?)))
+            .filter(|(h, p)| !h.is_empty() && *p > 0)
+            .ok_or_else(|| {
+                bad(
+                    "--coordinator",
+                    format!("`{}` is not HOST:PORT", self.coordinator),
+                )
+            })?;
+        Ok((host, port))
+    }
+
+    fn data_port(&self, coordinator_port: u16) -> Result<u16, TrainError> {
+        match self.data_port {
+            Some(p) => Ok(p),
+            None => u16::try_from(coordinator_port as usize + 2 + 2 * self.rank).map_err(|_| {
+                TrainError::Config {
+                    key: "--data-port".into(),
+                    reason: "coordinator port + 2 + 2 x rank is past 65535: give the port".into(),
+                }
+            }),
+        }
+    }
+}
+
+/// Fails with a clear error when `port` cannot be bound on this machine.
+fn check_port_free(port: u16, what: &str, flag: &str) -> Result<(), TrainError> {
+    TcpListener::bind(("0.0.0.0", port))
+        .map(drop)
+        .map_err(|e| TrainError::Config {
+            key: flag.into(),
+            reason: format!("port {port} ({what}) cannot be opened on this machine: {e}"),
+        })
+}
+
+/// The address of this machine on the route to `host:port` (no packet is sent).
+fn local_address_towards(host: &str, port: u16) -> Option<String> {
+    let target = (host, port).to_socket_addrs().ok()?.next()?;
+    let socket = UdpSocket::bind(if target.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    })
+    .ok()?;
+    socket.connect(target).ok()?;
+    Some(socket.local_addr().ok()?.ip().to_string())
+}
+
+/// Membership of a data-parallel run: while it lives, this process is a
+/// peer of the collective.
+///
+/// burn-collective 0.21 hangs on the second global all-reduce of a
+/// session: its end-of-reduction barrier (`SyncService::sync`) clears a
+/// copy of its list of arrived nodes instead of the list, so the second
+/// barrier never completes. Each sum therefore runs in a session of its
+/// own (register, all-reduce, finish). Sessions alternate between two
+/// coordinators and two data ports per node: a node that has finished
+/// session `k` registers `k + 1` at the other coordinator while slower
+/// nodes may still be finishing `k`, and by the time session `k + 2`
+/// reuses the first coordinator and ports, registering `k + 1` has made
+/// every node finish `k` (registration waits for all nodes).
+pub struct Collective {
+    spec: ClusterSpec,
+    peer: PeerId,
+    /// The plain device the summed vectors live on during the reduction.
+    device: DispatchDevice,
+    /// The two session configs, used in turn.
+    sessions: [CollectiveConfig; 2],
+    /// This node's two tensor-service ports, used in turn.
+    own_ports: [u16; 2],
+    /// Every node's two tensor-service addresses (`2 * rank + session`),
+    /// once met.
+    data_ports: Vec<SocketAddrV4>,
+    /// Sums done so far.
+    calls: std::cell::Cell<u64>,
+}
+
+/// The backend the collective runs on: the plain (non-autodiff) one.
+type Engine = Dispatch;
+
+impl Collective {
+    /// Joins the run: node 0 starts the coordinator. The nodes meet at the
+    /// first sum ([`Self::all_reduce_sum`]), which waits at most the timeout.
+    pub fn join(spec: &ClusterSpec, device: &DispatchDevice) -> Result<Self, TrainError> {
+        let (host, port) = spec.validate()?;
+        let data_port = spec.data_port(port)?;
+        let coordinator_ports = [
+            port,
+            port.checked_add(1).ok_or_else(|| TrainError::Config {
+                key: "--coordinator".into(),
+                reason: "the port must be below 65535 (the coordinator uses it and the next one)"
+                    .into(),
+            })?,
+        ];
+        let data_ports = [
+            data_port,
+            data_port.checked_add(1).ok_or_else(|| TrainError::Config {
+                key: "--data-port".into(),
+                reason: "the port must be below 65535 (a node uses it and the next one)".into(),
+            })?,
+        ];
+        for p in data_ports {
+            check_port_free(p, "this node's tensor service", "--data-port")?;
+        }
+        if spec.rank == 0 {
+            for p in coordinator_ports {
+                check_port_free(p, "the coordinator", "--coordinator")?;
+                start_coordinator(p)?;
+            }
+        }
+        let node_host = match &spec.host {
+            Some(h) => h.clone(),
+            None => local_address_towards(&host, port).unwrap_or_else(|| "127.0.0.1".into()),
+        };
+        let parse = |s: String| s.parse().expect("any string is an address");
+        let session = |i: usize| {
+            CollectiveConfig::default()
+                .with_num_devices(1)
+                .with_num_nodes(spec.nodes as u32)
+                .with_global_address(parse(format!("ws://{host}:{}", coordinator_ports[i])))
+                .with_node_address(parse(format!("ws://{node_host}:{}", data_ports[i])))
+                .with_data_service_port(data_ports[i])
+        };
+        let mut this = Self {
+            spec: spec.clone(),
+            peer: PeerId(spec.rank as u32),
+            device: device.clone(),
+            sessions: [session(0), session(1)],
+            own_ports: data_ports,
+            data_ports: vec![],
+            calls: std::cell::Cell::new(0),
+        };
+        this.data_ports = this.meet(&node_host, data_ports)?;
+        Ok(this)
+    }
+
+    /// The first sum: every node learns where the others serve their
+    /// tensors (IPv4 address and both ports), so that later sessions can
+    /// wait for them ([`await_listening`]). In this first session the
+    /// engine's race is covered by a grace period instead.
+    fn meet(&self, node_host: &str, ports: [u16; 2]) -> Result<Vec<SocketAddrV4>, TrainError> {
+        const WIDTH: usize = 6;
+        let (rank, nodes) = (self.spec.rank, self.spec.nodes);
+        let ip = (node_host, ports[0])
+            .to_socket_addrs()
+            .ok()
+            .and_then(|mut a| {
+                a.find_map(|a| match a.ip() {
+                    std::net::IpAddr::V4(v4) => Some(v4),
+                    std::net::IpAddr::V6(_) => None,
+                })
+            })
+            .unwrap_or(Ipv4Addr::LOCALHOST);
+        let mut mine = vec![0f32; WIDTH * nodes];
+        for (i, octet) in ip.octets().iter().enumerate() {
+            mine[rank * WIDTH + i] = *octet as f32;
+        }
+        mine[rank * WIDTH + 4] = ports[0] as f32;
+        mine[rank * WIDTH + 5] = ports[1] as f32;
+        let all = self.sum(mine, "joining the run", &[])?;
+        Ok(all
+            .chunks(WIDTH)
+            .flat_map(|a| {
+                let ip = Ipv4Addr::new(a[0] as u8, a[1] as u8, a[2] as u8, a[3] as u8);
+                [
+                    SocketAddrV4::new(ip, a[4] as u16),
+                    SocketAddrV4::new(ip, a[5] as u16),
+                ]
+            })
+            .collect())
+    }
+
+    /// This node's rank.
+    pub fn rank(&self) -> usize {
+        self.spec.rank
+    }
+
+    /// Number of nodes.
+    pub fn nodes(&self) -> usize {
+        self.spec.nodes
+    }
+
+    /// The element-wise sum of `values` over every node (each node passes
+    /// a vector of the same length). `what` names the step in errors.
+    pub fn all_reduce_sum(&self, values: Vec<f32>, what: &str) -> Result<Vec<f32>, TrainError> {
+        let session = (self.calls.get() % 2) as usize;
+        let peers: Vec<SocketAddrV4> = self
+            .data_ports
+            .iter()
+            .skip(session)
+            .step_by(2)
+            .copied()
+            .collect();
+        self.sum(values, what, &peers)
+    }
+
+    /// One session of the engine: register, wait for the `peers`' tensor
+    /// services (none known: a grace period), sum, finish.
+    fn sum(
+        &self,
+        values: Vec<f32>,
+        what: &str,
+        peers: &[SocketAddrV4],
+    ) -> Result<Vec<f32>, TrainError> {
+        let n = values.len();
+        if n == 0 {
+            return Ok(values);
+        }
+        // The ring cuts the vector into one piece per node.
+        let mut values = values;
+        values.resize(n.max(self.spec.nodes), 0.0);
+        let len = values.len();
+        let tensor = Tensor::<Engine, 1>::from_data(TensorData::new(values, [len]), &self.device);
+        let primitive = tensor.into_primitive().tensor();
+        let (peer, device) = (self.peer, self.device.clone());
+        let call = self.calls.get();
+        self.calls.set(call + 1);
+        let config = self.sessions[(call % 2) as usize].clone();
+        let (peers, deadline) = (peers.to_vec(), Instant::now() + self.spec.timeout);
+        let own_port = self.own_ports[(call % 2) as usize];
+        let summed = self.within_timeout(what, move || {
+            await_free(own_port, deadline);
+            burn_collective::register::<Engine>(peer, device, config)?;
+            await_listening(&peers, deadline);
+            let sum = burn_collective::all_reduce::<Engine>(peer, primitive, ReduceOperation::Sum);
+            burn_collective::finish_collective::<Engine>(peer)?;
+            sum
+        })?;
+        let summed = Tensor::<Engine, 1>::from_primitive(TensorPrimitive::Float(summed));
+        let mut summed = summed
+            .into_data()
+            .to_vec::<f32>()
+            .map_err(|e| TrainError::Peer(format!("{what}: unreadable sum: {e:?}")))?;
+        summed.truncate(n);
+        Ok(summed)
+    }
+
+    /// Runs a blocking call of the engine on its own thread and waits for
+    /// it at most the timeout. On a timeout the call is abandoned (its
+    /// thread stays blocked until the process exits, which the error leads to).
+    fn within_timeout<T: Send + 'static>(
+        &self,
+        what: &str,
+        call: impl FnOnce() -> Result<T, burn_collective::CollectiveError> + Send + 'static,
+    ) -> Result<T, TrainError> {
+        let (tx, rx) = mpsc::channel();
+        std::thread::Builder::new()
+            .name(ENGINE_THREAD.into())
+            .spawn(move || {
+                let _ = tx.send(call());
+            })
+            .map_err(|e| TrainError::Peer(format!("cannot start a collective call: {e}")))?;
+        let s = &self.spec;
+        let lost = |how: String| {
+            TrainError::Peer(format!(
+                "node {}: lost {} while {what}: {how} (restart every node with --resume \
+                 to continue from the last checkpoint)",
+                s.rank,
+                other_nodes(s.nodes, s.rank),
+            ))
+        };
+        match rx.recv_timeout(s.timeout) {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(lost(format!("the collective failed ({e:?})"))),
+            Err(RecvTimeoutError::Timeout) => Err(lost(format!(
+                "no answer within {} s; it died, hangs or never started",
+                s.timeout.as_secs_f64()
+            ))),
+            // The engine panics when a peer's connection drops.
+            Err(RecvTimeoutError::Disconnected) => Err(lost("its connection closed".into())),
+        }
+    }
+}
+
+/// Name of the threads that wait in the collective engine (a panic there
+/// is the engine's, reported by [`Collective`] as an error).
+pub const ENGINE_THREAD: &str = "tvq-collective";
+
+/// Waits until every node's tensor service of this session accepts
+/// connections (until `deadline`). The engine starts a node's service when
+/// it registers but does not wait for it, and a peer that connects too
+/// early fails the whole reduction (the engine does not retry). With no
+/// addresses known yet, waits a grace period.
+fn await_listening(peers: &[SocketAddrV4], deadline: Instant) {
+    if peers.is_empty() {
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    for peer in peers {
+        while TcpStream::connect_timeout(&(*peer).into(), Duration::from_secs(1)).is_err()
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// Waits until `port` can be bound (until `deadline`): the engine's
+/// service of the session before last may still be shutting down there,
+/// and the new one would then fail to start, silently.
+fn await_free(port: u16, deadline: Instant) {
+    while TcpListener::bind(("0.0.0.0", port)).is_err() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Serves burn-collective's coordinator (orchestrator) on `port`, on a
+/// thread of its own until the process ends.
+fn start_coordinator(port: u16) -> Result<(), TrainError> {
+    std::thread::Builder::new()
+        .name(format!("tvq-coordinator-{port}"))
+        .spawn(move || {
+            match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt.block_on(burn_collective::start_global_orchestrator(port)),
+                Err(e) => tracing::error!("cannot start the coordinator: {e}"),
+            }
+        })
+        .map(drop)
+        .map_err(|e| TrainError::Peer(format!("cannot start the coordinator thread: {e}")))
+}
+
+/// "node 1" or "node 0, 2 or 3": who a node waits for.
+fn other_nodes(nodes: usize, rank: usize) -> String {
+    let others: Vec<String> = (0..nodes)
+        .filter(|&r| r != rank)
+        .map(|r| r.to_string())
+        .collect();
+    match others.as_slice() {
+        [one] => format!("node {one}"),
+        [init @ .., last] => format!("node {} or {last}", init.join(", ")),
+        [] => "no other node".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(nodes: usize, rank: usize, coordinator: &str) -> ClusterSpec {
+        ClusterSpec {
+            nodes,
+            rank,
+            coordinator: coordinator.into(),
+            host: None,
+            data_port: None,
+            timeout: Duration::from_secs(1),
+        }
+    }
+
+    #[test]
+    fn bad_specs_are_refused_before_the_network() {
+        let err = |s: ClusterSpec| s.validate().unwrap_err().to_string();
+        assert!(err(spec(2, 2, "127.0.0.1:5000")).contains("--node-rank"));
+        assert!(err(spec(1, 0, "127.0.0.1:5000")).contains("--nodes"));
+        assert!(err(spec(2, 0, "127.0.0.1")).contains("HOST:PORT"));
+        assert!(err(spec(2, 0, ":5000")).contains("HOST:PORT"));
+        assert_eq!(
+            spec(2, 1, "host:5000").validate().unwrap(),
+            ("host".into(), 5000)
+        );
+        assert_eq!(spec(2, 1, "host:5000").data_port(5000).unwrap(), 5004);
+    }
+
+    #[test]
+    fn a_port_in_use_is_named() {
+        let taken = TcpListener::bind("0.0.0.0:0").unwrap();
+        let port = taken.local_addr().unwrap().port();
+        let e = check_port_free(port, "the coordinator", "--coordinator").unwrap_err();
+        assert!(e.to_string().contains(&format!("port {port}")), "{e}");
+    }
+
+    #[test]
+    fn errors_name_the_nodes_waited_for() {
+        assert_eq!(other_nodes(2, 0), "node 1");
+        assert_eq!(other_nodes(4, 2), "node 0, 1 or 3");
+    }
+}
