@@ -294,7 +294,8 @@ impl Collective {
         let call = self.calls.get();
         self.calls.set(call + 1);
         let config = self.sessions[(call % 2) as usize].clone();
-        let (peers, deadline) = (peers.to_vec(), Instant::now() + self.spec.timeout);
+        let started = Instant::now();
+        let (peers, deadline) = (peers.to_vec(), started + self.spec.timeout);
         let own_port = self.own_ports[(call % 2) as usize];
         let summed = self.within_timeout(what, move || {
             await_free(own_port, deadline);
@@ -310,6 +311,11 @@ impl Collective {
             .to_vec::<f32>()
             .map_err(|e| TrainError::Peer(format!("{what}: unreadable sum: {e:?}")))?;
         summed.truncate(n);
+        tracing::debug!(
+            bytes = 4 * len,
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "collective sum: {what}"
+        );
         Ok(summed)
     }
 

@@ -40,6 +40,9 @@ pub struct StepMetrics {
     pub tokens_per_s: f64,
     /// Training tokens so far.
     pub tokens: u64,
+    /// The run was asked to stop (on any node) and stops after this step.
+    #[serde(skip)]
+    pub stop: bool,
 }
 
 impl StepMetrics {

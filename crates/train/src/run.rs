@@ -100,9 +100,11 @@ pub fn train(
         evaluate(&trainer.inference_model(), &valid_split, &cfg.eval, &opts)
     };
 
-    while trainer.progress().step < total
-        && !trainer.agree_to_stop(opts.interrupt.load(Ordering::SeqCst))?
-    {
+    // Alone, an interrupt stops before the next step; over several nodes it
+    // travels with the next step's sum, so that every node stops after it.
+    trainer.watch_interrupt(opts.interrupt.clone());
+    let alone = opts.cluster.is_none();
+    while trainer.progress().step < total && !(alone && opts.interrupt.load(Ordering::SeqCst)) {
         let batch = loader.next().expect("training batches never end");
         let m = trainer.step(&batch, loader.cursor())?;
         if let Some(log) = &mut log {
@@ -110,6 +112,9 @@ pub fn train(
         }
         bar.set_position(m.step);
         bar.set_message(m.summary());
+        if m.stop {
+            break;
+        }
         // Every node validates (the nodes stay in step; it is cheap next to
         // waiting), node 0 records it.
         if cfg.eval.every > 0 && m.step.is_multiple_of(cfg.eval.every) {
@@ -128,6 +133,21 @@ pub fn train(
     let (step, interrupted) = (trainer.progress().step, trainer.progress().step < total);
     let checkpoint = match trainer.last_checkpoint() {
         Some(c) if !interrupted => c.to_path_buf(),
+        // burn-collective's coordinator stops on Ctrl-C itself, so the
+        // nodes cannot gather their states for a checkpoint any more.
+        Some(c) if !alone => {
+            tracing::warn!(
+                "interrupted at step {step}; over several nodes no checkpoint is written at an interrupt: \
+                 --resume continues from {}",
+                c.display()
+            );
+            c.to_path_buf()
+        }
+        None if !alone => {
+            return Err(TrainError::Peer(format!(
+                "interrupted at step {step}, before the first checkpoint: nothing to resume from"
+            )));
+        }
         _ => trainer.save(&opts.run_dir)?,
     };
     trainer.leave();

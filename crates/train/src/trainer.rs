@@ -15,6 +15,8 @@
 //! batch's on every node, so every node takes the same step.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use burn::DispatchDevice;
@@ -62,6 +64,8 @@ pub struct Trainer {
     nodes: usize,
     /// The other nodes, once joined.
     collective: Option<Collective>,
+    /// Set to ask the run to stop ([`Self::watch_interrupt`]).
+    interrupt: Option<Arc<AtomicBool>>,
 }
 
 impl Trainer {
@@ -91,6 +95,7 @@ impl Trainer {
             rank: 0,
             nodes: 1,
             collective: None,
+            interrupt: None,
         })
     }
 
@@ -211,15 +216,17 @@ impl Trainer {
         Ok(())
     }
 
-    /// Whether the run should stop now: `requested` here or on any node.
-    pub fn agree_to_stop(&self, requested: bool) -> Result<bool, TrainError> {
-        match &self.collective {
-            None => Ok(requested),
-            Some(c) => {
-                let votes = c.all_reduce_sum(vec![requested as u8 as f32], "agreeing to stop")?;
-                Ok(votes[0] > 0.0)
-            }
-        }
+    /// Makes every step report [`StepMetrics::stop`] once `flag` is set
+    /// (on this node or, in a run over several, on any node: the request
+    /// travels with the step's sum, so all nodes stop after the same step).
+    pub fn watch_interrupt(&mut self, flag: Arc<AtomicBool>) {
+        self.interrupt = Some(flag);
+    }
+
+    fn interrupted(&self) -> bool {
+        self.interrupt
+            .as_ref()
+            .is_some_and(|f| f.load(Ordering::SeqCst))
     }
 
     /// Leaves the other nodes (a no-op alone).
@@ -302,9 +309,11 @@ impl Trainer {
         let step = self.progress.step + 1;
         let mut g = self.gradients(batch)?;
         let mut tokens = batch.valid.iter().filter(|&&v| v).count() as u64;
+        let mut stop = false;
         if let Some(c) = &self.collective {
-            let (summed, extra) = g.all_reduce(self.model(), &[tokens as f32], c)?;
-            (g, tokens) = (summed, extra[0] as u64);
+            let local = [tokens as f32, self.interrupted() as u8 as f32];
+            let (summed, extra) = g.all_reduce(self.model(), &local, c)?;
+            (g, tokens, stop) = (summed, extra[0] as u64, extra[1] > 0.0);
         }
         let StepGradients {
             mut grads,
@@ -353,6 +362,7 @@ impl Trainer {
             quantization_error: mean(codebooks.iter().map(|c| c.relative_error)),
             tokens_per_s: tokens as f64 / started.elapsed().as_secs_f64(),
             tokens: self.progress.tokens,
+            stop: stop || (self.collective.is_none() && self.interrupted()),
         })
     }
 
