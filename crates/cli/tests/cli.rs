@@ -881,17 +881,53 @@ fn bench_times_the_training_step_of_the_configured_model() {
 
 /// A port `p` such that `p..p + n` are free now, below the range the
 /// system hands out to outgoing connections (which could take them later).
+/// Each call (tests run in parallel) starts past the ports handed out before.
 fn free_ports(n: u16) -> u16 {
-    let mut p = 20_000 + (std::process::id() % 5_000) as u16 * 2;
+    use std::sync::atomic::{AtomicU16, Ordering};
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let base = 20_000 + (std::process::id() % 2_000) as u16 * 4;
     loop {
+        let p = base + NEXT.fetch_add(n, Ordering::SeqCst) % 10_000;
         let held: Vec<_> = (p..p + n)
             .map_while(|q| std::net::TcpListener::bind(("0.0.0.0", q)).ok())
             .collect();
         if held.len() == n as usize {
             return p;
         }
-        p = if p > 30_000 { 20_000 } else { p + n };
     }
+}
+
+/// Node `rank` of a 2-node `tvq train --quiet` on `config` into `run`,
+/// with `extra` arguments; stdout and stderr piped.
+fn spawn_node(
+    config: &str,
+    run: &Path,
+    coordinator: &str,
+    rank: usize,
+    extra: &[String],
+) -> std::process::Child {
+    let rank = rank.to_string();
+    let args = [
+        "train",
+        "--config",
+        config,
+        "--run-dir",
+        run.to_str().unwrap(),
+        "--quiet",
+        "--nodes",
+        "2",
+        "--node-rank",
+        &rank,
+        "--coordinator",
+        coordinator,
+    ];
+    Command::new(TVQ)
+        .args(args)
+        .args(extra)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
 }
 
 #[test]
@@ -934,33 +970,13 @@ fn two_processes_train_like_one_and_resume_after_one_dies() {
     let port = free_ports(6);
     let coordinator = format!("127.0.0.1:{port}");
     let nodes = dir.path().join("nodes");
-    let node = |rank: usize, resume: bool| -> std::process::Child {
-        let mut args = [
-            "train",
-            "--config",
-            config,
-            "--run-dir",
-            nodes.to_str().unwrap(),
-            "--quiet",
-            "--nodes",
-            "2",
-            "--coordinator",
-            &coordinator,
-            "--peer-timeout",
-            "5",
-        ]
-        .map(String::from)
-        .to_vec();
-        args.extend(["--node-rank".into(), rank.to_string()]);
+    let node = |rank: usize, resume: bool| {
+        let mut extra = vec!["--peer-timeout", "5"];
         if resume {
-            args.push("--resume".into());
+            extra.push("--resume");
         }
-        Command::new(TVQ)
-            .args(with_sets(args, &sets))
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap()
+        let args = with_sets(extra.iter().map(|s| s.to_string()).collect(), &sets);
+        spawn_node(config, &nodes, &coordinator, rank, &args)
     };
     let mut writer = node(0, false);
     let mut other = node(1, false);
@@ -1049,4 +1065,47 @@ fn two_processes_train_like_one_and_resume_after_one_dies() {
     );
     more.push("--reshard".into());
     ok(&more.iter().map(String::as_str).collect::<Vec<_>>());
+}
+
+#[test]
+fn ctrl_c_on_node_0_stops_both_nodes_after_one_step_with_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 100_000, 100_000);
+    let config = config.to_str().unwrap();
+    let run = dir.path().join("run");
+    let coordinator = format!("127.0.0.1:{}", free_ports(6));
+    let extra = ["--set", "train.micro_batches=1"].map(String::from);
+    let writer = spawn_node(config, &run, &coordinator, 0, &extra);
+    let other = spawn_node(config, &run, &coordinator, 1, &extra);
+    let start = Instant::now();
+    while std::fs::read_to_string(run.join("metrics.jsonl")).map_or(0, |m| m.lines().count()) < 3 {
+        assert!(
+            start.elapsed() < Duration::from_secs(300),
+            "training did not start"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let status = Command::new("kill")
+        .args(["-INT", &writer.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    for (rank, child) in [(0, writer), (1, other)] {
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "node {rank} exits cleanly: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("--resume"),
+            "node {rank} says how to continue"
+        );
+    }
+    let steps = losses(&run).len() as u64;
+    let checkpoint = run.join(format!("checkpoints/step-{steps:08}/manifest.json"));
+    assert!(
+        checkpoint.exists(),
+        "a checkpoint at the last finished step ({steps})"
+    );
 }

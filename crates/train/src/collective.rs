@@ -183,8 +183,12 @@ impl Collective {
         if spec.rank == 0 {
             for p in coordinator_ports {
                 check_port_free(p, "the coordinator", "--coordinator")?;
-                start_coordinator(p)?;
             }
+            keeping_signal_handlers(|| {
+                coordinator_ports
+                    .into_iter()
+                    .try_for_each(start_coordinator)
+            })?;
         }
         let node_host = match &spec.host {
             Some(h) => h.clone(),
@@ -403,6 +407,45 @@ fn start_coordinator(port: u16) -> Result<(), TrainError> {
         })
         .map(drop)
         .map_err(|e| TrainError::Peer(format!("cannot start the coordinator thread: {e}")))
+}
+
+/// Runs `start` (which starts the coordinators), then gives SIGINT and
+/// SIGTERM back the handlers they had before. The coordinator installs its
+/// own, to shut down on Ctrl-C; it would then be gone before the nodes,
+/// which stop after the step that carries the interrupt, could gather
+/// their states for the last checkpoint. Waits (at most 2 s) for the
+/// coordinator to install them, so as to undo it.
+#[cfg(unix)]
+fn keeping_signal_handlers<T>(start: impl FnOnce() -> T) -> T {
+    const SIGNALS: [libc::c_int; 2] = [libc::SIGINT, libc::SIGTERM];
+    // SAFETY: `sigaction` reads into and restores from plain structs owned
+    // here; a zeroed `sigaction` is a valid value to be written into.
+    let current = |sig| unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(sig, std::ptr::null(), &mut action);
+        action
+    };
+    let before = SIGNALS.map(current);
+    let out = start();
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while SIGNALS
+        .iter()
+        .zip(&before)
+        .any(|(&sig, b)| current(sig).sa_sigaction == b.sa_sigaction)
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    for (sig, action) in SIGNALS.iter().zip(&before) {
+        // SAFETY: restores an action read above.
+        unsafe { libc::sigaction(*sig, action, std::ptr::null_mut()) };
+    }
+    out
+}
+
+#[cfg(not(unix))]
+fn keeping_signal_handlers<T>(start: impl FnOnce() -> T) -> T {
+    start()
 }
 
 /// "node 1" or "node 0, 2 or 3": who a node waits for.

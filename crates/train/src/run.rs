@@ -133,21 +133,6 @@ pub fn train(
     let (step, interrupted) = (trainer.progress().step, trainer.progress().step < total);
     let checkpoint = match trainer.last_checkpoint() {
         Some(c) if !interrupted => c.to_path_buf(),
-        // burn-collective's coordinator stops on Ctrl-C itself, so the
-        // nodes cannot gather their states for a checkpoint any more.
-        Some(c) if !alone => {
-            tracing::warn!(
-                "interrupted at step {step}; over several nodes no checkpoint is written at an interrupt: \
-                 --resume continues from {}",
-                c.display()
-            );
-            c.to_path_buf()
-        }
-        None if !alone => {
-            return Err(TrainError::Peer(format!(
-                "interrupted at step {step}, before the first checkpoint: nothing to resume from"
-            )));
-        }
         _ => trainer.save(&opts.run_dir)?,
     };
     trainer.leave();
