@@ -1109,3 +1109,39 @@ fn ctrl_c_on_node_0_stops_both_nodes_after_one_step_with_a_checkpoint() {
         "a checkpoint at the last finished step ({steps})"
     );
 }
+
+#[test]
+fn nodes_that_never_meet_or_disagree_fail_with_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 4, 4);
+    let config = config.to_str().unwrap();
+    let run = dir.path().join("run");
+    let one_line_error = |child: std::process::Child, needle: &str| {
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "must fail:\n{err}");
+        assert!(!err.contains("panicked at"), "no panic:\n{err}");
+        let errors: Vec<_> = err.lines().filter(|l| l.starts_with("error")).collect();
+        assert_eq!(errors.len(), 1, "one error line:\n{err}");
+        assert!(errors[0].contains(needle), "`{needle}` expected:\n{err}");
+    };
+    let base = ["--set", "train.micro_batches=1", "--peer-timeout", "3"].map(String::from);
+
+    // Node 1 never starts.
+    let coordinator = format!("127.0.0.1:{}", free_ports(6));
+    let started = Instant::now();
+    one_line_error(
+        spawn_node(config, &run, &coordinator, 0, &base),
+        "no answer from node 1 within 3 s",
+    );
+    assert!(started.elapsed() < Duration::from_secs(3 + 10));
+
+    // Node 1 runs another learning rate.
+    let coordinator = format!("127.0.0.1:{}", free_ports(6));
+    let mut other = base.to_vec();
+    other.extend(["--set", "train.lr=1e-3"].map(String::from));
+    let writer = spawn_node(config, &run, &coordinator, 0, &base);
+    let node1 = spawn_node(config, &run, &coordinator, 1, &other);
+    one_line_error(writer, "differ in their config");
+    one_line_error(node1, "differ in their config");
+}

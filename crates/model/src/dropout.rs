@@ -2,8 +2,8 @@
 //!
 //! The backends draw random numbers from one global generator. Drawing every
 //! mask of a pass up front, in a fixed order, lets several passes run at
-//! once on worker threads and still get the masks one thread would draw:
-//! only the drawing has to take turns, not the passes.
+//! once on worker threads, each with masks from its own seed: only the
+//! seeding and drawing have to happen one at a time, not the passes.
 
 use burn::prelude::*;
 use burn::tensor::Distribution;

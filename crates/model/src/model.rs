@@ -130,9 +130,9 @@ impl<B: Backend> TransformerVq<B> {
     }
 
     /// Whether a training-mode forward pass draws random numbers (any
-    /// dropout active). Concurrent passes must draw their masks
-    /// ([`Self::dropout_masks`]) in turn to be reproducible: the backends
-    /// draw from one global generator.
+    /// dropout active). Concurrent passes must seed the generator and draw
+    /// their masks ([`Self::dropout_masks`]) one at a time to be
+    /// reproducible: the backends draw from one global generator.
     pub fn uses_dropout(&self) -> bool {
         self.sublayers.iter().any(|g| {
             let p = g.dropout_probs(self.layer_drop);

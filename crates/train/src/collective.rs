@@ -1,10 +1,10 @@
 //! The one seam between tvq and the collective engine that joins the
 //! processes of a data-parallel run (burn 0.21's `burn-collective`).
 //!
-//! Everything tvq needs from the engine is three verbs: join the run,
-//! sum a vector of `f32` over every node, leave. The vector is plain host
-//! memory, so moving to another engine (burn's successor API, NCCL, MPI)
-//! touches this file only.
+//! Everything tvq needs from the engine is two verbs: join the run, and
+//! sum a vector of `f32` over every node. The vector is plain host memory,
+//! so moving to another engine (burn's successor API, NCCL, MPI) touches
+//! this file only.
 //!
 //! burn-collective's model: a global orchestrator (a websocket server)
 //! introduces the nodes to each other; each node serves its tensors on a
@@ -47,8 +47,8 @@ pub struct ClusterSpec {
 }
 
 impl ClusterSpec {
-    /// Checks what can be checked without the network: the rank, the
-    /// coordinator address, and (on this node) that the ports are free.
+    /// Checks what can be checked without the network (the rank and the
+    /// coordinator address) and returns the coordinator's host and port.
     fn validate(&self) -> Result<(String, u16), TrainError> {
         let bad = |key: &str, reason: String| TrainError::Config {
             key: key.into(),
@@ -124,8 +124,7 @@ fn local_address_towards(host: &str, port: u16) -> Option<String> {
     Some(socket.local_addr().ok()?.ip().to_string())
 }
 
-/// Membership of a data-parallel run: while it lives, this process is a
-/// peer of the collective.
+/// This process's membership of a data-parallel run.
 ///
 /// burn-collective 0.21 hangs on the second global all-reduce of a
 /// session: its end-of-reduction barrier (`SyncService::sync`) clears a
@@ -239,7 +238,7 @@ impl Collective {
         }
         mine[rank * WIDTH + 4] = ports[0] as f32;
         mine[rank * WIDTH + 5] = ports[1] as f32;
-        let all = self.sum(mine, "joining the run", &[])?;
+        let all = self.all_reduce_sum(mine, "joining the run")?;
         Ok(all
             .chunks(WIDTH)
             .flat_map(|a| {
@@ -264,26 +263,11 @@ impl Collective {
 
     /// The element-wise sum of `values` over every node (each node passes
     /// a vector of the same length). `what` names the step in errors.
+    ///
+    /// One session of the engine: register, wait until every node's tensor
+    /// service of this session listens (before the nodes have met: a grace
+    /// period), sum, finish.
     pub fn all_reduce_sum(&self, values: Vec<f32>, what: &str) -> Result<Vec<f32>, TrainError> {
-        let session = (self.calls.get() % 2) as usize;
-        let peers: Vec<SocketAddrV4> = self
-            .data_ports
-            .iter()
-            .skip(session)
-            .step_by(2)
-            .copied()
-            .collect();
-        self.sum(values, what, &peers)
-    }
-
-    /// One session of the engine: register, wait for the `peers`' tensor
-    /// services (none known: a grace period), sum, finish.
-    fn sum(
-        &self,
-        values: Vec<f32>,
-        what: &str,
-        peers: &[SocketAddrV4],
-    ) -> Result<Vec<f32>, TrainError> {
         let n = values.len();
         if n == 0 {
             return Ok(values);
@@ -295,12 +279,19 @@ impl Collective {
         let tensor = Tensor::<Engine, 1>::from_data(TensorData::new(values, [len]), &self.device);
         let primitive = tensor.into_primitive().tensor();
         let (peer, device) = (self.peer, self.device.clone());
-        let call = self.calls.get();
-        self.calls.set(call + 1);
-        let config = self.sessions[(call % 2) as usize].clone();
+        let session = (self.calls.get() % 2) as usize;
+        self.calls.set(self.calls.get() + 1);
+        let config = self.sessions[session].clone();
+        let own_port = self.own_ports[session];
+        let peers: Vec<SocketAddrV4> = self
+            .data_ports
+            .iter()
+            .skip(session)
+            .step_by(2)
+            .copied()
+            .collect();
         let started = Instant::now();
-        let (peers, deadline) = (peers.to_vec(), started + self.spec.timeout);
-        let own_port = self.own_ports[(call % 2) as usize];
+        let deadline = started + self.spec.timeout;
         let summed = self.within_timeout(what, move || {
             await_free(own_port, deadline);
             burn_collective::register::<Engine>(peer, device, config)?;
@@ -339,23 +330,24 @@ impl Collective {
             })
             .map_err(|e| TrainError::Peer(format!("cannot start a collective call: {e}")))?;
         let s = &self.spec;
-        let lost = |how: String| {
+        let others = other_nodes(s.nodes, s.rank);
+        let fail = |what_happened: String| {
             TrainError::Peer(format!(
-                "node {}: lost {} while {what}: {how} (restart every node with --resume \
-                 to continue from the last checkpoint)",
-                s.rank,
-                other_nodes(s.nodes, s.rank),
+                "node {}: {what_happened} (restart every node with --resume to continue from the last checkpoint)",
+                s.rank
             ))
         };
         match rx.recv_timeout(s.timeout) {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(lost(format!("the collective failed ({e:?})"))),
-            Err(RecvTimeoutError::Timeout) => Err(lost(format!(
-                "no answer within {} s; it died, hangs or never started",
+            Ok(Err(e)) => Err(fail(format!("the collective failed while {what}: {e:?}"))),
+            Err(RecvTimeoutError::Timeout) => Err(fail(format!(
+                "no answer from {others} within {} s while {what}: it died, hangs, never started or cannot be reached",
                 s.timeout.as_secs_f64()
             ))),
             // The engine panics when a peer's connection drops.
-            Err(RecvTimeoutError::Disconnected) => Err(lost("its connection closed".into())),
+            Err(RecvTimeoutError::Disconnected) => Err(fail(format!(
+                "lost the connection to {others} while {what}: it died or stopped"
+            ))),
         }
     }
 }

@@ -67,8 +67,8 @@ pub struct TrainSection {
     /// Threads that run shards of the batch at once (data parallel over
     /// rows; the CPU backend's elementwise ops use one core per thread).
     /// The batch is cut into `workers x micro_batches` shards of equal rows;
-    /// the result does not depend on the thread timing. With dropout the
-    /// shards draw their masks in turn (the draws must stay in order).
+    /// the result does not depend on the thread timing (with dropout each
+    /// shard draws its masks from its own seed).
     pub workers: usize,
     /// Seed of initialization, data order and dropout.
     pub seed: u64,

@@ -135,7 +135,6 @@ pub fn train(
         Some(c) if !interrupted => c.to_path_buf(),
         _ => trainer.save(&opts.run_dir)?,
     };
-    trainer.leave();
     let validation = if interrupted {
         bar.abandon_with_message("interrupted");
         tracing::info!(

@@ -87,14 +87,12 @@ fn run_shard(
     } = shard.tokens;
     // The backends draw from one generator per device: seeding and drawing
     // happen under one lock, so each shard's masks depend on its seed only.
-    let masks = if model.uses_dropout() {
+    let masks = {
         let _lock = draw.lock().unwrap_or_else(|e| e.into_inner());
-        B::seed(
-            &model.embedding.weight.device(),
-            shard_seed(plan.seed, plan.first + i),
-        );
-        model.dropout_masks(inputs.dims())
-    } else {
+        if model.uses_dropout() {
+            let seed = shard_seed(plan.seed, plan.first + i);
+            B::seed(&model.embedding.weight.device(), seed);
+        }
         model.dropout_masks(inputs.dims())
     };
     let out = model.forward_with_masks(inputs, shard.state, Some(valid.clone()), masks)?;

@@ -229,11 +229,6 @@ impl Trainer {
             .is_some_and(|f| f.load(Ordering::SeqCst))
     }
 
-    /// Leaves the other nodes (a no-op alone).
-    pub fn leave(&mut self) {
-        self.collective = None;
-    }
-
     /// The model being trained.
     pub fn model(&self) -> &Model {
         self.model.as_ref().expect("the model is in place")
