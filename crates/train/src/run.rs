@@ -112,9 +112,6 @@ pub fn train(
         }
         bar.set_position(m.step);
         bar.set_message(m.summary());
-        if m.stop {
-            break;
-        }
         // Every node validates (the nodes stay in step; it is cheap next to
         // waiting), node 0 records it.
         if cfg.eval.every > 0 && m.step.is_multiple_of(cfg.eval.every) {
@@ -128,11 +125,16 @@ pub fn train(
         if m.step.is_multiple_of(cfg.train.checkpoint_every) || m.step == total {
             trainer.save(&opts.run_dir)?;
         }
+        if m.stop {
+            break;
+        }
     }
 
     let (step, interrupted) = (trainer.progress().step, trainer.progress().step < total);
+    // Every node takes the same branch (all save, or none).
+    let current = checkpoint::checkpoint_dir(&opts.run_dir, step);
     let checkpoint = match trainer.last_checkpoint() {
-        Some(c) if !interrupted => c.to_path_buf(),
+        Some(c) if c == current => current,
         _ => trainer.save(&opts.run_dir)?,
     };
     let validation = if interrupted {
