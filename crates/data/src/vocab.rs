@@ -65,7 +65,13 @@ impl Vocab {
     /// Loads a `tokenizer.json`; it must define an end-of-document token
     /// (one of [`EOS_NAMES`]).
     pub fn load_tokenizer(path: &Path) -> Result<Self, DataError> {
-        let bytes = std::fs::read(path).map_err(|e| DataError::io(path, e))?;
+        let bytes = std::fs::read(path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => DataError::BadTokenizer {
+                path: path.to_path_buf(),
+                reason: "no such file (train one with `tvq tokenizer train --corpus ... --out` that path)".into(),
+            },
+            _ => DataError::io(path, e),
+        })?;
         let tokenizer = Tokenizer::from_bytes(&bytes).map_err(|e| DataError::BadTokenizer {
             path: path.to_path_buf(),
             reason: e.to_string(),

@@ -170,3 +170,15 @@ fn invalid_utf8_is_replaced_for_tokenizers_and_kept_for_bytes() {
         tvq_data::vocab::byte_token(0xe9)
     );
 }
+
+#[test]
+fn a_missing_tokenizer_says_how_to_make_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let err = Vocab::load_tokenizer(&dir.path().join("none.json"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("none.json") && err.contains("tvq tokenizer train"),
+        "{err}"
+    );
+}

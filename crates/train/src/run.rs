@@ -139,8 +139,13 @@ pub fn train(
     };
     let validation = if interrupted {
         bar.abandon_with_message("interrupted");
+        let who = if trainer.is_writer() {
+            ""
+        } else {
+            " (by node 0)"
+        };
         tracing::info!(
-            "interrupted: checkpoint written to {}",
+            "interrupted: checkpoint written{who} to {}",
             checkpoint.display()
         );
         None
