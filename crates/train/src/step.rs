@@ -156,18 +156,67 @@ pub fn compute_gradients(
     })
 }
 
-/// The float parameters of `model` in module order: the same on every
-/// node, whatever ids their parameters got.
-fn param_shapes(model: &Model) -> Vec<(burn::module::ParamId, Vec<usize>)> {
-    struct Shapes(Vec<(burn::module::ParamId, Vec<usize>)>);
-    impl ModuleVisitor<B> for Shapes {
+/// Moves the gradients out of `grads` onto the end of `flat`, parameter by
+/// parameter in module order (the same on every node, whatever ids the
+/// parameters got); returns which parameters had one, with their shapes.
+fn flatten_grads(
+    model: &Model,
+    grads: &mut GradientsParams,
+    flat: &mut Vec<f32>,
+) -> Vec<Option<Vec<usize>>> {
+    struct Flatten<'a> {
+        grads: &'a mut GradientsParams,
+        flat: &'a mut Vec<f32>,
+        shapes: Vec<Option<Vec<usize>>>,
+    }
+    impl ModuleVisitor<B> for Flatten<'_> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-            self.0.push((p.id, p.val().dims().to_vec()));
+            let grad = self.grads.remove::<B, D>(p.id);
+            self.shapes.push(grad.as_ref().map(|g| g.dims().to_vec()));
+            if let Some(g) = grad {
+                self.flat.extend(host_values(&g));
+            }
         }
     }
-    let mut v = Shapes(vec![]);
+    let mut v = Flatten {
+        grads,
+        flat,
+        shapes: vec![],
+    };
     model.visit(&mut v);
-    v.0
+    v.shapes
+}
+
+/// The gradients [`flatten_grads`] took, read back from `pieces` onto `device`.
+fn unflatten_grads(
+    model: &Model,
+    shapes: Vec<Option<Vec<usize>>>,
+    pieces: &mut Pieces,
+    device: &burn::DispatchDevice,
+) -> GradientsParams {
+    struct Unflatten<'a, 'b> {
+        shapes: std::vec::IntoIter<Option<Vec<usize>>>,
+        pieces: &'a mut Pieces<'b>,
+        device: &'a burn::DispatchDevice,
+        grads: GradientsParams,
+    }
+    impl ModuleVisitor<B> for Unflatten<'_, '_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            if let Some(Some(shape)) = self.shapes.next() {
+                let values = self.pieces.take(shape.iter().product()).to_vec();
+                let grad = Tensor::<B, D>::from_data(TensorData::new(values, shape), self.device);
+                self.grads.register::<B, D>(p.id, grad);
+            }
+        }
+    }
+    let mut v = Unflatten {
+        shapes: shapes.into_iter(),
+        pieces,
+        device,
+        grads: GradientsParams::new(),
+    };
+    model.visit(&mut v);
+    v.grads
 }
 
 fn host_values<const D: usize>(t: &Tensor<B, D>) -> Vec<f32> {
@@ -204,21 +253,9 @@ impl StepGradients {
         extra: &[f32],
         collective: &Collective,
     ) -> Result<(Self, Vec<f32>), TrainError> {
-        let params = param_shapes(model);
         let mut flat = vec![];
-        let mut present = vec![];
-        for (id, shape) in &params {
-            // Every node runs the same graph, so the same parameters have gradients.
-            let grad = match shape.len() {
-                1 => self.grads.remove::<B, 1>(*id).map(|g| host_values(&g)),
-                2 => self.grads.remove::<B, 2>(*id).map(|g| host_values(&g)),
-                3 => self.grads.remove::<B, 3>(*id).map(|g| host_values(&g)),
-                4 => self.grads.remove::<B, 4>(*id).map(|g| host_values(&g)),
-                d => unreachable!("no parameter of rank {d}"),
-            };
-            present.push(grad.is_some());
-            flat.extend(grad.unwrap_or_default());
-        }
+        // Every node runs the same graph, so the same parameters have gradients.
+        let shapes = flatten_grads(model, &mut self.grads, &mut flat);
         for s in &self.stats {
             for values in [
                 host_values(&s.counts),
@@ -235,30 +272,7 @@ impl StepGradients {
 
         let mut pieces = Pieces(&summed);
         let grad_device = model.embedding.weight.device().inner().clone();
-        let mut grads = GradientsParams::new();
-        for ((id, shape), present) in params.iter().zip(present) {
-            if !present {
-                continue;
-            }
-            let values = pieces.take(shape.iter().product());
-            match shape.len() {
-                1 => grads.register::<B, 1>(*id, from_values(values, [shape[0]], &grad_device)),
-                2 => grads
-                    .register::<B, 2>(*id, from_values(values, [shape[0], shape[1]], &grad_device)),
-                3 => grads.register::<B, 3>(
-                    *id,
-                    from_values(values, [shape[0], shape[1], shape[2]], &grad_device),
-                ),
-                _ => grads.register::<B, 4>(
-                    *id,
-                    from_values(
-                        values,
-                        [shape[0], shape[1], shape[2], shape[3]],
-                        &grad_device,
-                    ),
-                ),
-            }
-        }
+        let grads = unflatten_grads(model, shapes, &mut pieces, &grad_device);
         let stats = self
             .stats
             .iter()
