@@ -1,7 +1,9 @@
 //! VQ attention in its two production forms, plus the quadratic baseline.
 //!
 //! For a query at stream position `i` and key at `j <= i` the score is
-//! `q_i . k_hat_j + bias(i - j)` where the bias exists only for `i - j <= L`.
+//! `q_i . k_hat_j + bias(i - j)` where the bias exists only for `i - j <= L`
+//! (or, with the windowed rotary position, `q_i . R(min(i - j, L)) k_hat_j`:
+//! [`Rotary`]).
 //! Keys farther than one block carry no bias and every `k_hat` is a codeword,
 //! so those keys can be grouped by code: a code `s` seen `n_s` times with mean
 //! value `mu_s` contributes `exp(q . C_s + ln n_s)` with value `mu_s`, exactly
@@ -166,6 +168,122 @@ impl<B: Backend> CompressedCache<B> {
     }
 }
 
+/// Windowed rotary position (ReRoPE-style): the score of query `i` and key
+/// `j` is `q_i . R(min(i - j, L)) k_j`, where `R(d)` turns each feature
+/// pair `(m, m + K/2)` by `d * base^(-2m/K)` (the rotary embedding, whose
+/// scores depend on `i - j` only), clipped at the block length. Every key
+/// farther than `L` sees position `L`: its score is `R(L)^T q . k`, one
+/// turned query for the whole compressed cache, so attention stays linear.
+///
+/// In blocks: `R(a) q . R(b) k = q . R(b - a) k`, so for a query at block
+/// offset `i` the present block's key at offset `j` scores `R(i) q . R(j) k`,
+/// the previous block's `R(i + L) q . R(j) k` while `L + i - j < L` and
+/// `R(L) q . k` beyond, as does the cache.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rotary {
+    /// Wavelength base of the rotation frequencies.
+    pub base: f64,
+}
+
+impl Default for Rotary {
+    fn default() -> Self {
+        Self { base: 10_000.0 }
+    }
+}
+
+impl Rotary {
+    /// `x` `[.., n, K]` (K even) with row `r` turned by `positions[r]`
+    /// positions: `x cos + rot_half(x) sin`, `rot_half(x) = [-x2, x1]` for
+    /// the halves `x1`, `x2` of the features.
+    pub fn rotate<B: Backend, const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        positions: &[f64],
+    ) -> Tensor<B, D> {
+        let dims = x.dims();
+        let (n, k) = (dims[D - 2], dims[D - 1]);
+        assert_eq!(positions.len(), n, "one position per row");
+        let half = k / 2;
+        let (mut cos, mut sin) = (vec![0f32; n * k], vec![0f32; n * k]);
+        for (r, p) in positions.iter().enumerate() {
+            for m in 0..half {
+                let angle = p * self.base.powf(-2.0 * m as f64 / k as f64);
+                for col in [m, half + m] {
+                    cos[r * k + col] = angle.cos() as f32;
+                    sin[r * k + col] = angle.sin() as f32;
+                }
+            }
+        }
+        let mut shape = [1; D];
+        (shape[D - 2], shape[D - 1]) = (n, k);
+        let device = x.device();
+        let table = |v: Vec<f32>| {
+            Tensor::<B, 2>::from_data(TensorData::new(v, [n, k]), &device).reshape(shape)
+        };
+        let x1 = x.clone().narrow(D - 1, 0, half);
+        let x2 = x.clone().narrow(D - 1, half, half);
+        let rot_half = Tensor::cat(vec![x2.neg(), x1], D - 1);
+        x * table(cos) + rot_half * table(sin)
+    }
+}
+
+/// The present and previous blocks' scores `[B, H, R, n, L]` for queries
+/// `q` `[B, H, R, n, K]` at block offsets `rows`, against keys
+/// `present` and `previous` `[B, H, R, L, K]`, and the query the compressed
+/// cache sees (`q` itself, or `R(L)^T q` under [`Rotary`]).
+fn window_scores_and_cache_query<B: Backend>(
+    q: Tensor<B, 5>,
+    present: Tensor<B, 5>,
+    previous: Tensor<B, 5>,
+    bias: Tensor<B, 4>,
+    rows: std::ops::Range<usize>,
+    rotary: Option<Rotary>,
+) -> (Tensor<B, 5>, Tensor<B, 5>, Tensor<B, 5>) {
+    let Some(rot) = rotary else {
+        let present = window_scores(
+            q.clone(),
+            present,
+            bias.clone(),
+            WindowBlock::Present,
+            rows.clone(),
+        );
+        let previous = window_scores(q.clone(), previous, bias, WindowBlock::Previous, rows);
+        return (present, previous, q);
+    };
+    let l = present.dims()[3];
+    let offsets: Vec<f64> = (0..l).map(|j| j as f64).collect();
+    let at = |shift: usize| -> Vec<f64> { rows.clone().map(|i| (i + shift) as f64).collect() };
+    let q_far = rot.rotate(q.clone(), &vec![l as f64; rows.len()]);
+    let present = window_scores(
+        rot.rotate(q.clone(), &at(0)),
+        rot.rotate(present, &offsets),
+        bias.clone(),
+        WindowBlock::Present,
+        rows.clone(),
+    );
+    let near = window_scores(
+        rot.rotate(q, &at(l)),
+        rot.rotate(previous.clone(), &offsets),
+        bias.clone(),
+        WindowBlock::Previous,
+        rows.clone(),
+    );
+    let far = window_scores(
+        q_far.clone(),
+        previous,
+        bias,
+        WindowBlock::Previous,
+        rows.clone(),
+    );
+    // Key j of the previous block is at distance L + i - j >= L when j <= i.
+    let n = rows.len();
+    let beyond: Vec<bool> = rows.flat_map(|i| (0..l).map(move |j| j <= i)).collect();
+    let beyond = Tensor::<B, 1, Bool>::from_data(TensorData::new(beyond, [n * l]), &q_far.device())
+        .reshape([1, 1, 1, n, l])
+        .expand(far.dims());
+    (present, near.mask_where(beyond, far), q_far)
+}
+
 /// Inputs of one sublayer's attention, already projected, normalised and quantized.
 #[derive(Clone, Debug)]
 pub struct AttentionInput<B: Backend> {
@@ -181,6 +299,9 @@ pub struct AttentionInput<B: Backend> {
     pub v: Tensor<B, 4>,
     /// Codebook, no gradient, `[H, S, K]`.
     pub codebook: Tensor<B, 3>,
+    /// The windowed rotary position, when it is the position term (then
+    /// `bias` is all zero).
+    pub rotary: Option<Rotary>,
 }
 
 /// One of the two blocks a query attends key by key. For a query at offset
@@ -518,6 +639,7 @@ pub fn block_attention<B: Backend>(
         codes,
         v,
         codebook,
+        rotary,
     } = input;
     let [b, h, t, dk] = q.dims();
     let (dv, s, l) = (v.dims()[3], codebook.dims()[1], block_len);
@@ -540,10 +662,14 @@ pub fn block_attention<B: Backend>(
     // 2: previous blocks.
     let prev = previous_blocks(carried.prev, &blocks, cache_grad);
     // 3: window scores, present block (causal) and previous block, [B, H, R, L, L].
-    let k = blocks.k_hat.clone();
-    let present_scores = window_scores(q.clone(), k, bias.clone(), WindowBlock::Present, 0..l);
-    let k = prev.k_hat.clone();
-    let mut prev_scores = window_scores(q.clone(), k, bias, WindowBlock::Previous, 0..l);
+    let (present_scores, mut prev_scores, q) = window_scores_and_cache_query(
+        q,
+        blocks.k_hat.clone(),
+        prev.k_hat.clone(),
+        bias,
+        0..l,
+        rotary,
+    );
     if !carried.has_prev {
         prev_scores = mask_first_previous(prev_scores);
     }
@@ -593,6 +719,7 @@ pub fn step_attention<B: Backend>(
         codes,
         v,
         codebook,
+        rotary,
     } = input;
     let [b, h, t, dk] = q.dims();
     let dv = v.dims()[3];
@@ -624,20 +751,14 @@ pub fn step_attention<B: Backend>(
 
     let q = q.unsqueeze_dim::<5>(2); // [B, H, 1, 1, K]
     let block = |x: &Tensor<B, 4>| x.clone().unsqueeze_dim::<5>(2); // [B, H, 1, L, width]
-    let present_scores = window_scores(
-        q.clone(),
+    let (present_scores, mut prev_scores, q) = window_scores_and_cache_query(
+        q,
         block(&current.k_hat),
-        bias.clone(),
-        WindowBlock::Present,
-        i..i + 1,
-    ); // [B, H, 1, 1, L]
-    let mut prev_scores = window_scores(
-        q.clone(),
         block(&prev.k_hat),
         bias,
-        WindowBlock::Previous,
         i..i + 1,
-    ); // [B, H, 1, 1, L]
+        rotary,
+    ); // [B, H, 1, 1, L] each
     if !has_prev {
         prev_scores = prev_scores.full_like(f32::NEG_INFINITY);
     }
@@ -676,14 +797,40 @@ pub fn step_attention<B: Backend>(
     Ok((out, new_state))
 }
 
+/// `q_i . R(min(i - j, L)) k_j` for every pair, `[B, H, T, T]` (future
+/// pairs included; the caller masks them): `R(i) q . R(j) k` within the
+/// window, `R(L) q . k` beyond it.
+pub fn rotary_scores<B: Backend>(
+    rot: Rotary,
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    block_len: usize,
+) -> Tensor<B, 4> {
+    let [b, h, t, _] = q.dims();
+    let positions: Vec<f64> = (0..t).map(|i| i as f64).collect();
+    let near = rot
+        .rotate(q.clone(), &positions)
+        .matmul(rot.rotate(k.clone(), &positions).swap_dims(2, 3));
+    let far = rot
+        .rotate(q, &vec![block_len as f64; t])
+        .matmul(k.swap_dims(2, 3));
+    let beyond: Vec<bool> = (0..t * t).map(|n| n / t >= n % t + block_len).collect();
+    let beyond = Tensor::<B, 1, Bool>::from_data(TensorData::new(beyond, [t * t]), &near.device())
+        .reshape([1, 1, t, t])
+        .expand([b, h, t, t]);
+    near.mask_where(beyond, far)
+}
+
 /// Dense causal softmax attention over unquantized keys with the same
-/// relative bias: the quadratic baseline (`[B, H, T, T]` scores).
+/// relative bias (or windowed rotary position): the quadratic baseline
+/// (`[B, H, T, T]` scores).
 pub fn quadratic_attention<B: Backend>(
     q: Tensor<B, 4>,
     bias: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     block_len: usize,
+    rotary: Option<Rotary>,
 ) -> Tensor<B, 4> {
     let [b, h, t, _] = q.dims();
     let l = block_len;
@@ -712,6 +859,10 @@ pub fn quadratic_attention<B: Backend>(
     let future = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, &device)
         .reshape([1, 1, t, t])
         .expand([b, h, t, t]);
-    let scores = (q.matmul(k.swap_dims(2, 3)) + pos).mask_fill(future, f32::NEG_INFINITY);
+    let content = match rotary {
+        Some(rot) => rotary_scores(rot, q, k, l),
+        None => q.matmul(k.swap_dims(2, 3)),
+    };
+    let scores = (content + pos).mask_fill(future, f32::NEG_INFINITY);
     softmax(scores, 3).matmul(v)
 }

@@ -1,7 +1,9 @@
-//! Relative position bias: Toeplitz (default) or Transformer-XL.
+//! Relative position bias: Toeplitz (default), Transformer-XL, or none for
+//! the windowed rotary position (which turns queries and keys instead:
+//! [`crate::attention::Rotary`]).
 //!
-//! Either way the attention receives, for every query, a table of biases by
-//! distance `d = 0..=L`; keys farther than `L` get none.
+//! The attention receives, for every query, a table of biases by distance
+//! `d = 0..=L`; keys farther than `L` get none.
 
 use burn::module::{Module, Param};
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
@@ -26,7 +28,8 @@ pub struct XlBias<B: Backend> {
     pub sinusoid_base: f64,
 }
 
-/// The relative bias of one sublayer.
+/// The relative bias of one sublayer. Neither a table nor XL terms: the
+/// windowed rotary position ([`Self::is_rotary`]).
 #[derive(Module, Debug)]
 pub struct PositionBias<B: Backend> {
     /// Toeplitz table `b_h[d]`, `[H, L + 1]` (present when the bias is `toeplitz`).
@@ -95,6 +98,10 @@ impl<B: Backend> PositionBias<B> {
                 ))),
                 xl: None,
             },
+            RelativeBias::Rotary => Self {
+                toeplitz: None,
+                xl: None,
+            },
             RelativeBias::Xl => Self {
                 toeplitz: None,
                 xl: Some(XlBias {
@@ -114,6 +121,11 @@ impl<B: Backend> PositionBias<B> {
         }
     }
 
+    /// Whether the position term is the windowed rotary one (no parameters).
+    pub fn is_rotary(&self) -> bool {
+        self.toeplitz.is_none() && self.xl.is_none()
+    }
+
     /// From the scaled query `q` `[B, H, T, K]` (already `K^(-1/4)`), the
     /// content query (`q + u'` for XL) and the per-distance bias table
     /// `[B or 1, H, T or 1, L + 1]`. `sinusoid_mask` `[L + 1, D]` is the XL
@@ -127,6 +139,11 @@ impl<B: Backend> PositionBias<B> {
         if let Some(table) = &self.toeplitz {
             let [h, n] = table.dims();
             return (q, table.val().reshape([1, h, 1, n]));
+        }
+        if self.is_rotary() {
+            let h = q.dims()[1];
+            let zeros = Tensor::zeros([1, h, 1, block_len + 1], &q.device());
+            return (q, zeros);
         }
         let xl = self
             .xl

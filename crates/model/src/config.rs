@@ -18,6 +18,13 @@ pub enum RelativeBias {
     /// Transformer-XL terms as in the official implementation: the content
     /// score uses `q + u`, and `bias(d) = (q + w) . (W_r sin_emb(d))`.
     Xl,
+    /// Windowed rotary position (ReRoPE-style), no additive bias: the score
+    /// is `q_i . R(min(i - j, L)) k_hat_j`, `R(d)` the rotary embedding's
+    /// rotation by `d` positions, so every key farther than the window
+    /// (the rest of the previous block, the compressed cache) sees
+    /// position `L` and the cache scores stay `q . R(L) C_s`. Needs an
+    /// even `d_k`.
+    Rotary,
 }
 
 /// How far the gradient reaches back through the attention caches inside one
@@ -202,6 +209,12 @@ impl TransformerVqConfig {
             return Err(ConfigError::new(
                 "n_code",
                 "the codebook needs at least 2 codes",
+            ));
+        }
+        if self.bias == RelativeBias::Rotary && !self.d_k.is_multiple_of(2) {
+            return Err(ConfigError::new(
+                "d_k",
+                "must be even with the rotary position (it turns pairs of features)",
             ));
         }
         if !self.d_model.is_multiple_of(2) {

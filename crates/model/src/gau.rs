@@ -152,6 +152,11 @@ impl<B: Backend> Gau<B> {
         dropout::apply(self.out_proj.forward(o), residual_mask)
     }
 
+    /// The windowed rotary position, when it is this sublayer's position term.
+    fn rotary(&self) -> Option<attention::Rotary> {
+        self.bias.is_rotary().then(attention::Rotary::default)
+    }
+
     /// Dropout probabilities of this sublayer, with the model's layer drop.
     pub fn dropout_probs(&self, layer_drop: f64) -> SublayerDropout {
         SublayerDropout {
@@ -197,7 +202,8 @@ impl<B: Backend> Gau<B> {
             if state.pos != 0 || state.prev.is_some() {
                 return Err(ModelError::QuadraticIsStateless);
             }
-            let o = attention::quadratic_attention(q, bias, p.k, p.v, self.block_len);
+            let o =
+                attention::quadratic_attention(q, bias, p.k, p.v, self.block_len, self.rotary());
             return Ok(GauOutput {
                 out: self.finish(o, p.gate, masks.residual.take()),
                 commitment: Tensor::zeros([b, t], &device),
@@ -214,6 +220,7 @@ impl<B: Backend> Gau<B> {
             codes: vq.codes.clone(),
             v: p.v,
             codebook: self.quantizer.codebook(),
+            rotary: self.rotary(),
         };
         let (o, state) = attention::block_attention(input, state, self.block_len, self.cache_grad)?;
         Ok(GauOutput {
@@ -246,6 +253,7 @@ impl<B: Backend> Gau<B> {
             codes: vq.codes,
             v: p.v,
             codebook: self.quantizer.codebook(),
+            rotary: self.rotary(),
         };
         let (o, state) = attention::step_attention(input, state, self.block_len)?;
         Ok((self.finish(o, p.gate, masks.residual.take()), state))

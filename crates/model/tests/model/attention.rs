@@ -2,7 +2,9 @@
 
 use burn::prelude::*;
 use tvq_model::CacheGrad;
-use tvq_model::attention::{AttentionInput, AttentionState, block_attention, step_attention};
+use tvq_model::attention::{
+    AttentionInput, AttentionState, Rotary, block_attention, rotary_scores, step_attention,
+};
 use tvq_model::quantizer::VectorQuantizer;
 
 use crate::common::*;
@@ -19,9 +21,12 @@ struct Shape {
     s: usize,
     /// Bias table per query (`[B, H, T, L+1]`, as XL gives) or shared (`[1, H, 1, L+1]`, Toeplitz).
     per_query_bias: bool,
+    /// With the windowed rotary position (on top of the bias table, which
+    /// the model sets to zero then; any table must work).
+    rotary: bool,
 }
 
-const SHAPES: [Shape; 5] = [
+const SHAPES: [Shape; 8] = [
     // one block
     Shape {
         b: 1,
@@ -32,6 +37,7 @@ const SHAPES: [Shape; 5] = [
         v: 6,
         s: 5,
         per_query_bias: false,
+        rotary: false,
     },
     // two blocks
     Shape {
@@ -43,6 +49,7 @@ const SHAPES: [Shape; 5] = [
         v: 6,
         s: 5,
         per_query_bias: true,
+        rotary: false,
     },
     // many blocks, batch > 1
     Shape {
@@ -54,6 +61,7 @@ const SHAPES: [Shape; 5] = [
         v: 5,
         s: 3,
         per_query_bias: false,
+        rotary: false,
     },
     // many blocks, several heads, per-query bias
     Shape {
@@ -65,6 +73,7 @@ const SHAPES: [Shape; 5] = [
         v: 3,
         s: 6,
         per_query_bias: true,
+        rotary: false,
     },
     // block length 1 (every earlier key but one is in the cache)
     Shape {
@@ -76,6 +85,43 @@ const SHAPES: [Shape; 5] = [
         v: 2,
         s: 4,
         per_query_bias: true,
+        rotary: false,
+    },
+    // rotary: one block
+    Shape {
+        b: 1,
+        h: 1,
+        t: 8,
+        l: 8,
+        k: 4,
+        v: 3,
+        s: 5,
+        per_query_bias: false,
+        rotary: true,
+    },
+    // rotary: many blocks, several heads
+    Shape {
+        b: 2,
+        h: 2,
+        t: 20,
+        l: 4,
+        k: 6,
+        v: 3,
+        s: 4,
+        per_query_bias: false,
+        rotary: true,
+    },
+    // rotary: block length 1, per-query bias
+    Shape {
+        b: 1,
+        h: 2,
+        t: 6,
+        l: 1,
+        k: 4,
+        v: 2,
+        s: 3,
+        per_query_bias: true,
+        rotary: true,
     },
 ];
 
@@ -87,6 +133,7 @@ struct Problem {
     v: Tensor<B, 4>,
     bias: Tensor<B, 4>,
     quantizer: VectorQuantizer<B>,
+    rotary: Option<Rotary>,
 }
 
 impl Problem {
@@ -110,6 +157,7 @@ impl Problem {
             v: leaf(randn([sh.b, sh.h, sh.t, sh.v], device)),
             bias: leaf(randn(bias_shape, device)),
             quantizer: VectorQuantizer::new(sh.h, sh.s, sh.k, device),
+            rotary: sh.rotary.then(Rotary::default),
         }
     }
 
@@ -134,13 +182,22 @@ impl Problem {
             codes: vq.codes,
             v: cut(&self.v),
             codebook: self.quantizer.codebook(),
+            rotary: self.rotary,
         }
     }
 
     fn oracle(&self, l: usize, mode: CacheGrad) -> Tensor<B, 4> {
         let t = self.q.dims()[2];
         let input = self.input(0..t);
-        oracle_attention(input.q, input.bias, input.k_hat, input.v, l, mode)
+        oracle_attention(
+            input.q,
+            input.bias,
+            input.k_hat,
+            input.v,
+            l,
+            mode,
+            self.rotary,
+        )
     }
 }
 
@@ -313,7 +370,7 @@ fn block_form_continues_after_recurrent_steps() {
 }
 
 /// Gradient of `sum(w * out[last block])` with respect to each block's keys and values.
-fn block_grad_norms(mode: CacheGrad) -> (Vec<f32>, Vec<f32>) {
+fn block_grad_norms(mode: CacheGrad, rotary: bool) -> (Vec<f32>, Vec<f32>) {
     let sh = Shape {
         b: 2,
         h: 1,
@@ -323,6 +380,7 @@ fn block_grad_norms(mode: CacheGrad) -> (Vec<f32>, Vec<f32>) {
         v: 3,
         s: 3,
         per_query_bias: false,
+        rotary,
     };
     let device = cpu_ad();
     let p = Problem::new(sh, 50, &device);
@@ -350,44 +408,46 @@ fn block_grad_norms(mode: CacheGrad) -> (Vec<f32>, Vec<f32>) {
 
 #[test]
 fn gradient_reaches_exactly_the_blocks_the_cache_mode_allows() {
-    // Loss on block 3 of 4. Block 2 is its previous block; blocks 0 and 1
-    // are in its compressed cache, which holds codes (no gradient) and
-    // mean values (gradient only under `full`).
-    let (k, v) = block_grad_norms(CacheGrad::None);
-    assert!(
-        k[3] > 0.0 && v[3] > 0.0,
-        "present block always learns: {k:?} {v:?}"
-    );
-    assert_eq!(
-        &k[..3],
-        &[0.0; 3],
-        "none: no key gradient before the present block"
-    );
-    assert_eq!(
-        &v[..3],
-        &[0.0; 3],
-        "none: no value gradient before the present block"
-    );
+    for rotary in [false, true] {
+        // Loss on block 3 of 4. Block 2 is its previous block; blocks 0 and 1
+        // are in its compressed cache, which holds codes (no gradient) and
+        // mean values (gradient only under `full`).
+        let (k, v) = block_grad_norms(CacheGrad::None, rotary);
+        assert!(
+            k[3] > 0.0 && v[3] > 0.0,
+            "present block always learns: {k:?} {v:?}"
+        );
+        assert_eq!(
+            &k[..3],
+            &[0.0; 3],
+            "none: no key gradient before the present block"
+        );
+        assert_eq!(
+            &v[..3],
+            &[0.0; 3],
+            "none: no value gradient before the present block"
+        );
 
-    let (k, v) = block_grad_norms(CacheGrad::Window);
-    assert!(
-        k[2] > 0.0 && v[2] > 0.0,
-        "window: previous block learns: {k:?} {v:?}"
-    );
-    assert_eq!(&k[..2], &[0.0; 2], "window: older keys get nothing");
-    assert_eq!(&v[..2], &[0.0; 2], "window: older values get nothing");
+        let (k, v) = block_grad_norms(CacheGrad::Window, rotary);
+        assert!(
+            k[2] > 0.0 && v[2] > 0.0,
+            "window: previous block learns: {k:?} {v:?}"
+        );
+        assert_eq!(&k[..2], &[0.0; 2], "window: older keys get nothing");
+        assert_eq!(&v[..2], &[0.0; 2], "window: older values get nothing");
 
-    let (k, v) = block_grad_norms(CacheGrad::Full);
-    assert!(k[2] > 0.0 && v[2] > 0.0, "full: previous block learns");
-    assert!(
-        v[0] > 0.0 && v[1] > 0.0,
-        "full: older values learn through the cache: {v:?}"
-    );
-    assert_eq!(
-        &k[..2],
-        &[0.0; 2],
-        "full: older keys are codes, which carry no gradient"
-    );
+        let (k, v) = block_grad_norms(CacheGrad::Full, rotary);
+        assert!(k[2] > 0.0 && v[2] > 0.0, "full: previous block learns");
+        assert!(
+            v[0] > 0.0 && v[1] > 0.0,
+            "full: older values learn through the cache: {v:?}"
+        );
+        assert_eq!(
+            &k[..2],
+            &[0.0; 2],
+            "full: older keys are codes, which carry no gradient"
+        );
+    }
 }
 
 #[test]
@@ -453,4 +513,34 @@ fn straight_through_estimator_and_commitment() {
         quantizer.c_sum.val().grad(&g).is_none(),
         "the codebook receives no gradient"
     );
+}
+
+/// The rotary scores the oracle uses are the definition,
+/// `q_i . R(min(i - j, L)) k_j`, computed pair by pair on the host.
+#[test]
+fn rotary_scores_are_the_clipped_rotation_pair_by_pair() {
+    let device = cpu();
+    let (t, k, l) = (11, 6, 4);
+    let rot = Rotary::default();
+    let q = randn([1, 1, t, k], &device);
+    let kk = randn([1, 1, t, k], &device);
+    let got = to_vec(rotary_scores(rot, q.clone(), kk.clone(), l));
+    let (q, kk) = (to_vec(q), to_vec(kk));
+    let half = k / 2;
+    for i in 0..t {
+        for j in 0..t {
+            // R(d) turns pair (m, m + K/2) by d theta_m; q . R(d) k with the
+            // key turned backwards by d is the score of a query d later.
+            let d = (i as f64 - j as f64).min(l as f64);
+            let mut want = 0.0;
+            for m in 0..half {
+                let a = -d * rot.base.powf(-2.0 * m as f64 / k as f64);
+                let (k1, k2) = (kk[j * k + m] as f64, kk[j * k + half + m] as f64);
+                let (r1, r2) = (k1 * a.cos() - k2 * a.sin(), k2 * a.cos() + k1 * a.sin());
+                want += q[i * k + m] as f64 * r1 + q[i * k + half + m] as f64 * r2;
+            }
+            let g = got[i * t + j] as f64;
+            assert!((g - want).abs() < 1e-5, "({i}, {j}): {g} vs {want}");
+        }
+    }
 }

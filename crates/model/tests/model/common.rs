@@ -5,6 +5,7 @@ use burn::prelude::*;
 use burn::tensor::Distribution;
 use burn::{Dispatch, DispatchDevice};
 use tvq_model::CacheGrad;
+use tvq_model::attention::{Rotary, rotary_scores};
 
 pub type B = Dispatch;
 
@@ -60,6 +61,7 @@ pub fn oracle_attention(
     v: Tensor<B, 4>,
     block_len: usize,
     mode: CacheGrad,
+    rotary: Option<Rotary>,
 ) -> Tensor<B, 4> {
     let [b, h, t, _] = q.dims();
     let l = block_len;
@@ -99,8 +101,12 @@ pub fn oracle_attention(
         .sum_dim(4)
         .squeeze_dim::<4>(4); // [B|1, H, T, T]
 
-    let scores_flow = q.clone().matmul(k_hat.clone().swap_dims(2, 3));
-    let scores_const = q.matmul(k_hat.detach().swap_dims(2, 3));
+    let content = |k: Tensor<B, 4>| match rotary {
+        Some(rot) => rotary_scores(rot, q.clone(), k, l),
+        None => q.clone().matmul(k.swap_dims(2, 3)),
+    };
+    let scores_flow = content(k_hat.clone());
+    let scores_const = content(k_hat.detach());
     let scores = scores_const.mask_where(key_flows, scores_flow) + pos;
     let p = burn::tensor::activation::softmax(scores.mask_fill(future, f32::NEG_INFINITY), 3);
     let zeros = p.zeros_like();

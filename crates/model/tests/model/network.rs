@@ -61,7 +61,11 @@ fn tokens(data: &[i64], b: usize, device: &burn::DispatchDevice) -> Tensor<B, 2,
 #[test]
 fn recurrent_network_matches_block_network() {
     let device = cpu();
-    for bias in [RelativeBias::Toeplitz, RelativeBias::Xl] {
+    for bias in [
+        RelativeBias::Toeplitz,
+        RelativeBias::Xl,
+        RelativeBias::Rotary,
+    ] {
         let cfg = config(bias);
         let m = model(&cfg, 1, &device);
         let (b, t) = (2, 20);
@@ -91,7 +95,11 @@ fn recurrent_network_matches_block_network() {
 #[test]
 fn two_segments_with_carried_state_equal_one_segment() {
     let device = cpu();
-    for bias in [RelativeBias::Toeplitz, RelativeBias::Xl] {
+    for bias in [
+        RelativeBias::Toeplitz,
+        RelativeBias::Xl,
+        RelativeBias::Rotary,
+    ] {
         let cfg = config(bias);
         let m = model(&cfg, 2, &device);
         let (b, t) = (3, 24);
@@ -123,37 +131,39 @@ fn two_segments_with_carried_state_equal_one_segment() {
 #[test]
 fn changing_a_token_changes_no_earlier_output() {
     let device = cpu();
-    let cfg = config(RelativeBias::Xl);
-    let m = model(&cfg, 3, &device);
-    let (b, t) = (2, 16);
-    let data = random_tokens(b, t, cfg.vocab_size, 9);
-    let base = m
-        .forward(tokens(&data, b, &device), m.empty_state(), None)
-        .unwrap()
-        .logits;
-    for pos in [0, 3, 4, 9, 15] {
-        let mut changed = data.clone();
-        for row in 0..b {
-            changed[row * t + pos] = (changed[row * t + pos] + 1) % cfg.vocab_size as i64;
-        }
-        let out = m
-            .forward(tokens(&changed, b, &device), m.empty_state(), None)
+    for bias in [RelativeBias::Xl, RelativeBias::Rotary] {
+        let cfg = config(bias);
+        let m = model(&cfg, 3, &device);
+        let (b, t) = (2, 16);
+        let data = random_tokens(b, t, cfg.vocab_size, 9);
+        let base = m
+            .forward(tokens(&data, b, &device), m.empty_state(), None)
             .unwrap()
             .logits;
-        let v = cfg.vocab_size;
-        let before = |x: Tensor<B, 3>| x.slice([0..b, 0..pos.max(1), 0..v]);
-        if pos > 0 {
-            assert_eq!(
-                max_abs_diff(before(out.clone()), before(base.clone())),
-                0.0,
-                "output before {pos} changed"
+        for pos in [0, 3, 4, 9, 15] {
+            let mut changed = data.clone();
+            for row in 0..b {
+                changed[row * t + pos] = (changed[row * t + pos] + 1) % cfg.vocab_size as i64;
+            }
+            let out = m
+                .forward(tokens(&changed, b, &device), m.empty_state(), None)
+                .unwrap()
+                .logits;
+            let v = cfg.vocab_size;
+            let before = |x: Tensor<B, 3>| x.slice([0..b, 0..pos.max(1), 0..v]);
+            if pos > 0 {
+                assert_eq!(
+                    max_abs_diff(before(out.clone()), before(base.clone())),
+                    0.0,
+                    "{bias:?}: output before {pos} changed"
+                );
+            }
+            let from = |x: Tensor<B, 3>| x.slice([0..b, pos..t, 0..v]);
+            assert!(
+                max_abs_diff(from(out), from(base.clone())) > 0.0,
+                "{bias:?}: output from {pos} on must change"
             );
         }
-        let from = |x: Tensor<B, 3>| x.slice([0..b, pos..t, 0..v]);
-        assert!(
-            max_abs_diff(from(out), from(base.clone())) > 0.0,
-            "output from {pos} on must change"
-        );
     }
 }
 
@@ -290,6 +300,7 @@ fn config_validation_names_the_key() {
     let bad = [
         (config(RelativeBias::Toeplitz).with_n_code(1), "n_code"),
         (config(RelativeBias::Toeplitz).with_d_model(15), "d_model"),
+        (config(RelativeBias::Rotary).with_d_k(7), "d_k"),
         (
             config(RelativeBias::Toeplitz).with_block_len(0),
             "block_len",
