@@ -600,13 +600,9 @@ fn bad_input_is_a_one_line_error() {
     fails(&["sample", "--checkpoint", run_s, "--top-p", "0"], "top-p");
 }
 
-#[test]
-fn ctrl_c_writes_a_checkpoint_and_exits_cleanly() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = tiny_config(dir.path(), 100_000, 100_000);
-    let run = dir.path().join("run");
-    let child = spawn_train(config.to_str().unwrap(), &run, std::process::Stdio::piped);
-    // Wait until training is under way, then send SIGINT as a terminal's Ctrl-C would.
+/// Waits until the run in `run` has logged 3 lines, then sends `child`
+/// SIGINT as a terminal's Ctrl-C would.
+fn interrupt_once_under_way(run: &Path, child: &std::process::Child) {
     let start = Instant::now();
     while std::fs::read_to_string(run.join("metrics.jsonl")).map_or(0, |m| m.lines().count()) < 3 {
         assert!(
@@ -620,6 +616,25 @@ fn ctrl_c_writes_a_checkpoint_and_exits_cleanly() {
         .status()
         .unwrap();
     assert!(status.success());
+}
+
+/// The run in `run` has a checkpoint at its last logged step.
+fn assert_checkpoint_at_last_step(run: &Path) {
+    let steps = losses(run).len() as u64;
+    let checkpoint = run.join(format!("checkpoints/step-{steps:08}/manifest.json"));
+    assert!(
+        checkpoint.exists(),
+        "a checkpoint at the last finished step ({steps})"
+    );
+}
+
+#[test]
+fn ctrl_c_writes_a_checkpoint_and_exits_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 100_000, 100_000);
+    let run = dir.path().join("run");
+    let child = spawn_train(config.to_str().unwrap(), &run, std::process::Stdio::piped);
+    interrupt_once_under_way(&run, &child);
     let out = child.wait_with_output().unwrap();
     assert!(
         out.status.success(),
@@ -630,12 +645,7 @@ fn ctrl_c_writes_a_checkpoint_and_exits_cleanly() {
         String::from_utf8_lossy(&out.stdout).contains("--resume"),
         "says how to continue"
     );
-    let steps = losses(&run).len() as u64;
-    let checkpoint = run.join(format!("checkpoints/step-{steps:08}/manifest.json"));
-    assert!(
-        checkpoint.exists(),
-        "a checkpoint at the last finished step ({steps})"
-    );
+    assert_checkpoint_at_last_step(&run);
 }
 
 /// The fixture tensor `name` as f32 (int32 tensors converted).
@@ -1077,19 +1087,7 @@ fn ctrl_c_on_node_0_stops_both_nodes_after_one_step_with_a_checkpoint() {
     let extra = ["--set", "train.micro_batches=1"].map(String::from);
     let writer = spawn_node(config, &run, &coordinator, 0, &extra);
     let other = spawn_node(config, &run, &coordinator, 1, &extra);
-    let start = Instant::now();
-    while std::fs::read_to_string(run.join("metrics.jsonl")).map_or(0, |m| m.lines().count()) < 3 {
-        assert!(
-            start.elapsed() < Duration::from_secs(300),
-            "training did not start"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let status = Command::new("kill")
-        .args(["-INT", &writer.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    interrupt_once_under_way(&run, &writer);
     for (rank, child) in [(0, writer), (1, other)] {
         let out = child.wait_with_output().unwrap();
         assert!(
@@ -1102,12 +1100,7 @@ fn ctrl_c_on_node_0_stops_both_nodes_after_one_step_with_a_checkpoint() {
             "node {rank} says how to continue"
         );
     }
-    let steps = losses(&run).len() as u64;
-    let checkpoint = run.join(format!("checkpoints/step-{steps:08}/manifest.json"));
-    assert!(
-        checkpoint.exists(),
-        "a checkpoint at the last finished step ({steps})"
-    );
+    assert_checkpoint_at_last_step(&run);
 }
 
 #[test]
