@@ -219,7 +219,8 @@ fn unflatten_grads(
     v.grads
 }
 
-fn host_values<const D: usize>(t: &Tensor<B, D>) -> Vec<f32> {
+/// A tensor's values on the host, as `f32`.
+pub(crate) fn host_values<const D: usize>(t: &Tensor<B, D>) -> Vec<f32> {
     t.to_data().convert::<f32>().to_vec().expect("f32 data")
 }
 

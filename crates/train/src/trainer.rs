@@ -394,7 +394,7 @@ fn weights_hash(model: &Model) -> u64 {
     struct Hash(Vec<u8>);
     impl ModuleVisitor<B> for Hash {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-            let values: Vec<f32> = p.val().into_data().convert::<f32>().to_vec().expect("f32");
+            let values = crate::step::host_values(&p.val());
             let h = tvq_data::hash::fnv1a(
                 &values
                     .iter()
