@@ -9,13 +9,14 @@ use anyhow::{Context, Result, bail};
 use burn::DispatchDevice;
 use clap::{Args, ValueEnum};
 use tvq_data::{Corpus, Split, Vocab};
+use tvq_model::AttentionForm;
 use tvq_model::device::DeviceSpec;
 use tvq_train::collective::ClusterSpec;
 use tvq_train::export::{ExportInfo, export, load_export};
 use tvq_train::optim::{B, Model};
 use tvq_train::{
-    EvalOptions, RunConfig, SampleOptions, TrainOptions, checkpoint, evaluate, sample,
-    sample::sample_many, train,
+    AttentionShare, EvalOptions, PositionBucket, RunConfig, SampleOptions, TrainOptions,
+    checkpoint, evaluate, sample, sample::sample_prompts, train,
 };
 
 /// Options of `tvq train`.
@@ -155,6 +156,12 @@ pub struct EvalArgs {
     /// written as JSON to this file, and drawn to the same name with .png.
     #[arg(long, value_name = "FILE.json")]
     by_position: Option<PathBuf>,
+    /// Also measure where each sublayer's attention goes: its share on the
+    /// present block, the previous block and the compressed cache, and the
+    /// attention entropy (over the whole split and, with --by-position, by
+    /// position).
+    #[arg(long)]
+    attention: bool,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -166,9 +173,11 @@ pub struct SampleArgs {
     /// A checkpoint directory, a run directory (its latest checkpoint) or an exported .safetensors.
     #[arg(long)]
     checkpoint: PathBuf,
-    /// Text to continue.
-    #[arg(long, default_value = "")]
-    prompt: String,
+    /// Text to continue. Repeat the flag for several prompts, generated
+    /// together (prompts of one length in token share a batch) and printed
+    /// when all are done; none: an empty prompt.
+    #[arg(long)]
+    prompt: Vec<String>,
     /// Tokens to generate.
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
@@ -431,7 +440,14 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
         workers: args.workers.unwrap_or(cfg.train.workers),
         reset_every: args.reset_every,
         by_position: args.by_position.is_some(),
+        attention: args.attention,
     };
+    let quadratic = (loaded.model.sublayers.iter()).any(|g| g.form == AttentionForm::Quadratic);
+    if args.attention && quadratic {
+        bail!(
+            "--attention measures the groups of VQ attention; this model uses the quadratic form"
+        );
+    }
     let report = evaluate(&loaded.model, &split, &cfg.eval, &opts)?;
     if let (Some(path), Some(buckets)) = (&args.by_position, &report.by_position) {
         std::fs::write(path, serde_json::to_vec_pretty(buckets)?)
@@ -460,8 +476,43 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
                 .word_perplexity
                 .map_or(String::new(), |p| format!(", word perplexity {p:.2}"))
         );
+        if let Some(sublayers) = &report.attention {
+            print_attention(sublayers, report.by_position.as_deref().unwrap_or_default());
+        }
     }
     Ok(())
+}
+
+/// The `--attention` tables: each sublayer's shares and entropy over the
+/// split, then the shares (mean over sublayers) by position.
+fn print_attention(sublayers: &[AttentionShare], by_position: &[PositionBucket]) {
+    println!("attention share: present / previous / cache, entropy (nats)");
+    for (i, a) in sublayers.iter().enumerate() {
+        println!(
+            "  sublayer {i}: {:.3} / {:.3} / {:.3}, {:.2}",
+            a.share[0],
+            a.share[1],
+            a.share[2],
+            a.entropy.iter().sum::<f64>()
+        );
+    }
+    if by_position.is_empty() {
+        return;
+    }
+    println!("by position (mean over sublayers):");
+    for b in by_position {
+        let n = b.attention.len().max(1) as f64;
+        let mean = |f: &dyn Fn(&AttentionShare) -> f64| b.attention.iter().map(f).sum::<f64>() / n;
+        println!(
+            "  {:>7}-{:<7} {:.3} / {:.3} / {:.3}, {:.2}",
+            b.first,
+            b.last,
+            mean(&|a| a.share[0]),
+            mean(&|a| a.share[1]),
+            mean(&|a| a.share[2]),
+            mean(&|a| a.entropy.iter().sum()),
+        );
+    }
 }
 
 /// Runs `tvq sample`.
@@ -477,7 +528,14 @@ pub fn run_sample(args: SampleArgs) -> Result<()> {
     }
     let device = init_device(args.device)?;
     let loaded = load_for_inference(&args.checkpoint, None, &device)?;
-    let prompt = loaded.vocab.encode(&args.prompt)?;
+    let texts = match args.prompt.is_empty() {
+        true => vec![String::new()],
+        false => args.prompt.clone(),
+    };
+    let prompts = texts
+        .iter()
+        .map(|t| loaded.vocab.encode(t))
+        .collect::<Result<Vec<_>, _>>()?;
     let opts = SampleOptions {
         max_tokens: args.max_tokens,
         temperature: args.temperature,
@@ -490,30 +548,37 @@ pub fn run_sample(args: SampleArgs) -> Result<()> {
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let vocab = &loaded.vocab;
-    if args.num_samples > 1 {
+    if args.num_samples > 1 || prompts.len() > 1 {
         let eos = vocab.eos();
-        let samples = sample_many(
+        let samples = sample_prompts(
             &loaded.model,
-            &prompt,
+            &prompts,
             eos,
             args.num_samples,
             opts,
-            |_, t| t != eos,
+            |_, _, t| t != eos,
         )?;
-        for (i, tokens) in samples.iter().enumerate() {
-            let end = tokens
-                .iter()
-                .position(|&t| t == eos)
-                .unwrap_or(tokens.len());
-            let text = vocab.decode(&tokens[..end])?;
-            writeln!(out, "--- sample {} ---\n{}{text}", i + 1, args.prompt)?;
+        for (p, (text, samples)) in texts.iter().zip(&samples).enumerate() {
+            for (i, tokens) in samples.iter().enumerate() {
+                let end = tokens
+                    .iter()
+                    .position(|&t| t == eos)
+                    .unwrap_or(tokens.len());
+                let continued = vocab.decode(&tokens[..end])?;
+                let which = match prompts.len() {
+                    1 => format!("sample {}", i + 1),
+                    _ => format!("prompt {}, sample {}", p + 1, i + 1),
+                };
+                writeln!(out, "--- {which} ---\n{text}{continued}")?;
+            }
         }
         return Ok(());
     }
-    write!(out, "{}", args.prompt)?;
+    let (text, prompt) = (&texts[0], &prompts[0]);
+    write!(out, "{text}")?;
     let mut pending: Vec<u32> = vec![];
     let mut shown = String::new();
-    sample(&loaded.model, &prompt, vocab.eos(), opts, |t| {
+    sample(&loaded.model, prompt, vocab.eos(), opts, |t| {
         if t == vocab.eos() {
             return false;
         }

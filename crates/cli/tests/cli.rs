@@ -355,7 +355,8 @@ fn eval_sample_and_export_on_a_trained_run() {
     .unwrap();
     assert_eq!(test["split"], "test");
 
-    // Loss by position: buckets that cover every token, the same total, a PNG.
+    // Loss by position: buckets that cover every token, the same total, a
+    // PNG; with where the attention went, which changes no loss.
     let positions = dir.path().join("positions.json");
     let by_position: serde_json::Value = serde_json::from_str(&ok(&[
         "eval",
@@ -364,9 +365,23 @@ fn eval_sample_and_export_on_a_trained_run() {
         "--json",
         "--by-position",
         positions.to_str().unwrap(),
+        "--attention",
     ]))
     .unwrap();
     assert_eq!(by_position["bits_per_byte"], report["bits_per_byte"]);
+    let shares = |a: &serde_json::Value| -> Vec<f64> {
+        let share = a["share"].as_array().unwrap();
+        share.iter().map(|x| x.as_f64().unwrap()).collect()
+    };
+    let sublayers = by_position["attention"].as_array().unwrap();
+    assert_eq!(sublayers.len(), 2, "one entry per GAU sublayer");
+    for a in sublayers {
+        let s = shares(a);
+        assert!((s.iter().sum::<f64>() - 1.0).abs() < 1e-4, "{a}");
+        assert!(s.iter().all(|&x| x > 0.0), "every group is used: {a}");
+        let entropy = a["entropy"].as_array().unwrap();
+        assert!(entropy.iter().all(|x| x.as_f64().unwrap() >= -1e-6), "{a}");
+    }
     let buckets: Vec<serde_json::Value> =
         serde_json::from_slice(&std::fs::read(&positions).unwrap()).unwrap();
     assert_eq!(
@@ -383,6 +398,20 @@ fn eval_sample_and_export_on_a_trained_run() {
     let loss = report["loss"].as_f64().unwrap() * validation_bytes as f64;
     assert!((nats - loss).abs() < 1e-3 * loss, "{nats} vs {loss}");
     assert_eq!(buckets[0]["first"], 1);
+    // Blocks of 16: the first 16 tokens see only their own block, tokens
+    // from 33 on (beyond two blocks) also the compressed cache.
+    for b in &buckets {
+        let last = b["last"].as_u64().unwrap();
+        for a in b["attention"].as_array().unwrap() {
+            let s = shares(a);
+            if last <= 16 {
+                assert!((s[0] - 1.0).abs() < 1e-6, "{b}");
+            }
+            if b["first"].as_u64().unwrap() > 32 {
+                assert!(s[2] > 0.0, "{b}");
+            }
+        }
+    }
     let png = std::fs::read(positions.with_extension("png")).expect("a PNG beside the JSON");
     assert_eq!(&png[..4], b"\x89PNG");
     // Resetting the state every segment scores the same tokens with less context.
@@ -427,6 +456,14 @@ fn eval_sample_and_export_on_a_trained_run() {
     assert_eq!(texts.len(), 3, "{three}");
     assert_eq!(texts[0].strip_prefix("1 ---\n").unwrap(), a, "{three}");
     assert_ne!(texts[1], texts[2]);
+    // Two prompts of different lengths: each as it would be alone.
+    let two = sample("3", &["--prompt", "In the beginning", "--num-samples", "3"]);
+    assert!(
+        two.contains("--- prompt 2, sample 3 ---\nIn the beginning"),
+        "{two}"
+    );
+    let first = two.split("--- prompt 1, sample 2 ---").next().unwrap();
+    assert_eq!(first, format!("--- prompt 1, sample 1 ---\n{a}"), "{two}");
 
     let weights = dir.path().join("model.safetensors");
     ok(&[

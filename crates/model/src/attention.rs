@@ -431,6 +431,69 @@ fn attend<B: Backend, const G: usize>(groups: [(Tensor<B, 5>, Tensor<B, 5>); G])
     o / z
 }
 
+/// Where each query's attention goes, by group of keys: present block,
+/// previous block, compressed cache (in that order along the last axis).
+/// A diagnostic (`tvq eval --attention`), computed only when asked for.
+#[derive(Clone, Debug)]
+pub struct AttentionGroups<B: Backend> {
+    /// Share of the attention weight on each group, `[B, H, T, 3]`; the
+    /// three sum to 1 for every query.
+    pub share: Tensor<B, 4>,
+    /// Each group's part of the attention entropy over keys, nats,
+    /// `[B, H, T, 3]`: `-sum a_j ln a_j` over the group's keys, a cached code
+    /// standing for its `n_s` keys, each with an equal part of the code's
+    /// weight (as in the quadratic form on quantized keys). The entropy of a
+    /// query's attention is the sum over the groups.
+    pub entropy: Tensor<B, 4>,
+}
+
+/// [`AttentionGroups`] from the three groups' scores as [`attend`] sees
+/// them: present and previous block `[B, H, R, L, L]`, cache `[B, H, R, L, S]`
+/// (which include `ln n_s`), with the cache's counts `[B, H, R, S]`.
+fn attention_groups<B: Backend>(
+    present: Tensor<B, 5>,
+    previous: Tensor<B, 5>,
+    cache: Tensor<B, 5>,
+    cache_counts: Tensor<B, 4>,
+) -> AttentionGroups<B> {
+    let [b, h, r, l, _] = present.dims();
+    // A key's own log weight (up to the normaliser): its score, less ln n_s
+    // for a code that stands for n_s keys. Masked keys (score -inf) get a
+    // finite stand-in so that 0 * it stays 0.
+    let log_n = cache_counts.clamp_min(1.0).log().unsqueeze_dim::<5>(3); // [B, H, R, 1, S]
+    let groups = [
+        (present.detach(), None),
+        (previous.detach(), None),
+        (cache.detach(), Some(log_n)),
+    ];
+    let max = groups
+        .iter()
+        .map(|(scores, _)| scores.clone().max_dim(4))
+        .reduce(|a, b| a.max_pair(b))
+        .expect("three groups"); // [B, H, R, L, 1]
+    let (mut mass, mut weighted) = (vec![], vec![]);
+    for (scores, log_n) in groups {
+        let shifted = scores - max.clone(); // [.., L, N_g]
+        let p = shifted.clone().exp();
+        let own = match log_n {
+            Some(log_n) => shifted - log_n,
+            None => shifted,
+        }
+        .clamp_min(-1e4);
+        mass.push(p.clone().sum_dim(4)); // [.., L, 1]
+        weighted.push((p * own).sum_dim(4)); // [.., L, 1]
+    }
+    let mass = Tensor::cat(mass, 4); // [B, H, R, L, 3]
+    let z = mass.clone().sum_dim(4); // [B, H, R, L, 1]
+    let share = mass / z.clone();
+    // a_j = p_j / Z, so -sum a_j ln a_j = share ln Z - (sum p_j own_j) / Z.
+    let entropy = share.clone() * z.clone().log() - Tensor::cat(weighted, 4) / z;
+    AttentionGroups {
+        share: share.reshape([b, h, r * l, 3]),
+        entropy: entropy.reshape([b, h, r * l, 3]),
+    }
+}
+
 /// Empty-slot placeholders for a missing previous block.
 fn empty_block<B: Backend>(
     b: usize,
@@ -632,6 +695,39 @@ pub fn block_attention<B: Backend>(
     block_len: usize,
     cache_grad: CacheGrad,
 ) -> Result<(Tensor<B, 4>, AttentionState<B>), ModelError> {
+    let out = block_attention_impl(input, state, block_len, cache_grad, false)?;
+    Ok((out.out, out.state))
+}
+
+/// What [`block_attention_with_groups`] returns.
+#[derive(Debug)]
+pub struct BlockAttention<B: Backend> {
+    /// The output, `[B, H, T, V]`.
+    pub out: Tensor<B, 4>,
+    /// The detached state after the segment.
+    pub state: AttentionState<B>,
+    /// Where the attention went (present when asked for).
+    pub groups: Option<AttentionGroups<B>>,
+}
+
+/// [`block_attention`], also returning where the attention went
+/// ([`AttentionGroups`]), at the cost of a second pass over the scores.
+pub fn block_attention_with_groups<B: Backend>(
+    input: AttentionInput<B>,
+    state: AttentionState<B>,
+    block_len: usize,
+    cache_grad: CacheGrad,
+) -> Result<BlockAttention<B>, ModelError> {
+    block_attention_impl(input, state, block_len, cache_grad, true)
+}
+
+fn block_attention_impl<B: Backend>(
+    input: AttentionInput<B>,
+    state: AttentionState<B>,
+    block_len: usize,
+    cache_grad: CacheGrad,
+    with_groups: bool,
+) -> Result<BlockAttention<B>, ModelError> {
     let AttentionInput {
         q,
         bias,
@@ -676,7 +772,15 @@ pub fn block_attention<B: Backend>(
     // 4: compressed cache by cumulative sum, [B, H, R, S] and [B, H, R, S, V].
     let (cache_counts, cache_means, cache_after) =
         block_caches(carried.cache, &prev, s, cache_grad);
-    let cache_scores = cache_scores(q, codebook, cache_counts); // [B, H, R, L, S]
+    let cache_scores = cache_scores(q, codebook, cache_counts.clone()); // [B, H, R, L, S]
+    let groups = with_groups.then(|| {
+        attention_groups(
+            present_scores.clone(),
+            prev_scores.clone(),
+            cache_scores.clone(),
+            cache_counts,
+        )
+    });
     // 5: one softmax over the three groups.
     let out = attend([
         (present_scores, blocks.v.clone()),
@@ -685,7 +789,11 @@ pub fn block_attention<B: Backend>(
     ]);
     // 6: state out.
     let out = out.reshape([b, h, t, dv]);
-    Ok((out, state_after(pos + t, blocks, cache_after)))
+    Ok(BlockAttention {
+        out,
+        state: state_after(pos + t, blocks, cache_after),
+        groups,
+    })
 }
 
 /// Folds a block that leaves the window into the compressed cache.

@@ -71,6 +71,9 @@ pub struct GauOutput<B: Backend> {
     pub stats: Option<CodebookStats<B>>,
     /// Codes of the keys, `[B, H, T]` (`None` for the quadratic form).
     pub codes: Option<Tensor<B, 3, Int>>,
+    /// Where the attention went, when asked for (never for the quadratic
+    /// form).
+    pub groups: Option<attention::AttentionGroups<B>>,
     /// State after the segment.
     pub state: AttentionState<B>,
 }
@@ -186,13 +189,15 @@ impl<B: Backend> Gau<B> {
     /// Block-parallel form over a segment `x` `[B, T, D]` (`T` a multiple of
     /// `L`); `valid` `[B, T]` marks the tokens that count towards the codebook
     /// statistics. The layer-drop mask in `masks` is the caller's (it acts on
-    /// the residual connection).
+    /// the residual connection). With `with_groups`, also reports where the
+    /// attention went ([`attention::AttentionGroups`], a diagnostic).
     pub fn forward(
         &self,
         x: Tensor<B, 3>,
         state: AttentionState<B>,
         valid: Option<Tensor<B, 2, Bool>>,
         masks: &mut SublayerMasks<B>,
+        with_groups: bool,
     ) -> Result<GauOutput<B>, ModelError> {
         let [b, t, _] = x.dims();
         let device = x.device();
@@ -209,6 +214,7 @@ impl<B: Backend> Gau<B> {
                 commitment: Tensor::zeros([b, t], &device),
                 stats: None,
                 codes: None,
+                groups: None,
                 state: AttentionState::default(),
             });
         }
@@ -222,12 +228,25 @@ impl<B: Backend> Gau<B> {
             codebook: self.quantizer.codebook(),
             rotary: self.rotary(),
         };
-        let (o, state) = attention::block_attention(input, state, self.block_len, self.cache_grad)?;
+        let (o, state, groups) = if with_groups {
+            let a = attention::block_attention_with_groups(
+                input,
+                state,
+                self.block_len,
+                self.cache_grad,
+            )?;
+            (a.out, a.state, a.groups)
+        } else {
+            let (o, state) =
+                attention::block_attention(input, state, self.block_len, self.cache_grad)?;
+            (o, state, None)
+        };
         Ok(GauOutput {
             out: self.finish(o, p.gate, masks.residual.take()),
             commitment: vq.commitment,
             stats: Some(vq.stats),
             codes: Some(vq.codes),
+            groups,
             state,
         })
     }

@@ -5,7 +5,7 @@ use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
 
-use crate::attention::AttentionState;
+use crate::attention::{AttentionGroups, AttentionState};
 use crate::config::TransformerVqConfig;
 use crate::dropout::{self, DropoutMasks, SublayerMasks};
 use crate::error::ModelError;
@@ -89,6 +89,10 @@ pub struct ModelOutput<B: Backend> {
     pub stats: Vec<CodebookStats<B>>,
     /// Codes of the keys per sublayer, `[B, H, T]` (empty for the quadratic form).
     pub codes: Vec<Tensor<B, 3, Int>>,
+    /// Where the attention went, per sublayer: empty unless asked for
+    /// ([`TransformerVq::forward_with_attention_groups`]; and for the
+    /// quadratic form).
+    pub attention: Vec<AttentionGroups<B>>,
     /// State after the segment (detached).
     pub state: ModelState<B>,
 }
@@ -233,6 +237,19 @@ impl<B: Backend> TransformerVq<B> {
         self.forward_with_masks(tokens, state, valid, masks)
     }
 
+    /// [`Self::forward`] that also reports where each sublayer's attention
+    /// went ([`ModelOutput::attention`]): a diagnostic, at the cost of a
+    /// second pass over the attention scores.
+    pub fn forward_with_attention_groups(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        state: ModelState<B>,
+        valid: Option<Tensor<B, 2, Bool>>,
+    ) -> Result<ModelOutput<B>, ModelError> {
+        let masks = self.dropout_masks(tokens.dims());
+        self.forward_impl(tokens, state, valid, masks, true)
+    }
+
     /// [`Self::forward`] with dropout masks drawn beforehand by
     /// [`Self::dropout_masks`] for the same `[B, T]`.
     pub fn forward_with_masks(
@@ -242,6 +259,17 @@ impl<B: Backend> TransformerVq<B> {
         valid: Option<Tensor<B, 2, Bool>>,
         masks: DropoutMasks<B>,
     ) -> Result<ModelOutput<B>, ModelError> {
+        self.forward_impl(tokens, state, valid, masks, false)
+    }
+
+    fn forward_impl(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        state: ModelState<B>,
+        valid: Option<Tensor<B, 2, Bool>>,
+        masks: DropoutMasks<B>,
+        with_groups: bool,
+    ) -> Result<ModelOutput<B>, ModelError> {
         self.check_state(&state)?;
         let [b, t] = tokens.dims();
         self.check_masks(&masks, [b, t])?;
@@ -249,15 +277,17 @@ impl<B: Backend> TransformerVq<B> {
         let mut commitment = Tensor::zeros([b, t], &h.device());
         let mut stats = Vec::with_capacity(self.sublayers.len());
         let mut codes = Vec::with_capacity(self.sublayers.len());
+        let mut attention = vec![];
         let mut states = Vec::with_capacity(self.sublayers.len());
         let layers = self.sublayers.iter().zip(state.sublayers);
         for ((gau, s), mut m) in layers.zip(masks.sublayers) {
-            let out = gau.forward(h.clone(), s, valid.clone(), &mut m)?;
+            let out = gau.forward(h.clone(), s, valid.clone(), &mut m, with_groups)?;
             // Layer drop: a row keeps or skips the whole sublayer.
             h = h + dropout::apply(out.out, m.layer);
             commitment = commitment + out.commitment;
             stats.extend(out.stats);
             codes.extend(out.codes);
+            attention.extend(out.groups);
             states.push(out.state.detach());
         }
         Ok(ModelOutput {
@@ -265,6 +295,7 @@ impl<B: Backend> TransformerVq<B> {
             commitment,
             stats,
             codes,
+            attention,
             state: ModelState { sublayers: states },
         })
     }

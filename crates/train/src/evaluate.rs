@@ -41,6 +41,10 @@ pub struct EvalReport {
     /// The loss by position in the document, when asked for.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub by_position: Option<Vec<PositionBucket>>,
+    /// Where each sublayer's attention went over the whole split, when
+    /// asked for (VQ attention only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attention: Option<Vec<AttentionShare>>,
 }
 
 /// How a split is scored, beyond the `[eval]` table's batch layout.
@@ -58,6 +62,36 @@ pub struct EvalOptions {
     pub reset_every: Option<usize>,
     /// Also report the loss by position in the document ([`PositionBucket`]).
     pub by_position: bool,
+    /// Also report where the attention went ([`AttentionShare`]), over the
+    /// whole split and, with `by_position`, by position.
+    pub attention: bool,
+}
+
+/// Where one sublayer's attention went, averaged over its heads and the
+/// tokens scored ([`tvq_model::attention::AttentionGroups`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AttentionShare {
+    /// Share of the attention weight on the present block, the previous
+    /// block and the compressed cache.
+    pub share: [f64; 3],
+    /// Each of the three groups' part of the attention entropy over keys,
+    /// nats (the entropy is their sum).
+    pub entropy: [f64; 3],
+}
+
+/// Per-token attention figures: for each sublayer the three shares, then
+/// the three entropies.
+const ATTENTION_FIGURES: usize = 6;
+
+/// Means of per-token attention figures summed over `tokens` tokens.
+fn attention_means(sums: &[f64], tokens: u64) -> Vec<AttentionShare> {
+    let n = tokens.max(1) as f64;
+    sums.chunks(ATTENTION_FIGURES)
+        .map(|f| AttentionShare {
+            share: [f[0] / n, f[1] / n, f[2] / n],
+            entropy: [f[3] / n, f[4] / n, f[5] / n],
+        })
+        .collect()
 }
 
 /// Mean loss of the tokens at positions `first..=last` of their document:
@@ -74,21 +108,49 @@ pub struct PositionBucket {
     pub tokens: u64,
     /// Their mean loss, bits per token.
     pub bits_per_token: f64,
+    /// Where each sublayer's attention went at these positions, when asked
+    /// for ([`EvalOptions::attention`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attention: Vec<AttentionShare>,
 }
 
-/// Sums of the loss by log2 position bucket, and each row's position.
+/// Sums of one position bucket (or of the whole split).
+#[derive(Clone, Debug, Default)]
+struct Sums {
+    nats: f64,
+    tokens: u64,
+    /// Attention figures, [`ATTENTION_FIGURES`] per sublayer.
+    attention: Vec<f64>,
+}
+
+impl Sums {
+    fn add(&mut self, nats: f32, attention: &[f32]) {
+        self.nats += nats as f64;
+        self.tokens += 1;
+        self.attention.resize(attention.len(), 0.0);
+        for (sum, &x) in self.attention.iter_mut().zip(attention) {
+            *sum += x as f64;
+        }
+    }
+}
+
+/// Sums of the loss (and attention figures) by log2 position bucket, and
+/// each row's position.
 struct PositionTally {
     /// Tokens of its current document each row has read.
     read: Vec<u64>,
-    /// Per bucket `k` (positions `2^k ..= 2^(k+1) - 1`): nats and tokens.
-    sums: Vec<(f64, u64)>,
+    /// Per bucket `k` (positions `2^k ..= 2^(k+1) - 1`).
+    buckets: Vec<Sums>,
+    /// Over every token.
+    total: Sums,
 }
 
 impl PositionTally {
     fn new(rows: usize) -> Self {
         Self {
             read: vec![0; rows],
-            sums: vec![],
+            buckets: vec![],
+            total: Sums::default(),
         }
     }
 
@@ -97,8 +159,11 @@ impl PositionTally {
         self.read.iter_mut().for_each(|r| *r = 0);
     }
 
-    /// Adds a batch's per-token losses `nll` (nats, row-major like the batch).
-    fn add(&mut self, batch: &Batch, nll: &[f32], eos: u32) {
+    /// Adds a batch's per-token losses `nll` (nats, row-major like the
+    /// batch) and attention figures `attention` (the same tokens, each with
+    /// [`ATTENTION_FIGURES`] per sublayer; empty when not measured).
+    fn add(&mut self, batch: &Batch, nll: &[f32], attention: &[f32], eos: u32) {
+        let per_token = attention.len() / nll.len().max(1);
         for (i, (&input, &loss)) in batch.inputs.iter().zip(nll).enumerate() {
             if !batch.valid[i] {
                 continue;
@@ -106,27 +171,60 @@ impl PositionTally {
             let read = &mut self.read[i / batch.len];
             *read = if input == eos { 1 } else { *read + 1 };
             let k = read.ilog2() as usize;
-            if self.sums.len() <= k {
-                self.sums.resize(k + 1, (0.0, 0));
+            if self.buckets.len() <= k {
+                self.buckets.resize(k + 1, Sums::default());
             }
-            self.sums[k].0 += loss as f64;
-            self.sums[k].1 += 1;
+            let figures = &attention[i * per_token..(i + 1) * per_token];
+            self.buckets[k].add(loss, figures);
+            self.total.add(loss, figures);
         }
     }
 
     fn buckets(&self) -> Vec<PositionBucket> {
-        self.sums
+        self.buckets
             .iter()
             .enumerate()
-            .filter(|(_, s)| s.1 > 0)
-            .map(|(k, &(nats, tokens))| PositionBucket {
+            .filter(|(_, s)| s.tokens > 0)
+            .map(|(k, s)| PositionBucket {
                 first: 1 << k,
                 last: (2 << k) - 1,
-                tokens,
-                bits_per_token: nats / tokens as f64 / std::f64::consts::LN_2,
+                tokens: s.tokens,
+                bits_per_token: s.nats / s.tokens as f64 / std::f64::consts::LN_2,
+                attention: attention_means(&s.attention, s.tokens),
             })
             .collect()
     }
+}
+
+/// The attention figures of a segment's tokens, `[B, T, sublayer, 6]`
+/// flattened: each sublayer's shares and entropies ([`AttentionShare`]),
+/// averaged over heads.
+fn per_token_attention(groups: &[tvq_model::attention::AttentionGroups<B>]) -> Vec<f32> {
+    let figures: Vec<[Vec<f32>; 2]> = groups
+        .iter()
+        .map(|g| {
+            let host = |t: &Tensor<B, 4>| -> Vec<f32> {
+                let [b, _, t_len, _] = t.dims();
+                t.clone()
+                    .mean_dim(1) // [B, 1, T, 3]
+                    .reshape([b * t_len * 3])
+                    .into_data()
+                    .convert::<f32>()
+                    .to_vec()
+                    .expect("f32")
+            };
+            [host(&g.share), host(&g.entropy)]
+        })
+        .collect();
+    let tokens = figures.first().map_or(0, |f| f[0].len() / 3);
+    let mut out = Vec::with_capacity(tokens * figures.len() * ATTENTION_FIGURES);
+    for i in 0..tokens {
+        for [share, entropy] in &figures {
+            out.extend_from_slice(&share[i * 3..i * 3 + 3]);
+            out.extend_from_slice(&entropy[i * 3..i * 3 + 3]);
+        }
+    }
+    out
 }
 
 impl EvalReport {
@@ -173,6 +271,7 @@ pub fn evaluate(
             .progress_chars("=> "),
     );
     let device = model.embedding.weight.device();
+    let per_token = opts.by_position || opts.attention;
     // Rows [start, end) of every batch per group: as even as possible.
     let groups = opts.workers.clamp(1, batch.max(1));
     let bounds: Vec<_> = (0..groups)
@@ -204,27 +303,32 @@ pub fn evaluate(
                     targets,
                     valid,
                 } = BatchTensors::rows(&b, rows, &device);
-                let out = model.forward(inputs, state, Some(valid.clone()))?;
+                let out = match opts.attention {
+                    true => model.forward_with_attention_groups(inputs, state, Some(valid.clone())),
+                    false => model.forward(inputs, state, Some(valid.clone())),
+                }?;
                 let loss = Loss::new(&out, targets, Some(valid));
-                let per_token: Vec<f32> = match opts.by_position {
+                let token_nll: Vec<f32> = match per_token {
                     true => loss.nll.into_data().convert::<f32>().to_vec().expect("f32"),
                     false => vec![],
                 };
                 Ok((
                     loss.nll_sum.into_scalar().elem::<f64>(),
-                    per_token,
+                    token_nll,
+                    per_token_attention(&out.attention),
                     out.state,
                 ))
             },
         )?;
-        let mut batch_nll = Vec::with_capacity(if opts.by_position { b.inputs.len() } else { 0 });
-        for (group_nll, per_token, state) in scored {
+        let (mut batch_nll, mut batch_attention) = (vec![], vec![]);
+        for (group_nll, token_nll, attention, state) in scored {
             nll += group_nll;
-            batch_nll.extend(per_token);
+            batch_nll.extend(token_nll);
+            batch_attention.extend(attention);
             states.push(state);
         }
-        if opts.by_position {
-            positions.add(&b, &batch_nll, split.eos);
+        if per_token {
+            positions.add(&b, &batch_nll, &batch_attention, split.eos);
         }
         tokens += b.valid.iter().filter(|&&v| v).count() as u64;
         bar.inc(1);
@@ -250,12 +354,41 @@ pub fn evaluate(
             .map(|w| (nll / (w as f64 * if complete { 1.0 } else { share }).max(1.0)).exp()),
         reset_every: opts.reset_every,
         by_position: opts.by_position.then(|| positions.buckets()),
+        attention: opts
+            .attention
+            .then(|| attention_means(&positions.total.attention, positions.total.tokens)),
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn attention_figures_are_averaged_per_bucket_and_over_the_split() {
+        // One row of 3 tokens (positions 1, 2, 3), two sublayers, the third
+        // token padding.
+        let batch = Batch {
+            batch: 1,
+            len: 3,
+            inputs: vec![1, 5, 6],
+            targets: vec![0; 3],
+            valid: vec![true, true, false],
+            reset: true,
+        };
+        let figures: Vec<f32> = (0..3 * 2 * ATTENTION_FIGURES).map(|i| i as f32).collect();
+        let mut tally = PositionTally::new(1);
+        tally.add(&batch, &[0.0; 3], &figures, 1);
+        let b = tally.buckets();
+        assert_eq!(b.len(), 2);
+        // Position 1 alone: token 0's figures; sublayer 1 starts at 6.
+        assert_eq!(b[0].attention[0].share, [0.0, 1.0, 2.0]);
+        assert_eq!(b[0].attention[1].entropy, [9.0, 10.0, 11.0]);
+        // Position 2: token 1 (figures 12..24); the padding is left out.
+        assert_eq!(b[1].attention[0].share, [12.0, 13.0, 14.0]);
+        let total = attention_means(&tally.total.attention, tally.total.tokens);
+        assert_eq!(total[1].share, [12.0, 13.0, 14.0], "(6 + 18) / 2, ...");
+    }
 
     #[test]
     fn positions_restart_at_each_document_and_fill_log2_buckets() {
@@ -272,7 +405,7 @@ mod tests {
         };
         let nll: Vec<f32> = (0..12).map(|i| i as f32).collect();
         let mut tally = PositionTally::new(2);
-        tally.add(&batch, &nll, 1);
+        tally.add(&batch, &nll, &[], 1);
         // Positions: row 0: 1 2 3 1 2 3; row 1: 1 2 3 4.
         let b = tally.buckets();
         let ln2 = std::f64::consts::LN_2;
@@ -293,9 +426,9 @@ mod tests {
             ..batch
         };
         let mut carried = PositionTally::new(2);
-        carried.add(&next, &nll, 1); // from 0: positions 1..=6
+        carried.add(&next, &nll, &[], 1); // from 0: positions 1..=6
         carried.restart();
-        carried.add(&next, &nll, 1);
+        carried.add(&next, &nll, &[], 1);
         assert_eq!(carried.buckets().iter().map(|b| b.tokens).sum::<u64>(), 24);
         assert_eq!(carried.buckets()[0].tokens, 4, "position 1 twice per row");
     }

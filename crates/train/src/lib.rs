@@ -23,7 +23,7 @@ pub mod workers;
 
 pub use config::RunConfig;
 pub use error::TrainError;
-pub use evaluate::{EvalOptions, EvalReport, evaluate};
+pub use evaluate::{AttentionShare, EvalOptions, EvalReport, PositionBucket, evaluate};
 pub use metrics::StepMetrics;
 pub use run::{TrainOptions, TrainSummary, train};
 pub use sample::{SampleOptions, sample};

@@ -59,10 +59,6 @@ pub fn draw(logits: &[f32], temperature: f64, top_p: f64, u: f64) -> u32 {
 /// of the block length is taken): bounds the memory of a long prompt.
 const PREFILL_CHUNK: usize = 2048;
 
-fn one_token(t: u32, device: &burn::DispatchDevice) -> Tensor<B, 2, Int> {
-    Tensor::from_data(TensorData::new(vec![t as i64], [1, 1]), device)
-}
-
 fn logits_vec(logits: Tensor<B, 3>) -> Vec<f32> {
     logits
         .into_data()
@@ -91,23 +87,50 @@ fn prefill_in_chunks(
     prompt: &[u32],
     chunk: usize,
 ) -> Result<(Vec<f32>, ModelState<B>), TrainError> {
+    prefill_rows(model, eos, &[prompt], chunk)
+}
+
+/// [`prefill`] of several prompts of the same length, one batch row each:
+/// the logits `[rows * vocab]` and the state of the rows.
+fn prefill_rows(
+    model: &TransformerVq<B>,
+    eos: u32,
+    prompts: &[&[u32]],
+    chunk: usize,
+) -> Result<(Vec<f32>, ModelState<B>), TrainError> {
     let device = model.embedding.weight.device();
-    let stream: Vec<u32> = std::iter::once(eos).chain(prompt.iter().copied()).collect();
+    let rows = prompts.len();
+    let len = 1 + prompts[0].len();
+    assert!(prompts.iter().all(|p| 1 + p.len() == len), "one length");
+    // Position `i` of every row's stream `eos, prompt...`.
+    let column = |i: usize| {
+        prompts
+            .iter()
+            .map(move |p| if i == 0 { eos } else { p[i - 1] })
+    };
     let l = model.block_len();
-    let whole = stream.len() / l * l;
+    let whole = len / l * l;
     let mut state = model.empty_state();
     let mut logits = None;
-    for part in stream[..whole].chunks((chunk / l).max(1) * l) {
-        let n = part.len();
-        let ids: Vec<i64> = part.iter().map(|&t| t as i64).collect();
-        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, n]), &device);
+    let span = (chunk / l).max(1) * l;
+    for start in (0..whole).step_by(span) {
+        let n = span.min(whole - start);
+        let mut ids = vec![0i64; rows * n]; // [rows, n], row-major
+        for i in 0..n {
+            for (r, t) in column(start + i).enumerate() {
+                ids[r * n + i] = t as i64;
+            }
+        }
+        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [rows, n]), &device);
         let out = model.forward(tokens, state, None)?;
         let vocab = out.logits.dims()[2];
-        logits = Some(out.logits.slice([0..1, n - 1..n, 0..vocab])); // [1, 1, vocab]
+        logits = Some(out.logits.slice([0..rows, n - 1..n, 0..vocab])); // [rows, 1, vocab]
         state = out.state;
     }
-    for &t in &stream[whole..] {
-        let (next, s) = model.step(one_token(t, &device), state)?;
+    for i in whole..len {
+        let ids: Vec<i64> = column(i).map(|t| t as i64).collect();
+        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [rows, 1]), &device);
+        let (next, s) = model.step(tokens, state)?;
         (logits, state) = (Some(next), s);
     }
     let logits = logits.expect("the stream holds at least the end-of-document token");
@@ -152,32 +175,87 @@ pub fn sample_many(
     opts: SampleOptions,
     mut emit: impl FnMut(usize, u32) -> bool,
 ) -> Result<Vec<Vec<u32>>, TrainError> {
+    let mut out = sample_prompts(model, &[prompt.to_vec()], eos, n, opts, |_, i, t| {
+        emit(i, t)
+    })?;
+    Ok(out.pop().expect("one prompt"))
+}
+
+/// `n` continuations of each of `prompts`: `[prompt][sample]` tokens.
+/// Prompts of one length share a batch (its rows stand at one position of
+/// their streams): they are read together ([`prefill`] with a row each),
+/// their states copied `n` times, and every row draws from its own stream;
+/// groups of different lengths run one after another. Sample `i` of a
+/// prompt draws from stream `i` of the seed, so it is the same text as
+/// [`sample_many`] of that prompt alone, whatever the other prompts and
+/// `n`. `emit(p, i, token)` gets each new token of sample `i` of prompt
+/// `p`; a sample ends when `emit` returns `false` or after `max_tokens`.
+pub fn sample_prompts(
+    model: &TransformerVq<B>,
+    prompts: &[Vec<u32>],
+    eos: u32,
+    n: usize,
+    opts: SampleOptions,
+    mut emit: impl FnMut(usize, usize, u32) -> bool,
+) -> Result<Vec<Vec<Vec<u32>>>, TrainError> {
+    let mut out = vec![vec![]; prompts.len()];
+    let mut lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    lengths.sort_unstable();
+    lengths.dedup();
+    for len in lengths {
+        let group: Vec<usize> = (0..prompts.len())
+            .filter(|&p| prompts[p].len() == len)
+            .collect();
+        let texts: Vec<&[u32]> = group.iter().map(|&p| prompts[p].as_slice()).collect();
+        let samples = sample_group(model, &texts, eos, n, opts, |row, t| {
+            emit(group[row % group.len()], row / group.len(), t)
+        })?;
+        for (row, tokens) in samples.into_iter().enumerate() {
+            out[group[row % group.len()]].push(tokens);
+        }
+    }
+    Ok(out)
+}
+
+/// Generation for prompts of one length, `n` samples each, one batch:
+/// row `r` is sample `r / g` of prompt `r % g` (`g` prompts; the state is
+/// tiled). Returns each row's tokens; `emit(row, token)`.
+fn sample_group(
+    model: &TransformerVq<B>,
+    prompts: &[&[u32]],
+    eos: u32,
+    n: usize,
+    opts: SampleOptions,
+    mut emit: impl FnMut(usize, u32) -> bool,
+) -> Result<Vec<Vec<u32>>, TrainError> {
     let device = model.embedding.weight.device();
-    let (first, state) = prefill(model, eos, prompt)?;
-    let vocab = first.len();
+    let g = prompts.len();
+    let rows = g * n;
+    let (first, state) = prefill_rows(model, eos, prompts, PREFILL_CHUNK)?;
+    let vocab = first.len() / g;
     let mut state = state.repeat_rows(n);
-    let mut logits = first.repeat(n); // [n * vocab]
-    let mut rngs: Vec<SplitMix64> = (0..n).map(|i| sample_rng(opts.seed, i)).collect();
-    let mut out = vec![Vec::with_capacity(opts.max_tokens); n];
-    let mut open = vec![true; n];
+    let mut logits = first.repeat(n); // [rows * vocab]
+    let mut rngs: Vec<SplitMix64> = (0..rows).map(|r| sample_rng(opts.seed, r / g)).collect();
+    let mut out = vec![Vec::with_capacity(opts.max_tokens); rows];
+    let mut open = vec![true; rows];
     for _ in 0..opts.max_tokens {
-        let mut next = vec![eos as i64; n];
-        for i in 0..n {
-            if !open[i] {
+        let mut next = vec![eos as i64; rows];
+        for r in 0..rows {
+            if !open[r] {
                 continue;
             }
-            let row = &logits[i * vocab..(i + 1) * vocab];
-            let t = draw(row, opts.temperature, opts.top_p, rngs[i].uniform());
-            out[i].push(t);
-            open[i] = emit(i, t);
-            next[i] = t as i64;
+            let row = &logits[r * vocab..(r + 1) * vocab];
+            let t = draw(row, opts.temperature, opts.top_p, rngs[r].uniform());
+            out[r].push(t);
+            open[r] = emit(r, t);
+            next[r] = t as i64;
         }
         if !open.iter().any(|&o| o) {
             break;
         }
         // Ended rows keep running (their tokens are ignored): the batch's
         // rows share one position in the stream.
-        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(next, [n, 1]), &device);
+        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(next, [rows, 1]), &device);
         let (l, s) = model.step(tokens, state)?;
         (logits, state) = (logits_vec(l), s);
     }
@@ -189,6 +267,10 @@ mod tests {
     use super::*;
     use tvq_model::device::DeviceSpec;
     use tvq_model::{RelativeBias, TransformerVqConfig};
+
+    fn one_token(t: u32, device: &burn::DispatchDevice) -> Tensor<B, 2, Int> {
+        Tensor::from_data(TensorData::new(vec![t as i64], [1, 1]), device)
+    }
 
     /// The stream `eos, prompt...` token by token: the recurrent form alone.
     fn token_by_token(
@@ -255,6 +337,47 @@ mod tests {
         let stopped = sample_many(&model, &prompt, 1, 4, opts, |i, _| i != 2).unwrap();
         assert_eq!(stopped[2], many[2][..1]);
         assert_eq!(stopped[3], many[3]);
+    }
+
+    #[test]
+    fn prompts_of_different_lengths_sample_as_each_would_alone() {
+        let model = tiny_model(RelativeBias::Xl, 6);
+        let opts = SampleOptions {
+            max_tokens: 9,
+            temperature: 1.0,
+            top_p: 1.0,
+            seed: 5,
+        };
+        // Lengths 6, 0, 11 (two blocks and more) and 6 again: two of them
+        // share a batch.
+        let prompts = [
+            vec![3, 4, 5, 6, 7, 8],
+            vec![],
+            vec![2, 9, 9, 4, 11, 12, 3, 3, 5, 6, 7],
+            vec![8, 7, 6, 5, 4, 3],
+        ];
+        let mut emitted = vec![vec![vec![]; 2]; prompts.len()];
+        let all = sample_prompts(&model, &prompts, 1, 2, opts, |p, i, t| {
+            emitted[p][i].push(t);
+            true
+        })
+        .unwrap();
+        assert_eq!(
+            all, emitted,
+            "every token is emitted to its prompt and sample"
+        );
+        for (p, prompt) in prompts.iter().enumerate() {
+            let alone = sample_many(&model, prompt, 1, 2, opts, |_, _| true).unwrap();
+            assert_eq!(all[p], alone, "prompt {p}");
+        }
+        assert_ne!(
+            all[0], all[3],
+            "prompts sharing a batch keep their own state"
+        );
+        // A sample that stops early leaves the others as they were.
+        let stopped = sample_prompts(&model, &prompts, 1, 2, opts, |p, _, _| p != 3).unwrap();
+        assert_eq!(stopped[3][1], all[3][1][..1]);
+        assert_eq!(stopped[0], all[0]);
     }
 
     #[test]

@@ -3,7 +3,8 @@
 use burn::prelude::*;
 use tvq_model::CacheGrad;
 use tvq_model::attention::{
-    AttentionInput, AttentionState, Rotary, block_attention, rotary_scores, step_attention,
+    AttentionInput, AttentionState, Rotary, block_attention, block_attention_with_groups,
+    rotary_scores, step_attention,
 };
 use tvq_model::quantizer::VectorQuantizer;
 
@@ -541,6 +542,99 @@ fn rotary_scores_are_the_clipped_rotation_pair_by_pair() {
             }
             let g = got[i * t + j] as f64;
             assert!((g - want).abs() < 1e-5, "({i}, {j}): {g} vs {want}");
+        }
+    }
+}
+
+/// Share and entropy of each query's attention by group (present block,
+/// previous block, older keys), from the oracle's explicit weights:
+/// `[B, H, T, 3]` each, flattened.
+fn oracle_groups(p: &Problem, sh: Shape) -> (Vec<f32>, Vec<f32>) {
+    let device = p.q.device();
+    let input = p.input(0..sh.t);
+    let eye: Vec<f32> = (0..sh.t * sh.t)
+        .map(|n| f32::from(n / sh.t == n % sh.t))
+        .collect();
+    let eye = Tensor::<B, 2>::from_data(TensorData::new(eye, [sh.t, sh.t]), &device)
+        .reshape([1, 1, sh.t, sh.t])
+        .expand([sh.b, sh.h, sh.t, sh.t]);
+    // Attention to the identity's rows: the weights themselves, [B, H, T, T].
+    let weights = oracle_attention(
+        input.q,
+        input.bias,
+        input.k_hat,
+        eye,
+        sh.l,
+        CacheGrad::Window,
+        p.rotary,
+    );
+    let a: Vec<f32> = weights.into_data().to_vec().unwrap();
+    let (mut share, mut entropy) = (vec![], vec![]);
+    for row in a.chunks(sh.t) {
+        let i = (share.len() / 3) % sh.t;
+        let (mut s, mut e) = ([0f32; 3], [0f32; 3]);
+        for (j, &w) in row.iter().enumerate().take(i + 1) {
+            let g = (i / sh.l - j / sh.l).min(2);
+            s[g] += w;
+            if w > 0.0 {
+                e[g] -= w * w.ln();
+            }
+        }
+        share.extend(s);
+        entropy.extend(e);
+    }
+    (share, entropy)
+}
+
+#[test]
+fn attention_groups_match_the_oracle_weights_in_one_segment_and_carried() {
+    let device = cpu();
+    for (n, sh) in SHAPES.iter().enumerate() {
+        let p = Problem::new(*sh, 70 + n as u64, &device);
+        let (want_share, want_entropy) = oracle_groups(&p, *sh);
+        // Whole, then from a carried state at a block boundary mid-way.
+        let cut = sh.t / sh.l / 2 * sh.l;
+        let mut parts = vec![];
+        let whole = block_attention_with_groups(
+            p.input(0..sh.t),
+            AttentionState::default(),
+            sh.l,
+            CacheGrad::Window,
+        )
+        .unwrap();
+        parts.push((0, whole));
+        if cut > 0 {
+            let (_, state) = block_attention(
+                p.input(0..cut),
+                AttentionState::default(),
+                sh.l,
+                CacheGrad::Window,
+            )
+            .unwrap();
+            let rest =
+                block_attention_with_groups(p.input(cut..sh.t), state, sh.l, CacheGrad::Window)
+                    .unwrap();
+            parts.push((cut, rest));
+        }
+        for (start, a) in parts {
+            let groups = a.groups.expect("groups were asked for");
+            let ctx = format!("{sh:?} from token {start}");
+            let rows = |v: &[f32]| -> Vec<f32> {
+                v.chunks(sh.t * 3)
+                    .flat_map(|head| head[start * 3..].to_vec())
+                    .collect()
+            };
+            let share: Vec<f32> = groups.share.into_data().to_vec().unwrap();
+            let entropy: Vec<f32> = groups.entropy.into_data().to_vec().unwrap();
+            for (what, got, want) in [
+                ("share", share, rows(&want_share)),
+                ("entropy", entropy, rows(&want_entropy)),
+            ] {
+                assert_eq!(got.len(), want.len(), "{what}, {ctx}");
+                for (x, y) in got.iter().zip(&want) {
+                    assert!((x - y).abs() < 1e-4, "{what}: {got:?} != {want:?}, {ctx}");
+                }
+            }
         }
     }
 }
