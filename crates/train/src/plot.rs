@@ -122,7 +122,8 @@ fn register_the_font() {
 
 /// Draws the loss by position in the document (bits per token against the
 /// position, log scale, one point per bucket at its first position) to the
-/// PNG `out`.
+/// PNG `out`; where the buckets carry attention figures, also the share of
+/// attention on the compressed cache (mean over sublayers, right axis).
 pub fn plot_by_position(
     buckets: &[PositionBucket],
     out: &Path,
@@ -148,13 +149,26 @@ pub fn plot_by_position(
     let root = BitMapBackend::new(out, SIZE).into_drawing_area();
     let err = |e: &dyn std::fmt::Display| fail(e.to_string());
     root.fill(&WHITE).map_err(|e| err(&e))?;
+    let cache_share: Vec<(f64, f64)> = buckets
+        .iter()
+        .filter(|b| !b.attention.is_empty())
+        .map(|b| {
+            let shares = b.attention.iter().map(|a| a.share[2]);
+            (
+                b.first as f64,
+                shares.sum::<f64>() / b.attention.len() as f64,
+            )
+        })
+        .collect();
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 22))
         .margin(16)
         .x_label_area_size(40)
         .y_label_area_size(56)
+        .right_y_label_area_size(if cache_share.is_empty() { 0 } else { 56 })
         .build_cartesian_2d((1f64..x_max).log_scale(), (lo - pad).max(0.0)..hi + pad)
-        .map_err(|e| err(&e))?;
+        .map_err(|e| err(&e))?
+        .set_secondary_coord((1f64..x_max).log_scale(), 0f64..1.0);
     chart
         .configure_mesh()
         .x_desc("position in the document (tokens read)")
@@ -169,6 +183,16 @@ pub fn plot_by_position(
     chart
         .draw_series(points.iter().map(|&p| Circle::new(p, 4, RED.filled())))
         .map_err(|e| err(&e))?;
+    if !cache_share.is_empty() {
+        chart
+            .configure_secondary_axes()
+            .y_desc("share of attention on the compressed cache (blue)")
+            .draw()
+            .map_err(|e| err(&e))?;
+        chart
+            .draw_secondary_series(LineSeries::new(cache_share, BLUE.stroke_width(2)))
+            .map_err(|e| err(&e))?;
+    }
     root.present().map_err(|e| err(&e))
 }
 
