@@ -317,15 +317,20 @@ mod tests {
             .unwrap()
     }
 
+    /// Draws from the whole softmax at temperature 1.
+    fn plain_draws(max_tokens: usize, seed: u64) -> SampleOptions {
+        SampleOptions {
+            max_tokens,
+            temperature: 1.0,
+            top_p: 1.0,
+            seed,
+        }
+    }
+
     #[test]
     fn a_sample_is_the_same_text_whatever_the_batch_size() {
         let model = tiny_model(RelativeBias::Toeplitz, 4);
-        let opts = SampleOptions {
-            max_tokens: 11,
-            temperature: 1.0,
-            top_p: 1.0,
-            seed: 9,
-        };
+        let opts = plain_draws(11, 9);
         let prompt = [3, 4, 5, 6, 7, 8];
         let many = sample_many(&model, &prompt, 1, 4, opts, |_, _| true).unwrap();
         assert_eq!(many[0], sample(&model, &prompt, 1, opts, |_| true).unwrap());
@@ -342,12 +347,7 @@ mod tests {
     #[test]
     fn prompts_of_different_lengths_sample_as_each_would_alone() {
         let model = tiny_model(RelativeBias::Xl, 6);
-        let opts = SampleOptions {
-            max_tokens: 9,
-            temperature: 1.0,
-            top_p: 1.0,
-            seed: 5,
-        };
+        let opts = plain_draws(9, 5);
         // Lengths 6, 0, 11 (two blocks and more) and 6 again: two of them
         // share a batch.
         let prompts = [
