@@ -655,6 +655,19 @@ fn interrupt_once_under_way(run: &Path, child: &std::process::Child) {
     assert!(status.success());
 }
 
+/// An interrupted `tvq train` (`who`) exited cleanly and said how to continue.
+fn assert_stopped_cleanly(out: &std::process::Output, who: &str) {
+    assert!(
+        out.status.success(),
+        "{who} exits cleanly: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("--resume"),
+        "{who} says how to continue"
+    );
+}
+
 /// The run in `run` has a checkpoint at its last logged step.
 fn assert_checkpoint_at_last_step(run: &Path) {
     let steps = losses(run).len() as u64;
@@ -672,16 +685,7 @@ fn ctrl_c_writes_a_checkpoint_and_exits_cleanly() {
     let run = dir.path().join("run");
     let child = spawn_train(config.to_str().unwrap(), &run, std::process::Stdio::piped);
     interrupt_once_under_way(&run, &child);
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "clean exit: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("--resume"),
-        "says how to continue"
-    );
+    assert_stopped_cleanly(&child.wait_with_output().unwrap(), "tvq train");
     assert_checkpoint_at_last_step(&run);
 }
 
@@ -1126,16 +1130,7 @@ fn ctrl_c_on_node_0_stops_both_nodes_after_one_step_with_a_checkpoint() {
     let other = spawn_node(config, &run, &coordinator, 1, &extra);
     interrupt_once_under_way(&run, &writer);
     for (rank, child) in [(0, writer), (1, other)] {
-        let out = child.wait_with_output().unwrap();
-        assert!(
-            out.status.success(),
-            "node {rank} exits cleanly: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(
-            String::from_utf8_lossy(&out.stdout).contains("--resume"),
-            "node {rank} says how to continue"
-        );
+        assert_stopped_cleanly(&child.wait_with_output().unwrap(), &format!("node {rank}"));
     }
     assert_checkpoint_at_last_step(&run);
 }
