@@ -291,8 +291,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 continue;
             }
             let cfg = model.clone().with_vocab_size(256).with_attention(form);
-            let mut trainer =
-                Trainer::new(&cfg, &train, &device, 1.0).context("benchmark model")?;
+            let mut trainer = Trainer::new(&cfg, &train, std::slice::from_ref(&device), 1.0)
+                .context("benchmark model")?;
             let batch = pattern_batch(args.batch, t);
             let mut step = || -> Result<()> {
                 if args.optimizer {

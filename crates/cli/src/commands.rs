@@ -25,9 +25,15 @@ pub struct TrainArgs {
     /// The run's TOML config (sections [model], [data], [train], [eval]).
     #[arg(long)]
     config: PathBuf,
-    /// Device: cpu, wgpu, wgpu:N, cuda or cuda:N.
-    #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
-    device: DeviceSpec,
+    /// Device: cpu, wgpu, wgpu:N, cuda or cuda:N; a list (cuda:0,cuda:1)
+    /// trains on several devices of one kind, train.workers spread over them.
+    #[arg(
+        long,
+        default_value = "cpu",
+        value_delimiter = ',',
+        value_parser = crate::parse_device
+    )]
+    device: Vec<DeviceSpec>,
     /// Run directory for the config, metrics and checkpoints [default: runs/<config name>].
     #[arg(long)]
     run_dir: Option<PathBuf>,
@@ -254,7 +260,11 @@ fn init_device(spec: DeviceSpec) -> Result<DispatchDevice> {
 pub fn run_train(args: TrainArgs) -> Result<()> {
     let cfg = RunConfig::load(&args.config, &args.overrides)?;
     let cluster = args.cluster()?;
-    let device = init_device(args.device)?;
+    let devices = args
+        .device
+        .iter()
+        .map(|&spec| init_device(spec))
+        .collect::<Result<Vec<_>>>()?;
     let run_dir = args.run_dir.clone().unwrap_or_else(|| {
         let stem = args
             .config
@@ -284,7 +294,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     tracing::info!("run directory: {}", run_dir.display());
     let summary = {
         let _silenced = opts.cluster.is_some().then(SilencedStdout::new);
-        train(&cfg, &device, &opts)?
+        train(&cfg, &devices, &opts)?
     };
     println!("checkpoint: {}", summary.checkpoint.display());
     match summary.validation {

@@ -559,6 +559,24 @@ fn bad_input_is_a_one_line_error() {
         "n_code",
     );
     fails(&["train", "--config", c, "--device", "cuda:7"], "cuda:7");
+    let r1 = dir.path().join("r1");
+    let r1 = r1.to_str().unwrap();
+    fails(
+        &[
+            "train",
+            "--config",
+            c,
+            "--run-dir",
+            r1,
+            "--device",
+            "cpu,cpu",
+        ],
+        "names cpu twice",
+    );
+    assert!(
+        !Path::new(r1).exists(),
+        "nothing is written before the check"
+    );
     fails(
         &["train", "--config", "/no/such/config.toml"],
         "config.toml",

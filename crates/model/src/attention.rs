@@ -25,6 +25,7 @@ use burn::prelude::*;
 use burn::tensor::activation::softmax;
 
 use crate::config::CacheGrad;
+use crate::device::to_device_via_host;
 use crate::error::ModelError;
 use crate::quantizer::code_totals;
 
@@ -84,6 +85,14 @@ impl<B: Backend> CachedBlock<B> {
         }
     }
 
+    fn into_device(self, device: &B::Device) -> Self {
+        Self {
+            k_hat: to_device_via_host(self.k_hat, device),
+            v: to_device_via_host(self.v, device),
+            codes: to_device_via_host(self.codes, device),
+        }
+    }
+
     fn repeat_rows(self, n: usize) -> Self {
         Self {
             k_hat: self.k_hat.repeat_dim(0, n),
@@ -115,6 +124,20 @@ impl<B: Backend> AttentionState<B> {
             prev: self.prev.map(CachedBlock::detach),
             cache: self.cache.map(CompressedCache::detach),
             current: self.current.map(CachedBlock::detach),
+        }
+    }
+
+    /// The same state on `device` (a worker's device in training on
+    /// several devices), copied through the host where it moves.
+    pub fn into_device(self, device: &B::Device) -> Self {
+        Self {
+            pos: self.pos,
+            prev: self.prev.map(|b| b.into_device(device)),
+            cache: self.cache.map(|c| CompressedCache {
+                counts: to_device_via_host(c.counts, device),
+                means: to_device_via_host(c.means, device),
+            }),
+            current: self.current.map(|b| b.into_device(device)),
         }
     }
 }

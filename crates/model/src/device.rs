@@ -11,6 +11,8 @@ use std::str::FromStr;
 use burn::backend::cuda::CudaDevice;
 use burn::backend::flex::FlexDevice;
 use burn::backend::wgpu::WgpuDevice;
+use burn::tensor::backend::DeviceOps;
+use burn::tensor::{BasicOps, Tensor};
 use burn::{Dispatch, DispatchDevice};
 use thiserror::Error;
 
@@ -71,6 +73,36 @@ impl FromStr for DeviceSpec {
             ("cuda", i) => Ok(Self::Cuda(i.unwrap_or(0))),
             _ => Err(unknown()),
         }
+    }
+}
+
+/// `t` on `device`, copied through the host when it is on another device
+/// (autodiff or not: they compare by their plain device). wgpu (cubecl
+/// 0.10) has no copy between two of its devices, so training on several
+/// devices moves weights, gradients and states this way on every backend.
+pub fn to_device_via_host<B, const D: usize, K>(
+    t: Tensor<B, D, K>,
+    device: &B::Device,
+) -> Tensor<B, D, K>
+where
+    B: burn::prelude::Backend,
+    K: BasicOps<B>,
+{
+    if t.device().inner() == device.inner() {
+        return t;
+    }
+    Tensor::from_data(t.into_data(), device)
+}
+
+/// A device as `--device` names it (`cpu`, `cuda:N`, `wgpu`, `wgpu:N`),
+/// autodiff or not; other wgpu devices by their burn name.
+pub fn device_name(device: &DispatchDevice) -> String {
+    match device.inner() {
+        DispatchDevice::Flex(_) => DeviceSpec::Cpu.to_string(),
+        DispatchDevice::Cuda(d) => DeviceSpec::Cuda(d.index).to_string(),
+        DispatchDevice::Wgpu(WgpuDevice::DefaultDevice) => DeviceSpec::Wgpu(None).to_string(),
+        DispatchDevice::Wgpu(WgpuDevice::DiscreteGpu(i)) => DeviceSpec::Wgpu(Some(*i)).to_string(),
+        other => format!("{other:?}"),
     }
 }
 

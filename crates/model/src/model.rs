@@ -76,6 +76,17 @@ impl<B: Backend> ModelState<B> {
                 .collect(),
         }
     }
+
+    /// The same state on `device`.
+    pub fn into_device(self, device: &B::Device) -> Self {
+        Self {
+            sublayers: self
+                .sublayers
+                .into_iter()
+                .map(|s| s.into_device(device))
+                .collect(),
+        }
+    }
 }
 
 /// What the model returns for one segment.

@@ -9,6 +9,8 @@ use burn::module::{Module, Param};
 use burn::prelude::*;
 use burn::tensor::{Distribution, IndexingUpdateOp};
 
+use crate::device::to_device_via_host;
+
 /// Floor on `c_count` when dividing, as in the official code.
 const MIN_COUNT: f64 = 0.01;
 
@@ -227,6 +229,17 @@ impl<B: Backend> CodebookStats<B> {
             sums: self.sums + other.sums,
             sq_error: self.sq_error + other.sq_error,
             sq_norm: self.sq_norm + other.sq_norm,
+        }
+    }
+
+    /// The same statistics on `device` (to sum those of several devices),
+    /// copied through the host where they move.
+    pub fn into_device(self, device: &B::Device) -> Self {
+        Self {
+            counts: to_device_via_host(self.counts, device),
+            sums: to_device_via_host(self.sums, device),
+            sq_error: to_device_via_host(self.sq_error, device),
+            sq_norm: to_device_via_host(self.sq_norm, device),
         }
     }
 

@@ -296,7 +296,7 @@ pub fn evaluate(
         let scored = map_in_workers(
             work,
             groups,
-            || (),
+            |_| (),
             |_, (rows, state)| -> Result<_, TrainError> {
                 let BatchTensors {
                     inputs,

@@ -57,26 +57,28 @@ pub struct TrainSummary {
     pub checkpoint: PathBuf,
 }
 
-/// Trains (or continues) the run described by `cfg` on `device` (a plain device).
+/// Trains (or continues) the run described by `cfg` on `devices` (plain
+/// devices of one backend: the model lives on the first, the worker
+/// threads are spread over all; see [`Trainer::new`]).
 pub fn train(
     cfg: &RunConfig,
-    device: &DispatchDevice,
+    devices: &[DispatchDevice],
     opts: &TrainOptions,
 ) -> Result<TrainSummary, TrainError> {
     let corpus = Corpus::open(&cfg.data)?;
     let (rank, nodes) = opts.cluster.as_ref().map_or((0, 1), |c| (c.rank, c.nodes));
     let node_rows = node_rows(cfg, rank, nodes)?;
-    if rank == 0 {
-        prepare_run_dir(cfg, opts)?;
-    }
     let (train_split, valid_split) = (corpus.split(Split::Train), corpus.split(Split::Validation));
     let model = cfg.model_config(corpus.vocab.size());
     let bytes_per_token = train_split.bytes_per_token();
     let mut trainer =
-        Trainer::new(&model, &cfg.train, device, bytes_per_token)?.on_node(rank, nodes);
+        Trainer::new(&model, &cfg.train, devices, bytes_per_token)?.on_node(rank, nodes);
+    if rank == 0 {
+        prepare_run_dir(cfg, opts)?;
+    }
     resume_latest(&mut trainer, opts)?;
     if let Some(spec) = &opts.cluster {
-        trainer.join(Collective::join(spec, device)?, fingerprint(cfg))?;
+        trainer.join(Collective::join(spec, &devices[0])?, fingerprint(cfg))?;
         tracing::info!("node {rank} of {nodes}: joined at {}", spec.coordinator);
     }
     let mut log = match rank {

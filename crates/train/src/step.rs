@@ -7,12 +7,16 @@
 //! are sums over shards, and a node's sums are added to the other nodes'
 //! ([`StepGradients::all_reduce`]).
 
+use std::ops::Range;
 use std::sync::Mutex;
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::DispatchDevice;
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
 use burn::tensor::backend::DeviceOps;
+use tvq_data::Batch;
+use tvq_model::device::to_device_via_host;
 use tvq_model::{CodebookStats, Loss, ModelState};
 
 use crate::batch::BatchTensors;
@@ -21,12 +25,15 @@ use crate::error::TrainError;
 use crate::optim::{B, Model};
 use crate::workers::map_in_workers;
 
-/// One shard of a batch: its rows' tokens and the state they carry from
+/// One shard of a batch: some of its rows and the state they carry from
 /// the previous segment.
-pub struct Shard {
-    /// Inputs, targets and validity, `[R, T]` each.
-    pub tokens: BatchTensors,
-    /// The rows' carried state.
+pub struct Shard<'a> {
+    /// The batch.
+    pub batch: &'a Batch,
+    /// The shard's rows of it.
+    pub rows: Range<usize>,
+    /// The rows' carried state, on any device: it moves to the device the
+    /// shard runs on, and the next state stays there.
     pub state: ModelState<B>,
 }
 
@@ -61,7 +68,8 @@ pub struct StepGradients {
     /// Codebook statistics of every sublayer, summed over shards.
     pub stats: Vec<CodebookStats<B>>,
     /// Each shard's state after the segment (detached by the model), in
-    /// shard order; never reduced (each node carries its own shards).
+    /// shard order, on the device the shard ran on; never reduced (each
+    /// node carries its own shards).
     pub states: Vec<ModelState<B>>,
 }
 
@@ -73,61 +81,96 @@ struct ShardResult {
     state: ModelState<B>,
 }
 
+/// The passes of shard `i` on `fork` (on its worker's device). Gradients
+/// and statistics come back on `home`, the device of the model stepped.
 fn run_shard(
-    model: &Model,
+    fork: &Model,
     (i, shard): (usize, Shard),
     plan: ShardPlan,
     draw: &Mutex<()>,
     commit_weight: f64,
+    home: &DispatchDevice,
 ) -> Result<ShardResult, TrainError> {
+    let device = fork.embedding.weight.device();
     let BatchTensors {
         inputs,
         targets,
         valid,
-    } = shard.tokens;
+    } = BatchTensors::rows(shard.batch, shard.rows, &device);
     // The backends draw from one generator per device: seeding and drawing
     // happen under one lock, so each shard's masks depend on its seed only.
     let masks = {
         let _lock = draw.lock().unwrap_or_else(|e| e.into_inner());
-        if model.uses_dropout() {
-            let seed = shard_seed(plan.seed, plan.first + i);
-            B::seed(&model.embedding.weight.device(), seed);
+        if fork.uses_dropout() {
+            B::seed(&device, shard_seed(plan.seed, plan.first + i));
         }
-        model.dropout_masks(inputs.dims())
+        fork.dropout_masks(inputs.dims())
     };
-    let out = model.forward_with_masks(inputs, shard.state, Some(valid.clone()), masks)?;
+    let state = shard.state.into_device(&device);
+    let out = fork.forward_with_masks(inputs, state, Some(valid.clone()), masks)?;
     let loss = Loss::new(&out, targets, Some(valid));
     // The step minimises the mean over shards of each shard's mean token loss.
     let objective = loss.total(commit_weight) / plan.total as f64;
+    let mut grads = GradientsParams::from_grads(objective.backward(), fork);
+    let mut stats = out.stats;
+    if device != *home {
+        let mut flat = vec![];
+        let shapes = flatten_grads(fork, &mut grads, &mut flat);
+        grads = unflatten_grads(fork, shapes, &mut Pieces(&flat), home.inner());
+        stats = stats.into_iter().map(|s| s.into_device(home)).collect();
+    }
     Ok(ShardResult {
         ce: loss.ce.into_scalar().elem(),
         commitment: loss.commitment.into_scalar().elem(),
-        grads: GradientsParams::from_grads(objective.backward(), model),
-        stats: out.stats,
+        grads,
+        stats,
         state: out.state,
     })
 }
 
-/// Runs the forward and backward passes of `shards` on `workers` threads
-/// ([`map_in_workers`]), each on its own fork of the model: a fork has its
-/// own autodiff graph and the same parameter ids, so the gradients line up.
-/// Summing in shard order makes the result independent of `workers` (it
-/// depends on the shards only).
+/// `model` forked onto `device` (an autodiff graph of its own, the same
+/// parameter ids), its weights copied through the host when they move
+/// ([`to_device_via_host`]).
+fn fork_onto(model: &Model, device: &DispatchDevice) -> Model {
+    struct ViaHost<'a>(&'a DispatchDevice);
+    impl ModuleMapper<B> for ViaHost<'_> {
+        fn map_float<const D: usize>(&mut self, p: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            p.map(|t| {
+                let trained = t.is_require_grad();
+                let t = to_device_via_host(t.detach(), self.0);
+                if trained { t.require_grad() } else { t }
+            })
+        }
+    }
+    if model.embedding.weight.device() == *device {
+        model.clone().fork(device)
+    } else {
+        model.clone().map(&mut ViaHost(device))
+    }
+}
+
+/// Runs the forward and backward passes of `shards` on one worker thread
+/// per entry of `devices` (autodiff devices; [`map_in_workers`] gives
+/// worker `w` shards `w`, `w + workers`, ...), each on its own fork of the
+/// model on its device: a fork has its own autodiff graph and the same
+/// parameter ids, so the gradients line up. They are summed on the
+/// model's device in shard order, which makes the result independent of
+/// the number of workers (it depends on the shards only).
 pub fn compute_gradients(
     model: &Model,
     shards: Vec<Shard>,
     plan: ShardPlan,
-    workers: usize,
+    devices: &[DispatchDevice],
     commit_weight: f64,
 ) -> Result<StepGradients, TrainError> {
     let n = shards.len();
     let draw = Mutex::new(());
-    let device = model.embedding.weight.device();
+    let home = model.embedding.weight.device();
     let results = map_in_workers(
         shards.into_iter().enumerate().collect(),
-        workers,
-        || model.clone().fork(&device),
-        |fork, shard| run_shard(fork, shard, plan, &draw, commit_weight),
+        devices.len(),
+        |w| fork_onto(model, &devices[w]),
+        |fork, shard| run_shard(fork, shard, plan, &draw, commit_weight, &home),
     )?;
     let mut accumulator = GradientsAccumulator::<Model>::new();
     let (mut ce_sum, mut commitment_sum) = (0f32, 0f32);
@@ -192,12 +235,12 @@ fn unflatten_grads(
     model: &Model,
     shapes: Vec<Option<Vec<usize>>>,
     pieces: &mut Pieces,
-    device: &burn::DispatchDevice,
+    device: &DispatchDevice,
 ) -> GradientsParams {
     struct Unflatten<'a, 'b> {
         shapes: std::vec::IntoIter<Option<Vec<usize>>>,
         pieces: &'a mut Pieces<'b>,
-        device: &'a burn::DispatchDevice,
+        device: &'a DispatchDevice,
         grads: GradientsParams,
     }
     impl ModuleVisitor<B> for Unflatten<'_, '_> {
@@ -227,7 +270,7 @@ pub(crate) fn host_values<const D: usize>(t: &Tensor<B, D>) -> Vec<f32> {
 fn from_values<const D: usize>(
     values: &[f32],
     shape: [usize; D],
-    device: &burn::DispatchDevice,
+    device: &DispatchDevice,
 ) -> Tensor<B, D> {
     Tensor::from_data(TensorData::new(values.to_vec(), shape), device)
 }

@@ -23,9 +23,9 @@ use burn::DispatchDevice;
 use burn::module::AutodiffModule;
 use burn::prelude::*;
 use tvq_data::{Batch, TrainCursor};
+use tvq_model::device::device_name;
 use tvq_model::{ModelState, TransformerVqConfig};
 
-use crate::batch::BatchTensors;
 use crate::checkpoint::{self, TrainerState};
 use crate::collective::Collective;
 use crate::config::TrainSection;
@@ -48,8 +48,10 @@ fn mean(values: impl Iterator<Item = f64>) -> f64 {
 /// Everything a run holds in memory between steps.
 pub struct Trainer {
     settings: TrainSection,
-    /// The autodiff device.
+    /// The autodiff device of the model, the optimizer and the sums.
     device: DispatchDevice,
+    /// The autodiff device of each worker thread (`train.workers` of them).
+    worker_devices: Vec<DispatchDevice>,
     n_sublayers: usize,
     /// Always `Some` between calls; taken while the optimizer consumes it.
     model: Option<Model>,
@@ -69,22 +71,31 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    /// A fresh run of `model` trained with `settings` on `device` (a plain
-    /// device; autodiff is added here). The weights are drawn from
-    /// `settings.seed`. `bytes_per_token` converts bits per token to bits
-    /// per byte in the metrics.
+    /// A fresh run of `model` trained with `settings` on `devices` (plain
+    /// devices of one backend; autodiff is added here). The model, its
+    /// optimizer and the gradient sums live on the first device; the
+    /// `train.workers` worker threads are spread over all of them in turn
+    /// (worker `w` on device `w mod len`), so `train.workers` must be a
+    /// multiple of their number. The weights are drawn from `settings.seed`.
+    /// `bytes_per_token` converts bits per token to bits per byte in the
+    /// metrics.
     pub fn new(
         model: &TransformerVqConfig,
         settings: &TrainSection,
-        device: &DispatchDevice,
+        devices: &[DispatchDevice],
         bytes_per_token: f64,
     ) -> Result<Self, TrainError> {
-        let device = DispatchDevice::autodiff(device.clone());
+        check_devices(devices, settings.workers)?;
+        let worker_devices = (0..settings.workers)
+            .map(|w| DispatchDevice::autodiff(devices[w % devices.len()].clone()))
+            .collect();
+        let device = DispatchDevice::autodiff(devices[0].clone());
         B::seed(&device, settings.seed);
         let net = model.init::<B>(&device)?;
         Ok(Self {
             settings: settings.clone(),
             device,
+            worker_devices,
             n_sublayers: model.n_sublayers(),
             model: Some(net),
             optim: Optimizers::new(settings),
@@ -273,7 +284,8 @@ impl Trainer {
             .into_iter()
             .enumerate()
             .map(|(i, state)| Shard {
-                tokens: BatchTensors::rows(batch, i * rows..(i + 1) * rows, &self.device),
+                batch,
+                rows: i * rows..(i + 1) * rows,
                 state,
             })
             .collect();
@@ -283,8 +295,8 @@ impl Trainer {
             seed: step_seed(self.settings.seed, self.progress.step + 1),
         };
         let model = self.model.as_ref().expect("the model is in place");
-        let t = &self.settings;
-        match compute_gradients(model, shards, plan, t.workers, t.commit_weight) {
+        let commit_weight = self.settings.commit_weight;
+        match compute_gradients(model, shards, plan, &self.worker_devices, commit_weight) {
             Ok(mut g) => {
                 self.states = std::mem::take(&mut g.states);
                 Ok(g)
@@ -388,6 +400,46 @@ impl Trainer {
     }
 }
 
+/// Checks that `devices` can share `workers` threads: at least one, none
+/// twice, all of one backend (a model cannot move between backends with
+/// its autodiff graph), and as many workers on each.
+fn check_devices(devices: &[DispatchDevice], workers: usize) -> Result<(), TrainError> {
+    let error = |key: &str, reason: String| TrainError::Config {
+        key: key.into(),
+        reason,
+    };
+    let Some(first) = devices.first() else {
+        return Err(error("--device", "names no device".into()));
+    };
+    for (i, d) in devices.iter().enumerate() {
+        if devices[..i].contains(d) {
+            return Err(error("--device", format!("names {} twice", device_name(d))));
+        }
+        if std::mem::discriminant(d) != std::mem::discriminant(first) {
+            return Err(error(
+                "--device",
+                format!(
+                    "mixes backends ({} and {}): list devices of one kind, e.g. cuda:0,cuda:1",
+                    device_name(first),
+                    device_name(d)
+                ),
+            ));
+        }
+    }
+    if !workers.is_multiple_of(devices.len()) {
+        return Err(error(
+            "train.workers",
+            format!(
+                "is {workers}, not a multiple of the {} devices: each device runs as many worker threads \
+                 (e.g. --set train.workers={})",
+                devices.len(),
+                devices.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// A hash of every weight's bits, in module order.
 fn weights_hash(model: &Model) -> u64 {
     use burn::module::{ModuleVisitor, Param};
@@ -488,7 +540,7 @@ mod tests {
             ..TrainSection::default()
         };
         let device = DeviceSpec::Cpu.init().unwrap().0;
-        Trainer::new(&tiny(), &settings, &device, 1.0).unwrap()
+        Trainer::new(&tiny(), &settings, &[device], 1.0).unwrap()
     }
 
     fn weights(t: &Trainer) -> Vec<f32> {
@@ -540,6 +592,100 @@ mod tests {
     }
 
     #[test]
+    fn devices_must_be_distinct_of_one_backend_and_share_the_workers_evenly() {
+        use burn::backend::wgpu::WgpuDevice;
+        let (cpu, gpu0, gpu1) = (
+            DispatchDevice::Flex(Default::default()),
+            DispatchDevice::Wgpu(WgpuDevice::DiscreteGpu(0)),
+            DispatchDevice::Wgpu(WgpuDevice::DiscreteGpu(1)),
+        );
+        let reason = |devices: &[DispatchDevice], workers| {
+            check_devices(devices, workers).unwrap_err().to_string()
+        };
+        assert!(check_devices(&[gpu0.clone(), gpu1.clone()], 4).is_ok());
+        assert!(reason(&[], 1).contains("no device"));
+        assert!(reason(&[cpu.clone(), cpu.clone()], 2).contains("names cpu twice"));
+        assert!(reason(&[cpu, gpu0.clone()], 2).contains("mixes backends (cpu and wgpu:0)"));
+        let uneven = reason(&[gpu0, gpu1], 3);
+        assert!(
+            uneven.contains("train.workers") && uneven.contains("not a multiple of the 2 devices")
+        );
+    }
+
+    /// Two wgpu devices (the default adapter and the CPU-type one: Mesa's
+    /// lavapipe, which CI installs, is both), or `None` after a visible
+    /// SKIPPED line where there are none; `TVQ_REQUIRE_WGPU` makes that a
+    /// failure.
+    fn two_wgpu_devices() -> Option<[DispatchDevice; 2]> {
+        use burn::backend::wgpu::WgpuDevice;
+        use tvq_model::device::wgpu_adapter;
+        let pair = [WgpuDevice::DefaultDevice, WgpuDevice::Cpu];
+        if pair.iter().all(|d| wgpu_adapter(d).is_some()) {
+            return Some(pair.map(DispatchDevice::Wgpu));
+        }
+        let message = "two wgpu adapters (default and CPU-type; install Mesa's lavapipe, \
+                       Debian's mesa-vulkan-drivers)";
+        assert!(
+            std::env::var_os("TVQ_REQUIRE_WGPU").is_none(),
+            "no {message}, and TVQ_REQUIRE_WGPU is set"
+        );
+        // Straight to stderr: libtest hides `eprintln!` of a passing test.
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "SKIPPED: no {message}");
+        None
+    }
+
+    #[test]
+    fn workers_on_two_devices_train_like_workers_on_one() {
+        let Some([a, b]) = two_wgpu_devices() else {
+            return;
+        };
+        let settings = TrainSection {
+            workers: 2,
+            lr: 1e-2,
+            warmup_steps: 0,
+            ..TrainSection::default()
+        };
+        let model = TransformerVqConfig {
+            dropout_residual: 0.1,
+            ..tiny()
+        };
+        let run = |devices: &[DispatchDevice]| {
+            let mut t = Trainer::new(&model, &settings, devices, 1.0).unwrap();
+            let losses: Vec<f64> = (0..3)
+                .map(|i| {
+                    t.step(&batch(4, 8, i == 0), TrainCursor::default())
+                        .unwrap()
+                        .loss
+                })
+                .collect();
+            // Each shard's carried state stays on the device it ran on.
+            let device_of = |shard: usize| {
+                let prev = t.states[shard].sublayers[0].prev.as_ref().unwrap();
+                device_name(&prev.k_hat.device())
+            };
+            let ran_on = [device_of(0), device_of(1)];
+            (losses, weights(&t), ran_on)
+        };
+        let (losses_one, weights_one, ran_one) = run(std::slice::from_ref(&a));
+        let (losses_two, weights_two, ran_two) = run(&[a.clone(), b.clone()]);
+        assert_eq!(ran_one, [device_name(&a), device_name(&a)]);
+        assert_eq!(ran_two, [device_name(&a), device_name(&b)]);
+        for (one, two) in losses_one.iter().zip(&losses_two) {
+            assert!(
+                (one - two).abs() <= 1e-5 * one.abs(),
+                "{losses_one:?} {losses_two:?}"
+            );
+        }
+        for (one, two) in weights_one.iter().zip(&weights_two) {
+            assert!(
+                (one - two).abs() <= 1e-5 * one.abs().max(1e-2),
+                "{one} {two}"
+            );
+        }
+    }
+
+    #[test]
     fn clipping_scales_the_global_gradient_norm_down_to_the_limit() {
         let mut t = trainer(1, 1);
         let mut grads = t.gradients(&batch(2, 8, true)).unwrap().grads;
@@ -569,7 +715,7 @@ mod tests {
                 ..TrainSection::default()
             };
             let device = DeviceSpec::Cpu.init().unwrap().0;
-            let mut t = Trainer::new(&tiny(), &settings, &device, 1.0).unwrap();
+            let mut t = Trainer::new(&tiny(), &settings, &[device], 1.0).unwrap();
             let before = table(&t);
             t.step(&batch(2, 8, true), TrainCursor::default()).unwrap();
             let after = table(&t);

@@ -7,13 +7,13 @@
 //! back in shard order whatever the threads' timing.
 
 /// Maps `f` over `items` on `workers` threads and returns the results in
-/// item order. Worker `w` calls `setup` once, then takes items `w`,
+/// item order. Worker `w` calls `setup(w)` once, then takes items `w`,
 /// `w + workers`, ... in order; with one worker everything runs on the
 /// calling thread. The first error (in item order) is returned.
 pub fn map_in_workers<T, C, R, E>(
     items: Vec<T>,
     workers: usize,
-    setup: impl Fn() -> C + Sync,
+    setup: impl Fn(usize) -> C + Sync,
     f: impl Fn(&C, T) -> Result<R, E> + Sync,
 ) -> Result<Vec<R>, E>
 where
@@ -24,7 +24,7 @@ where
     let n = items.len();
     let workers = workers.clamp(1, n.max(1));
     if workers == 1 {
-        let ctx = setup();
+        let ctx = setup(0);
         return items.into_iter().map(|item| f(&ctx, item)).collect();
     }
     let mut queues: Vec<Vec<(usize, T)>> = (0..workers).map(|_| vec![]).collect();
@@ -35,9 +35,10 @@ where
     let mut done: Vec<(usize, Result<R, E>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = queues
             .into_iter()
-            .map(|queue| {
+            .enumerate()
+            .map(|(w, queue)| {
                 scope.spawn(move || {
-                    let ctx = setup();
+                    let ctx = setup(w);
                     queue
                         .into_iter()
                         .map(|(i, item)| (i, f(&ctx, item)))
@@ -64,7 +65,7 @@ mod tests {
             let out = map_in_workers(
                 (0..10).collect(),
                 workers,
-                || std::thread::current().id(),
+                |_| std::thread::current().id(),
                 |_, i: u32| Ok::<_, ()>(i * i),
             )
             .unwrap();
@@ -77,14 +78,16 @@ mod tests {
         let threads = map_in_workers(
             (0..4).collect(),
             2,
-            || std::thread::current().id(),
-            |id, _: u32| Ok::<_, ()>(*id),
+            |w| (w, std::thread::current().id()),
+            |ctx, _: u32| Ok::<_, ()>(*ctx),
         )
         .unwrap();
+        // Worker `w` took items `w` and `w + 2`, on a thread of its own.
+        assert_eq!((threads[0].0, threads[1].0), (0, 1));
         assert_eq!(threads[0], threads[2]);
         assert_eq!(threads[1], threads[3]);
-        assert_ne!(threads[0], threads[1]);
-        assert_ne!(threads[0], std::thread::current().id());
+        assert_ne!(threads[0].1, threads[1].1);
+        assert_ne!(threads[0].1, std::thread::current().id());
     }
 
     #[test]
@@ -92,7 +95,7 @@ mod tests {
         let out = map_in_workers(
             (0..6).collect(),
             3,
-            || (),
+            |_| (),
             |_, i: u32| if i >= 2 { Err(i) } else { Ok(i) },
         );
         assert_eq!(out, Err(2));
