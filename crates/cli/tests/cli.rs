@@ -8,8 +8,15 @@ use std::time::{Duration, Instant};
 
 const TVQ: &str = env!("CARGO_BIN_EXE_tvq");
 
+/// This crate's directory, read when the test runs: a test binary reused
+/// from a build of another checkout into the same target directory would
+/// otherwise read that checkout's files.
+fn crate_dir() -> PathBuf {
+    PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("tests run by cargo"))
+}
+
 fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+    crate_dir().join("../..")
 }
 
 /// A tiny run on a slice of the KJV: a few hundred milliseconds a step.
@@ -843,10 +850,7 @@ fn copy_tree(from: &Path, to: &Path) {
 fn a_run_written_by_an_earlier_version_evaluates_and_resumes() {
     let dir = tempfile::tempdir().unwrap();
     let run = dir.path().join("run");
-    copy_tree(
-        &Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/run-format-1"),
-        &run,
-    );
+    copy_tree(&crate_dir().join("tests/fixtures/run-format-1"), &run);
     let corpus = dir.path().join("kjv-small.txt");
     let text = std::fs::read(repo().join("data/kjv.txt")).unwrap();
     std::fs::write(&corpus, &text[..400_000]).unwrap();

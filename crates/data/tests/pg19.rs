@@ -7,8 +7,13 @@ use tvq_data::{
     Vocab, train_tokenizer,
 };
 
+/// The sample shipped in `data/`, found from this crate's directory as cargo
+/// gives it when the test runs: `env!` would bake in the directory of the
+/// checkout that built the binary, which another checkout sharing the
+/// target directory may have reused.
 fn sample() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/pg19-sample")
+    let crate_dir = std::env::var_os("CARGO_MANIFEST_DIR").expect("tests run by cargo");
+    Path::new(&crate_dir).join("../../data/pg19-sample")
 }
 
 /// A copy of the sample in a temporary directory (caches are written beside the corpus).

@@ -18,7 +18,12 @@ use crate::common::*;
 fn fixture_root() -> PathBuf {
     std::env::var_os("TVQ_FIXTURES")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"))
+        // At run time, not build time: another checkout sharing the target
+        // directory may have built this binary.
+        .or_else(|| {
+            std::env::var_os("CARGO_MANIFEST_DIR").map(|d| Path::new(&d).join("tests/fixtures"))
+        })
+        .expect("tests run by cargo")
 }
 
 fn fixture_dirs() -> Vec<PathBuf> {
