@@ -242,10 +242,11 @@ pub struct ImportArgs {
 /// Options of `tvq plot`.
 #[derive(Args, Debug)]
 pub struct PlotArgs {
-    /// Run directory holding metrics.jsonl (training may still be going on).
-    #[arg(long)]
-    run_dir: PathBuf,
-    /// PNG to write [default: RUN_DIR/loss.png].
+    /// Run directory holding metrics.jsonl (training may still be going on);
+    /// repeat it to compare several runs on one chart.
+    #[arg(long, required = true)]
+    run_dir: Vec<PathBuf>,
+    /// PNG to write [default, for one run: RUN_DIR/loss.png].
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -672,8 +673,19 @@ pub fn run_import(args: ImportArgs) -> Result<()> {
 
 /// Runs `tvq plot`.
 pub fn run_plot(args: PlotArgs) -> Result<()> {
-    let out = args.out.unwrap_or_else(|| args.run_dir.join("loss.png"));
-    tvq_train::plot::plot_run(&args.run_dir, &out)?;
+    let out = match (args.out, args.run_dir.as_slice()) {
+        (out, [one]) => {
+            let out = out.unwrap_or_else(|| one.join("loss.png"));
+            tvq_train::plot::plot_run(one, &out)?;
+            out
+        }
+        (Some(out), several) => {
+            let dirs: Vec<&Path> = several.iter().map(PathBuf::as_path).collect();
+            tvq_train::plot::plot_runs(&dirs, &out)?;
+            out
+        }
+        (None, _) => bail!("--out is needed to compare several runs (where should the chart go?)"),
+    };
     println!("wrote {}", out.display());
     Ok(())
 }

@@ -339,6 +339,20 @@ fn eval_sample_and_export_on_a_trained_run() {
         replot.to_str().unwrap(),
     ]);
     assert!(replot.exists(), "tvq plot draws on demand");
+    // Several runs (here the same one twice) on one chart need --out.
+    fails(&["plot", "--run-dir", run_s, "--run-dir", run_s], "--out");
+    let compared = dir.path().join("compared.png");
+    let compared_s = compared.to_str().unwrap();
+    ok(&[
+        "plot",
+        "--run-dir",
+        run_s,
+        "--run-dir",
+        run_s,
+        "--out",
+        compared_s,
+    ]);
+    assert!(compared.exists(), "tvq plot compares runs");
 
     let report: serde_json::Value =
         serde_json::from_str(&ok(&["eval", "--checkpoint", run_s, "--json"])).unwrap();

@@ -3,7 +3,8 @@
 //! Training bits per byte per step (faint) with its moving average, the
 //! periodic validation points and the final full validation, against the
 //! optimizer step. The trainer draws `loss.png` into the run directory at the
-//! end of a run; `tvq plot` draws it on demand (also mid-run).
+//! end of a run; `tvq plot` draws it on demand (also mid-run), or the curves
+//! of several runs on one chart to compare them ([`plot_runs`]).
 
 use std::path::Path;
 use std::sync::Once;
@@ -66,6 +67,15 @@ impl Curves {
         Ok(curves)
     }
 
+    /// The periodic validations, then the final one.
+    fn evals(&self) -> Vec<(u64, f64)> {
+        self.validation
+            .iter()
+            .chain(self.final_validation.iter())
+            .copied()
+            .collect()
+    }
+
     /// The mean of the last [`SMOOTHING`] training points at each step.
     pub fn smoothed_train(&self) -> Vec<(u64, f64)> {
         let mut sum = 0.0;
@@ -83,19 +93,23 @@ impl Curves {
     }
 }
 
-/// Draws the curves of the run in `run_dir` (its `metrics.jsonl`) to the PNG
-/// `out`, titled with the run directory's name.
-pub fn plot_run(run_dir: &Path, out: &Path) -> Result<(), TrainError> {
-    let title = run_dir
+/// A run directory's name, for titles and legends.
+fn run_name(run_dir: &Path) -> String {
+    run_dir
         .canonicalize()
         .ok()
         .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
-        .unwrap_or_else(|| "tvq".into());
-    plot_metrics(&run_dir.join("metrics.jsonl"), out, &title)
+        .unwrap_or_else(|| "tvq".into())
 }
 
-/// Draws the curves of `metrics` (a `metrics.jsonl`) to the PNG `out`, titled `title`.
-pub fn plot_metrics(metrics: &Path, out: &Path, title: &str) -> Result<(), TrainError> {
+/// Draws the curves of the run in `run_dir` (its `metrics.jsonl`) to the PNG
+/// `out`, titled with the run directory's name.
+pub fn plot_run(run_dir: &Path, out: &Path) -> Result<(), TrainError> {
+    plot_metrics(&run_dir.join("metrics.jsonl"), out, &run_name(run_dir))
+}
+
+/// The curves of `metrics`, which must hold at least one training step.
+fn read_nonempty(metrics: &Path) -> Result<Curves, TrainError> {
     let curves = Curves::read(metrics)?;
     if curves.train.is_empty() {
         return Err(TrainError::Plot {
@@ -103,8 +117,32 @@ pub fn plot_metrics(metrics: &Path, out: &Path, title: &str) -> Result<(), Train
             reason: "no training steps recorded yet".into(),
         });
     }
+    Ok(curves)
+}
+
+/// Draws the curves of `metrics` (a `metrics.jsonl`) to the PNG `out`, titled `title`.
+pub fn plot_metrics(metrics: &Path, out: &Path, title: &str) -> Result<(), TrainError> {
+    let curves = read_nonempty(metrics)?;
+    write_png(out, |root| draw(&curves, root, title))
+}
+
+/// Draws the runs in `run_dirs` on one chart in the PNG `out`, one colour
+/// each, named by their directories: the moving average of the training
+/// loss as a line, the validations as dots joined by a thin line.
+pub fn plot_runs(run_dirs: &[&Path], out: &Path) -> Result<(), TrainError> {
+    let runs = run_dirs
+        .iter()
+        .map(|dir| Ok((run_name(dir), read_nonempty(&dir.join("metrics.jsonl"))?)))
+        .collect::<Result<Vec<_>, TrainError>>()?;
+    write_png(out, |root| draw_comparison(&runs, root))
+}
+
+fn write_png(
+    out: &Path,
+    draw: impl FnOnce(&DrawingArea<BitMapBackend, plotters::coord::Shift>) -> Result<(), String>,
+) -> Result<(), TrainError> {
     let root = BitMapBackend::new(out, SIZE).into_drawing_area();
-    draw(&curves, &root, title)
+    draw(&root)
         .and_then(|()| root.present().map_err(|e| e.to_string()))
         .map_err(|reason| TrainError::Plot {
             path: out.to_path_buf(),
@@ -199,37 +237,41 @@ pub fn plot_by_position(
 /// Width and height of the PNG in pixels.
 pub const SIZE: (u32, u32) = (960, 540);
 
-/// Draws `curves` onto `root` (any plotters backend).
-fn draw<DB: DrawingBackend>(
-    curves: &Curves,
-    root: &DrawingArea<DB, plotters::coord::Shift>,
-    title: &str,
-) -> Result<(), String> {
-    register_the_font();
-    let smoothed = curves.smoothed_train();
-    let evals: Vec<(u64, f64)> = curves
-        .validation
-        .iter()
-        .chain(curves.final_validation.iter())
-        .copied()
-        .collect();
+/// The x and y ranges that show `curves`: every step, and the smoothed
+/// training curves and validations (not the raw first steps, ~8 bits per
+/// byte, which would flatten everything after them), padded by 5%.
+fn ranges<'a>(curves: impl Iterator<Item = &'a Curves> + Clone) -> (u64, f64, f64) {
     let last_step = curves
-        .train
-        .iter()
-        .chain(&evals)
-        .map(|p| p.0)
+        .clone()
+        .flat_map(|c| c.train.iter().chain(&c.validation).map(|p| p.0))
         .max()
         .unwrap_or(1)
         .max(1);
-    // The y range follows the smoothed curve and the validations, so the
-    // first steps (~8 bits per byte) do not flatten everything after them.
-    let ys = smoothed.iter().chain(&evals).map(|p| p.1);
+    let ys = curves.flat_map(|c| {
+        let mut ys: Vec<f64> = c.smoothed_train().iter().map(|p| p.1).collect();
+        ys.extend(c.evals().iter().map(|p| p.1));
+        ys
+    });
     let (lo, hi) = ys.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), y| {
         (lo.min(y), hi.max(y))
     });
     let pad = ((hi - lo) * 0.05).max(0.01);
-    let (lo, hi) = ((lo - pad).max(0.0), hi + pad);
+    (last_step, (lo - pad).max(0.0), hi + pad)
+}
 
+type Chart<'a, DB> = ChartContext<
+    'a,
+    DB,
+    Cartesian2d<plotters::coord::types::RangedCoordu64, plotters::coord::types::RangedCoordf64>,
+>;
+
+/// A white chart titled `title` with labelled axes over the given ranges.
+fn chart<'a, DB: DrawingBackend>(
+    root: &'a DrawingArea<DB, plotters::coord::Shift>,
+    title: &str,
+    (last_step, lo, hi): (u64, f64, f64),
+) -> Result<Chart<'a, DB>, String> {
+    register_the_font();
     let err = |e: &dyn std::fmt::Display| e.to_string();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let mut chart = ChartBuilder::on(root)
@@ -246,6 +288,29 @@ fn draw<DB: DrawingBackend>(
         .light_line_style(WHITE.mix(0.0))
         .draw()
         .map_err(|e| err(&e))?;
+    Ok(chart)
+}
+
+fn legend<'a, DB: DrawingBackend + 'a>(chart: &mut Chart<'a, DB>) -> Result<(), String> {
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK.mix(0.3))
+        .label_font(("sans-serif", 16))
+        .draw()
+        .map_err(|e| e.to_string())
+}
+
+/// Draws `curves` onto `root` (any plotters backend).
+fn draw<DB: DrawingBackend>(
+    curves: &Curves,
+    root: &DrawingArea<DB, plotters::coord::Shift>,
+    title: &str,
+) -> Result<(), String> {
+    let (last_step, lo, hi) = ranges(std::iter::once(curves));
+    let mut chart = chart(root, title, (last_step, lo, hi))?;
+    let err = |e: &dyn std::fmt::Display| e.to_string();
     let faint = BLUE.mix(0.25);
     chart
         .draw_series(LineSeries::new(
@@ -256,10 +321,14 @@ fn draw<DB: DrawingBackend>(
         .label("train, per step")
         .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], faint));
     chart
-        .draw_series(LineSeries::new(smoothed, BLUE.stroke_width(2)))
+        .draw_series(LineSeries::new(
+            curves.smoothed_train(),
+            BLUE.stroke_width(2),
+        ))
         .map_err(|e| err(&e))?
         .label(format!("train, {SMOOTHING}-step mean"))
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLUE.stroke_width(2)));
+    let evals = curves.evals();
     if !evals.is_empty() {
         chart
             .draw_series(LineSeries::new(evals.clone(), RED.stroke_width(2)))
@@ -270,15 +339,49 @@ fn draw<DB: DrawingBackend>(
             .draw_series(evals.iter().map(|&p| Circle::new(p, 4, RED.filled())))
             .map_err(|e| err(&e))?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK.mix(0.3))
-        .label_font(("sans-serif", 16))
-        .draw()
-        .map_err(|e| err(&e))?;
-    Ok(())
+    legend(&mut chart)
+}
+
+/// Colours of the runs of a comparison, in order (then again).
+const RUN_COLOURS: [RGBColor; 6] = [
+    RGBColor(31, 119, 180),
+    RGBColor(214, 39, 40),
+    RGBColor(44, 160, 44),
+    RGBColor(148, 103, 189),
+    RGBColor(255, 127, 14),
+    RGBColor(23, 190, 207),
+];
+
+/// Draws several named runs onto `root`: per run, the smoothed training
+/// curve (thick) and the validations (dots on a thin line), in its colour.
+fn draw_comparison<DB: DrawingBackend>(
+    runs: &[(String, Curves)],
+    root: &DrawingArea<DB, plotters::coord::Shift>,
+) -> Result<(), String> {
+    let title = format!("training ({SMOOTHING}-step mean) and validation (dots)");
+    let mut chart = chart(root, &title, ranges(runs.iter().map(|(_, c)| c)))?;
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+    for (i, (name, curves)) in runs.iter().enumerate() {
+        let colour = RUN_COLOURS[i % RUN_COLOURS.len()];
+        chart
+            .draw_series(LineSeries::new(
+                curves.smoothed_train(),
+                colour.stroke_width(2),
+            ))
+            .map_err(|e| err(&e))?
+            .label(name.as_str())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], colour.stroke_width(2))
+            });
+        let evals = curves.evals();
+        chart
+            .draw_series(LineSeries::new(evals.clone(), colour.stroke_width(1)))
+            .map_err(|e| err(&e))?;
+        chart
+            .draw_series(evals.iter().map(|&p| Circle::new(p, 4, colour.filled())))
+            .map_err(|e| err(&e))?;
+    }
+    legend(&mut chart)
 }
 
 #[cfg(test)]
@@ -364,6 +467,38 @@ mod tests {
             ..Curves::default()
         });
         assert_eq!(red, 0, "no validation, nothing red");
+    }
+
+    #[test]
+    fn a_comparison_draws_every_run_in_its_colour() {
+        // Pixels of exactly `colour` in a comparison of `runs`.
+        let count = |runs: &[(String, Curves)], colour: RGBColor| {
+            let (w, h) = SIZE;
+            let mut buf = vec![0u8; (w * h * 3) as usize];
+            {
+                let root = BitMapBackend::with_buffer(&mut buf, SIZE).into_drawing_area();
+                draw_comparison(runs, &root).unwrap();
+                root.present().unwrap();
+            }
+            buf.chunks(3)
+                .filter(|p| (p[0], p[1], p[2]) == (colour.0, colour.1, colour.2))
+                .count()
+        };
+        let run = |scale: f64| Curves {
+            train: (1..=200).map(|i| (i, scale / (i as f64).sqrt())).collect(),
+            validation: vec![(100, scale * 0.1), (200, scale * 0.07)],
+            final_validation: None,
+        };
+        let one = vec![("a".to_string(), run(8.0))];
+        let two = vec![("a".to_string(), run(8.0)), ("b".to_string(), run(4.0))];
+        let [first, second] = [RUN_COLOURS[0], RUN_COLOURS[1]];
+        assert!(count(&one, first) > 300);
+        assert_eq!(count(&one, second), 0, "one run, one colour");
+        assert!(count(&two, first) > 300);
+        assert!(
+            count(&two, second) > 300,
+            "the second run is drawn in the second colour"
+        );
     }
 
     #[test]
