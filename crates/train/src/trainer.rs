@@ -401,8 +401,9 @@ impl Trainer {
 }
 
 /// Checks that `devices` can share `workers` threads: at least one, none
-/// twice, all of one backend (a model cannot move between backends with
-/// its autodiff graph), and as many workers on each.
+/// twice, all of one backend (shards are equal, so a CPU next to a GPU
+/// would make the GPU wait every step; and the mix is not tested), and as
+/// many workers on each.
 fn check_devices(devices: &[DispatchDevice], workers: usize) -> Result<(), TrainError> {
     let error = |key: &str, reason: String| TrainError::Config {
         key: key.into(),
