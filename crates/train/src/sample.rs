@@ -78,20 +78,12 @@ pub fn prefill(
     eos: u32,
     prompt: &[u32],
 ) -> Result<(Vec<f32>, ModelState<B>), TrainError> {
-    prefill_in_chunks(model, eos, prompt, PREFILL_CHUNK)
+    prefill_rows(model, eos, &[prompt], PREFILL_CHUNK)
 }
 
-fn prefill_in_chunks(
-    model: &TransformerVq<B>,
-    eos: u32,
-    prompt: &[u32],
-    chunk: usize,
-) -> Result<(Vec<f32>, ModelState<B>), TrainError> {
-    prefill_rows(model, eos, &[prompt], chunk)
-}
-
-/// [`prefill`] of several prompts of the same length, one batch row each:
-/// the logits `[rows * vocab]` and the state of the rows.
+/// [`prefill`] of several prompts of the same length, one batch row each,
+/// in chunks of up to `chunk` tokens: the logits `[rows * vocab]` and the
+/// state of the rows.
 fn prefill_rows(
     model: &TransformerVq<B>,
     eos: u32,
@@ -391,7 +383,7 @@ mod tests {
             for n in [0, l - 2, l - 1, l, 2 * l + 1, 3 * l - 1, 9 * l + 2] {
                 let prompt = &text[..n];
                 // Chunks of two blocks: the state also carries between chunks.
-                let (fast, fast_state) = prefill_in_chunks(&model, 1, prompt, 2 * l).unwrap();
+                let (fast, fast_state) = prefill_rows(&model, 1, &[prompt], 2 * l).unwrap();
                 let one_chunk = prefill(&model, 1, prompt).unwrap().0;
                 assert!(
                     worst(&one_chunk, &fast) <= 1e-5,
