@@ -27,6 +27,9 @@ pub enum TrainError {
         /// What is wrong.
         reason: String,
     },
+    /// The `--device` list cannot be used for training.
+    #[error("--device {0}")]
+    Devices(String),
     /// The corpus cannot be used.
     #[error(transparent)]
     Data(#[from] tvq_data::DataError),

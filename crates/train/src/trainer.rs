@@ -405,38 +405,34 @@ impl Trainer {
 /// would make the GPU wait every step; and the mix is not tested), and as
 /// many workers on each.
 fn check_devices(devices: &[DispatchDevice], workers: usize) -> Result<(), TrainError> {
-    let error = |key: &str, reason: String| TrainError::Config {
-        key: key.into(),
-        reason,
-    };
     let Some(first) = devices.first() else {
-        return Err(error("--device", "names no device".into()));
+        return Err(TrainError::Devices("names no device".into()));
     };
     for (i, d) in devices.iter().enumerate() {
         if devices[..i].contains(d) {
-            return Err(error("--device", format!("names {} twice", device_name(d))));
+            return Err(TrainError::Devices(format!(
+                "names {} twice",
+                device_name(d)
+            )));
         }
         if std::mem::discriminant(d) != std::mem::discriminant(first) {
-            return Err(error(
-                "--device",
-                format!(
-                    "mixes backends ({} and {}): list devices of one kind, e.g. cuda:0,cuda:1",
-                    device_name(first),
-                    device_name(d)
-                ),
-            ));
+            return Err(TrainError::Devices(format!(
+                "mixes backends ({} and {}): list devices of one kind, e.g. cuda:0,cuda:1",
+                device_name(first),
+                device_name(d)
+            )));
         }
     }
     if !workers.is_multiple_of(devices.len()) {
-        return Err(error(
-            "train.workers",
-            format!(
+        return Err(TrainError::Config {
+            key: "train.workers".into(),
+            reason: format!(
                 "is {workers}, not a multiple of the {} devices: each device runs as many worker threads \
                  (e.g. --set train.workers={})",
                 devices.len(),
                 devices.len()
             ),
-        ));
+        });
     }
     Ok(())
 }
@@ -610,7 +606,10 @@ mod tests {
         };
         assert!(check_devices(&[gpu0.clone(), gpu1.clone()], 4).is_ok());
         assert!(reason(&[], 1).contains("no device"));
-        assert!(reason(&[cpu.clone(), cpu.clone()], 2).contains("names cpu twice"));
+        assert_eq!(
+            reason(&[cpu.clone(), cpu.clone()], 2),
+            "--device names cpu twice"
+        );
         assert!(reason(&[cpu, gpu0.clone()], 2).contains("mixes backends (cpu and wgpu:0)"));
         let uneven = reason(&[gpu0, gpu1], 3);
         assert!(
