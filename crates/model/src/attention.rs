@@ -193,10 +193,17 @@ impl<B: Backend> CompressedCache<B> {
 
 /// Windowed rotary position (ReRoPE-style): the score of query `i` and key
 /// `j` is `q_i . R(min(i - j, L)) k_j`, where `R(d)` turns each feature
-/// pair `(m, m + K/2)` by `d * base^(-2m/K)` (the rotary embedding, whose
-/// scores depend on `i - j` only), clipped at the block length. Every key
-/// farther than `L` sees position `L`: its score is `R(L)^T q . k`, one
-/// turned query for the whole compressed cache, so attention stays linear.
+/// pair `(m, m + K/2)` by `d theta_m` (the rotary embedding, whose scores
+/// depend on `i - j` only), clipped at the block length. Every key farther
+/// than `L` sees position `L`: its score is `R(L)^T q . k`, one turned
+/// query for the whole compressed cache, so attention stays linear.
+///
+/// The frequencies fit the window rather than a long context: `theta_m`
+/// runs geometrically from 1 radian per token down to `pi / L`, so the
+/// slowest pair turns half a turn across the window (its cosine falls
+/// monotonically over every distance the window can tell apart) and no
+/// pair is wasted on angles that barely move within `L` tokens, as most of
+/// them are with the usual `10000^(-2m/K)` (measured: docs/learning.md).
 ///
 /// In blocks: `R(a) q . R(b) k = q . R(b - a) k`, so for a query at block
 /// offset `i` the present block's key at offset `j` scores `R(i) q . R(j) k`,
@@ -204,17 +211,34 @@ impl<B: Backend> CompressedCache<B> {
 /// `R(L) q . k` beyond, as does the cache.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Rotary {
-    /// Wavelength base of the rotation frequencies.
-    pub base: f64,
-}
-
-impl Default for Rotary {
-    fn default() -> Self {
-        Self { base: 10_000.0 }
-    }
+    /// The window `L`, the block length: the farthest distance told apart.
+    pub window: usize,
 }
 
 impl Rotary {
+    /// How much sharper than `1 / sqrt(K)` the scores are: the queries are
+    /// multiplied by it. Queries and keys are RMS-normalised, so a plain
+    /// `q . k / sqrt(K)` lies within `+-sqrt(K)`, too narrow a range to put
+    /// most of the attention on one of `2L + S` keys; the Toeplitz and XL
+    /// forms get the missing range from their bias terms, the rotary form
+    /// has none (docs/learning.md measures twice their attention entropy).
+    pub const LOGIT_SCALE: f64 = 2.0;
+
+    /// The windowed rotary position for block length `window`.
+    pub fn new(window: usize) -> Self {
+        Self { window }
+    }
+
+    /// `theta_m` of feature pair `m` of `half` pairs, in radians per token:
+    /// from 1 (`m = 0`) down to `pi / L` (`m = half - 1`), geometrically.
+    pub fn frequency(&self, m: usize, half: usize) -> f64 {
+        if half < 2 {
+            return 1.0;
+        }
+        let slowest = std::f64::consts::PI / self.window as f64;
+        slowest.powf(m as f64 / (half - 1) as f64)
+    }
+
     /// `x` `[.., n, K]` (K even) with row `r` turned by `positions[r]`
     /// positions: `x cos + rot_half(x) sin`, `rot_half(x) = [-x2, x1]` for
     /// the halves `x1`, `x2` of the features.
@@ -230,7 +254,7 @@ impl Rotary {
         let (mut cos, mut sin) = (vec![0f32; n * k], vec![0f32; n * k]);
         for (r, p) in positions.iter().enumerate() {
             for m in 0..half {
-                let angle = p * self.base.powf(-2.0 * m as f64 / k as f64);
+                let angle = p * self.frequency(m, half);
                 for col in [m, half + m] {
                     cos[r * k + col] = angle.cos() as f32;
                     sin[r * k + col] = angle.sin() as f32;
@@ -931,13 +955,9 @@ pub fn step_attention<B: Backend>(
 /// `q_i . R(min(i - j, L)) k_j` for every pair, `[B, H, T, T]` (future
 /// pairs included; the caller masks them): `R(i) q . R(j) k` within the
 /// window, `R(L) q . k` beyond it.
-pub fn rotary_scores<B: Backend>(
-    rot: Rotary,
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    block_len: usize,
-) -> Tensor<B, 4> {
+pub fn rotary_scores<B: Backend>(rot: Rotary, q: Tensor<B, 4>, k: Tensor<B, 4>) -> Tensor<B, 4> {
     let [b, h, t, _] = q.dims();
+    let block_len = rot.window;
     let positions: Vec<f64> = (0..t).map(|i| i as f64).collect();
     let near = rot
         .rotate(q.clone(), &positions)
@@ -991,7 +1011,7 @@ pub fn quadratic_attention<B: Backend>(
         .reshape([1, 1, t, t])
         .expand([b, h, t, t]);
     let content = match rotary {
-        Some(rot) => rotary_scores(rot, q, k, l),
+        Some(rot) => rotary_scores(rot, q, k),
         None => q.matmul(k.swap_dims(2, 3)),
     };
     let scores = (content + pos).mask_fill(future, f32::NEG_INFINITY);

@@ -111,7 +111,12 @@ impl<B: Backend> Gau<B> {
         let (h, k, v) = (self.n_head, self.d_k, self.d_v);
         let scale = (k as f64).powf(-0.25); // twice applied: the 1/sqrt(K) of attention
         let x = self.input_norm.forward(x);
-        let q = rms_normalize(split_heads(self.q_proj.forward(x.clone()), h)) * scale;
+        // The rotary form sharpens its scores through the query (`Rotary::LOGIT_SCALE`).
+        let q_scale = match self.rotary() {
+            Some(_) => scale * attention::Rotary::LOGIT_SCALE,
+            None => scale,
+        };
+        let q = rms_normalize(split_heads(self.q_proj.forward(x.clone()), h)) * q_scale;
         // One matmul per column block of the fused weight, rather than slicing
         // its output: slices of the last axis are strided views, and every
         // elementwise op (and the slice's backward) on them is far slower
@@ -157,7 +162,9 @@ impl<B: Backend> Gau<B> {
 
     /// The windowed rotary position, when it is this sublayer's position term.
     fn rotary(&self) -> Option<attention::Rotary> {
-        self.bias.is_rotary().then(attention::Rotary::default)
+        self.bias
+            .is_rotary()
+            .then(|| attention::Rotary::new(self.block_len))
     }
 
     /// Dropout probabilities of this sublayer, with the model's layer drop.

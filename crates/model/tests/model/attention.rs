@@ -158,7 +158,7 @@ impl Problem {
             v: leaf(randn([sh.b, sh.h, sh.t, sh.v], device)),
             bias: leaf(randn(bias_shape, device)),
             quantizer: VectorQuantizer::new(sh.h, sh.s, sh.k, device),
-            rotary: sh.rotary.then(Rotary::default),
+            rotary: sh.rotary.then(|| Rotary::new(sh.l)),
         }
     }
 
@@ -522,10 +522,10 @@ fn straight_through_estimator_and_commitment() {
 fn rotary_scores_are_the_clipped_rotation_pair_by_pair() {
     let device = cpu();
     let (t, k, l) = (11, 6, 4);
-    let rot = Rotary::default();
+    let rot = Rotary::new(l);
     let q = randn([1, 1, t, k], &device);
     let kk = randn([1, 1, t, k], &device);
-    let got = to_vec(rotary_scores(rot, q.clone(), kk.clone(), l));
+    let got = to_vec(rotary_scores(rot, q.clone(), kk.clone()));
     let (q, kk) = (to_vec(q), to_vec(kk));
     let half = k / 2;
     for i in 0..t {
@@ -535,7 +535,9 @@ fn rotary_scores_are_the_clipped_rotation_pair_by_pair() {
             let d = (i as f64 - j as f64).min(l as f64);
             let mut want = 0.0;
             for m in 0..half {
-                let a = -d * rot.base.powf(-2.0 * m as f64 / k as f64);
+                // From 1 radian per token (m = 0) to pi / L (m = half - 1).
+                let theta = (std::f64::consts::PI / l as f64).powf(m as f64 / (half - 1) as f64);
+                let a = -d * theta;
                 let (k1, k2) = (kk[j * k + m] as f64, kk[j * k + half + m] as f64);
                 let (r1, r2) = (k1 * a.cos() - k2 * a.sin(), k2 * a.cos() + k1 * a.sin());
                 want += q[i * k + m] as f64 * r1 + q[i * k + half + m] as f64 * r2;

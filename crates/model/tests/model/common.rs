@@ -102,7 +102,7 @@ pub fn oracle_attention(
         .squeeze_dim::<4>(4); // [B|1, H, T, T]
 
     let content = |k: Tensor<B, 4>| match rotary {
-        Some(rot) => rotary_scores(rot, q.clone(), k, l),
+        Some(rot) => rotary_scores(rot, q.clone(), k),
         None => q.clone().matmul(k.swap_dims(2, 3)),
     };
     let scores_flow = content(k_hat.clone());
