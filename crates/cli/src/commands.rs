@@ -459,7 +459,12 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
             "--attention measures the groups of VQ attention; this model uses the quadratic form"
         );
     }
-    let report = evaluate(&loaded.model, &split, &cfg.eval, &opts)?;
+    let report = evaluate(
+        std::slice::from_ref(&loaded.model),
+        &split,
+        &cfg.eval,
+        &opts,
+    )?;
     if let (Some(path), Some(buckets)) = (&args.by_position, &report.by_position) {
         std::fs::write(path, serde_json::to_vec_pretty(buckets)?)
             .with_context(|| format!("writing {}", path.display()))?;

@@ -120,9 +120,21 @@ pub fn cuda_device_count() -> usize {
 
 /// Initialises the wgpu adapter for `device` and describes it ("name (type,
 /// api)"), or returns `None` when there is none. cubecl panics when no
-/// adapter exists, so the panic is caught and its message silenced.
+/// adapter exists, so the panic is caught and its message silenced. A
+/// device's runtime can be set up once per process (a second set-up
+/// panics too), so each device's answer is remembered.
 pub fn wgpu_adapter(device: &WgpuDevice) -> Option<String> {
     use burn::backend::wgpu::{RuntimeOptions, graphics::AutoGraphicsApi, init_setup};
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static PROBED: OnceLock<Mutex<HashMap<WgpuDevice, Option<String>>>> = OnceLock::new();
+    let mut probed = PROBED
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(found) = probed.get(device) {
+        return found.clone();
+    }
     let hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
     let found = std::panic::catch_unwind(|| {
@@ -131,7 +143,9 @@ pub fn wgpu_adapter(device: &WgpuDevice) -> Option<String> {
         format!("{} ({:?}, {:?})", info.name, info.device_type, info.backend)
     });
     std::panic::set_hook(hook);
-    found.ok()
+    let found = found.ok();
+    probed.insert(device.clone(), found.clone());
+    found
 }
 
 impl DeviceSpec {

@@ -237,13 +237,15 @@ impl EvalReport {
     }
 }
 
-/// Scores `split` with `model` (a plain, non-autodiff model) in batches of
-/// `eval.batch_size` rows of `eval.update_len` tokens ([`EvalBatches`]:
-/// each row walks its own contiguous region of the split). The rows are cut
-/// into up to `opts.workers` groups that run on their own threads
-/// ([`map_in_workers`]), each carrying its own state.
+/// Scores `split` with `models` (copies of one plain, non-autodiff model,
+/// one per device) in batches of `eval.batch_size` rows of
+/// `eval.update_len` tokens ([`EvalBatches`]: each row walks its own
+/// contiguous region of the split). The rows are cut into up to
+/// `opts.workers` groups that run on their own threads
+/// ([`map_in_workers`]), each carrying its own state; group `g` runs on
+/// `models[g mod len]`, where its state stays.
 pub fn evaluate(
-    model: &TransformerVq<B>,
+    models: &[TransformerVq<B>],
     split: &TokenSplit,
     eval: &EvalSection,
     opts: &EvalOptions,
@@ -270,14 +272,15 @@ pub fn evaluate(
             .expect("valid template")
             .progress_chars("=> "),
     );
-    let device = model.embedding.weight.device();
+    let model_of = |group: usize| &models[group % models.len()];
     let per_token = opts.by_position || opts.attention;
     // Rows [start, end) of every batch per group: as even as possible.
     let groups = opts.workers.clamp(1, batch.max(1));
     let bounds: Vec<_> = (0..groups)
         .map(|g| g * batch / groups..(g + 1) * batch / groups)
         .collect();
-    let mut states = vec![model.empty_state(); groups];
+    let empty_states = || (0..groups).map(|g| model_of(g).empty_state()).collect();
+    let mut states: Vec<_> = empty_states();
     let mut positions = PositionTally::new(batch);
     let (mut nll, mut tokens) = (0f64, 0u64);
     for (k, b) in batches.take(n).enumerate() {
@@ -285,24 +288,26 @@ pub fn evaluate(
             .reset_every
             .is_some_and(|e| (k * update_len).is_multiple_of(e));
         if b.reset || reset_now {
-            states = vec![model.empty_state(); groups];
+            states = empty_states();
             positions.restart();
         }
         let work: Vec<_> = bounds
             .iter()
             .cloned()
             .zip(std::mem::take(&mut states))
+            .enumerate()
             .collect();
         let scored = map_in_workers(
             work,
             groups,
             |_| (),
-            |_, (rows, state)| -> Result<_, TrainError> {
+            |_, (group, (rows, state))| -> Result<_, TrainError> {
+                let model = model_of(group);
                 let BatchTensors {
                     inputs,
                     targets,
                     valid,
-                } = BatchTensors::rows(&b, rows, &device);
+                } = BatchTensors::rows(&b, rows, &model.embedding.weight.device());
                 let out = match opts.attention {
                     true => model.forward_with_attention_groups(inputs, state, Some(valid.clone())),
                     false => model.forward(inputs, state, Some(valid.clone())),

@@ -99,7 +99,7 @@ pub fn train(
             workers: cfg.train.workers,
             ..EvalOptions::default()
         };
-        evaluate(&trainer.inference_model(), &valid_split, &cfg.eval, &opts)
+        evaluate(&trainer.inference_models(), &valid_split, &cfg.eval, &opts)
     };
 
     // Alone, an interrupt stops before the next step; over several nodes it

@@ -32,7 +32,7 @@ use crate::config::TrainSection;
 use crate::error::TrainError;
 use crate::metrics::StepMetrics;
 use crate::optim::{B, Model, Optimizers, clip_global_norm, learning_rate};
-use crate::step::{Shard, ShardPlan, StepGradients, compute_gradients};
+use crate::step::{Shard, ShardPlan, StepGradients, compute_gradients, fork_onto};
 
 /// The seed of step `step`'s dropout draws: they depend on (seed, step)
 /// only, so a resumed run draws what an uninterrupted one would.
@@ -50,6 +50,8 @@ pub struct Trainer {
     settings: TrainSection,
     /// The autodiff device of the model, the optimizer and the sums.
     device: DispatchDevice,
+    /// The run's devices (plain), the model's first.
+    devices: Vec<DispatchDevice>,
     /// The autodiff device of each worker thread (`train.workers` of them).
     worker_devices: Vec<DispatchDevice>,
     n_sublayers: usize,
@@ -90,11 +92,21 @@ impl Trainer {
             .map(|w| DispatchDevice::autodiff(devices[w % devices.len()].clone()))
             .collect();
         let device = DispatchDevice::autodiff(devices[0].clone());
-        B::seed(&device, settings.seed);
-        let net = model.init::<B>(&device)?;
+        // The backend's random generator is shared by the process: seeding and
+        // drawing the weights under one lock gives every trainer its seed's
+        // weights, even when several are built at once (as tests do).
+        static SEEDED_INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let net = {
+            let _drawing = SEEDED_INIT
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            B::seed(&device, settings.seed);
+            model.init::<B>(&device)?
+        };
         Ok(Self {
             settings: settings.clone(),
             device,
+            devices: devices.to_vec(),
             worker_devices,
             n_sublayers: model.n_sublayers(),
             model: Some(net),
@@ -248,6 +260,20 @@ impl Trainer {
     /// The model without autodiff, for evaluation.
     pub fn inference_model(&self) -> Model {
         self.model().valid()
+    }
+
+    /// [`Self::inference_model`] on each of the run's devices, in order (the
+    /// first where the model lives): for evaluating on all of them.
+    pub fn inference_models(&self) -> Vec<Model> {
+        let first = self.inference_model();
+        let mut models = vec![];
+        for device in &self.devices {
+            models.push(match models.is_empty() {
+                true => first.clone(),
+                false => fork_onto(&first, device),
+            });
+        }
+        models
     }
 
     /// Steps done, data cursor, best validation, tokens.
@@ -638,6 +664,60 @@ mod tests {
         use std::io::Write;
         let _ = writeln!(std::io::stderr(), "SKIPPED: no {message}");
         None
+    }
+
+    #[test]
+    fn evaluation_on_two_devices_scores_like_one() {
+        use crate::config::EvalSection;
+        use crate::evaluate::{EvalOptions, evaluate};
+        use tvq_data::{Corpus, CorpusKind, DataConfig, Split};
+        let Some([a, b]) = two_wgpu_devices() else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("text.txt");
+        let text: String = (0..600)
+            .map(|i| format!("line {} of {i}\n", i % 7))
+            .collect();
+        std::fs::write(&path, text).unwrap();
+        let corpus = Corpus::open(&DataConfig::new(CorpusKind::Text, &path)).unwrap();
+        let split = corpus.split(Split::Validation);
+        let model = TransformerVqConfig {
+            vocab_size: corpus.vocab.size(),
+            ..tiny()
+        };
+        let settings = TrainSection {
+            workers: 2,
+            ..TrainSection::default()
+        };
+        let eval = EvalSection {
+            batch_size: 4,
+            update_len: 8,
+            ..EvalSection::default()
+        };
+        let opts = EvalOptions {
+            workers: 2,
+            attention: true,
+            ..EvalOptions::default()
+        };
+        let score = |devices: &[DispatchDevice]| {
+            let t = Trainer::new(&model, &settings, devices, 1.0).unwrap();
+            let models = t.inference_models();
+            assert_eq!(models.len(), devices.len(), "one copy per device");
+            for (m, d) in models.iter().zip(devices) {
+                assert_eq!(m.embedding.weight.device(), *d);
+            }
+            evaluate(&models, &split, &eval, &opts).unwrap()
+        };
+        let one = score(std::slice::from_ref(&a));
+        let two = score(&[a, b]);
+        assert!(one.complete && one.tokens > 0 && one.tokens == two.tokens);
+        assert!(
+            (one.loss - two.loss).abs() <= 1e-5 * one.loss,
+            "{} {}",
+            one.loss,
+            two.loss
+        );
     }
 
     #[test]
