@@ -295,8 +295,7 @@ mod tests {
     /// A 13-token model with blocks of 4, 2 heads, drawn from `seed`.
     fn tiny_model(bias: RelativeBias, seed: u64) -> TransformerVq<B> {
         let device = DeviceSpec::Cpu.init().unwrap().0;
-        B::seed(&device, seed);
-        TransformerVqConfig::new(13)
+        let cfg = TransformerVqConfig::new(13)
             .with_d_model(16)
             .with_d_k(8)
             .with_d_v(12)
@@ -304,9 +303,8 @@ mod tests {
             .with_n_head(2)
             .with_n_layer(1)
             .with_block_len(4)
-            .with_bias(bias)
-            .init::<B>(&device)
-            .unwrap()
+            .with_bias(bias);
+        crate::step::seeded_draw(&device, Some(seed), || cfg.init::<B>(&device)).unwrap()
     }
 
     /// Draws from the whole softmax at temperature 1.

@@ -81,13 +81,30 @@ struct ShardResult {
     state: ModelState<B>,
 }
 
+/// `draw()` after seeding `device`'s generator with `seed` (when given).
+/// The backends' generators are shared by the whole process, so seeding and
+/// drawing happen under one process-wide lock: what is drawn depends on the
+/// seed only, whatever other threads (worker threads, trainers built at
+/// once) draw meanwhile.
+pub(crate) fn seeded_draw<R>(
+    device: &DispatchDevice,
+    seed: Option<u64>,
+    draw: impl FnOnce() -> R,
+) -> R {
+    static LOCK: Mutex<()> = Mutex::new(());
+    let _drawing = LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(seed) = seed {
+        B::seed(device, seed);
+    }
+    draw()
+}
+
 /// The passes of shard `i` on `fork` (on its worker's device). Gradients
 /// and statistics come back on `home`, the device of the model stepped.
 fn run_shard(
     fork: &Model,
     (i, shard): (usize, Shard),
     plan: ShardPlan,
-    draw: &Mutex<()>,
     commit_weight: f64,
     home: &DispatchDevice,
 ) -> Result<ShardResult, TrainError> {
@@ -97,15 +114,10 @@ fn run_shard(
         targets,
         valid,
     } = BatchTensors::rows(shard.batch, shard.rows, &device);
-    // The backends draw from one generator per device: seeding and drawing
-    // happen under one lock, so each shard's masks depend on its seed only.
-    let masks = {
-        let _lock = draw.lock().unwrap_or_else(|e| e.into_inner());
-        if fork.uses_dropout() {
-            B::seed(&device, shard_seed(plan.seed, plan.first + i));
-        }
-        fork.dropout_masks(inputs.dims())
-    };
+    let seed = fork
+        .uses_dropout()
+        .then(|| shard_seed(plan.seed, plan.first + i));
+    let masks = seeded_draw(&device, seed, || fork.dropout_masks(inputs.dims()));
     let state = shard.state.into_device(&device);
     let out = fork.forward_with_masks(inputs, state, Some(valid.clone()), masks)?;
     let loss = Loss::new(&out, targets, Some(valid));
@@ -164,13 +176,12 @@ pub fn compute_gradients(
     commit_weight: f64,
 ) -> Result<StepGradients, TrainError> {
     let n = shards.len();
-    let draw = Mutex::new(());
     let home = model.embedding.weight.device();
     let results = map_in_workers(
         shards.into_iter().enumerate().collect(),
         devices.len(),
         |w| fork_onto(model, &devices[w]),
-        |fork, shard| run_shard(fork, shard, plan, &draw, commit_weight, &home),
+        |fork, shard| run_shard(fork, shard, plan, commit_weight, &home),
     )?;
     let mut accumulator = GradientsAccumulator::<Model>::new();
     let (mut ce_sum, mut commitment_sum) = (0f32, 0f32);

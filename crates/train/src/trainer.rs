@@ -32,7 +32,7 @@ use crate::config::TrainSection;
 use crate::error::TrainError;
 use crate::metrics::StepMetrics;
 use crate::optim::{B, Model, Optimizers, clip_global_norm, learning_rate};
-use crate::step::{Shard, ShardPlan, StepGradients, compute_gradients, fork_onto};
+use crate::step::{Shard, ShardPlan, StepGradients, compute_gradients, fork_onto, seeded_draw};
 
 /// The seed of step `step`'s dropout draws: they depend on (seed, step)
 /// only, so a resumed run draws what an uninterrupted one would.
@@ -92,17 +92,7 @@ impl Trainer {
             .map(|w| DispatchDevice::autodiff(devices[w % devices.len()].clone()))
             .collect();
         let device = DispatchDevice::autodiff(devices[0].clone());
-        // The backend's random generator is shared by the process: seeding and
-        // drawing the weights under one lock gives every trainer its seed's
-        // weights, even when several are built at once (as tests do).
-        static SEEDED_INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
-        let net = {
-            let _drawing = SEEDED_INIT
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            B::seed(&device, settings.seed);
-            model.init::<B>(&device)?
-        };
+        let net = seeded_draw(&device, Some(settings.seed), || model.init::<B>(&device))?;
         Ok(Self {
             settings: settings.clone(),
             device,
