@@ -255,15 +255,8 @@ impl Trainer {
     /// [`Self::inference_model`] on each of the run's devices, in order (the
     /// first where the model lives): for evaluating on all of them.
     pub fn inference_models(&self) -> Vec<Model> {
-        let first = self.inference_model();
-        let mut models = vec![];
-        for device in &self.devices {
-            models.push(match models.is_empty() {
-                true => first.clone(),
-                false => fork_onto(&first, device),
-            });
-        }
-        models
+        let model = self.inference_model();
+        self.devices.iter().map(|d| fork_onto(&model, d)).collect()
     }
 
     /// Steps done, data cursor, best validation, tokens.
