@@ -14,6 +14,7 @@ use tvq_model::device::DeviceSpec;
 use tvq_train::collective::ClusterSpec;
 use tvq_train::export::{ExportInfo, export, load_export};
 use tvq_train::optim::{B, Model};
+use tvq_train::step::fork_onto;
 use tvq_train::{
     AttentionShare, EvalOptions, PositionBucket, RunConfig, SampleOptions, TrainOptions,
     checkpoint, evaluate, sample, sample::sample_prompts, train,
@@ -146,11 +147,18 @@ pub struct EvalArgs {
     /// Split to evaluate.
     #[arg(long, value_enum, default_value = "validation")]
     split: SplitArg,
-    /// Device: cpu, wgpu, wgpu:N, cuda or cuda:N.
-    #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
-    device: DeviceSpec,
-    /// Threads that score groups of the batch's rows at once (default: the
-    /// config's train.workers).
+    /// Device: cpu, wgpu, wgpu:N, cuda or cuda:N; a list (cuda:0,cuda:1)
+    /// scores on several devices of one kind, --workers spread over them.
+    #[arg(
+        long,
+        default_value = "cpu",
+        value_delimiter = ',',
+        value_parser = crate::parse_device
+    )]
+    device: Vec<DeviceSpec>,
+    /// Threads that score groups of the batch's rows at once, group g on
+    /// device g mod the number of devices (default: the config's
+    /// train.workers).
     #[arg(long)]
     workers: Option<usize>,
     /// Reset the state every N tokens of each row (a multiple of the config's
@@ -257,15 +265,15 @@ fn init_device(spec: DeviceSpec) -> Result<DispatchDevice> {
     Ok(device)
 }
 
+fn init_devices(specs: &[DeviceSpec]) -> Result<Vec<DispatchDevice>> {
+    specs.iter().map(|&spec| init_device(spec)).collect()
+}
+
 /// Runs `tvq train`.
 pub fn run_train(args: TrainArgs) -> Result<()> {
     let cfg = RunConfig::load(&args.config, &args.overrides)?;
     let cluster = args.cluster()?;
-    let devices = args
-        .device
-        .iter()
-        .map(|&spec| init_device(spec))
-        .collect::<Result<Vec<_>>>()?;
+    let devices = init_devices(&args.device)?;
     let run_dir = args.run_dir.clone().unwrap_or_else(|| {
         let stem = args
             .config
@@ -427,8 +435,8 @@ fn load_for_inference(
 
 /// Runs `tvq eval`.
 pub fn run_eval(args: EvalArgs) -> Result<()> {
-    let device = init_device(args.device)?;
-    let loaded = load_for_inference(&args.checkpoint, args.config.as_deref(), &device)?;
+    let devices = init_devices(&args.device)?;
+    let loaded = load_for_inference(&args.checkpoint, args.config.as_deref(), &devices[0])?;
     let cfg = loaded
         .config
         .context("an export carries no corpus: pass --config naming the data")?;
@@ -459,12 +467,10 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
             "--attention measures the groups of VQ attention; this model uses the quadratic form"
         );
     }
-    let report = evaluate(
-        std::slice::from_ref(&loaded.model),
-        &split,
-        &cfg.eval,
-        &opts,
-    )?;
+    let models: Vec<Model> = (devices.iter())
+        .map(|d| fork_onto(&loaded.model, d))
+        .collect();
+    let report = evaluate(&models, &split, &cfg.eval, &opts)?;
     if let (Some(path), Some(buckets)) = (&args.by_position, &report.by_position) {
         std::fs::write(path, serde_json::to_vec_pretty(buckets)?)
             .with_context(|| format!("writing {}", path.display()))?;

@@ -375,6 +375,12 @@ fn eval_sample_and_export_on_a_trained_run() {
     ]))
     .unwrap();
     assert_eq!(test["split"], "test");
+    // A device list is checked as training checks it (scoring on two
+    // devices is tested in the train crate, on two wgpu adapters).
+    fails(
+        &["eval", "--checkpoint", run_s, "--device", "cpu,cpu"],
+        "--device names cpu twice",
+    );
 
     // Loss by position: buckets that cover every token, the same total, a
     // PNG; with where the attention went, which changes no loss.

@@ -27,7 +27,7 @@ pub enum TrainError {
         /// What is wrong.
         reason: String,
     },
-    /// The `--device` list cannot be used for training.
+    /// The `--device` list cannot be used.
     #[error("--device {0}")]
     Devices(String),
     /// The corpus cannot be used.

@@ -250,6 +250,8 @@ pub fn evaluate(
     eval: &EvalSection,
     opts: &EvalOptions,
 ) -> Result<EvalReport, TrainError> {
+    let devices: Vec<_> = models.iter().map(|m| m.embedding.weight.device()).collect();
+    crate::trainer::check_device_list(&devices)?;
     let (batch, update_len) = (eval.batch_size, eval.update_len);
     if let Some(every) = opts.reset_every
         && (every == 0 || !every.is_multiple_of(update_len))

@@ -142,8 +142,8 @@ fn run_shard(
 
 /// `model` forked onto `device` (an autodiff graph of its own, the same
 /// parameter ids), its weights copied through the host when they move
-/// ([`to_device_via_host`]).
-pub(crate) fn fork_onto(model: &Model, device: &DispatchDevice) -> Model {
+/// ([`to_device_via_host`]): how a model reaches each device of a run.
+pub fn fork_onto(model: &Model, device: &DispatchDevice) -> Model {
     struct ViaHost<'a>(&'a DispatchDevice);
     impl ModuleMapper<B> for ViaHost<'_> {
         fn map_float<const D: usize>(&mut self, p: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {

@@ -409,11 +409,28 @@ impl Trainer {
     }
 }
 
-/// Checks that `devices` can share `workers` threads: at least one, none
-/// twice, all of one backend (shards are equal, so a CPU next to a GPU
-/// would make the GPU wait every step; and the mix is not tested), and as
-/// many workers on each.
+/// Checks that `devices` can share `workers` threads: a valid list
+/// ([`check_device_list`]) with as many workers on each.
 fn check_devices(devices: &[DispatchDevice], workers: usize) -> Result<(), TrainError> {
+    check_device_list(devices)?;
+    if !workers.is_multiple_of(devices.len()) {
+        return Err(TrainError::Config {
+            key: "train.workers".into(),
+            reason: format!(
+                "is {workers}, not a multiple of the {} devices: each device runs as many worker threads \
+                 (e.g. --set train.workers={})",
+                devices.len(),
+                devices.len()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Checks a `--device` list: at least one, none twice, all of one backend
+/// (rows are shared out equally, so a CPU next to a GPU would make the GPU
+/// wait; and the mix is not tested).
+pub(crate) fn check_device_list(devices: &[DispatchDevice]) -> Result<(), TrainError> {
     let Some(first) = devices.first() else {
         return Err(TrainError::Devices("names no device".into()));
     };
@@ -431,17 +448,6 @@ fn check_devices(devices: &[DispatchDevice], workers: usize) -> Result<(), Train
                 device_name(d)
             )));
         }
-    }
-    if !workers.is_multiple_of(devices.len()) {
-        return Err(TrainError::Config {
-            key: "train.workers".into(),
-            reason: format!(
-                "is {workers}, not a multiple of the {} devices: each device runs as many worker threads \
-                 (e.g. --set train.workers={})",
-                devices.len(),
-                devices.len()
-            ),
-        });
     }
     Ok(())
 }
