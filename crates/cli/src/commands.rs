@@ -26,15 +26,8 @@ pub struct TrainArgs {
     /// The run's TOML config (sections [model], [data], [train], [eval]).
     #[arg(long)]
     config: PathBuf,
-    /// Device: cpu, wgpu, wgpu:N, cuda or cuda:N; a list (cuda:0,cuda:1)
-    /// trains on several devices of one kind, train.workers spread over them.
-    #[arg(
-        long,
-        default_value = "cpu",
-        value_delimiter = ',',
-        value_parser = crate::parse_device
-    )]
-    device: Vec<DeviceSpec>,
+    #[command(flatten)]
+    devices: Devices,
     /// Run directory for the config, metrics and checkpoints [default: runs/<config name>].
     #[arg(long)]
     run_dir: Option<PathBuf>,
@@ -147,15 +140,8 @@ pub struct EvalArgs {
     /// Split to evaluate.
     #[arg(long, value_enum, default_value = "validation")]
     split: SplitArg,
-    /// Device: cpu, wgpu, wgpu:N, cuda or cuda:N; a list (cuda:0,cuda:1)
-    /// scores on several devices of one kind, --workers spread over them.
-    #[arg(
-        long,
-        default_value = "cpu",
-        value_delimiter = ',',
-        value_parser = crate::parse_device
-    )]
-    device: Vec<DeviceSpec>,
+    #[command(flatten)]
+    devices: Devices,
     /// Threads that score groups of the batch's rows at once, group g on
     /// device g mod the number of devices (default: the config's
     /// train.workers).
@@ -265,15 +251,32 @@ fn init_device(spec: DeviceSpec) -> Result<DispatchDevice> {
     Ok(device)
 }
 
-fn init_devices(specs: &[DeviceSpec]) -> Result<Vec<DispatchDevice>> {
-    specs.iter().map(|&spec| init_device(spec)).collect()
+/// The `--device` list of `tvq train` and `tvq eval`.
+#[derive(Args, Debug)]
+struct Devices {
+    /// Device: cpu, wgpu, wgpu:N, cuda or cuda:N; a list (cuda:0,cuda:1)
+    /// runs on several devices of one kind, the worker threads spread over
+    /// them.
+    #[arg(
+        long,
+        default_value = "cpu",
+        value_delimiter = ',',
+        value_parser = crate::parse_device
+    )]
+    device: Vec<DeviceSpec>,
+}
+
+impl Devices {
+    fn init(&self) -> Result<Vec<DispatchDevice>> {
+        self.device.iter().map(|&spec| init_device(spec)).collect()
+    }
 }
 
 /// Runs `tvq train`.
 pub fn run_train(args: TrainArgs) -> Result<()> {
     let cfg = RunConfig::load(&args.config, &args.overrides)?;
     let cluster = args.cluster()?;
-    let devices = init_devices(&args.device)?;
+    let devices = args.devices.init()?;
     let run_dir = args.run_dir.clone().unwrap_or_else(|| {
         let stem = args
             .config
@@ -435,7 +438,7 @@ fn load_for_inference(
 
 /// Runs `tvq eval`.
 pub fn run_eval(args: EvalArgs) -> Result<()> {
-    let devices = init_devices(&args.device)?;
+    let devices = args.devices.init()?;
     let loaded = load_for_inference(&args.checkpoint, args.config.as_deref(), &devices[0])?;
     let cfg = loaded
         .config
