@@ -1,5 +1,10 @@
 //! `tvq`: train, evaluate and benchmark Transformer-VQ language models.
 
+// The doc comments of the argument structs are the command line's help
+// text, written for the terminal (`[model]` is a TOML table there, not a
+// link).
+#![allow(rustdoc::broken_intra_doc_links, rustdoc::invalid_html_tags)]
+
 mod bench;
 mod commands;
 mod tokenizer;

@@ -1,8 +1,8 @@
 //! Training, evaluation, sampling and checkpoints for Transformer-VQ.
 //!
 //! [`RunConfig`] is the TOML config; [`train`] runs or resumes a run in a run
-//! directory, one [`Trainer::step`] at a time; [`evaluate`] streams a split
-//! through the model; [`sample`] generates with the recurrent form;
+//! directory, one [`Trainer::step`] at a time; [`evaluate()`] streams a split
+//! through the model; [`sample()`] generates with the recurrent form;
 //! [`export`] writes safetensors.
 
 pub mod batch;

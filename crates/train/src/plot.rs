@@ -21,7 +21,7 @@ use crate::evaluate::PositionBucket;
 static FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
 
 /// Steps in the moving average of the training curve.
-const SMOOTHING: usize = 25;
+pub const SMOOTHING: usize = 25;
 
 /// The points of one run's curves, in bits per byte.
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -57,7 +57,7 @@ pub fn draw(logits: &[f32], temperature: f64, top_p: f64, u: f64) -> u32 {
 
 /// Most tokens the block form reads at once while prefilling (a multiple
 /// of the block length is taken): bounds the memory of a long prompt.
-const PREFILL_CHUNK: usize = 2048;
+pub const PREFILL_CHUNK: usize = 2048;
 
 fn logits_vec(logits: Tensor<B, 3>) -> Vec<f32> {
     logits
