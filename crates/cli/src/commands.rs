@@ -152,6 +152,12 @@ pub struct EvalArgs {
     /// (default: carry it through the row).
     #[arg(long, value_name = "N")]
     reset_every: Option<usize>,
+    /// Weigh at most N keys of each compressed cache, whatever the model
+    /// was trained with (model.cache_limit; 0: no limit): for streams far
+    /// longer than the training sequences, give the most keys a training
+    /// sequence cached (docs/learning.md).
+    #[arg(long, value_name = "N")]
+    cache_limit: Option<usize>,
     /// Also measure the loss by position in the document (log2 buckets):
     /// written as JSON to this file, and drawn to the same name with .png.
     #[arg(long, value_name = "FILE.json")]
@@ -195,6 +201,12 @@ pub struct SampleArgs {
     /// more than one, they are printed when all are done.
     #[arg(long, default_value_t = 1, value_name = "N")]
     num_samples: usize,
+    /// Weigh at most N keys of each compressed cache, whatever the model
+    /// was trained with (model.cache_limit; 0: no limit): for streams far
+    /// longer than the training sequences, give the most keys a training
+    /// sequence cached (docs/learning.md).
+    #[arg(long, value_name = "N")]
+    cache_limit: Option<usize>,
     /// Device: cpu, wgpu, wgpu:N, cuda or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     device: DeviceSpec,
@@ -380,6 +392,15 @@ struct Loaded {
     step: u64,
 }
 
+impl Loaded {
+    /// Applies a `--cache-limit` flag (0: no limit).
+    fn limit_cache(&mut self, flag: Option<usize>) {
+        if let Some(n) = flag {
+            self.model.set_cache_limit((n > 0).then_some(n));
+        }
+    }
+}
+
 /// Loads a checkpoint directory, a run directory's latest checkpoint, or an export.
 fn load_for_inference(
     path: &Path,
@@ -439,7 +460,8 @@ fn load_for_inference(
 /// Runs `tvq eval`.
 pub fn run_eval(args: EvalArgs) -> Result<()> {
     let devices = args.devices.init()?;
-    let loaded = load_for_inference(&args.checkpoint, args.config.as_deref(), &devices[0])?;
+    let mut loaded = load_for_inference(&args.checkpoint, args.config.as_deref(), &devices[0])?;
+    loaded.limit_cache(args.cache_limit);
     let cfg = loaded
         .config
         .context("an export carries no corpus: pass --config naming the data")?;
@@ -552,7 +574,8 @@ pub fn run_sample(args: SampleArgs) -> Result<()> {
         );
     }
     let device = init_device(args.device)?;
-    let loaded = load_for_inference(&args.checkpoint, None, &device)?;
+    let mut loaded = load_for_inference(&args.checkpoint, None, &device)?;
+    loaded.limit_cache(args.cache_limit);
     let texts = match args.prompt.is_empty() {
         true => vec![String::new()],
         false => args.prompt.clone(),

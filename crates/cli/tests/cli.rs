@@ -375,6 +375,20 @@ fn eval_sample_and_export_on_a_trained_run() {
     ]))
     .unwrap();
     assert_eq!(test["split"], "test");
+    // A cache limit as large as a training sequence's cache (128 - 2 x 16
+    // keys) changes nothing within training-length sequences, and changes
+    // the score of rows carried far beyond them; 0 is no limit.
+    let bits = |extra: &[&str]| -> f64 {
+        let args = [&["eval", "--checkpoint", run_s, "--json"], extra].concat();
+        let v: serde_json::Value = serde_json::from_str(&ok(&args)).unwrap();
+        v["bits_per_byte"].as_f64().unwrap()
+    };
+    assert_eq!(
+        bits(&["--reset-every", "128", "--cache-limit", "96"]),
+        bits(&["--reset-every", "128"])
+    );
+    assert_eq!(bits(&["--cache-limit", "0"]), bpb);
+    assert_ne!(bits(&["--cache-limit", "96"]), bpb);
     // A device list is checked as training checks it (scoring on two
     // devices is tested in the train crate, on two wgpu adapters).
     fails(

@@ -349,6 +349,9 @@ pub struct AttentionInput<B: Backend> {
     /// The windowed rotary position, when it is the position term (then
     /// `bias` is all zero).
     pub rotary: Option<Rotary>,
+    /// Most keys the compressed cache weighs ([`cache_limit_bias`];
+    /// `None`: all of them, the paper's cache).
+    pub cache_limit: Option<usize>,
 }
 
 /// One of the two blocks a query attends key by key. For a query at offset
@@ -431,13 +434,14 @@ fn window_scores<B: Backend>(
     }
 }
 
-/// Scores and values of the compressed cache for each block's queries.
-/// `counts` `[B, H, R, S]`, `means` `[B, H, R, S, V]`; returns the scores
-/// `[B, H, R, n, S]` (`q . C_s + ln n_s`, `-inf` where `n_s = 0`).
+/// Scores of the compressed cache for each block's queries, from its
+/// counts `[B, H, R, S]`: `[B, H, R, n, S]`, `q . C_s + ln n_s` (`-inf`
+/// where `n_s = 0`), plus [`cache_limit_bias`] of the `N` keys cached.
 fn cache_scores<B: Backend>(
     q: Tensor<B, 5>,
     codebook: Tensor<B, 3>,
     counts: Tensor<B, 4>,
+    limit: Option<usize>,
 ) -> Tensor<B, 5> {
     let c_t = codebook
         .swap_dims(1, 2)
@@ -445,8 +449,26 @@ fn cache_scores<B: Backend>(
         .unsqueeze_dim::<5>(0); // [1, H, 1, K, S]
     let scores = q.matmul(c_t); // [B, H, R, n, S]
     // ln 0 = -inf masks the empty codes; counts carry no gradient.
-    let log_n = counts.log().unsqueeze_dim::<5>(3); // [B, H, R, 1, S]
-    scores + log_n
+    let mut log_n = counts.clone().log(); // [B, H, R, S]
+    if let Some(limit) = limit {
+        let cached = counts.sum_dim(3); // [B, H, R, 1]: N, the same for every head
+        log_n = log_n - (cached / limit as f64).clamp_min(1.0).log();
+    }
+    scores + log_n.unsqueeze_dim::<5>(3) // [B, H, R, 1, S]
+}
+
+/// The score added to every key of the compressed cache when it holds
+/// `cached` keys: `-ln(max(1, cached / limit))`. Past `limit` keys the
+/// cache's keys together weigh what `limit` of them would, so the cache's
+/// share of the attention stops growing with the stream: models whose
+/// window terms were set for the cache sizes of their training sequences
+/// otherwise lose the window to the cache in far longer streams
+/// (docs/learning.md). `None`: every key weighs in full, the paper's cache.
+pub fn cache_limit_bias(cached: usize, limit: Option<usize>) -> f64 {
+    match limit {
+        Some(limit) if cached > limit => -(cached as f64 / limit as f64).ln(),
+        _ => 0.0,
+    }
 }
 
 /// One softmax over several groups of keys, then the weighted values: each
@@ -783,6 +805,7 @@ fn block_attention_impl<B: Backend>(
         v,
         codebook,
         rotary,
+        cache_limit,
     } = input;
     let [b, h, t, dk] = q.dims();
     let (dv, s, l) = (v.dims()[3], codebook.dims()[1], block_len);
@@ -819,7 +842,7 @@ fn block_attention_impl<B: Backend>(
     // 4: compressed cache by cumulative sum, [B, H, R, S] and [B, H, R, S, V].
     let (cache_counts, cache_means, cache_after) =
         block_caches(carried.cache, &prev, s, cache_grad);
-    let cache_scores = cache_scores(q, codebook, cache_counts.clone()); // [B, H, R, L, S]
+    let cache_scores = cache_scores(q, codebook, cache_counts.clone(), cache_limit); // [B, H, R, L, S]
     let groups = with_groups.then(|| {
         attention_groups(
             present_scores.clone(),
@@ -875,6 +898,7 @@ pub fn step_attention<B: Backend>(
         v,
         codebook,
         rotary,
+        cache_limit,
     } = input;
     let [b, h, t, dk] = q.dims();
     let dv = v.dims()[3];
@@ -921,7 +945,8 @@ pub fn step_attention<B: Backend>(
     let cache = state
         .cache
         .unwrap_or_else(|| CompressedCache::empty(b, h, s, dv, &device));
-    let c_scores = cache_scores(q, codebook, cache.counts.clone().unsqueeze_dim(2)); // [B, H, 1, 1, S]
+    let counts = cache.counts.clone().unsqueeze_dim(2); // [B, H, 1, S]
+    let c_scores = cache_scores(q, codebook, counts, cache_limit); // [B, H, 1, 1, S]
     let out = attend([
         (present_scores, block(&current.v)),
         (prev_scores, block(&prev.v)),
@@ -973,8 +998,9 @@ pub fn rotary_scores<B: Backend>(rot: Rotary, q: Tensor<B, 4>, k: Tensor<B, 4>) 
 }
 
 /// Dense causal softmax attention over unquantized keys with the same
-/// relative bias (or windowed rotary position): the quadratic baseline
-/// (`[B, H, T, T]` scores).
+/// relative bias (or windowed rotary position) and cache limit (on the keys
+/// before the previous block, those the VQ form caches): the quadratic
+/// baseline (`[B, H, T, T]` scores).
 pub fn quadratic_attention<B: Backend>(
     q: Tensor<B, 4>,
     bias: Tensor<B, 4>,
@@ -982,19 +1008,26 @@ pub fn quadratic_attention<B: Backend>(
     v: Tensor<B, 4>,
     block_len: usize,
     rotary: Option<Rotary>,
+    cache_limit: Option<usize>,
 ) -> Tensor<B, 4> {
     let [b, h, t, _] = q.dims();
     let l = block_len;
     let device = q.device();
     let mut distance = Vec::with_capacity(t * t);
     let mut no_bias = Vec::with_capacity(t * t);
+    let mut limit_bias = Vec::with_capacity(t * t);
     for i in 0..t {
+        let cached = (i / l).saturating_sub(1) * l; // keys before the previous block
+        let far = cache_limit_bias(cached, cache_limit) as f32;
         for j in 0..t {
             let d = i as i64 - j as i64;
             distance.push(d.clamp(0, l as i64));
             no_bias.push(!(0..=l as i64).contains(&d));
+            limit_bias.push(if j < cached { far } else { 0.0 });
         }
     }
+    let limit_bias = Tensor::<B, 1>::from_data(TensorData::new(limit_bias, [t * t]), &device)
+        .reshape([1, 1, t, t]);
     let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(distance, [t * t]), &device);
     let no_bias = Tensor::<B, 1, Bool>::from_data(TensorData::new(no_bias, [t * t]), &device)
         .reshape([1, 1, t, t]);
@@ -1014,6 +1047,6 @@ pub fn quadratic_attention<B: Backend>(
         Some(rot) => rotary_scores(rot, q, k),
         None => q.matmul(k.swap_dims(2, 3)),
     };
-    let scores = (content + pos).mask_fill(future, f32::NEG_INFINITY);
+    let scores = (content + pos + limit_bias).mask_fill(future, f32::NEG_INFINITY);
     softmax(scores, 3).matmul(v)
 }

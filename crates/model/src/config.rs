@@ -95,6 +95,17 @@ pub struct TransformerVqConfig {
     pub toeplitz_locality: f64,
     /// Gradient through the caches within a segment.
     pub cache_grad: CacheGrad,
+    /// Most keys the compressed cache weighs: once it holds `N` more, each
+    /// cached key's score drops by `ln(N / cache_limit)`, so the cache's
+    /// share of the attention stays what it was at `cache_limit` keys
+    /// ([`crate::attention::cache_limit_bias`]). Set it to the most keys a
+    /// training sequence puts in the cache (`sequence_len - 2 block_len`
+    /// when the state is reset per sequence) and training is unchanged,
+    /// while streams far longer than the training sequences no longer lose
+    /// the window to the cache (docs/learning.md). Absent: no limit, the
+    /// paper's cache.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_limit: Option<usize>,
     /// Attention form (VQ, or the quadratic baseline).
     pub attention: AttentionForm,
     /// RMS-normalise the features before the output projection (reference name `e_preln`).
@@ -133,6 +144,7 @@ impl Default for TransformerVqConfig {
             bias: RelativeBias::Toeplitz,
             toeplitz_locality: 2.0,
             cache_grad: CacheGrad::Window,
+            cache_limit: None,
             attention: AttentionForm::Vq,
             final_norm: false,
             tie_embeddings: false,
@@ -179,6 +191,7 @@ impl TransformerVqConfig {
         with_bias => bias: RelativeBias,
         with_toeplitz_locality => toeplitz_locality: f64,
         with_cache_grad => cache_grad: CacheGrad,
+        with_cache_limit => cache_limit: Option<usize>,
         with_attention => attention: AttentionForm,
         with_final_norm => final_norm: bool,
         with_tie_embeddings => tie_embeddings: bool,
@@ -204,6 +217,12 @@ impl TransformerVqConfig {
             if value == 0 {
                 return Err(ConfigError::new(key, "must be at least 1"));
             }
+        }
+        if self.cache_limit == Some(0) {
+            return Err(ConfigError::new(
+                "cache_limit",
+                "must be at least 1 (leave it out for no limit)",
+            ));
         }
         if self.n_code < 2 {
             return Err(ConfigError::new(

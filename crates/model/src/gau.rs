@@ -52,12 +52,23 @@ pub struct Gau<B: Backend> {
     pub d_v: usize,
     /// Block length `L`.
     pub block_len: usize,
-    /// Gradient through the caches.
+    /// How the caches are used (from the config, not learned).
     #[module(skip)]
-    pub cache_grad: CacheGrad,
+    pub cache: CacheSettings,
     /// VQ attention or the quadratic baseline.
     #[module(skip)]
     pub form: AttentionForm,
+}
+
+/// How a sublayer uses its caches. Not a parameter: a loaded model's can
+/// be changed ([`crate::TransformerVq::set_cache_limit`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheSettings {
+    /// Gradient through the caches within a segment.
+    pub grad: CacheGrad,
+    /// Most keys the compressed cache weighs
+    /// ([`TransformerVqConfig::cache_limit`]).
+    pub limit: Option<usize>,
 }
 
 /// What a GAU sublayer returns for one segment.
@@ -102,7 +113,10 @@ impl<B: Backend> Gau<B> {
             d_k: k,
             d_v: v,
             block_len: cfg.block_len,
-            cache_grad: cfg.cache_grad,
+            cache: CacheSettings {
+                grad: cfg.cache_grad,
+                limit: cfg.cache_limit,
+            },
             form: cfg.attention,
         }
     }
@@ -214,8 +228,15 @@ impl<B: Backend> Gau<B> {
             if state.pos != 0 || state.prev.is_some() {
                 return Err(ModelError::QuadraticIsStateless);
             }
-            let o =
-                attention::quadratic_attention(q, bias, p.k, p.v, self.block_len, self.rotary());
+            let o = attention::quadratic_attention(
+                q,
+                bias,
+                p.k,
+                p.v,
+                self.block_len,
+                self.rotary(),
+                self.cache.limit,
+            );
             return Ok(GauOutput {
                 out: self.finish(o, p.gate, masks.residual.take()),
                 commitment: Tensor::zeros([b, t], &device),
@@ -234,18 +255,19 @@ impl<B: Backend> Gau<B> {
             v: p.v,
             codebook: self.quantizer.codebook(),
             rotary: self.rotary(),
+            cache_limit: self.cache.limit,
         };
         let (o, state, groups) = if with_groups {
             let a = attention::block_attention_with_groups(
                 input,
                 state,
                 self.block_len,
-                self.cache_grad,
+                self.cache.grad,
             )?;
             (a.out, a.state, a.groups)
         } else {
             let (o, state) =
-                attention::block_attention(input, state, self.block_len, self.cache_grad)?;
+                attention::block_attention(input, state, self.block_len, self.cache.grad)?;
             (o, state, None)
         };
         Ok(GauOutput {
@@ -280,6 +302,7 @@ impl<B: Backend> Gau<B> {
             v: p.v,
             codebook: self.quantizer.codebook(),
             rotary: self.rotary(),
+            cache_limit: self.cache.limit,
         };
         let (o, state) = attention::step_attention(input, state, self.block_len)?;
         Ok((self.finish(o, p.gate, masks.residual.take()), state))

@@ -181,6 +181,16 @@ impl<B: Backend> TransformerVq<B> {
         self.embedding.weight.dims()[0]
     }
 
+    /// Sets every sublayer's cache limit
+    /// ([`crate::TransformerVqConfig::cache_limit`]), e.g. to read a stream
+    /// far longer than the training sequences with a model trained without
+    /// one. It is not a weight: the model computes as if configured so.
+    pub fn set_cache_limit(&mut self, limit: Option<usize>) {
+        for g in &mut self.sublayers {
+            g.cache.limit = limit;
+        }
+    }
+
     fn check_state(&self, state: &ModelState<B>) -> Result<(), ModelError> {
         if state.sublayers.len() != self.sublayers.len() {
             return Err(ModelError::StateMismatch(format!(

@@ -25,6 +25,8 @@ struct Shape {
     /// With the windowed rotary position (on top of the bias table, which
     /// the model sets to zero then; any table must work).
     rotary: bool,
+    /// The compressed cache's key limit.
+    cache_limit: Option<usize>,
 }
 
 const SHAPES: [Shape; 8] = [
@@ -39,6 +41,7 @@ const SHAPES: [Shape; 8] = [
         s: 5,
         per_query_bias: false,
         rotary: false,
+        cache_limit: None,
     },
     // two blocks
     Shape {
@@ -51,6 +54,7 @@ const SHAPES: [Shape; 8] = [
         s: 5,
         per_query_bias: true,
         rotary: false,
+        cache_limit: None,
     },
     // many blocks, batch > 1
     Shape {
@@ -63,6 +67,7 @@ const SHAPES: [Shape; 8] = [
         s: 3,
         per_query_bias: false,
         rotary: false,
+        cache_limit: None,
     },
     // many blocks, several heads, per-query bias
     Shape {
@@ -75,6 +80,7 @@ const SHAPES: [Shape; 8] = [
         s: 6,
         per_query_bias: true,
         rotary: false,
+        cache_limit: Some(5),
     },
     // block length 1 (every earlier key but one is in the cache)
     Shape {
@@ -87,6 +93,7 @@ const SHAPES: [Shape; 8] = [
         s: 4,
         per_query_bias: true,
         rotary: false,
+        cache_limit: Some(2),
     },
     // rotary: one block
     Shape {
@@ -99,6 +106,7 @@ const SHAPES: [Shape; 8] = [
         s: 5,
         per_query_bias: false,
         rotary: true,
+        cache_limit: None,
     },
     // rotary: many blocks, several heads
     Shape {
@@ -111,6 +119,7 @@ const SHAPES: [Shape; 8] = [
         s: 4,
         per_query_bias: false,
         rotary: true,
+        cache_limit: Some(3),
     },
     // rotary: block length 1, per-query bias
     Shape {
@@ -123,6 +132,7 @@ const SHAPES: [Shape; 8] = [
         s: 3,
         per_query_bias: true,
         rotary: true,
+        cache_limit: None,
     },
 ];
 
@@ -135,6 +145,7 @@ struct Problem {
     bias: Tensor<B, 4>,
     quantizer: VectorQuantizer<B>,
     rotary: Option<Rotary>,
+    cache_limit: Option<usize>,
 }
 
 impl Problem {
@@ -159,6 +170,7 @@ impl Problem {
             bias: leaf(randn(bias_shape, device)),
             quantizer: VectorQuantizer::new(sh.h, sh.s, sh.k, device),
             rotary: sh.rotary.then(|| Rotary::new(sh.l)),
+            cache_limit: sh.cache_limit,
         }
     }
 
@@ -184,21 +196,12 @@ impl Problem {
             v: cut(&self.v),
             codebook: self.quantizer.codebook(),
             rotary: self.rotary,
+            cache_limit: self.cache_limit,
         }
     }
 
     fn oracle(&self, l: usize, mode: CacheGrad) -> Tensor<B, 4> {
-        let t = self.q.dims()[2];
-        let input = self.input(0..t);
-        oracle_attention(
-            input.q,
-            input.bias,
-            input.k_hat,
-            input.v,
-            l,
-            mode,
-            self.rotary,
-        )
+        oracle_attention(self.input(0..self.q.dims()[2]), l, mode)
     }
 }
 
@@ -382,6 +385,7 @@ fn block_grad_norms(mode: CacheGrad, rotary: bool) -> (Vec<f32>, Vec<f32>) {
         s: 3,
         per_query_bias: false,
         rotary,
+        cache_limit: None,
     };
     let device = cpu_ad();
     let p = Problem::new(sh, 50, &device);
@@ -561,15 +565,7 @@ fn oracle_groups(p: &Problem, sh: Shape) -> (Vec<f32>, Vec<f32>) {
         .reshape([1, 1, sh.t, sh.t])
         .expand([sh.b, sh.h, sh.t, sh.t]);
     // Attention to the identity's rows: the weights themselves, [B, H, T, T].
-    let weights = oracle_attention(
-        input.q,
-        input.bias,
-        input.k_hat,
-        eye,
-        sh.l,
-        CacheGrad::Window,
-        p.rotary,
-    );
+    let weights = oracle_attention(AttentionInput { v: eye, ..input }, sh.l, CacheGrad::Window);
     let a: Vec<f32> = weights.into_data().to_vec().unwrap();
     let (mut share, mut entropy) = (vec![], vec![]);
     for row in a.chunks(sh.t) {

@@ -5,7 +5,7 @@ use burn::prelude::*;
 use burn::tensor::Distribution;
 use burn::{Dispatch, DispatchDevice};
 use tvq_model::CacheGrad;
-use tvq_model::attention::{Rotary, rotary_scores};
+use tvq_model::attention::{AttentionInput, rotary_scores};
 
 pub type B = Dispatch;
 
@@ -53,16 +53,23 @@ pub fn assert_close<const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>, tol: f32, 
 /// keys never (they are codewords, which carry no gradient) and their values
 /// only under `full`.
 ///
-/// `bias` is `[B or 1, H, T or 1, L + 1]`, indexed by distance.
+/// `bias` is `[B or 1, H, T or 1, L + 1]`, indexed by distance. Under a
+/// cache limit, the keys before the query's previous block (the `N` the
+/// compressed cache holds) each score `ln(limit / N)` less when `N > limit`.
 pub fn oracle_attention(
-    q: Tensor<B, 4>,
-    bias: Tensor<B, 4>,
-    k_hat: Tensor<B, 4>,
-    v: Tensor<B, 4>,
+    input: AttentionInput<B>,
     block_len: usize,
     mode: CacheGrad,
-    rotary: Option<Rotary>,
 ) -> Tensor<B, 4> {
+    let AttentionInput {
+        q,
+        bias,
+        k_hat,
+        v,
+        rotary,
+        cache_limit,
+        ..
+    } = input;
     let [b, h, t, _] = q.dims();
     let l = block_len;
     let device = q.device();
@@ -100,6 +107,18 @@ pub fn oracle_attention(
     let pos = (bias.unsqueeze_dim::<5>(3) * onehot)
         .sum_dim(4)
         .squeeze_dim::<4>(4); // [B|1, H, T, T]
+    let limit: Vec<f32> = (0..t * t)
+        .map(|n| {
+            let (i, j) = (n / t, n % t);
+            let cached = if i / l >= 2 { (i / l - 1) * l } else { 0 };
+            match cache_limit {
+                Some(limit) if j < cached && cached > limit => (limit as f32 / cached as f32).ln(),
+                _ => 0.0,
+            }
+        })
+        .collect();
+    let pos = pos
+        + Tensor::<B, 2>::from_data(TensorData::new(limit, [t, t]), &device).reshape([1, 1, t, t]);
 
     let content = |k: Tensor<B, 4>| match rotary {
         Some(rot) => rotary_scores(rot, q.clone(), k),

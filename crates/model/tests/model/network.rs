@@ -129,6 +129,48 @@ fn two_segments_with_carried_state_equal_one_segment() {
 }
 
 #[test]
+fn a_cache_limit_changes_only_the_queries_whose_cache_exceeds_it() {
+    let device = cpu();
+    for bias in [RelativeBias::Toeplitz, RelativeBias::Rotary] {
+        let cfg = config(bias);
+        let mut m = model(&cfg, 4, &device);
+        let (b, t, l) = (2, 28, cfg.block_len);
+        let data = random_tokens(b, t, cfg.vocab_size, 9);
+        let mut logits = |limit: Option<usize>| -> Tensor<B, 3> {
+            m.set_cache_limit(limit);
+            let out = m.forward(tokens(&data, b, &device), m.empty_state(), None);
+            out.unwrap().logits
+        };
+        let exact = logits(None);
+        // The last block's cache holds t - 2L keys: a limit that large binds nowhere.
+        assert_close(
+            logits(Some(t - 2 * l)),
+            exact.clone(),
+            0.0,
+            "limit = largest cache",
+        );
+        // Limit 2L: blocks 0..=3 cache at most 2L keys and are unchanged;
+        // from block 4 on (3L cached and more) every output moves.
+        let limited = logits(Some(2 * l));
+        let cut =
+            |x: Tensor<B, 3>, r: std::ops::Range<usize>| x.slice([0..b, r, 0..cfg.vocab_size]);
+        assert_close(
+            cut(limited.clone(), 0..4 * l),
+            cut(exact.clone(), 0..4 * l),
+            0.0,
+            "{bias:?}: within the limit",
+        );
+        for i in 4 * l..t {
+            let moved = max_abs_diff(cut(limited.clone(), i..i + 1), cut(exact.clone(), i..i + 1));
+            assert!(
+                moved > 1e-4,
+                "{bias:?}: token {i} ignores the limit ({moved:e})"
+            );
+        }
+    }
+}
+
+#[test]
 fn changing_a_token_changes_no_earlier_output() {
     let device = cpu();
     for bias in [RelativeBias::Xl, RelativeBias::Rotary] {
@@ -312,6 +354,10 @@ fn config_validation_names_the_key() {
         (
             config(RelativeBias::Toeplitz).with_logit_scale(0.0),
             "logit_scale",
+        ),
+        (
+            config(RelativeBias::Toeplitz).with_cache_limit(Some(0)),
+            "cache_limit",
         ),
     ];
     for (cfg, key) in bad {
