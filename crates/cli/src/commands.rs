@@ -152,12 +152,8 @@ pub struct EvalArgs {
     /// (default: carry it through the row).
     #[arg(long, value_name = "N")]
     reset_every: Option<usize>,
-    /// Weigh at most N keys of each compressed cache, whatever the model
-    /// was trained with (model.cache_limit; 0: no limit): for streams far
-    /// longer than the training sequences, give the most keys a training
-    /// sequence cached (docs/learning.md).
-    #[arg(long, value_name = "N")]
-    cache_limit: Option<usize>,
+    #[command(flatten)]
+    cache_limit: CacheLimit,
     /// Also measure the loss by position in the document (log2 buckets):
     /// written as JSON to this file, and drawn to the same name with .png.
     #[arg(long, value_name = "FILE.json")]
@@ -201,12 +197,8 @@ pub struct SampleArgs {
     /// more than one, they are printed when all are done.
     #[arg(long, default_value_t = 1, value_name = "N")]
     num_samples: usize,
-    /// Weigh at most N keys of each compressed cache, whatever the model
-    /// was trained with (model.cache_limit; 0: no limit): for streams far
-    /// longer than the training sequences, give the most keys a training
-    /// sequence cached (docs/learning.md).
-    #[arg(long, value_name = "N")]
-    cache_limit: Option<usize>,
+    #[command(flatten)]
+    cache_limit: CacheLimit,
     /// Device: cpu, wgpu, wgpu:N, cuda or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     device: DeviceSpec,
@@ -392,11 +384,22 @@ struct Loaded {
     step: u64,
 }
 
-impl Loaded {
-    /// Applies a `--cache-limit` flag (0: no limit).
-    fn limit_cache(&mut self, flag: Option<usize>) {
-        if let Some(n) = flag {
-            self.model.set_cache_limit((n > 0).then_some(n));
+/// The `--cache-limit` flag of `tvq eval` and `tvq sample`.
+#[derive(Args, Debug)]
+struct CacheLimit {
+    /// Weigh at most N keys of each compressed cache, whatever the model
+    /// was trained with (model.cache_limit; 0: no limit): for streams far
+    /// longer than the training sequences, give the most keys a training
+    /// sequence cached (docs/learning.md).
+    #[arg(long, value_name = "N")]
+    cache_limit: Option<usize>,
+}
+
+impl CacheLimit {
+    /// Sets the flag's limit on `model`, if given (0: no limit).
+    fn apply(&self, model: &mut Model) {
+        if let Some(n) = self.cache_limit {
+            model.set_cache_limit((n > 0).then_some(n));
         }
     }
 }
@@ -461,7 +464,7 @@ fn load_for_inference(
 pub fn run_eval(args: EvalArgs) -> Result<()> {
     let devices = args.devices.init()?;
     let mut loaded = load_for_inference(&args.checkpoint, args.config.as_deref(), &devices[0])?;
-    loaded.limit_cache(args.cache_limit);
+    args.cache_limit.apply(&mut loaded.model);
     let cfg = loaded
         .config
         .context("an export carries no corpus: pass --config naming the data")?;
@@ -575,7 +578,7 @@ pub fn run_sample(args: SampleArgs) -> Result<()> {
     }
     let device = init_device(args.device)?;
     let mut loaded = load_for_inference(&args.checkpoint, None, &device)?;
-    loaded.limit_cache(args.cache_limit);
+    args.cache_limit.apply(&mut loaded.model);
     let texts = match args.prompt.is_empty() {
         true => vec![String::new()],
         false => args.prompt.clone(),
