@@ -43,7 +43,8 @@ for name in xl toeplitz-zero toeplitz rotary quadratic; do
             touch "$dir/finished"
         fi
         reset=$("$tvq" eval --checkpoint "$dir" --reset-every 512 --json | bits)
-        # The trainer's final validation carries the state through each row.
+        # The trainer's final validation carries the state through each row
+        # (under the config's cache_limit, since 2026-11-23).
         carried=$(grep '"kind":"final_eval"' "$dir/metrics.jsonl" | tail -1 | bits)
         printf '%-14s %-5s %-16.4f %-10.4f\n' "$name" "$seed" "$reset" "$carried"
     done

@@ -95,15 +95,15 @@ pub struct TransformerVqConfig {
     pub toeplitz_locality: f64,
     /// Gradient through the caches within a segment.
     pub cache_grad: CacheGrad,
-    /// Most keys the compressed cache weighs: once it holds `N` more, each
-    /// cached key's score drops by `ln(N / cache_limit)`, so the cache's
-    /// share of the attention stays what it was at `cache_limit` keys
-    /// ([`crate::attention::cache_limit_bias`]). Set it to the most keys a
-    /// training sequence puts in the cache (`sequence_len - 2 block_len`
-    /// when the state is reset per sequence) and training is unchanged,
-    /// while streams far longer than the training sequences no longer lose
-    /// the window to the cache (docs/learning.md). Absent: no limit, the
-    /// paper's cache.
+    /// Most keys the compressed cache weighs: once it holds `N` keys, more
+    /// than `cache_limit`, each one's score drops by `ln(N / cache_limit)`,
+    /// so the cache's share of the attention stays what it was at
+    /// `cache_limit` keys ([`crate::attention::cache_limit_bias`]). Set to
+    /// the most keys a training sequence puts in the cache (`sequence_len -
+    /// 2 block_len` when the state is reset per sequence), it leaves
+    /// training unchanged, and streams far longer than the training
+    /// sequences no longer lose the window to the cache (docs/learning.md).
+    /// Absent: no limit, the paper's cache.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache_limit: Option<usize>,
     /// Attention form (VQ, or the quadratic baseline).
