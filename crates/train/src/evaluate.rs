@@ -98,11 +98,15 @@ fn attention_means(sums: &[f64], tokens: u64) -> Vec<AttentionShare> {
 /// position `n` is a token predicted after reading `n` tokens of its
 /// document (the end-of-document token that opens it counts; after a state
 /// reset, counting restarts at the first token read).
+///
+/// Buckets end on powers of two (`1`, `2`, `3..=4`, `5..=8`, ...), so a
+/// state reset every `2^k` tokens (`--reset-every`) fills its last bucket
+/// rather than leaving position `2^k` alone in one.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PositionBucket {
-    /// First position of the bucket (a power of two).
+    /// First position of the bucket (`last / 2 + 1`).
     pub first: u64,
-    /// Last position of the bucket (`2 first - 1`).
+    /// Last position of the bucket (a power of two).
     pub last: u64,
     /// Tokens scored in the bucket.
     pub tokens: u64,
@@ -139,7 +143,7 @@ impl Sums {
 struct PositionTally {
     /// Tokens of its current document each row has read.
     read: Vec<u64>,
-    /// Per bucket `k` (positions `2^k ..= 2^(k+1) - 1`).
+    /// Per bucket `k` (positions `2^k / 2 + 1 ..= 2^k`).
     buckets: Vec<Sums>,
     /// Over every token.
     total: Sums,
@@ -170,7 +174,7 @@ impl PositionTally {
             }
             let read = &mut self.read[i / batch.len];
             *read = if input == eos { 1 } else { *read + 1 };
-            let k = read.ilog2() as usize;
+            let k = read.next_power_of_two().ilog2() as usize;
             if self.buckets.len() <= k {
                 self.buckets.resize(k + 1, Sums::default());
             }
@@ -186,8 +190,8 @@ impl PositionTally {
             .enumerate()
             .filter(|(_, s)| s.tokens > 0)
             .map(|(k, s)| PositionBucket {
-                first: 1 << k,
-                last: (2 << k) - 1,
+                first: (1 << k) / 2 + 1,
+                last: 1 << k,
                 tokens: s.tokens,
                 bits_per_token: s.nats / s.tokens as f64 / std::f64::consts::LN_2,
                 attention: attention_means(&s.attention, s.tokens),
@@ -413,13 +417,14 @@ mod tests {
         let nll: Vec<f32> = (0..12).map(|i| i as f32).collect();
         let mut tally = PositionTally::new(2);
         tally.add(&batch, &nll, &[], 1);
-        // Positions: row 0: 1 2 3 1 2 3; row 1: 1 2 3 4.
+        // Positions: row 0: 1 2 3 1 2 3; row 1: 1 2 3 4. Position 4 ends
+        // the bucket 3..=4 rather than opening one of its own.
         let b = tally.buckets();
         let ln2 = std::f64::consts::LN_2;
         let expect = [
             (1, 1, 3, (0.0 + 3.0 + 6.0) / 3.0),
-            (2, 3, 6, (1.0 + 2.0 + 4.0 + 5.0 + 7.0 + 8.0) / 6.0),
-            (4, 7, 1, 9.0),
+            (2, 2, 3, (1.0 + 4.0 + 7.0) / 3.0),
+            (3, 4, 4, (2.0 + 5.0 + 8.0 + 9.0) / 4.0),
         ];
         assert_eq!(b.len(), expect.len());
         for (got, (first, last, tokens, nats)) in b.iter().zip(expect) {

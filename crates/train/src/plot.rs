@@ -150,6 +150,11 @@ fn write_png(
         })
 }
 
+/// Where a bucket's point goes on the log position axis.
+fn middle(b: &PositionBucket) -> f64 {
+    (b.first as f64 * b.last as f64).sqrt()
+}
+
 fn register_the_font() {
     static REGISTER: Once = Once::new();
     REGISTER.call_once(|| {
@@ -159,8 +164,8 @@ fn register_the_font() {
 }
 
 /// Draws the loss by position in the document (bits per token against the
-/// position, log scale, one point per bucket at its first position) to the
-/// PNG `out`; where the buckets carry attention figures, also the share of
+/// position, log scale, one point per bucket at the geometric middle of
+/// its positions) to the PNG `out`; where the buckets carry attention figures, also the share of
 /// attention on the compressed cache (mean over sublayers, right axis).
 pub fn plot_by_position(
     buckets: &[PositionBucket],
@@ -177,7 +182,7 @@ pub fn plot_by_position(
     register_the_font();
     let points: Vec<(f64, f64)> = buckets
         .iter()
-        .map(|b| (b.first as f64, b.bits_per_token))
+        .map(|b| (middle(b), b.bits_per_token))
         .collect();
     let x_max = points.iter().map(|p| p.0).fold(1.0, f64::max) * 2.0;
     let (lo, hi) = points.iter().fold((f64::INFINITY, 0f64), |(lo, hi), p| {
@@ -192,10 +197,7 @@ pub fn plot_by_position(
         .filter(|b| !b.attention.is_empty())
         .map(|b| {
             let shares = b.attention.iter().map(|a| a.share[2]);
-            (
-                b.first as f64,
-                shares.sum::<f64>() / b.attention.len() as f64,
-            )
+            (middle(b), shares.sum::<f64>() / b.attention.len() as f64)
         })
         .collect();
     let mut chart = ChartBuilder::on(&root)
