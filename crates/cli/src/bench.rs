@@ -273,62 +273,78 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     for &form in &forms {
         for &t in &args.seq_len {
-            let form_name = match form {
-                AttentionForm::Vq => "vq",
-                AttentionForm::Quadratic => "quadratic",
-            };
-            let score_gib = (args.batch * t * t * 4) as f64 / (1u64 << 30) as f64;
-            if form == AttentionForm::Quadratic && score_gib > args.max_score_gib {
-                let reason = format!("scores alone need {score_gib:.1} GiB (> --max-score-gib)");
-                if args.json {
-                    println!(
-                        "{}",
-                        json!({"form": form_name, "seq_len": t, "batch": args.batch, "skipped": reason})
-                    );
-                } else {
-                    println!("{form_name:<10} {t:>8} {:>14} {:>14}", "skipped", "-");
-                }
-                continue;
-            }
-            let cfg = model.clone().with_vocab_size(256).with_attention(form);
-            let mut trainer = Trainer::new(&cfg, &train, std::slice::from_ref(&device), 1.0)
-                .context("benchmark model")?;
-            let batch = pattern_batch(args.batch, t);
-            let mut step = || -> Result<()> {
-                if args.optimizer {
-                    trainer.step(&batch, TrainCursor::default())?;
-                } else {
-                    trainer.gradients(&batch)?;
-                }
-                B::sync(&device).map_err(|e| anyhow::anyhow!("device sync failed: {e:?}"))?;
-                Ok(())
-            };
-            reset_peak_rss();
-            step()?; // warm-up
-            let start = Instant::now();
-            for _ in 0..args.steps {
-                step()?;
-            }
-            let secs = start.elapsed().as_secs_f64();
-            let tokens_per_s = (args.steps * args.batch * t) as f64 / secs;
-            let rss = peak_rss_bytes();
-            if args.json {
-                println!(
-                    "{}",
-                    json!({
-                        "form": form_name, "seq_len": t, "batch": args.batch,
-                        "tokens_per_s": tokens_per_s, "peak_rss_bytes": rss, "device": info,
-                        "workers": train.workers,
-                        "step": if args.optimizer { "full" } else { "forward+backward" },
-                    })
-                );
-            } else {
-                println!(
-                    "{form_name:<10} {t:>8} {tokens_per_s:>14.0} {:>14.0}",
-                    rss as f64 / (1 << 20) as f64
-                );
-            }
+            bench_training(&args, &model, &train, &device, &info, form, t)?;
         }
+    }
+    Ok(())
+}
+
+/// Times `--steps` training steps (or forward and backward passes) of
+/// `--batch` rows of `t` tokens with attention `form`, after one warm-up,
+/// and prints one line.
+fn bench_training(
+    args: &BenchArgs,
+    model: &TransformerVqConfig,
+    train: &TrainSection,
+    device: &burn::DispatchDevice,
+    info: &str,
+    form: AttentionForm,
+    t: usize,
+) -> Result<()> {
+    let form_name = match form {
+        AttentionForm::Vq => "vq",
+        AttentionForm::Quadratic => "quadratic",
+    };
+    let score_gib = (args.batch * t * t * 4) as f64 / (1u64 << 30) as f64;
+    if form == AttentionForm::Quadratic && score_gib > args.max_score_gib {
+        let reason = format!("scores alone need {score_gib:.1} GiB (> --max-score-gib)");
+        if args.json {
+            println!(
+                "{}",
+                json!({"form": form_name, "seq_len": t, "batch": args.batch, "skipped": reason})
+            );
+        } else {
+            println!("{form_name:<10} {t:>8} {:>14} {:>14}", "skipped", "-");
+        }
+        return Ok(());
+    }
+    let cfg = model.clone().with_vocab_size(256).with_attention(form);
+    let mut trainer =
+        Trainer::new(&cfg, train, std::slice::from_ref(device), 1.0).context("benchmark model")?;
+    let batch = pattern_batch(args.batch, t);
+    let mut step = || -> Result<()> {
+        if args.optimizer {
+            trainer.step(&batch, TrainCursor::default())?;
+        } else {
+            trainer.gradients(&batch)?;
+        }
+        B::sync(device).map_err(|e| anyhow::anyhow!("device sync failed: {e:?}"))?;
+        Ok(())
+    };
+    reset_peak_rss();
+    step()?; // warm-up
+    let start = Instant::now();
+    for _ in 0..args.steps {
+        step()?;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let tokens_per_s = (args.steps * args.batch * t) as f64 / secs;
+    let rss = peak_rss_bytes();
+    if args.json {
+        println!(
+            "{}",
+            json!({
+                "form": form_name, "seq_len": t, "batch": args.batch,
+                "tokens_per_s": tokens_per_s, "peak_rss_bytes": rss, "device": info,
+                "workers": train.workers,
+                "step": if args.optimizer { "full" } else { "forward+backward" },
+            })
+        );
+    } else {
+        println!(
+            "{form_name:<10} {t:>8} {tokens_per_s:>14.0} {:>14.0}",
+            rss as f64 / (1 << 20) as f64
+        );
     }
     Ok(())
 }

@@ -318,6 +318,103 @@ fn document_cache(
     Ok((tokens, stats))
 }
 
+/// A byte-level file (`len` bytes) cut into its three splits: enwik8's
+/// standard 90M/5M/5M, or 90/5/5 per cent of any other file (of enwik8
+/// only when `allow_proportional_split`).
+fn byte_splits(spec: &DataConfig, len: u64, eos: u32) -> Result<[TokenSplit; 3], DataError> {
+    let path = &spec.path;
+    if len == 0 {
+        return Err(DataError::Empty { path: path.clone() });
+    }
+    let tokens = if spec.kind == CorpusKind::Enwik8 && is_zip(path)? {
+        unzip_enwik8(spec)?
+    } else {
+        MappedTokens::raw_bytes(path)?
+    };
+    let n = tokens.len() as u64;
+    let bounds = match spec.kind {
+        CorpusKind::Enwik8 if n == ENWIK8_LEN => ENWIK8_BOUNDS,
+        CorpusKind::Enwik8 if !spec.allow_proportional_split => {
+            return Err(DataError::NotEnwik8 {
+                path: path.clone(),
+                len: n,
+            });
+        }
+        _ => [n * 9 / 10, n * 19 / 20],
+    };
+    let edges = [0, bounds[0] as usize, bounds[1] as usize, n as usize];
+    Ok(Split::ALL.map(|split| {
+        let i = split as usize;
+        let len = edges[i + 1] - edges[i];
+        let stats = TextStats {
+            bytes: len as u64,
+            words: None,
+            documents: 1,
+            invalid_utf8_documents: 0,
+        };
+        TokenSplit {
+            tokens: tokens.clone(),
+            start: edges[i],
+            len,
+            split,
+            stats,
+            eos,
+        }
+    }))
+}
+
+/// The pieces of each split of a text file, or of a directory's text files
+/// read as one stream (90/5/5 per cent).
+fn text_pieces(path: &Path, is_dir: bool) -> Result<[Vec<Piece>; 3], DataError> {
+    let files = if is_dir {
+        text_files(path)?
+    } else {
+        vec![path.to_path_buf()]
+    };
+    if files.is_empty() {
+        return Err(DataError::NoTextFiles {
+            path: path.to_path_buf(),
+        });
+    }
+    if files.iter().map(|f| file_len(f)).sum::<Result<u64, _>>()? == 0 {
+        return Err(DataError::Empty {
+            path: path.to_path_buf(),
+        });
+    }
+    proportional_pieces(&files)
+}
+
+/// The books of each split of a PG-19 directory (`train/`, `validation/`,
+/// `test/`), each book whole.
+fn pg19_books(path: &Path) -> Result<Vec<Vec<Piece>>, DataError> {
+    Split::ALL
+        .iter()
+        .map(|split| {
+            let dir = path.join(split.to_string());
+            if !dir.is_dir() {
+                return Err(DataError::MissingSplit {
+                    path: path.to_path_buf(),
+                    split: split.to_string(),
+                });
+            }
+            let files = text_files(&dir)?;
+            if files.is_empty() {
+                return Err(DataError::NoTextFiles { path: dir });
+            }
+            files
+                .into_iter()
+                .map(|f| {
+                    Ok(Piece {
+                        end: file_len(&f)?,
+                        path: f,
+                        start: 0,
+                    })
+                })
+                .collect()
+        })
+        .collect()
+}
+
 fn is_zip(path: &Path) -> Result<bool, DataError> {
     let mut magic = [0u8; 4];
     let mut f = File::open(path).map_err(|e| DataError::io(path, e))?;
@@ -393,44 +490,7 @@ impl Corpus {
             CorpusKind::Enwik8 | CorpusKind::Text
                 if !meta.is_dir() && matches!(vocab, Vocab::Bytes) =>
             {
-                if meta.len() == 0 {
-                    return Err(DataError::Empty { path: path.clone() });
-                }
-                let tokens = if spec.kind == CorpusKind::Enwik8 && is_zip(path)? {
-                    unzip_enwik8(spec)?
-                } else {
-                    MappedTokens::raw_bytes(path)?
-                };
-                let n = tokens.len() as u64;
-                let bounds = match spec.kind {
-                    CorpusKind::Enwik8 if n == ENWIK8_LEN => ENWIK8_BOUNDS,
-                    CorpusKind::Enwik8 if !spec.allow_proportional_split => {
-                        return Err(DataError::NotEnwik8 {
-                            path: path.clone(),
-                            len: n,
-                        });
-                    }
-                    _ => [n * 9 / 10, n * 19 / 20],
-                };
-                let edges = [0, bounds[0] as usize, bounds[1] as usize, n as usize];
-                Split::ALL.map(|split| {
-                    let i = split as usize;
-                    let len = edges[i + 1] - edges[i];
-                    let stats = TextStats {
-                        bytes: len as u64,
-                        words: None,
-                        documents: 1,
-                        invalid_utf8_documents: 0,
-                    };
-                    TokenSplit {
-                        tokens: tokens.clone(),
-                        start: edges[i],
-                        len,
-                        split,
-                        stats,
-                        eos: vocab.eos(),
-                    }
-                })
+                byte_splits(spec, meta.len(), vocab.eos())?
             }
             CorpusKind::Enwik8 => {
                 return Err(DataError::io(
@@ -439,46 +499,11 @@ impl Corpus {
                 ));
             }
             CorpusKind::Text => {
-                let files = if meta.is_dir() {
-                    text_files(path)?
-                } else {
-                    vec![path.clone()]
-                };
-                if files.is_empty() {
-                    return Err(DataError::NoTextFiles { path: path.clone() });
-                }
-                if files.iter().map(|f| file_len(f)).sum::<Result<u64, _>>()? == 0 {
-                    return Err(DataError::Empty { path: path.clone() });
-                }
-                let pieces = proportional_pieces(&files)?;
+                let pieces = text_pieces(path, meta.is_dir())?;
                 Self::tokenize_splits(spec, &vocab, |s| Ok(pieces[s as usize].clone()))?
             }
             CorpusKind::Pg19 => {
-                let mut books = Vec::with_capacity(3);
-                for split in Split::ALL {
-                    let dir = path.join(split.to_string());
-                    if !dir.is_dir() {
-                        return Err(DataError::MissingSplit {
-                            path: path.clone(),
-                            split: split.to_string(),
-                        });
-                    }
-                    let files = text_files(&dir)?;
-                    if files.is_empty() {
-                        return Err(DataError::NoTextFiles { path: dir });
-                    }
-                    let pieces = files
-                        .into_iter()
-                        .map(|f| {
-                            Ok(Piece {
-                                end: file_len(&f)?,
-                                path: f,
-                                start: 0,
-                            })
-                        })
-                        .collect::<Result<Vec<_>, DataError>>()?;
-                    books.push(pieces);
-                }
+                let books = pg19_books(path)?;
                 Self::tokenize_splits(spec, &vocab, |s| Ok(books[s as usize].clone()))?
             }
         };

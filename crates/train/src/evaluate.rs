@@ -6,7 +6,7 @@ use burn::prelude::*;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use tvq_data::{Batch, EvalBatches, TokenSplit};
-use tvq_model::{Loss, TransformerVq};
+use tvq_model::{Loss, ModelState, TransformerVq};
 
 use crate::batch::BatchTensors;
 use crate::config::EvalSection;
@@ -307,36 +307,14 @@ pub fn evaluate(
             work,
             groups,
             |_| (),
-            |_, (group, (rows, state))| -> Result<_, TrainError> {
-                let model = model_of(group);
-                let BatchTensors {
-                    inputs,
-                    targets,
-                    valid,
-                } = BatchTensors::rows(&b, rows, &model.embedding.weight.device());
-                let out = match opts.attention {
-                    true => model.forward_with_attention_groups(inputs, state, Some(valid.clone())),
-                    false => model.forward(inputs, state, Some(valid.clone())),
-                }?;
-                let loss = Loss::new(&out, targets, Some(valid));
-                let token_nll: Vec<f32> = match per_token {
-                    true => loss.nll.into_data().convert::<f32>().to_vec().expect("f32"),
-                    false => vec![],
-                };
-                Ok((
-                    loss.nll_sum.into_scalar().elem::<f64>(),
-                    token_nll,
-                    per_token_attention(&out.attention),
-                    out.state,
-                ))
-            },
+            |_, (group, (rows, state))| score_rows(model_of(group), &b, rows, state, opts),
         )?;
         let (mut batch_nll, mut batch_attention) = (vec![], vec![]);
-        for (group_nll, token_nll, attention, state) in scored {
-            nll += group_nll;
-            batch_nll.extend(token_nll);
-            batch_attention.extend(attention);
-            states.push(state);
+        for group in scored {
+            nll += group.nll;
+            batch_nll.extend(group.token_nll);
+            batch_attention.extend(group.attention);
+            states.push(group.state);
         }
         if per_token {
             positions.add(&b, &batch_nll, &batch_attention, split.eos);
@@ -346,10 +324,12 @@ pub fn evaluate(
     }
     bar.finish_and_clear();
     let complete = n == total;
-    let ln2 = std::f64::consts::LN_2;
     // Share of the split's bytes (and words) behind the tokens scored.
-    let share = tokens as f64 / split.len().max(1) as f64;
-    let bytes = split.stats.bytes as f64 * if complete { 1.0 } else { share };
+    let share = match complete {
+        true => 1.0,
+        false => tokens as f64 / split.len().max(1) as f64,
+    };
+    let ln2 = std::f64::consts::LN_2;
     let loss = nll / tokens.max(1) as f64;
     Ok(EvalReport {
         split: split.split.to_string(),
@@ -357,17 +337,60 @@ pub fn evaluate(
         complete,
         loss,
         bits_per_token: loss / ln2,
-        bits_per_byte: nll / ln2 / bytes.max(1.0),
+        bits_per_byte: nll / ln2 / (split.stats.bytes as f64 * share).max(1.0),
         token_perplexity: loss.exp(),
         word_perplexity: split
             .stats
             .words
-            .map(|w| (nll / (w as f64 * if complete { 1.0 } else { share }).max(1.0)).exp()),
+            .map(|w| (nll / (w as f64 * share).max(1.0)).exp()),
         reset_every: opts.reset_every,
         by_position: opts.by_position.then(|| positions.buckets()),
         attention: opts
             .attention
             .then(|| attention_means(&positions.total.attention, positions.total.tokens)),
+    })
+}
+
+/// What one group of a batch's rows scored.
+struct Scored {
+    /// Summed loss, nats.
+    nll: f64,
+    /// Each token's loss, nats, row-major (empty unless measured by position
+    /// or attention).
+    token_nll: Vec<f32>,
+    /// Each token's attention figures ([`per_token_attention`]).
+    attention: Vec<f32>,
+    /// The state carried to the next segment.
+    state: ModelState<B>,
+}
+
+/// Scores rows `rows` of batch `b` with `model`, from `state`.
+fn score_rows(
+    model: &TransformerVq<B>,
+    b: &Batch,
+    rows: std::ops::Range<usize>,
+    state: ModelState<B>,
+    opts: &EvalOptions,
+) -> Result<Scored, TrainError> {
+    let BatchTensors {
+        inputs,
+        targets,
+        valid,
+    } = BatchTensors::rows(b, rows, &model.embedding.weight.device());
+    let out = match opts.attention {
+        true => model.forward_with_attention_groups(inputs, state, Some(valid.clone())),
+        false => model.forward(inputs, state, Some(valid.clone())),
+    }?;
+    let loss = Loss::new(&out, targets, Some(valid));
+    let token_nll = match opts.by_position || opts.attention {
+        true => loss.nll.into_data().convert::<f32>().to_vec().expect("f32"),
+        false => vec![],
+    };
+    Ok(Scored {
+        nll: loss.nll_sum.into_scalar().elem::<f64>(),
+        token_nll,
+        attention: per_token_attention(&out.attention),
+        state: out.state,
     })
 }
 

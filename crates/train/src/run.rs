@@ -132,12 +132,33 @@ pub fn train(
         }
     }
 
+    finish(
+        &mut trainer,
+        log.as_mut(),
+        &bar,
+        total,
+        &opts.run_dir,
+        |t| validate(t, None, opts.progress),
+    )
+}
+
+/// Ends a run after its loop: the last checkpoint (written unless the loop
+/// just wrote it), then, unless interrupted, the final validation over the
+/// whole split (node 0, the one with the `log`) and the loss curves.
+fn finish(
+    trainer: &mut Trainer,
+    log: Option<&mut MetricsLog>,
+    bar: &ProgressBar,
+    total: u64,
+    run_dir: &Path,
+    final_validation: impl FnOnce(&Trainer) -> Result<EvalReport, TrainError>,
+) -> Result<TrainSummary, TrainError> {
     let (step, interrupted) = (trainer.progress().step, trainer.progress().step < total);
     // Every node takes the same branch (all save, or none).
-    let current = checkpoint::checkpoint_dir(&opts.run_dir, step);
+    let current = checkpoint::checkpoint_dir(run_dir, step);
     let checkpoint = match trainer.last_checkpoint() {
         Some(c) if c == current => current,
-        _ => trainer.save(&opts.run_dir)?,
+        _ => trainer.save(run_dir)?,
     };
     let validation = if interrupted {
         bar.abandon_with_message("interrupted");
@@ -151,17 +172,19 @@ pub fn train(
             checkpoint.display()
         );
         None
-    } else if let Some(log) = &mut log {
-        bar.finish_and_clear();
-        let report = validate(&trainer, None, opts.progress)?;
-        log.append(&EvalLine::new("final_eval", step, &report))?;
-        Some(report)
     } else {
         bar.finish_and_clear();
-        None
+        match log {
+            Some(log) => {
+                let report = final_validation(trainer)?;
+                log.append(&EvalLine::new("final_eval", step, &report))?;
+                Some(report)
+            }
+            None => None,
+        }
     };
     if trainer.is_writer() {
-        draw_curves(&opts.run_dir);
+        draw_curves(run_dir);
     }
     Ok(TrainSummary {
         step,
