@@ -31,6 +31,11 @@ pub struct BenchArgs {
     /// Batch rows.
     #[arg(long, default_value_t = 4)]
     batch: usize,
+    /// Vocabulary size of the benchmark model (default: a byte-level
+    /// corpus's 256 bytes and 3 special tokens). A large vocabulary weighs
+    /// on the output head.
+    #[arg(long, default_value_t = 259, value_parser = clap::value_parser!(u32).range(4..))]
+    vocab_size: u32,
     /// A run config whose [model] and [train] tables set the model and the
     /// step (default: their defaults; [data] and [eval] are ignored).
     #[arg(long)]
@@ -137,8 +142,10 @@ struct Measured {
 }
 
 /// The token ids of the benchmark batch: a fixed pattern over 256 ids.
-fn pattern_batch(rows: usize, len: usize) -> Batch {
-    let tokens: Vec<u32> = (0..rows * len).map(|i| (i * 31 % 256) as u32).collect();
+fn pattern_batch(rows: usize, len: usize, vocab: u32) -> Batch {
+    let tokens: Vec<u32> = (0..rows * len)
+        .map(|i| (i as u64 * 31 % vocab as u64) as u32)
+        .collect();
     Batch {
         batch: rows,
         len,
@@ -173,9 +180,14 @@ fn bench_generate(
     }
     for &n in &args.seq_len {
         B::seed(device, 0);
-        let net = model.clone().with_vocab_size(259).init::<B>(device)?;
-        let prompt: Vec<u32> = (0..n.max(1) - 1)
-            .map(|i| 3 + (i * 31 % 256) as u32)
+        let vocab = args.vocab_size;
+        let net = model
+            .clone()
+            .with_vocab_size(vocab as usize)
+            .init::<B>(device)?;
+        // Ordinary tokens only: ids 0-2 are the special ones.
+        let prompt: Vec<u32> = (0..n.max(1) as u64 - 1)
+            .map(|i| 3 + (i * 31 % (vocab as u64 - 3)) as u32)
             .collect();
         let opts = SampleOptions {
             max_tokens: args.new_tokens,
@@ -308,10 +320,13 @@ fn bench_training(
         }
         return Ok(());
     }
-    let cfg = model.clone().with_vocab_size(256).with_attention(form);
+    let cfg = model
+        .clone()
+        .with_vocab_size(args.vocab_size as usize)
+        .with_attention(form);
     let mut trainer =
         Trainer::new(&cfg, train, std::slice::from_ref(device), 1.0).context("benchmark model")?;
-    let batch = pattern_batch(args.batch, t);
+    let batch = pattern_batch(args.batch, t, args.vocab_size);
     let mut step = || -> Result<()> {
         if args.optimizer {
             trainer.step(&batch, TrainCursor::default())?;

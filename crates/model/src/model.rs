@@ -268,7 +268,7 @@ impl<B: Backend> TransformerVq<B> {
         valid: Option<Tensor<B, 2, Bool>>,
     ) -> Result<ModelOutput<B>, ModelError> {
         let masks = self.dropout_masks(tokens.dims());
-        self.forward_impl(tokens, state, valid, masks, true)
+        self.forward_impl(tokens, state, valid, masks, true, |h| self.head(h))
     }
 
     /// [`Self::forward`] with dropout masks drawn beforehand by
@@ -280,9 +280,30 @@ impl<B: Backend> TransformerVq<B> {
         valid: Option<Tensor<B, 2, Bool>>,
         masks: DropoutMasks<B>,
     ) -> Result<ModelOutput<B>, ModelError> {
-        self.forward_impl(tokens, state, valid, masks, false)
+        self.forward_impl(tokens, state, valid, masks, false, |h| self.head(h))
     }
 
+    /// The block-parallel forward of a segment `tokens` `[B, T]` from
+    /// `state`, returning only the last position's logits `[B, 1, vocab]`
+    /// and the state: what reading a prompt needs, without the output
+    /// head's `T x vocab` product for the positions before the last (most
+    /// of the work for a small model with a large vocabulary).
+    pub fn forward_last(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        state: ModelState<B>,
+    ) -> Result<(Tensor<B, 3>, ModelState<B>), ModelError> {
+        let masks = self.dropout_masks(tokens.dims());
+        let last = |h: Tensor<B, 3>| {
+            let [b, t, d] = h.dims();
+            self.head(h.slice([0..b, t - 1..t, 0..d]))
+        };
+        let out = self.forward_impl(tokens, state, None, masks, false, last)?;
+        Ok((out.logits, out.state))
+    }
+
+    /// The sublayers, then the logits that `head` computes from the final
+    /// hidden states `[B, T, D]`.
     fn forward_impl(
         &self,
         tokens: Tensor<B, 2, Int>,
@@ -290,6 +311,7 @@ impl<B: Backend> TransformerVq<B> {
         valid: Option<Tensor<B, 2, Bool>>,
         masks: DropoutMasks<B>,
         with_groups: bool,
+        head: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 3>,
     ) -> Result<ModelOutput<B>, ModelError> {
         self.check_state(&state)?;
         let [b, t] = tokens.dims();
@@ -312,7 +334,7 @@ impl<B: Backend> TransformerVq<B> {
             states.push(out.state.detach());
         }
         Ok(ModelOutput {
-            logits: self.head(h),
+            logits: head(h),
             commitment,
             stats,
             codes,

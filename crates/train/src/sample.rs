@@ -114,10 +114,8 @@ fn prefill_rows(
             }
         }
         let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [rows, n]), &device);
-        let out = model.forward(tokens, state, None)?;
-        let vocab = out.logits.dims()[2];
-        logits = Some(out.logits.slice([0..rows, n - 1..n, 0..vocab])); // [rows, 1, vocab]
-        state = out.state;
+        let (last, s) = model.forward_last(tokens, state)?; // [rows, 1, vocab]
+        (logits, state) = (Some(last), s);
     }
     for i in whole..len {
         let ids: Vec<i64> = column(i).map(|t| t as i64).collect();

@@ -120,11 +120,26 @@ fn two_segments_with_carried_state_equal_one_segment() {
             .unwrap();
         assert_close(
             Tensor::cat(vec![first.logits, second.logits], 1),
-            whole.logits,
+            whole.logits.clone(),
             1e-5,
             &format!("{bias:?}"),
         );
         assert_eq!(second.state.pos(), t);
+        // The last position alone, with the state carried the same way.
+        let (_, state) = m
+            .forward_last(tokens(&half(0..12), b, &device), m.empty_state())
+            .unwrap();
+        let (last, state) = m
+            .forward_last(tokens(&half(12..24), b, &device), state)
+            .unwrap();
+        let vocab = cfg.vocab_size;
+        assert_close(
+            last,
+            whole.logits.slice([0..b, t - 1..t, 0..vocab]),
+            1e-5,
+            &format!("{bias:?}: forward_last"),
+        );
+        assert_eq!(state.pos(), t);
     }
 }
 
