@@ -20,7 +20,9 @@ pub struct SampleOptions {
     pub seed: u64,
 }
 
-/// Draws a token from `logits` with temperature and nucleus sampling.
+/// Draws a token from `logits` with temperature and nucleus sampling: the
+/// most likely tokens (ties: the lower id first) up to probability `top_p`,
+/// renormalised, and `u` in `[0, 1)` picks among them in that order.
 pub fn draw(logits: &[f32], temperature: f64, top_p: f64, u: f64) -> u32 {
     if temperature <= 0.0 {
         return (0..logits.len())
@@ -34,25 +36,50 @@ pub fn draw(logits: &[f32], temperature: f64, top_p: f64, u: f64) -> u32 {
         .map(|(i, &l)| (i, ((l as f64 - max) / temperature).exp()))
         .collect();
     let total: f64 = probs.iter().map(|p| p.1).sum();
-    probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    let mut kept = 0.0;
-    let mut cut = probs.len();
-    for (n, p) in probs.iter().enumerate() {
-        kept += p.1 / total;
-        if kept >= top_p {
-            cut = n + 1;
-            break;
-        }
-    }
-    let mass: f64 = probs[..cut].iter().map(|p| p.1).sum();
+    let nucleus = most_likely_first(&mut probs, top_p * total);
+    let mass: f64 = nucleus.iter().map(|p| p.1).sum();
     let mut target = u * mass;
-    for &(i, p) in &probs[..cut] {
+    for &(i, p) in nucleus {
         target -= p;
         if target <= 0.0 {
             return i as u32;
         }
     }
-    probs[cut - 1].0 as u32
+    nucleus[nucleus.len() - 1].0 as u32
+}
+
+/// The shortest run of the most likely `(id, weight)` pairs whose weights
+/// reach `mass`, in order (weight descending, then id), with `probs`
+/// reordered to start with it. A trained model's nucleus is usually a few
+/// tokens: the 64 most likely are selected in linear time and only they
+/// are sorted; everything is sorted only when they do not hold the mass.
+fn most_likely_first(probs: &mut [(usize, f64)], mass: f64) -> &[(usize, f64)] {
+    const FEW: usize = 64;
+    let order = |a: &(usize, f64), b: &(usize, f64)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let in_few = if probs.len() > FEW {
+        probs.select_nth_unstable_by(FEW, order);
+        probs[..FEW].sort_unstable_by(order);
+        prefix_holding(&probs[..FEW], mass)
+    } else {
+        None
+    };
+    let cut = in_few.unwrap_or_else(|| {
+        probs.sort_unstable_by(order);
+        prefix_holding(probs, mass).unwrap_or(probs.len())
+    });
+    &probs[..cut]
+}
+
+/// The length of the shortest prefix of `sorted` whose weights reach `mass`.
+fn prefix_holding(sorted: &[(usize, f64)], mass: f64) -> Option<usize> {
+    let mut kept = 0.0;
+    sorted
+        .iter()
+        .position(|p| {
+            kept += p.1;
+            kept >= mass
+        })
+        .map(|j| j + 1)
 }
 
 /// Most tokens the block form reads at once while prefilling (a multiple
@@ -445,6 +472,58 @@ mod tests {
         // A higher temperature flattens the distribution.
         let hot = frequencies(&logits, 4.0, 1.0, 10_000);
         assert!(hot[0] > f[0] && hot[2] < f[2]);
+    }
+
+    /// `draw` as the definition reads: every token sorted, the nucleus cut
+    /// from the sorted list.
+    fn draw_by_full_sort(logits: &[f32], temperature: f64, top_p: f64, u: f64) -> u32 {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let mut probs: Vec<(usize, f64)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i, ((l as f64 - max) / temperature).exp()))
+            .collect();
+        let total: f64 = probs.iter().map(|p| p.1).sum();
+        probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let (mut kept, mut cut) = (0.0, probs.len());
+        for (n, p) in probs.iter().enumerate() {
+            kept += p.1;
+            if kept >= top_p * total {
+                cut = n + 1;
+                break;
+            }
+        }
+        let mut target = u * probs[..cut].iter().map(|p| p.1).sum::<f64>();
+        for &(i, p) in &probs[..cut] {
+            target -= p;
+            if target <= 0.0 {
+                return i as u32;
+            }
+        }
+        probs[cut - 1].0 as u32
+    }
+
+    #[test]
+    fn the_nucleus_without_a_full_sort_draws_what_a_full_sort_does() {
+        let mut rng = SplitMix64(5);
+        for vocab in [3, 64, 65, 1000, 5000] {
+            // Peaked and flat distributions, with ties (rounded logits).
+            for spread in [0.5, 4.0, 12.0] {
+                let logits: Vec<f32> = (0..vocab)
+                    .map(|_| ((rng.uniform() * spread) * 4.0).round() as f32 / 4.0)
+                    .collect();
+                for (temperature, top_p) in [(1.0, 0.9), (0.7, 0.5), (1.0, 1.0), (2.0, 0.99)] {
+                    for _ in 0..20 {
+                        let u = rng.uniform();
+                        assert_eq!(
+                            draw(&logits, temperature, top_p, u),
+                            draw_by_full_sort(&logits, temperature, top_p, u),
+                            "vocab {vocab}, spread {spread}, t {temperature}, p {top_p}, u {u}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]
