@@ -29,12 +29,7 @@ pub fn draw(logits: &[f32], temperature: f64, top_p: f64, u: f64) -> u32 {
             .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
             .unwrap_or(0) as u32;
     }
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let mut probs: Vec<(usize, f64)> = logits
-        .iter()
-        .enumerate()
-        .map(|(i, &l)| (i, ((l as f64 - max) / temperature).exp()))
-        .collect();
+    let mut probs = softmax_weights(logits, temperature);
     let total: f64 = probs.iter().map(|p| p.1).sum();
     let nucleus = most_likely_first(&mut probs, top_p * total);
     let mass: f64 = nucleus.iter().map(|p| p.1).sum();
@@ -46,6 +41,17 @@ pub fn draw(logits: &[f32], temperature: f64, top_p: f64, u: f64) -> u32 {
         }
     }
     nucleus[nucleus.len() - 1].0 as u32
+}
+
+/// `(id, exp((logit - max) / temperature))` for every token: the softmax's
+/// unnormalised weights.
+fn softmax_weights(logits: &[f32], temperature: f64) -> Vec<(usize, f64)> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i, ((l as f64 - max) / temperature).exp()))
+        .collect()
 }
 
 /// The shortest run of the most likely `(id, weight)` pairs whose weights
@@ -475,14 +481,9 @@ mod tests {
     }
 
     /// `draw` as the definition reads: every token sorted, the nucleus cut
-    /// from the sorted list.
+    /// from the sorted list (the same weights: what is checked is the cut).
     fn draw_by_full_sort(logits: &[f32], temperature: f64, top_p: f64, u: f64) -> u32 {
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let mut probs: Vec<(usize, f64)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i, ((l as f64 - max) / temperature).exp()))
-            .collect();
+        let mut probs = softmax_weights(logits, temperature);
         let total: f64 = probs.iter().map(|p| p.1).sum();
         probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         let (mut kept, mut cut) = (0.0, probs.len());
