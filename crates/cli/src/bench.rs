@@ -23,13 +23,14 @@ pub struct BenchArgs {
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     device: DeviceSpec,
     /// Sequence lengths to measure (one segment each), comma separated.
-    #[arg(long, value_delimiter = ',', default_value = "512,2048,8192,32768")]
+    #[arg(long, value_delimiter = ',', default_value = "512,2048,8192,32768",
+          value_parser = crate::at_least(1))]
     seq_len: Vec<usize>,
     /// Attention forms to measure: vq, quadratic.
     #[arg(long, value_delimiter = ',', default_value = "vq,quadratic")]
     form: Vec<String>,
     /// Batch rows.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = crate::at_least(1))]
     batch: usize,
     /// Vocabulary size of the benchmark model (default: a byte-level
     /// corpus's 256 bytes and 3 special tokens). A large vocabulary weighs
@@ -45,7 +46,7 @@ pub struct BenchArgs {
     #[arg(long = "set", value_name = "KEY=VALUE")]
     overrides: Vec<String>,
     /// Timed forward+backward passes per setting (after one untimed warm-up).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = crate::at_least(1))]
     steps: usize,
     /// Skip a quadratic setting whose score matrix alone would exceed this many GiB.
     #[arg(long, default_value_t = 4.0)]
@@ -65,7 +66,7 @@ pub struct BenchArgs {
     #[arg(long)]
     generate: bool,
     /// Tokens generated per prompt with --generate.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = crate::at_least(2))]
     new_tokens: usize,
     /// Measure the data loader instead: training-batch production from this
     /// byte-level text file or directory, for each --seq-len as the segment length.
@@ -164,9 +165,6 @@ fn bench_generate(
     device: &burn::DispatchDevice,
     info: &str,
 ) -> Result<()> {
-    if args.new_tokens < 2 {
-        anyhow::bail!("--new-tokens must be at least 2");
-    }
     if !args.json {
         println!(
             "{:>8} {:>12} {:>16} {:>16} {:>10} {:>14}",
@@ -194,6 +192,7 @@ fn bench_generate(
             temperature: 1.0,
             top_p: 1.0,
             seed: 0,
+            progress: false,
         };
         reset_peak_rss();
         let start = Instant::now();

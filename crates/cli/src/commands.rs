@@ -145,7 +145,7 @@ pub struct EvalArgs {
     /// Threads that score groups of the batch's rows at once, group g on
     /// device g mod the number of devices (default: the config's
     /// train.workers).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::at_least(1))]
     workers: Option<usize>,
     /// Reset the state every N tokens of each row (a multiple of the config's
     /// eval.update_len), as the official validation does per sequence
@@ -195,7 +195,7 @@ pub struct SampleArgs {
     /// Continuations of the prompt to generate, as one batch (each from its
     /// own stream of the seed: sample i is the same whatever N is). With
     /// more than one, they are printed when all are done.
-    #[arg(long, default_value_t = 1, value_name = "N")]
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::at_least(1))]
     num_samples: usize,
     #[command(flatten)]
     cache_limit: CacheLimit,
@@ -592,10 +592,8 @@ pub fn run_sample(args: SampleArgs) -> Result<()> {
         temperature: args.temperature,
         top_p: args.top_p,
         seed: args.seed,
+        progress: true,
     };
-    if args.num_samples == 0 {
-        bail!("--num-samples must be at least 1");
-    }
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let vocab = &loaded.vocab;

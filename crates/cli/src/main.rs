@@ -87,6 +87,12 @@ pub fn parse_device(s: &str) -> Result<DeviceSpec, String> {
     s.parse::<DeviceSpec>().map_err(|e| e.to_string())
 }
 
+/// A count flag's parser: a whole number no smaller than `min`, so that
+/// `--steps 0` is a usage error rather than an empty or failed run.
+pub fn at_least(min: u64) -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new().range(min..)
+}
+
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(

@@ -694,6 +694,18 @@ fn bad_input_is_a_one_line_error() {
         "nothing",
     );
     fails(&["sample", "--checkpoint", run_s, "--top-p", "0"], "top-p");
+    fails(
+        &["sample", "--checkpoint", run_s, "--num-samples", "0"],
+        "--num-samples",
+    );
+    fails(
+        &["eval", "--checkpoint", run_s, "--workers", "0"],
+        "--workers",
+    );
+    // Benchmark sizes of zero are refused before a model is built.
+    fails(&["bench", "--seq-len", "512,0"], "--seq-len");
+    fails(&["bench", "--generate", "--batch", "0"], "--batch");
+    fails(&["bench", "--steps", "0"], "--steps");
 }
 
 /// Waits until the run in `run` has logged 3 lines, then sends `child`

@@ -24,6 +24,14 @@ impl ConfigError {
 /// An input the model cannot run on.
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum ModelError {
+    /// A segment without rows or without tokens: nothing to compute.
+    #[error("empty input: {rows} rows of {len} tokens")]
+    EmptyInput {
+        /// Rows in the batch.
+        rows: usize,
+        /// Tokens per row.
+        len: usize,
+    },
     /// The block-parallel form needs whole blocks.
     #[error("segment length {len} is not a multiple of the block length {block_len}")]
     SegmentNotBlockAligned {

@@ -315,6 +315,9 @@ impl<B: Backend> TransformerVq<B> {
     ) -> Result<ModelOutput<B>, ModelError> {
         self.check_state(&state)?;
         let [b, t] = tokens.dims();
+        if b == 0 || t == 0 {
+            return Err(ModelError::EmptyInput { rows: b, len: t });
+        }
         self.check_masks(&masks, [b, t])?;
         let mut h = self.embedding.forward(tokens); // [B, T, D]
         let mut commitment = Tensor::zeros([b, t], &h.device());
@@ -351,6 +354,10 @@ impl<B: Backend> TransformerVq<B> {
         state: ModelState<B>,
     ) -> Result<(Tensor<B, 3>, ModelState<B>), ModelError> {
         self.check_state(&state)?;
+        let [rows, len] = token.dims();
+        if rows == 0 || len == 0 {
+            return Err(ModelError::EmptyInput { rows, len });
+        }
         let masks = self.dropout_masks(token.dims());
         let mut h = self.embedding.forward(token);
         let mut states = Vec::with_capacity(self.sublayers.len());

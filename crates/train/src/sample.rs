@@ -1,6 +1,7 @@
 //! Sampling with the recurrent form: constant work and memory per token.
 
 use burn::prelude::*;
+use indicatif::{ProgressBar, ProgressStyle};
 use tvq_data::hash::{SplitMix64, splitmix64};
 use tvq_model::{ModelState, TransformerVq};
 
@@ -18,6 +19,9 @@ pub struct SampleOptions {
     pub top_p: f64,
     /// Seed of the draws.
     pub seed: u64,
+    /// Show a progress bar (on a terminal) while reading a prompt longer
+    /// than one prefill chunk.
+    pub progress: bool,
 }
 
 /// Draws a token from `logits` with temperature and nucleus sampling: the
@@ -111,17 +115,19 @@ pub fn prefill(
     eos: u32,
     prompt: &[u32],
 ) -> Result<(Vec<f32>, ModelState<B>), TrainError> {
-    prefill_rows(model, eos, &[prompt], PREFILL_CHUNK)
+    prefill_rows(model, eos, &[prompt], PREFILL_CHUNK, false)
 }
 
 /// [`prefill`] of several prompts of the same length, one batch row each,
 /// in chunks of up to `chunk` tokens: the logits `[rows * vocab]` and the
-/// state of the rows.
+/// state of the rows. With `progress`, a bar counts the tokens read when
+/// there is more than one chunk.
 fn prefill_rows(
     model: &TransformerVq<B>,
     eos: u32,
     prompts: &[&[u32]],
     chunk: usize,
+    progress: bool,
 ) -> Result<(Vec<f32>, ModelState<B>), TrainError> {
     let device = model.embedding.weight.device();
     let rows = prompts.len();
@@ -138,6 +144,16 @@ fn prefill_rows(
     let mut state = model.empty_state();
     let mut logits = None;
     let span = (chunk / l).max(1) * l;
+    let bar = if progress && whole > span {
+        ProgressBar::new(whole as u64)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("prompt [{bar:30}] {pos}/{len} tokens eta {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
     for start in (0..whole).step_by(span) {
         let n = span.min(whole - start);
         let mut ids = vec![0i64; rows * n]; // [rows, n], row-major
@@ -149,7 +165,9 @@ fn prefill_rows(
         let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [rows, n]), &device);
         let (last, s) = model.forward_last(tokens, state)?; // [rows, 1, vocab]
         (logits, state) = (Some(last), s);
+        bar.inc(n as u64);
     }
+    bar.finish_and_clear();
     for i in whole..len {
         let ids: Vec<i64> = column(i).map(|t| t as i64).collect();
         let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [rows, 1]), &device);
@@ -254,7 +272,7 @@ fn sample_group(
     let device = model.embedding.weight.device();
     let g = prompts.len();
     let rows = g * n;
-    let (first, state) = prefill_rows(model, eos, prompts, PREFILL_CHUNK)?;
+    let (first, state) = prefill_rows(model, eos, prompts, PREFILL_CHUNK, opts.progress)?;
     let vocab = first.len() / g;
     let mut state = state.repeat_rows(n);
     let mut logits = first.repeat(n); // [rows * vocab]
@@ -345,6 +363,7 @@ mod tests {
             temperature: 1.0,
             top_p: 1.0,
             seed,
+            progress: false,
         }
     }
 
@@ -412,7 +431,7 @@ mod tests {
             for n in [0, l - 2, l - 1, l, 2 * l + 1, 3 * l - 1, 9 * l + 2] {
                 let prompt = &text[..n];
                 // Chunks of two blocks: the state also carries between chunks.
-                let (fast, fast_state) = prefill_rows(&model, 1, &[prompt], 2 * l).unwrap();
+                let (fast, fast_state) = prefill_rows(&model, 1, &[prompt], 2 * l, false).unwrap();
                 let one_chunk = prefill(&model, 1, prompt).unwrap().0;
                 assert!(
                     worst(&one_chunk, &fast) <= 1e-5,

@@ -2,7 +2,9 @@
 
 use burn::nn::DropoutConfig;
 use burn::prelude::*;
-use tvq_model::{CacheGrad, ModelError, RelativeBias, TransformerVq, TransformerVqConfig};
+use tvq_model::{
+    AttentionForm, CacheGrad, ModelError, RelativeBias, TransformerVq, TransformerVqConfig,
+};
 
 use crate::common::*;
 
@@ -350,6 +352,23 @@ fn state_and_segment_errors_are_reported_not_panicked() {
         m.forward(tokens(&two, 2, &device), first.state, None),
         Err(ModelError::StateMismatch(_))
     ));
+    // Nothing to read: an error, in every form, not a failed reshape.
+    let empty = ModelError::EmptyInput { rows: 1, len: 0 };
+    let none = || tokens(&[], 1, &device);
+    assert_eq!(m.forward(none(), m.empty_state(), None).unwrap_err(), empty);
+    assert_eq!(m.forward_last(none(), m.empty_state()).unwrap_err(), empty);
+    assert_eq!(m.step(none(), m.empty_state()).unwrap_err(), empty);
+    let quadratic = model(
+        &cfg.clone().with_attention(AttentionForm::Quadratic),
+        5,
+        &device,
+    );
+    assert_eq!(
+        quadratic
+            .forward(none(), quadratic.empty_state(), None)
+            .unwrap_err(),
+        empty
+    );
 }
 
 #[test]
