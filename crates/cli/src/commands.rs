@@ -180,6 +180,10 @@ pub struct SampleArgs {
     /// when all are done; none: an empty prompt.
     #[arg(long)]
     prompt: Vec<String>,
+    /// A file whose text is a prompt (UTF-8): for prompts too long for the
+    /// command line. Repeatable; these prompts follow the --prompt ones.
+    #[arg(long, value_name = "FILE")]
+    prompt_file: Vec<std::path::PathBuf>,
     /// Tokens to generate.
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
@@ -576,13 +580,18 @@ pub fn run_sample(args: SampleArgs) -> Result<()> {
             args.temperature
         );
     }
+    let mut texts = args.prompt.clone();
+    for file in &args.prompt_file {
+        let text = std::fs::read_to_string(file)
+            .with_context(|| format!("cannot read prompt file {}", file.display()))?;
+        texts.push(text);
+    }
+    if texts.is_empty() {
+        texts.push(String::new());
+    }
     let device = init_device(args.device)?;
     let mut loaded = load_for_inference(&args.checkpoint, None, &device)?;
     args.cache_limit.apply(&mut loaded.model);
-    let texts = match args.prompt.is_empty() {
-        true => vec![String::new()],
-        false => args.prompt.clone(),
-    };
     let prompts = texts
         .iter()
         .map(|t| loaded.vocab.encode(t))

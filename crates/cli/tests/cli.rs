@@ -505,6 +505,29 @@ fn eval_sample_and_export_on_a_trained_run() {
     );
     let first = two.split("--- prompt 1, sample 2 ---").next().unwrap();
     assert_eq!(first, format!("--- prompt 1, sample 1 ---\n{a}"), "{two}");
+    // A prompt file holds the same prompt as the flag: the same samples.
+    let file = dir.path().join("prompt.txt");
+    std::fs::write(&file, "In the beginning").unwrap();
+    let from_file = sample(
+        "3",
+        &[
+            "--prompt-file",
+            file.to_str().unwrap(),
+            "--num-samples",
+            "3",
+        ],
+    );
+    assert_eq!(from_file, two);
+    fails(
+        &[
+            "sample",
+            "--checkpoint",
+            run_s,
+            "--prompt-file",
+            "nowhere.txt",
+        ],
+        "nowhere.txt",
+    );
 
     let weights = dir.path().join("model.safetensors");
     ok(&[
