@@ -3,7 +3,6 @@
 //! optionally the loss by position in the document.
 
 use burn::prelude::*;
-use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use tvq_data::{Batch, EvalBatches, TokenSplit};
 use tvq_model::{Loss, ModelState, TransformerVq};
@@ -11,6 +10,7 @@ use tvq_model::{Loss, ModelState, TransformerVq};
 use crate::batch::BatchTensors;
 use crate::config::EvalSection;
 use crate::error::TrainError;
+use crate::metrics::progress_bar;
 use crate::optim::B;
 use crate::workers::map_in_workers;
 
@@ -268,15 +268,13 @@ pub fn evaluate(
     let batches = EvalBatches::new(split.clone(), batch, update_len)?;
     let total = batches.num_batches();
     let n = opts.max_segments.map_or(total, |m| m.min(total));
-    let bar = if opts.progress {
-        ProgressBar::new(n as u64)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(
-        ProgressStyle::with_template("eval {split} [{bar:30}] {pos}/{len} eta {eta}")
-            .expect("valid template")
-            .progress_chars("=> "),
+    let bar = progress_bar(
+        opts.progress,
+        n as u64,
+        &format!(
+            "eval {} [{{bar:30}}] {{pos}}/{{len}} eta {{eta}}",
+            split.split
+        ),
     );
     let model_of = |group: usize| &models[group % models.len()];
     let per_token = opts.by_position || opts.attention;

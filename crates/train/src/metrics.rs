@@ -4,6 +4,7 @@ use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use crate::error::TrainError;
@@ -111,6 +112,22 @@ impl MetricsLog {
             .and_then(|_| self.file.flush())
             .map_err(|e| TrainError::io(&self.path, e))
     }
+}
+
+/// A progress bar of `len` units drawn with indicatif's `template` (which
+/// places `{bar:30}`), or a hidden one when `show` is false.
+pub(crate) fn progress_bar(show: bool, len: u64, template: &str) -> ProgressBar {
+    let bar = if show {
+        ProgressBar::new(len)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template(template)
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::DispatchDevice;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use tvq_data::{Corpus, Split, TrainBatches};
 
 use crate::checkpoint;
@@ -18,7 +18,7 @@ use crate::collective::{ClusterSpec, Collective};
 use crate::config::RunConfig;
 use crate::error::TrainError;
 use crate::evaluate::{EvalOptions, EvalReport, evaluate};
-use crate::metrics::{EvalLine, MetricsLog};
+use crate::metrics::{EvalLine, MetricsLog, progress_bar};
 use crate::plot;
 use crate::trainer::Trainer;
 
@@ -282,16 +282,7 @@ fn prepare_run_dir(cfg: &RunConfig, opts: &TrainOptions) -> Result<(), TrainErro
 
 /// The progress bar of the steps (hidden when `show` is false).
 fn step_bar(show: bool, total: u64, done: u64) -> ProgressBar {
-    let bar = if show {
-        ProgressBar::new(total)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(
-        ProgressStyle::with_template("[{bar:30}] step {pos}/{len} {msg} eta {eta}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
+    let bar = progress_bar(show, total, "[{bar:30}] step {pos}/{len} {msg} eta {eta}");
     bar.set_position(done);
     bar
 }

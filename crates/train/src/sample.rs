@@ -1,11 +1,11 @@
 //! Sampling with the recurrent form: constant work and memory per token.
 
 use burn::prelude::*;
-use indicatif::{ProgressBar, ProgressStyle};
 use tvq_data::hash::{SplitMix64, splitmix64};
 use tvq_model::{ModelState, TransformerVq};
 
 use crate::error::TrainError;
+use crate::metrics::progress_bar;
 use crate::optim::B;
 
 /// How to draw tokens.
@@ -144,15 +144,10 @@ fn prefill_rows(
     let mut state = model.empty_state();
     let mut logits = None;
     let span = (chunk / l).max(1) * l;
-    let bar = if progress && whole > span {
-        ProgressBar::new(whole as u64)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(
-        ProgressStyle::with_template("prompt [{bar:30}] {pos}/{len} tokens eta {eta}")
-            .expect("valid template")
-            .progress_chars("=> "),
+    let bar = progress_bar(
+        progress && whole > span,
+        whole as u64,
+        "prompt [{bar:30}] {pos}/{len} tokens eta {eta}",
     );
     for start in (0..whole).step_by(span) {
         let n = span.min(whole - start);
