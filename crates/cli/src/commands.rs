@@ -185,8 +185,12 @@ pub struct SampleArgs {
     #[arg(long, value_name = "FILE")]
     prompt_file: Vec<std::path::PathBuf>,
     /// Tokens to generate.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = crate::at_least(1))]
     max_tokens: usize,
+    /// Print only the generated text, not the prompt before it (for a long
+    /// --prompt-file, or to pipe the continuation on).
+    #[arg(long)]
+    no_echo: bool,
     /// Sampling temperature (0: greedy).
     #[arg(long, default_value_t = 1.0)]
     temperature: f64,
@@ -606,6 +610,11 @@ pub fn run_sample(args: SampleArgs) -> Result<()> {
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let vocab = &loaded.vocab;
+    // What is printed before each continuation.
+    let echoed: Vec<&str> = texts
+        .iter()
+        .map(|t| if args.no_echo { "" } else { t.as_str() })
+        .collect();
     if args.num_samples > 1 || prompts.len() > 1 {
         let eos = vocab.eos();
         let samples = sample_prompts(
@@ -616,7 +625,7 @@ pub fn run_sample(args: SampleArgs) -> Result<()> {
             opts,
             |_, _, t| t != eos,
         )?;
-        for (p, (text, samples)) in texts.iter().zip(&samples).enumerate() {
+        for (p, (text, samples)) in echoed.iter().zip(&samples).enumerate() {
             for (i, tokens) in samples.iter().enumerate() {
                 let end = tokens
                     .iter()
@@ -632,7 +641,7 @@ pub fn run_sample(args: SampleArgs) -> Result<()> {
         }
         return Ok(());
     }
-    let (text, prompt) = (&texts[0], &prompts[0]);
+    let (text, prompt) = (echoed[0], &prompts[0]);
     write!(out, "{text}")?;
     let mut pending: Vec<u32> = vec![];
     let mut shown = String::new();
@@ -640,14 +649,21 @@ pub fn run_sample(args: SampleArgs) -> Result<()> {
         if t == vocab.eos() {
             return false;
         }
-        // Decode the tokens so far and print what is new (UTF-8 may span tokens).
+        // Decode the tokens of the current line and print what is new (UTF-8
+        // may span tokens). A finished line is dropped, so that the decoding
+        // cost per token stays bounded by the line, not the whole sample.
         pending.push(t);
         if let Ok(text) = vocab.decode(&pending)
             && !text.ends_with('\u{fffd}')
         {
             let _ = write!(out, "{}", text.get(shown.len()..).unwrap_or_default());
             let _ = out.flush();
-            shown = text;
+            if text.ends_with('\n') {
+                pending.clear();
+                shown.clear();
+            } else {
+                shown = text;
+            }
         }
         true
     })?;

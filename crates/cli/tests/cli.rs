@@ -491,6 +491,28 @@ fn eval_sample_and_export_on_a_trained_run() {
     assert_eq!(a, b, "sampling is reproducible for a seed");
     assert_ne!(a, c, "another seed, another sample");
     assert!(a.starts_with("And God"));
+    // A long sample streamed line by line reads as the batch decodes it whole.
+    let long = |n: &str| {
+        ok(&[
+            "sample",
+            "--checkpoint",
+            run_s,
+            "--max-tokens",
+            "400",
+            "--seed",
+            "5",
+            "--num-samples",
+            n,
+        ])
+    };
+    let streamed = long("1");
+    assert!(streamed.trim_end().contains('\n'), "{streamed}");
+    let batched = long("2");
+    let first = batched.split("--- sample 2 ---").next().unwrap();
+    assert_eq!(first, format!("--- sample 1 ---\n{streamed}"));
+    // --no-echo prints the same continuation without the prompt.
+    let continuation = sample("3", &["--no-echo"]);
+    assert_eq!(Some(continuation.as_str()), a.strip_prefix("And God"));
     // Three samples in one batch: the first is the single sample of the seed.
     let three = sample("3", &["--num-samples", "3"]);
     let texts: Vec<&str> = three.split("--- sample ").skip(1).collect();
@@ -505,6 +527,21 @@ fn eval_sample_and_export_on_a_trained_run() {
     );
     let first = two.split("--- prompt 1, sample 2 ---").next().unwrap();
     assert_eq!(first, format!("--- prompt 1, sample 1 ---\n{a}"), "{two}");
+    let two_bare = sample(
+        "3",
+        &[
+            "--prompt",
+            "In the beginning",
+            "--num-samples",
+            "3",
+            "--no-echo",
+        ],
+    );
+    assert_eq!(
+        two_bare,
+        two.replace("---\nAnd God", "---\n")
+            .replace("---\nIn the beginning", "---\n")
+    );
     // A prompt file holds the same prompt as the flag: the same samples.
     let file = dir.path().join("prompt.txt");
     std::fs::write(&file, "In the beginning").unwrap();
@@ -720,6 +757,10 @@ fn bad_input_is_a_one_line_error() {
     fails(
         &["sample", "--checkpoint", run_s, "--num-samples", "0"],
         "--num-samples",
+    );
+    fails(
+        &["sample", "--checkpoint", run_s, "--max-tokens", "0"],
+        "--max-tokens",
     );
     fails(
         &["eval", "--checkpoint", run_s, "--workers", "0"],
