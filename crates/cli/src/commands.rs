@@ -183,7 +183,7 @@ pub struct SampleArgs {
     /// A file whose text is a prompt (UTF-8): for prompts too long for the
     /// command line. Repeatable; these prompts follow the --prompt ones.
     #[arg(long, value_name = "FILE")]
-    prompt_file: Vec<std::path::PathBuf>,
+    prompt_file: Vec<PathBuf>,
     /// Tokens to generate.
     #[arg(long, default_value_t = 256, value_parser = crate::at_least(1))]
     max_tokens: usize,
