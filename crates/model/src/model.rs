@@ -268,7 +268,7 @@ impl<B: Backend> TransformerVq<B> {
         valid: Option<Tensor<B, 2, Bool>>,
     ) -> Result<ModelOutput<B>, ModelError> {
         let masks = self.dropout_masks(tokens.dims());
-        self.forward_impl(tokens, state, valid, masks, true, |h| self.head(h))
+        self.forward_impl(tokens, state, valid, masks, true)
     }
 
     /// [`Self::forward`] with dropout masks drawn beforehand by
@@ -280,30 +280,77 @@ impl<B: Backend> TransformerVq<B> {
         valid: Option<Tensor<B, 2, Bool>>,
         masks: DropoutMasks<B>,
     ) -> Result<ModelOutput<B>, ModelError> {
-        self.forward_impl(tokens, state, valid, masks, false, |h| self.head(h))
+        self.forward_impl(tokens, state, valid, masks, false)
     }
 
     /// The block-parallel forward of a segment `tokens` `[B, T]` from
     /// `state`, returning only the last position's logits `[B, 1, vocab]`
     /// and the state: what reading a prompt needs, without the output
     /// head's `T x vocab` product for the positions before the last (most
-    /// of the work for a small model with a large vocabulary).
+    /// of the work for a small model with a large vocabulary). The same as
+    /// [`Self::embed`], [`Self::forward_sublayers`] over every sublayer and
+    /// [`Self::head_last`], the pieces a caller may run apart (a pipeline
+    /// over threads, each owning some sublayers).
     pub fn forward_last(
         &self,
         tokens: Tensor<B, 2, Int>,
         state: ModelState<B>,
     ) -> Result<(Tensor<B, 3>, ModelState<B>), ModelError> {
-        let masks = self.dropout_masks(tokens.dims());
-        let last = |h: Tensor<B, 3>| {
-            let [b, t, d] = h.dims();
-            self.head(h.slice([0..b, t - 1..t, 0..d]))
-        };
-        let out = self.forward_impl(tokens, state, None, masks, false, last)?;
-        Ok((out.logits, out.state))
+        self.check_state(&state)?;
+        let h = self.embed(tokens)?;
+        let (h, sublayers) = self.forward_sublayers(0..self.sublayers.len(), h, state.sublayers)?;
+        Ok((self.head_last(h), ModelState { sublayers }))
     }
 
-    /// The sublayers, then the logits that `head` computes from the final
-    /// hidden states `[B, T, D]`.
+    /// The input of the first sublayer: the embeddings `[B, T, D]` of
+    /// `tokens` `[B, T]`.
+    pub fn embed(&self, tokens: Tensor<B, 2, Int>) -> Result<Tensor<B, 3>, ModelError> {
+        let [b, t] = tokens.dims();
+        if b == 0 || t == 0 {
+            return Err(ModelError::EmptyInput { rows: b, len: t });
+        }
+        Ok(self.embedding.forward(tokens))
+    }
+
+    /// The block-parallel form of the sublayers `range` only, over hidden
+    /// states `h` `[B, T, D]` (`T` a multiple of `L`) from their `states`
+    /// (one per sublayer of `range`): the hidden states after the last of
+    /// them and their detached states. For reading, not training: no code
+    /// statistics or commitment come back.
+    pub fn forward_sublayers(
+        &self,
+        range: std::ops::Range<usize>,
+        mut h: Tensor<B, 3>,
+        states: Vec<AttentionState<B>>,
+    ) -> Result<(Tensor<B, 3>, Vec<AttentionState<B>>), ModelError> {
+        if range.end > self.sublayers.len() || states.len() != range.len() {
+            return Err(ModelError::StateMismatch(format!(
+                "{} states for sublayers {range:?} of {}",
+                states.len(),
+                self.sublayers.len()
+            )));
+        }
+        let [b, t, _] = h.dims();
+        let device = self.embedding.weight.device();
+        let mut out_states = Vec::with_capacity(states.len());
+        for (gau, s) in self.sublayers[range].iter().zip(states) {
+            let mut m = gau.dropout_masks(self.layer_drop, [b, t], &device);
+            let out = gau.forward(h.clone(), s, None, &mut m, false)?;
+            // Layer drop: a row keeps or skips the whole sublayer.
+            h = h + dropout::apply(out.out, m.layer);
+            out_states.push(out.state.detach());
+        }
+        Ok((h, out_states))
+    }
+
+    /// The logits `[B, 1, vocab]` of the last position of the final hidden
+    /// states `h` `[B, T, D]`.
+    pub fn head_last(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [b, t, d] = h.dims();
+        self.head(h.slice([0..b, t - 1..t, 0..d]))
+    }
+
+    /// The sublayers, then the logits of every position.
     fn forward_impl(
         &self,
         tokens: Tensor<B, 2, Int>,
@@ -311,15 +358,11 @@ impl<B: Backend> TransformerVq<B> {
         valid: Option<Tensor<B, 2, Bool>>,
         masks: DropoutMasks<B>,
         with_groups: bool,
-        head: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 3>,
     ) -> Result<ModelOutput<B>, ModelError> {
         self.check_state(&state)?;
         let [b, t] = tokens.dims();
-        if b == 0 || t == 0 {
-            return Err(ModelError::EmptyInput { rows: b, len: t });
-        }
+        let mut h = self.embed(tokens)?; // [B, T, D]
         self.check_masks(&masks, [b, t])?;
-        let mut h = self.embedding.forward(tokens); // [B, T, D]
         let mut commitment = Tensor::zeros([b, t], &h.device());
         let mut stats = Vec::with_capacity(self.sublayers.len());
         let mut codes = Vec::with_capacity(self.sublayers.len());
@@ -337,7 +380,7 @@ impl<B: Backend> TransformerVq<B> {
             states.push(out.state.detach());
         }
         Ok(ModelOutput {
-            logits: head(h),
+            logits: self.head(h),
             commitment,
             stats,
             codes,

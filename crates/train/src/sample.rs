@@ -1,8 +1,11 @@
 //! Sampling with the recurrent form: constant work and memory per token.
 
+use std::sync::mpsc::sync_channel;
+
 use burn::prelude::*;
+use indicatif::ProgressBar;
 use tvq_data::hash::{SplitMix64, splitmix64};
-use tvq_model::{ModelState, TransformerVq};
+use tvq_model::{ModelError, ModelState, TransformerVq};
 
 use crate::error::TrainError;
 use crate::metrics::progress_bar;
@@ -93,8 +96,10 @@ fn prefix_holding(sorted: &[(usize, f64)], mass: f64) -> Option<usize> {
 }
 
 /// Most tokens the block form reads at once while prefilling (a multiple
-/// of the block length is taken): bounds the memory of a long prompt.
-pub const PREFILL_CHUNK: usize = 2048;
+/// of the block length is taken): bounds the memory of a long prompt, and
+/// gives the pipeline of [`prefill`] chunks to overlap. As fast per token
+/// as 2,048 on one thread (docs/benchmarks.md).
+pub const PREFILL_CHUNK: usize = 512;
 
 fn logits_vec(logits: Tensor<B, 3>) -> Vec<f32> {
     logits
@@ -107,9 +112,9 @@ fn logits_vec(logits: Tensor<B, 3>) -> Vec<f32> {
 /// Reads the stream `eos, prompt...` from a fresh state and returns the
 /// logits of the token after it, `[vocab]`, and the state. Whole blocks go
 /// through the block-parallel form (chunks of up to [`PREFILL_CHUNK`]
-/// tokens), the remaining `< L` tokens through the recurrent form, so the
-/// result equals feeding every token to the recurrent form, at the block
-/// form's speed.
+/// tokens; on the CPU, a pipeline of threads over the sublayers), the
+/// remaining `< L` tokens through the recurrent form, so the result equals
+/// feeding every token to the recurrent form, at the block form's speed.
 pub fn prefill(
     model: &TransformerVq<B>,
     eos: u32,
@@ -141,15 +146,8 @@ fn prefill_rows(
     };
     let l = model.block_len();
     let whole = len / l * l;
-    let mut state = model.empty_state();
-    let mut logits = None;
     let span = (chunk / l).max(1) * l;
-    let bar = progress_bar(
-        progress && whole > span,
-        whole as u64,
-        "prompt [{bar:30}] {pos}/{len} tokens eta {eta}",
-    );
-    for start in (0..whole).step_by(span) {
+    let chunks = (0..whole).step_by(span).map(|start| {
         let n = span.min(whole - start);
         let mut ids = vec![0i64; rows * n]; // [rows, n], row-major
         for i in 0..n {
@@ -157,12 +155,17 @@ fn prefill_rows(
                 ids[r * n + i] = t as i64;
             }
         }
-        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [rows, n]), &device);
-        let (last, s) = model.forward_last(tokens, state)?; // [rows, 1, vocab]
-        (logits, state) = (Some(last), s);
-        bar.inc(n as u64);
-    }
+        Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [rows, n]), &device)
+    });
+    let bar = progress_bar(
+        progress && whole > span,
+        whole as u64,
+        "prompt [{bar:30}] {pos}/{len} tokens eta {eta}",
+    );
+    let stages = pipeline_stages(model, whole.div_ceil(span));
+    let (h, mut state) = read_blocks(model, chunks, model.empty_state(), stages, &bar)?;
     bar.finish_and_clear();
+    let mut logits = h.map(|h| model.head_last(h)); // [rows, 1, vocab]
     for i in whole..len {
         let ids: Vec<i64> = column(i).map(|t| t as i64).collect();
         let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [rows, 1]), &device);
@@ -171,6 +174,113 @@ fn prefill_rows(
     }
     let logits = logits.expect("the stream holds at least the end-of-document token");
     Ok((logits_vec(logits), state))
+}
+
+/// How many threads read a prompt of `chunks` chunks: on the CPU one per
+/// core, up to one per sublayer, since the CPU backend runs elementwise
+/// work on the calling thread only (one pass keeps about 1.1 cores busy);
+/// a GPU gets one, its kernels already run in parallel.
+fn pipeline_stages(model: &TransformerVq<B>, chunks: usize) -> usize {
+    if chunks < 2
+        || !matches!(
+            model.embedding.weight.device(),
+            burn::DispatchDevice::Flex(_)
+        )
+    {
+        return 1;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    cores.min(model.sublayers.len())
+}
+
+/// Reads `chunks` (`[rows, n]` tokens, `n` a multiple of `L`) with the block
+/// form from `state`: the final hidden states of the last chunk `[rows, n,
+/// D]` (none without chunks) and the state after it. With `stages > 1` the
+/// sublayers are cut into that many consecutive groups, each on a thread of
+/// its own that owns their states, and a chunk passes from group to group,
+/// so that while group 2 reads chunk 1, group 1 reads chunk 2. Every group
+/// computes what it would in one pass, in the same order: the result is
+/// the one-thread result, bit for bit.
+fn read_blocks(
+    model: &TransformerVq<B>,
+    chunks: impl Iterator<Item = Tensor<B, 2, Int>>,
+    state: ModelState<B>,
+    stages: usize,
+    bar: &ProgressBar,
+) -> Result<(Option<Tensor<B, 3>>, ModelState<B>), TrainError> {
+    let n = model.sublayers.len();
+    let stages = stages.clamp(1, n);
+    if stages == 1 {
+        let (mut last, mut state) = (None, state);
+        for tokens in chunks {
+            let len = tokens.dims()[1] as u64;
+            let (h, s) = model.forward_sublayers(0..n, model.embed(tokens)?, state.sublayers)?;
+            (last, state) = (Some(h), ModelState { sublayers: s });
+            bar.inc(len);
+        }
+        return Ok((last, state));
+    }
+    let mut states = state.sublayers.into_iter();
+    std::thread::scope(|scope| {
+        // Bounded channels: at most one chunk waits between two groups.
+        let (feed, mut input) = sync_channel::<Tensor<B, 3>>(1);
+        let mut groups = Vec::with_capacity(stages);
+        for g in 0..stages {
+            let range = g * n / stages..(g + 1) * n / stages;
+            let mut own: Vec<_> = states.by_ref().take(range.len()).collect();
+            // The last group keeps its output; the others pass it on.
+            let (output, next) = if g + 1 < stages {
+                let (tx, rx) = sync_channel(1);
+                (Some(tx), rx)
+            } else {
+                (None, sync_channel(0).1)
+            };
+            let input = std::mem::replace(&mut input, next);
+            groups.push(scope.spawn(move || {
+                let mut last = None;
+                for h in input {
+                    let (h, s) = model.forward_sublayers(range.clone(), h, own)?;
+                    own = s;
+                    match &output {
+                        // A later group that failed hung up: its error is reported.
+                        Some(tx) => {
+                            if tx.send(h).is_err() {
+                                break;
+                            }
+                        }
+                        None => last = Some(h),
+                    }
+                }
+                Ok::<_, ModelError>((last, own))
+            }));
+        }
+        let mut fed = Ok(());
+        for tokens in chunks {
+            let len = tokens.dims()[1] as u64;
+            match model.embed(tokens) {
+                // A failed send means a group failed: its error is reported.
+                Ok(h) => match feed.send(h) {
+                    Ok(()) => bar.inc(len),
+                    Err(_) => break,
+                },
+                Err(e) => {
+                    fed = Err(e);
+                    break;
+                }
+            }
+        }
+        drop(feed);
+        let mut last = None;
+        let mut sublayers = Vec::with_capacity(n);
+        for group in groups {
+            let (h, own) = group
+                .join()
+                .unwrap_or_else(|e| std::panic::resume_unwind(e))?;
+            (last, sublayers) = (h.or(last), [sublayers, own].concat());
+        }
+        fed?;
+        Ok((last, ModelState { sublayers }))
+    })
 }
 
 /// Reads `prompt` (after the end-of-document token `eos` that starts every
@@ -336,7 +446,8 @@ mod tests {
         t.to_data().convert::<f32>().to_vec().unwrap()
     }
 
-    /// A 13-token model with blocks of 4, 2 heads, drawn from `seed`.
+    /// A 13-token model with blocks of 4, 2 heads, 2 layers (4 sublayers),
+    /// drawn from `seed`.
     fn tiny_model(bias: RelativeBias, seed: u64) -> TransformerVq<B> {
         let device = DeviceSpec::Cpu.init().unwrap().0;
         let cfg = TransformerVqConfig::new(13)
@@ -345,7 +456,7 @@ mod tests {
             .with_d_v(12)
             .with_n_code(5)
             .with_n_head(2)
-            .with_n_layer(1)
+            .with_n_layer(2)
             .with_block_len(4)
             .with_bias(bias);
         crate::step::seeded_draw(&device, Some(seed), || cfg.init::<B>(&device)).unwrap()
@@ -462,6 +573,63 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// Every number a state holds, sublayer by sublayer.
+    fn state_floats(state: &ModelState<B>) -> Vec<Vec<f32>> {
+        let mut out = vec![];
+        for s in &state.sublayers {
+            out.push(vec![s.pos as f32]);
+            if let Some(p) = &s.prev {
+                out.extend([
+                    floats(&p.k_hat),
+                    floats(&p.v),
+                    floats(&p.codes.clone().float()),
+                ]);
+            }
+            if let Some(c) = &s.cache {
+                out.extend([floats(&c.counts), floats(&c.means)]);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn reading_on_a_pipeline_of_threads_is_the_one_thread_result_bit_for_bit() {
+        let model = tiny_model(RelativeBias::Toeplitz, 8); // 4 sublayers
+        let device = model.embedding.weight.device();
+        let l = model.block_len();
+        let chunk = |c: usize, len: usize| {
+            let ids = (0..2 * len)
+                .map(|i| ((i * 7 + c * 3) % 13) as i64)
+                .collect();
+            Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [2, len]), &device)
+        };
+        // Seven chunks of one to three blocks, two rows.
+        let chunks = || (0..7).map(|c| chunk(c, (1 + c % 3) * l));
+        let bar = ProgressBar::hidden();
+        let read = |stages| read_blocks(&model, chunks(), model.empty_state(), stages, &bar);
+        let (h, state) = read(1).unwrap();
+        let (h, state) = (floats(&h.unwrap()), state_floats(&state));
+        for stages in 2..=4 {
+            let (h2, state2) = read(stages).unwrap();
+            // (Not assert_eq: a failure would print every number.)
+            assert!(floats(&h2.unwrap()) == h, "{stages} stages: hidden states");
+            assert!(state_floats(&state2) == state, "{stages} stages: state");
+        }
+        // A chunk that is not whole blocks fails in the first group: an
+        // error comes back, nothing hangs.
+        let bad = (0..5).map(|c| chunk(c, if c == 2 { l + 1 } else { l }));
+        for stages in [1, 2, 4] {
+            let err = read_blocks(&model, bad.clone(), model.empty_state(), stages, &bar);
+            assert!(
+                matches!(
+                    err,
+                    Err(TrainError::Model(ModelError::SegmentNotBlockAligned { .. }))
+                ),
+                "{stages} stages: {err:?}"
+            );
         }
     }
 
