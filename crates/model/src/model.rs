@@ -323,7 +323,10 @@ impl<B: Backend> TransformerVq<B> {
         mut h: Tensor<B, 3>,
         states: Vec<AttentionState<B>>,
     ) -> Result<(Tensor<B, 3>, Vec<AttentionState<B>>), ModelError> {
-        if range.end > self.sublayers.len() || states.len() != range.len() {
+        if range.start > range.end
+            || range.end > self.sublayers.len()
+            || states.len() != range.len()
+        {
             return Err(ModelError::StateMismatch(format!(
                 "{} states for sublayers {range:?} of {}",
                 states.len(),

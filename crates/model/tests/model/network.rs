@@ -343,6 +343,18 @@ fn state_and_segment_errors_are_reported_not_panicked() {
         )
         .unwrap_err();
     assert!(matches!(err, ModelError::StateMismatch(_)));
+    // Sublayer ranges must exist and come with one state each.
+    let h = m.embed(tokens(&data[..4], 1, &device)).unwrap();
+    let n = m.sublayers.len();
+    #[allow(clippy::reversed_empty_ranges)]
+    for (range, states) in [(0..n + 1, n + 1), (1..2, 2), (2..1, 0)] {
+        let fresh = tvq_model::ModelState::new(states).sublayers;
+        let err = m.forward_sublayers(range.clone(), h.clone(), fresh);
+        assert!(
+            matches!(err, Err(ModelError::StateMismatch(_))),
+            "{range:?}, {states} states"
+        );
+    }
     // A state from a batch of 1 cannot continue a batch of 2.
     let first = m
         .forward(tokens(&data[..4], 1, &device), m.empty_state(), None)
