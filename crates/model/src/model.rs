@@ -296,7 +296,6 @@ impl<B: Backend> TransformerVq<B> {
         tokens: Tensor<B, 2, Int>,
         state: ModelState<B>,
     ) -> Result<(Tensor<B, 3>, ModelState<B>), ModelError> {
-        self.check_state(&state)?;
         let h = self.embed(tokens)?;
         let (h, sublayers) = self.forward_sublayers(0..self.sublayers.len(), h, state.sublayers)?;
         Ok((self.head_last(h), ModelState { sublayers }))
