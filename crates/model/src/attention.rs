@@ -205,6 +205,15 @@ impl<B: Backend> CompressedCache<B> {
 /// pair is wasted on angles that barely move within `L` tokens, as most of
 /// them are with the usual `10000^(-2m/K)` (measured: docs/learning.md).
 ///
+/// The position channel ([`Self::channel`] features `P`): keys carry `P`
+/// constant features beside their codeword's `K`, and queries `P`
+/// features of their own (a learned projection), so the channel's part of
+/// a score, `q_pos . R(d) 1`, is a sum of cosines of the distance weighted
+/// by the query alone: a preference by distance that does not depend on
+/// the key's content, which the rotation of content features alone cannot
+/// express (XL has one in `(q + w) . W_r r_d`). Beyond the window it is
+/// one constant per query, so the cache stays one entry per code.
+///
 /// In blocks: `R(a) q . R(b) k = q . R(b - a) k`, so for a query at block
 /// offset `i` the present block's key at offset `j` scores `R(i) q . R(j) k`,
 /// the previous block's `R(i + L) q . R(j) k` while `L + i - j < L` and
@@ -213,6 +222,9 @@ impl<B: Backend> CompressedCache<B> {
 pub struct Rotary {
     /// The window `L`, the block length: the farthest distance told apart.
     pub window: usize,
+    /// Features of the position channel `P` (even; 0 for none), laid out
+    /// as the last `P/2` features of each half.
+    pub channel: usize,
 }
 
 impl Rotary {
@@ -226,7 +238,24 @@ impl Rotary {
 
     /// The windowed rotary position for block length `window`.
     pub fn new(window: usize) -> Self {
-        Self { window }
+        Self { window, channel: 0 }
+    }
+
+    /// The same with a position channel of `channel` features.
+    pub fn with_channel(self, channel: usize) -> Self {
+        Self { channel, ..self }
+    }
+
+    /// The frequency of feature pair `m` of `half` pairs, the content pairs
+    /// and the channel's each spread over the window ([`Self::frequency`]).
+    fn pair_frequency(&self, m: usize, half: usize) -> f64 {
+        let channel_pairs = self.channel / 2;
+        let content_pairs = half - channel_pairs;
+        if m < content_pairs {
+            self.frequency(m, content_pairs)
+        } else {
+            self.frequency(m - content_pairs, channel_pairs)
+        }
     }
 
     /// `theta_m` of feature pair `m` of `half` pairs, in radians per token:
@@ -254,7 +283,7 @@ impl Rotary {
         let (mut cos, mut sin) = (vec![0f32; n * k], vec![0f32; n * k]);
         for (r, p) in positions.iter().enumerate() {
             for m in 0..half {
-                let angle = p * self.frequency(m, half);
+                let angle = p * self.pair_frequency(m, half);
                 for col in [m, half + m] {
                     cos[r * k + col] = angle.cos() as f32;
                     sin[r * k + col] = angle.sin() as f32;

@@ -121,7 +121,8 @@ impl<B: Backend> PositionBias<B> {
         }
     }
 
-    /// Whether the position term is the windowed rotary one (no parameters).
+    /// Whether the position term is the windowed rotary one (no bias
+    /// parameters: its position channel is part of the query projection).
     pub fn is_rotary(&self) -> bool {
         self.toeplitz.is_none() && self.xl.is_none()
     }

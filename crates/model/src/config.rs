@@ -22,7 +22,8 @@ pub enum RelativeBias {
     /// is `q_i . R(min(i - j, L)) k_hat_j`, `R(d)` the rotary embedding's
     /// rotation by `d` positions, so every key farther than the window
     /// (the rest of the previous block, the compressed cache) sees
-    /// position `L` and the cache scores stay `q . R(L) C_s`. Needs an
+    /// position `L` and the cache scores stay `q . R(L) C_s`. Keys and
+    /// queries also carry a position channel (`rotary_channel`). Needs an
     /// even `d_k`.
     Rotary,
 }
@@ -93,6 +94,14 @@ pub struct TransformerVqConfig {
     /// cache's zero bias at `d = L`. 0 starts the table at zero (as before
     /// 2026-11-22).
     pub toeplitz_locality: f64,
+    /// Features of the rotary position channel `P` (even; 0 for none;
+    /// absent: `d_k`). With `bias = "rotary"` each key carries `P` constant
+    /// features beside its codeword and each query `P` features of its own
+    /// from the query projection, so a query can prefer distances whatever
+    /// the key's content ([`crate::attention::Rotary`]). Ignored by the
+    /// other position terms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rotary_channel: Option<usize>,
     /// Gradient through the caches within a segment.
     pub cache_grad: CacheGrad,
     /// Most keys the compressed cache weighs: once it holds `N` keys, more
@@ -143,6 +152,7 @@ impl Default for TransformerVqConfig {
             block_len: 128,
             bias: RelativeBias::Toeplitz,
             toeplitz_locality: 2.0,
+            rotary_channel: None,
             cache_grad: CacheGrad::Window,
             cache_limit: None,
             attention: AttentionForm::Vq,
@@ -190,6 +200,7 @@ impl TransformerVqConfig {
         with_block_len => block_len: usize,
         with_bias => bias: RelativeBias,
         with_toeplitz_locality => toeplitz_locality: f64,
+        with_rotary_channel => rotary_channel: Option<usize>,
         with_cache_grad => cache_grad: CacheGrad,
         with_cache_limit => cache_limit: Option<usize>,
         with_attention => attention: AttentionForm,
@@ -200,6 +211,15 @@ impl TransformerVqConfig {
         with_dropout_layer => dropout_layer: f64,
         with_dropout_sinusoid => dropout_sinusoid: f64,
         with_sinusoid_base => sinusoid_base: f64,
+    }
+
+    /// Features of the rotary position channel each sublayer gets: `P`
+    /// under the rotary position (`d_k` unless set), 0 otherwise.
+    pub fn rotary_channel_width(&self) -> usize {
+        match self.bias {
+            RelativeBias::Rotary => self.rotary_channel.unwrap_or(self.d_k),
+            _ => 0,
+        }
     }
 
     /// Checks every constraint the model relies on; the error names the key.
@@ -234,6 +254,12 @@ impl TransformerVqConfig {
             return Err(ConfigError::new(
                 "d_k",
                 "must be even with the rotary position (it turns pairs of features)",
+            ));
+        }
+        if !self.rotary_channel.unwrap_or(0).is_multiple_of(2) {
+            return Err(ConfigError::new(
+                "rotary_channel",
+                "must be even (the rotary position turns pairs of features)",
             ));
         }
         if !self.d_model.is_multiple_of(2) {

@@ -101,9 +101,10 @@ impl<B: Backend> Gau<B> {
     /// A sublayer initialised as the spec says.
     pub fn new(cfg: &TransformerVqConfig, device: &B::Device) -> Self {
         let (d, h, k, v) = (cfg.d_model, cfg.n_head, cfg.d_k, cfg.d_v);
+        let channel = cfg.rotary_channel_width();
         Self {
             input_norm: RmsNorm::new(d, device),
-            q_proj: projection(d, h * k, device),
+            q_proj: projection(d, h * (k + channel), device),
             kvg_proj: projection(d, h * (k + 2 * v), device),
             out_proj: projection(h * v, d, device),
             quantizer: VectorQuantizer::new(h, cfg.n_code, k, device),
@@ -130,31 +131,19 @@ impl<B: Backend> Gau<B> {
             Some(_) => scale * attention::Rotary::LOGIT_SCALE,
             None => scale,
         };
-        let q = rms_normalize(split_heads(self.q_proj.forward(x.clone()), h)) * q_scale;
-        // One matmul per column block of the fused weight, rather than slicing
-        // its output: slices of the last axis are strided views, and every
-        // elementwise op (and the slice's backward) on them is far slower
-        // than on contiguous tensors.
-        let w = self.kvg_proj.weight.val(); // [D, H (K + 2V)]
-        let d = w.dims()[0];
         let (hk, hv) = (h * k, h * v);
-        let [b, t, _] = x.dims();
-        let (k_raw, v_raw, g_raw) = if t == 1 {
-            // One token (the recurrent form): slicing the weight would copy
-            // it whole at every token, while the output row is tiny.
-            let kvg = x.matmul(w.unsqueeze::<3>()); // [B, 1, H (K + 2V)]
-            let cols = |c: std::ops::Range<usize>| kvg.clone().slice([0..b, 0..1, c]);
-            (cols(0..hk), cols(hk..hk + hv), cols(hk + hv..hk + 2 * hv))
+        let channel = self.rotary_channel();
+        let q = if channel == 0 {
+            rms_normalize(split_heads(self.q_proj.forward(x.clone()), h)) * q_scale
         } else {
-            let columns = |x: Tensor<B, 3>, cols: std::ops::Range<usize>| {
-                x.matmul(w.clone().slice([0..d, cols]).unsqueeze::<3>())
-            };
-            (
-                columns(x.clone(), 0..hk),        // [B, T, H K]
-                columns(x.clone(), hk..hk + hv),  // [B, T, H V]
-                columns(x, hk + hv..hk + 2 * hv), // [B, T, H V]
-            )
+            // The position channel is not normalised: its size is how much
+            // the query cares about distance.
+            let [content, pos] = column_blocks(&x, self.q_proj.weight.val(), [hk, h * channel]);
+            let content = rms_normalize(split_heads(content, h)) * q_scale; // [B, H, T, K]
+            let pos = split_heads(pos, h) * scale; // [B, H, T, P]
+            with_channel(content, pos)
         };
+        let [k_raw, v_raw, g_raw] = column_blocks(&x, self.kvg_proj.weight.val(), [hk, hv, hv]);
         Projected {
             q,
             k: rms_normalize(split_heads(k_raw, h)) * scale,
@@ -178,7 +167,28 @@ impl<B: Backend> Gau<B> {
     fn rotary(&self) -> Option<attention::Rotary> {
         self.bias
             .is_rotary()
-            .then(|| attention::Rotary::new(self.block_len))
+            .then(|| attention::Rotary::new(self.block_len).with_channel(self.rotary_channel()))
+    }
+
+    /// Features `P` of the rotary position channel, read from the query
+    /// projection's width (`H (K + P)`), so a model saved before the
+    /// channel existed loads as one without it.
+    pub fn rotary_channel(&self) -> usize {
+        self.q_proj.weight.dims()[1] / self.n_head - self.d_k
+    }
+
+    /// Keys (or codewords) `[.., K]` with the position channel's constant
+    /// features appended to each half.
+    fn keys_with_channel<const D: usize>(&self, k: Tensor<B, D>) -> Tensor<B, D> {
+        let channel = self.rotary_channel();
+        if channel == 0 {
+            return k;
+        }
+        let mut dims = k.dims();
+        dims[D - 1] = channel;
+        let scale = (self.d_k as f64).powf(-0.25);
+        let ones = Tensor::<B, D>::ones(dims, &k.device()) * scale;
+        with_channel(k, ones)
     }
 
     /// Dropout probabilities of this sublayer, with the model's layer drop.
@@ -231,7 +241,7 @@ impl<B: Backend> Gau<B> {
             let o = attention::quadratic_attention(
                 q,
                 bias,
-                p.k,
+                self.keys_with_channel(p.k),
                 p.v,
                 self.block_len,
                 self.rotary(),
@@ -250,10 +260,10 @@ impl<B: Backend> Gau<B> {
         let input = AttentionInput {
             q,
             bias,
-            k_hat: vq.k_hat,
+            k_hat: self.keys_with_channel(vq.k_hat),
             codes: vq.codes.clone(),
             v: p.v,
-            codebook: self.quantizer.codebook(),
+            codebook: self.keys_with_channel(self.quantizer.codebook()),
             rotary: self.rotary(),
             cache_limit: self.cache.limit,
         };
@@ -297,14 +307,63 @@ impl<B: Backend> Gau<B> {
         let input = AttentionInput {
             q,
             bias,
-            k_hat: vq.k_hat,
+            k_hat: self.keys_with_channel(vq.k_hat),
             codes: vq.codes,
             v: p.v,
-            codebook: self.quantizer.codebook(),
+            codebook: self.keys_with_channel(self.quantizer.codebook()),
             rotary: self.rotary(),
             cache_limit: self.cache.limit,
         };
         let (o, state) = attention::step_attention(input, state, self.block_len)?;
         Ok((self.finish(o, p.gate, masks.residual.take()), state))
     }
+}
+
+/// `x W` `[B, T, sum(widths)]` for `x` `[B, T, D]`, as one tensor per block
+/// of `widths` columns. One matmul per column block of the weight, rather
+/// than slicing the product: slices of the last axis are strided views, and
+/// every elementwise op (and the slice's backward) on them is far slower
+/// than on contiguous tensors. For one token (the recurrent form) the
+/// product is sliced instead: slicing the weight would copy it whole at
+/// every token, while the output row is tiny.
+fn column_blocks<B: Backend, const N: usize>(
+    x: &Tensor<B, 3>,
+    w: Tensor<B, 2>,
+    widths: [usize; N],
+) -> [Tensor<B, 3>; N] {
+    let [b, t, _] = x.dims();
+    let d = w.dims()[0];
+    let product = (t == 1).then(|| x.clone().matmul(w.clone().unsqueeze::<3>()));
+    let mut start = 0;
+    widths.map(|n| {
+        let cols = start..start + n;
+        start += n;
+        match &product {
+            Some(p) => p.clone().slice([0..b, 0..1, cols]),
+            None => x
+                .clone()
+                .matmul(w.clone().slice([0..d, cols]).unsqueeze::<3>()),
+        }
+    })
+}
+
+/// `x` `[.., K]` and the position channel `c` `[.., P]` as one vector
+/// `[x1, c1, x2, c2]` (halves of each), so that the rotary embedding's
+/// feature pairs `(m, m + (K + P)/2)` pair content with content and
+/// channel with channel.
+fn with_channel<B: Backend, const D: usize>(x: Tensor<B, D>, c: Tensor<B, D>) -> Tensor<B, D> {
+    let (k, p) = (x.dims()[D - 1], c.dims()[D - 1]);
+    let half = |t: &Tensor<B, D>, n: usize, first: bool| {
+        t.clone()
+            .narrow(D - 1, if first { 0 } else { n / 2 }, n / 2)
+    };
+    Tensor::cat(
+        vec![
+            half(&x, k, true),
+            half(&c, p, true),
+            half(&x, k, false),
+            half(&c, p, false),
+        ],
+        D - 1,
+    )
 }

@@ -511,4 +511,39 @@ mod tests {
         let kept: Vec<u64> = list(run.path()).into_iter().map(|(s, _)| s).collect();
         assert_eq!(kept, [4, 3, 1], "the two newest and the best");
     }
+
+    /// A rotary model saved before the position channel existed has a
+    /// query projection `H K` wide; built from a config that asks for a
+    /// channel, it loads as the model it was and computes what it did.
+    #[test]
+    fn a_rotary_checkpoint_from_before_the_position_channel_computes_as_it_did() {
+        let run = tempfile::tempdir().unwrap();
+        let device = burn::DispatchDevice::autodiff(DeviceSpec::Cpu.init().unwrap().0);
+        let cfg = TransformerVqConfig::new(7)
+            .with_d_model(8)
+            .with_d_k(4)
+            .with_d_v(6)
+            .with_n_code(3)
+            .with_n_layer(1)
+            .with_block_len(2)
+            .with_bias(tvq_model::RelativeBias::Rotary);
+        let old = cfg
+            .clone()
+            .with_rotary_channel(Some(0))
+            .init::<B>(&device)
+            .unwrap();
+        let optim = Optimizers::new(&crate::config::TrainSection::default());
+        save(run.path(), &old, &optim, &[], &TrainerState::default()).unwrap();
+        let fresh = cfg.with_rotary_channel(Some(4)).init::<B>(&device).unwrap();
+        let loaded = load_model(&checkpoint_dir(run.path(), 0), fresh, &device).unwrap();
+        let tokens = Tensor::<B, 2, Int>::from_data([[1, 2, 3, 4, 5, 6]], &device);
+        let logits = |m: &Model| {
+            values(
+                &m.forward(tokens.clone(), m.empty_state(), None)
+                    .unwrap()
+                    .logits,
+            )
+        };
+        assert_eq!(logits(&loaded), logits(&old));
+    }
 }

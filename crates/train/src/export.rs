@@ -17,8 +17,8 @@ use burn::store::{ModuleSnapshot, SafetensorsStore};
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
-use tvq_model::TransformerVqConfig;
 use tvq_model::official::{self, OfficialConfig, OfficialTensor};
+use tvq_model::{RelativeBias, TransformerVqConfig};
 
 use crate::error::TrainError;
 use crate::optim::{B, Model};
@@ -46,6 +46,12 @@ pub fn info_path(weights: &Path) -> PathBuf {
 
 /// Writes `model` to `weights` (safetensors) and its [`ExportInfo`] beside it.
 pub fn export(model: &Model, info: &ExportInfo, weights: &Path) -> Result<(), TrainError> {
+    // The channel width the weights have, whatever the config left to its
+    // default (a missing key reads as an export from before the channel).
+    let mut info = info.clone();
+    if info.model.bias == RelativeBias::Rotary {
+        info.model.rotary_channel = model.sublayers.first().map(|g| g.rotary_channel());
+    }
     let mut store = SafetensorsStore::from_file(weights.to_path_buf())
         .metadata("format", "tvq")
         .metadata("step", info.step.to_string())
@@ -56,7 +62,7 @@ pub fn export(model: &Model, info: &ExportInfo, weights: &Path) -> Result<(), Tr
     let path = info_path(weights);
     std::fs::write(
         &path,
-        serde_json::to_vec_pretty(info).expect("serializable"),
+        serde_json::to_vec_pretty(&info).expect("serializable"),
     )
     .map_err(|e| TrainError::io(&path, e))
 }
@@ -67,12 +73,21 @@ pub fn load_export(
     device: &burn::DispatchDevice,
 ) -> Result<(ExportInfo, Model), TrainError> {
     let path = info_path(weights);
-    let info: ExportInfo =
+    let bad = |e: serde_json::Error| TrainError::Checkpoint {
+        path: path.clone(),
+        reason: e.to_string(),
+    };
+    let mut json: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&path).map_err(|e| TrainError::io(&path, e))?)
-            .map_err(|e| TrainError::Checkpoint {
-                path: path.clone(),
-                reason: e.to_string(),
-            })?;
+            .map_err(bad)?;
+    // Exports written before the rotary position channel existed have no
+    // such key, and no channel in their weights.
+    if let Some(model) = json.get_mut("model").and_then(|m| m.as_object_mut()) {
+        model
+            .entry("rotary_channel")
+            .or_insert(serde_json::Value::from(0));
+    }
+    let info: ExportInfo = serde_json::from_value(json).map_err(bad)?;
     let mut model = info.model.init::<B>(device)?;
     let result = model
         .load_from(&mut SafetensorsStore::from_file(weights.to_path_buf()))
@@ -151,4 +166,67 @@ fn read_float_tensors(path: &Path) -> Result<BTreeMap<String, OfficialTensor>, T
             (name, OfficialTensor { shape, data })
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::prelude::*;
+    use tvq_model::device::DeviceSpec;
+
+    /// A rotary model's export records the channel width its weights have,
+    /// also when its config left it to the default; and an export from
+    /// before the position channel (its JSON without `rotary_channel`)
+    /// loads as the model it was.
+    #[test]
+    fn rotary_exports_load_with_the_channel_they_were_saved_with() {
+        let dir = tempfile::tempdir().unwrap();
+        let device = DeviceSpec::Cpu.init().unwrap().0;
+        let cfg = TransformerVqConfig::new(7)
+            .with_d_model(8)
+            .with_d_k(4)
+            .with_d_v(6)
+            .with_n_code(3)
+            .with_n_layer(1)
+            .with_block_len(2)
+            .with_bias(RelativeBias::Rotary);
+        let tokens = Tensor::<B, 2, Int>::from_data([[1, 2, 3, 4]], &device);
+        let logits = |m: &Model| -> Vec<f32> {
+            m.forward(tokens.clone(), m.empty_state(), None)
+                .unwrap()
+                .logits
+                .to_data()
+                .to_vec()
+                .unwrap()
+        };
+        // (channel in the config, whether the JSON loses the key as an
+        // export written before the channel would, width loaded)
+        for (channel, old, want) in [(None, false, 4), (Some(0), true, 0)] {
+            let cfg = cfg.clone().with_rotary_channel(channel);
+            let model = cfg.init::<B>(&device).unwrap();
+            let info = ExportInfo {
+                format: "tvq".into(),
+                model: cfg,
+                vocab: "bytes+3".into(),
+                tokenizer: None,
+                step: 0,
+            };
+            let weights = dir.path().join("m.safetensors");
+            export(&model, &info, &weights).unwrap();
+            if old {
+                let mut json: serde_json::Value =
+                    serde_json::from_slice(&std::fs::read(info_path(&weights)).unwrap()).unwrap();
+                json["model"]
+                    .as_object_mut()
+                    .unwrap()
+                    .remove("rotary_channel")
+                    .expect("exports write the key");
+                std::fs::write(info_path(&weights), json.to_string()).unwrap();
+            }
+            let (back, loaded) = load_export(&weights, &device).unwrap();
+            assert_eq!(back.model.rotary_channel, Some(want));
+            assert_eq!(loaded.sublayers[0].rotary_channel(), want);
+            assert_eq!(logits(&loaded), logits(&model));
+        }
+    }
 }

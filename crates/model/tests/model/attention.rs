@@ -521,33 +521,49 @@ fn straight_through_estimator_and_commitment() {
 }
 
 /// The rotary scores the oracle uses are the definition,
-/// `q_i . R(min(i - j, L)) k_j`, computed pair by pair on the host.
+/// `q_i . R(min(i - j, L)) k_j`, computed pair by pair on the host; with a
+/// position channel of `P` features, the last `P/2` pairs turn at the
+/// channel's own frequencies, spread over the window like the content's.
 #[test]
 fn rotary_scores_are_the_clipped_rotation_pair_by_pair() {
     let device = cpu();
-    let (t, k, l) = (11, 6, 4);
-    let rot = Rotary::new(l);
-    let q = randn([1, 1, t, k], &device);
-    let kk = randn([1, 1, t, k], &device);
-    let got = to_vec(rotary_scores(rot, q.clone(), kk.clone()));
-    let (q, kk) = (to_vec(q), to_vec(kk));
-    let half = k / 2;
-    for i in 0..t {
-        for j in 0..t {
-            // R(d) turns pair (m, m + K/2) by d theta_m; q . R(d) k with the
-            // key turned backwards by d is the score of a query d later.
-            let d = (i as f64 - j as f64).min(l as f64);
-            let mut want = 0.0;
-            for m in 0..half {
-                // From 1 radian per token (m = 0) to pi / L (m = half - 1).
-                let theta = (std::f64::consts::PI / l as f64).powf(m as f64 / (half - 1) as f64);
-                let a = -d * theta;
-                let (k1, k2) = (kk[j * k + m] as f64, kk[j * k + half + m] as f64);
-                let (r1, r2) = (k1 * a.cos() - k2 * a.sin(), k2 * a.cos() + k1 * a.sin());
-                want += q[i * k + m] as f64 * r1 + q[i * k + half + m] as f64 * r2;
+    let (t, l) = (11, 4);
+    // (K + P, P): content and channel pairs each from 1 radian per token
+    // down to pi / L.
+    for (k, channel) in [(6, 0), (10, 4)] {
+        let rot = Rotary::new(l).with_channel(channel);
+        let q = randn([1, 1, t, k], &device);
+        let kk = randn([1, 1, t, k], &device);
+        let got = to_vec(rotary_scores(rot, q.clone(), kk.clone()));
+        let (q, kk) = (to_vec(q), to_vec(kk));
+        let half = k / 2;
+        let content = half - channel / 2;
+        let theta = |m: usize| {
+            let (m, n) = if m < content {
+                (m, content)
+            } else {
+                (m - content, channel / 2)
+            };
+            (std::f64::consts::PI / l as f64).powf(m as f64 / (n - 1) as f64)
+        };
+        for i in 0..t {
+            for j in 0..t {
+                // R(d) turns pair (m, m + K/2) by d theta_m; q . R(d) k with
+                // the key turned backwards by d is the score of a query d later.
+                let d = (i as f64 - j as f64).min(l as f64);
+                let mut want = 0.0;
+                for m in 0..half {
+                    let a = -d * theta(m);
+                    let (k1, k2) = (kk[j * k + m] as f64, kk[j * k + half + m] as f64);
+                    let (r1, r2) = (k1 * a.cos() - k2 * a.sin(), k2 * a.cos() + k1 * a.sin());
+                    want += q[i * k + m] as f64 * r1 + q[i * k + half + m] as f64 * r2;
+                }
+                let g = got[i * t + j] as f64;
+                assert!(
+                    (g - want).abs() < 1e-5,
+                    "P = {channel}, ({i}, {j}): {g} vs {want}"
+                );
             }
-            let g = got[i * t + j] as f64;
-            assert!((g - want).abs() < 1e-5, "({i}, {j}): {g} vs {want}");
         }
     }
 }

@@ -18,6 +18,9 @@ fn config(bias: RelativeBias) -> TransformerVqConfig {
         .with_n_layer(2)
         .with_block_len(4)
         .with_bias(bias)
+        // Used by the rotary form only: the position channel is part of
+        // what its tests check.
+        .with_rotary_channel(Some(4))
 }
 
 fn model(cfg: &TransformerVqConfig, seed: u64, device: &burn::DispatchDevice) -> TransformerVq<B> {
@@ -390,6 +393,10 @@ fn config_validation_names_the_key() {
         (config(RelativeBias::Toeplitz).with_d_model(15), "d_model"),
         (config(RelativeBias::Rotary).with_d_k(7), "d_k"),
         (
+            config(RelativeBias::Rotary).with_rotary_channel(Some(3)),
+            "rotary_channel",
+        ),
+        (
             config(RelativeBias::Toeplitz).with_block_len(0),
             "block_len",
         ),
@@ -466,4 +473,59 @@ fn padding_is_left_out_of_codebook_statistics() {
         let total: f32 = s.counts.clone().sum().into_scalar().elem();
         assert_eq!(total, 2.0 * 5.0 * cfg.n_head as f32);
     }
+}
+
+/// The rotary position channel takes part in the scores: the query
+/// projection's channel columns receive gradient in every sublayer (none
+/// would reach them if the keys' channel features were zero or left out),
+/// and a model with the channel computes something else than one without.
+#[test]
+fn the_rotary_position_channel_scores_and_learns() {
+    let device = cpu_ad();
+    let cfg = config(RelativeBias::Rotary);
+    let m = model(&cfg, 3, &device);
+    let data = random_tokens(2, 12, cfg.vocab_size, 9);
+    let logits = m
+        .forward(tokens(&data, 2, &device), m.empty_state(), None)
+        .unwrap()
+        .logits;
+    let grads =
+        burn::optim::GradientsParams::from_grads(logits.powi_scalar(2).sum().backward(), &m);
+    let content = cfg.n_head * cfg.d_k;
+    for (i, gau) in m.sublayers.iter().enumerate() {
+        let g = grads
+            .get::<B, 2>(gau.q_proj.weight.id)
+            .expect("q_proj gradient");
+        let [d, width] = g.dims();
+        assert_eq!(width, cfg.n_head * (cfg.d_k + cfg.rotary_channel_width()));
+        let channel = max_abs(g.slice([0..d, content..width]));
+        assert!(channel > 1e-6, "sublayer {i}: channel gradient {channel}");
+    }
+    // The channel is the only difference: with its query columns zeroed the
+    // model computes what the same weights without the channel compute,
+    // and as trained it computes something else.
+    let m = model(&cfg, 3, &cpu());
+    let with_query = |m: &TransformerVq<B>, f: &dyn Fn(Tensor<B, 2>) -> Tensor<B, 2>| {
+        let mut m = m.clone();
+        for gau in m.sublayers.iter_mut() {
+            gau.q_proj.weight = burn::module::Param::from_tensor(f(gau.q_proj.weight.val()));
+        }
+        m
+    };
+    let d = cfg.d_model;
+    let width = cfg.n_head * (cfg.d_k + cfg.rotary_channel_width());
+    let zeroed = with_query(&m, &|w| {
+        w.slice_assign(
+            [0..d, content..width],
+            Tensor::zeros([d, width - content], &cpu()),
+        )
+    });
+    let plain = with_query(&m, &|w| w.slice([0..d, 0..content]));
+    let run = |m: &TransformerVq<B>| {
+        m.forward(tokens(&data, 2, &cpu()), m.empty_state(), None)
+            .unwrap()
+            .logits
+    };
+    assert_close(run(&zeroed), run(&plain), 1e-5, "zeroed channel vs none");
+    assert!(max_abs_diff(run(&m), run(&plain)) > 1e-3);
 }
