@@ -228,12 +228,16 @@ pub struct Rotary {
 }
 
 impl Rotary {
-    /// How much sharper than `1 / sqrt(K)` the scores are: the queries are
-    /// multiplied by it. Queries and keys are RMS-normalised, so a plain
-    /// `q . k / sqrt(K)` lies within `+-sqrt(K)`, too narrow a range to put
-    /// most of the attention on one of `2L + S` keys; the Toeplitz and XL
-    /// forms get the missing range from their bias terms, the rotary form
-    /// has none (docs/learning.md measures twice their attention entropy).
+    /// How much sharper than `1 / sqrt(K)` the scores of the rotary form
+    /// without a position channel are: the queries are multiplied by it.
+    /// Queries and keys are RMS-normalised, so a plain `q . k / sqrt(K)`
+    /// lies within `+-sqrt(K)`, too narrow a range to put most of the
+    /// attention on one of `2L + S` keys; the Toeplitz and XL forms get the
+    /// missing range from their bias terms, and the rotary form from its
+    /// position channel, whose query features are not normalised. Without
+    /// a channel (`rotary_channel = 0`, or a model saved before it existed)
+    /// it has none (docs/learning.md measures twice their attention
+    /// entropy).
     pub const LOGIT_SCALE: f64 = 2.0;
 
     /// The windowed rotary position for block length `window`.

@@ -126,10 +126,12 @@ impl<B: Backend> Gau<B> {
         let (h, k, v) = (self.n_head, self.d_k, self.d_v);
         let scale = (k as f64).powf(-0.25); // twice applied: the 1/sqrt(K) of attention
         let x = self.input_norm.forward(x);
-        // The rotary form sharpens its scores through the query (`Rotary::LOGIT_SCALE`).
+        // The rotary form without a position channel sharpens its scores
+        // through the query (`Rotary::LOGIT_SCALE`); with one, the channel's
+        // unnormalised features give the scores their range.
         let q_scale = match self.rotary() {
-            Some(_) => scale * attention::Rotary::LOGIT_SCALE,
-            None => scale,
+            Some(r) if r.channel == 0 => scale * attention::Rotary::LOGIT_SCALE,
+            _ => scale,
         };
         let (hk, hv) = (h * k, h * v);
         let channel = self.rotary_channel();
