@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The position-term table of docs/learning.md ("At the official setting"):
 # XL, Toeplitz (as it was: zero start, common rate; and as it is), windowed
-# rotary and the quadratic form trained on data/kjv.txt at
+# rotary (with and without its position channel) and the quadratic form trained on data/kjv.txt at
 # configs/kjv-official.toml, two seeds each, then scored on the whole
 # validation split with the state reset every 512 tokens (the
 # official protocol) and carried through each row. About 20 minutes per run
@@ -23,13 +23,14 @@ declare -A form=(
     [toeplitz]="--set model.bias=toeplitz"
     [toeplitz-zero]="--set model.bias=toeplitz --set model.toeplitz_locality=0 --set train.toeplitz_lr_scale=1"
     [rotary]="--set model.bias=rotary"
+    [rotary-nochannel]="--set model.bias=rotary --set model.rotary_channel=0"
     [quadratic]="--set model.bias=xl --set model.attention=quadratic"
 )
 
 bits() { grep -o '"bits_per_byte":[0-9.]*' | cut -d: -f2; }
 
 printf '%-14s %-5s %-16s %-10s\n' form seed "reset every 512" carried
-for name in xl toeplitz-zero toeplitz rotary quadratic; do
+for name in xl toeplitz-zero toeplitz rotary rotary-nochannel quadratic; do
     for seed in 0 1; do
         dir="$runs/$name-$seed"
         if [[ ! -e "$dir/finished" ]]; then
