@@ -409,7 +409,7 @@ pub fn prune(run_dir: &Path, keep: usize, best_step: Option<u64>) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use tvq_model::TransformerVqConfig;
     use tvq_model::device::DeviceSpec;
@@ -422,18 +422,22 @@ mod tests {
         t.to_data().convert::<i64>().to_vec().unwrap()
     }
 
-    /// A state with a previous block, a compressed cache and a partial
-    /// current block (two blocks through the block form, then one token).
-    fn carried_state(device: &burn::DispatchDevice) -> ModelState<B> {
-        let model = TransformerVqConfig::new(7)
+    /// The tiny model of the checkpoint and export tests (vocabulary 7,
+    /// blocks of 2).
+    pub(crate) fn tiny_config() -> TransformerVqConfig {
+        TransformerVqConfig::new(7)
             .with_d_model(8)
             .with_d_k(4)
             .with_d_v(6)
             .with_n_code(3)
             .with_n_layer(1)
             .with_block_len(2)
-            .init::<B>(device)
-            .unwrap();
+    }
+
+    /// A state with a previous block, a compressed cache and a partial
+    /// current block (two blocks through the block form, then one token).
+    fn carried_state(device: &burn::DispatchDevice) -> ModelState<B> {
+        let model = tiny_config().init::<B>(device).unwrap();
         let tokens =
             Tensor::<B, 2, Int>::from_data([[1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1]], device);
         let out = model.forward(tokens, model.empty_state(), None).unwrap();
@@ -519,14 +523,7 @@ mod tests {
     fn a_rotary_checkpoint_from_before_the_position_channel_computes_as_it_did() {
         let run = tempfile::tempdir().unwrap();
         let device = burn::DispatchDevice::autodiff(DeviceSpec::Cpu.init().unwrap().0);
-        let cfg = TransformerVqConfig::new(7)
-            .with_d_model(8)
-            .with_d_k(4)
-            .with_d_v(6)
-            .with_n_code(3)
-            .with_n_layer(1)
-            .with_block_len(2)
-            .with_bias(tvq_model::RelativeBias::Rotary);
+        let cfg = tiny_config().with_bias(tvq_model::RelativeBias::Rotary);
         let old = cfg
             .clone()
             .with_rotary_channel(Some(0))

@@ -182,14 +182,7 @@ mod tests {
     fn rotary_exports_load_with_the_channel_they_were_saved_with() {
         let dir = tempfile::tempdir().unwrap();
         let device = DeviceSpec::Cpu.init().unwrap().0;
-        let cfg = TransformerVqConfig::new(7)
-            .with_d_model(8)
-            .with_d_k(4)
-            .with_d_v(6)
-            .with_n_code(3)
-            .with_n_layer(1)
-            .with_block_len(2)
-            .with_bias(RelativeBias::Rotary);
+        let cfg = crate::checkpoint::tests::tiny_config().with_bias(RelativeBias::Rotary);
         let tokens = Tensor::<B, 2, Int>::from_data([[1, 2, 3, 4]], &device);
         let logits = |m: &Model| -> Vec<f32> {
             m.forward(tokens.clone(), m.empty_state(), None)
