@@ -432,17 +432,37 @@ fn load_for_inference(
             step: info.step,
         });
     }
-    let dir = if path.join("manifest.json").is_file() {
-        path.to_path_buf()
-    } else if path.join("checkpoints").is_dir() {
-        checkpoint::latest_valid(path)
-            .with_context(|| format!("{} has no valid checkpoint", path.display()))?
-    } else {
+    if path.join("manifest.json").is_file() {
+        return load_checkpoint(path, explicit, device);
+    }
+    if !path.join("checkpoints").is_dir() {
         bail!(
             "{} is neither a checkpoint, a run directory nor a .safetensors export",
             path.display()
         );
-    };
+    }
+    // A run being trained deletes old checkpoints (keep_checkpoints), maybe
+    // the one being read here, once it has written a newer one: then the
+    // newest is looked for again.
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let dir = checkpoint::latest_valid(path)
+            .with_context(|| format!("{} has no valid checkpoint", path.display()))?;
+        match load_checkpoint(&dir, explicit.clone(), device) {
+            Err(_) if !dir.exists() && attempts < 100 => continue,
+            loaded => return loaded,
+        }
+    }
+}
+
+/// Loads the checkpoint directory `dir` for inference, with the config of
+/// its run unless `explicit`.
+fn load_checkpoint(
+    dir: &Path,
+    explicit: Option<RunConfig>,
+    device: &DispatchDevice,
+) -> Result<Loaded> {
     let run_dir = dir
         .parent()
         .and_then(Path::parent)
@@ -457,7 +477,7 @@ fn load_for_inference(
         None => Vocab::Bytes,
     };
     let model = cfg.model_config(vocab.size()).init::<B>(device)?;
-    let model = checkpoint::load_model(&dir, model, device)?;
+    let model = checkpoint::load_model(dir, model, device)?;
     let trainer: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("trainer.json"))?)?;
     Ok(Loaded {

@@ -59,16 +59,18 @@ enum Command {
     Tokenizer(tokenizer::TokenizerCommand),
 }
 
-/// burn-collective's network tasks (on tokio worker threads, and the
-/// threads that wait on them) panic when a peer's connection drops. The
+/// burn-collective's network tasks (on tokio worker threads, the
+/// coordinator's threads, and the threads that wait on them) panic when a
+/// peer's connection drops or a stranger sends what they cannot read. The
 /// training thread reports the lost peer as an error; the engine's panics
 /// are logged as one line each instead of a message and a backtrace.
 fn quiet_engine_panics() {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        let engine = std::thread::current()
-            .name()
-            .is_some_and(|n| n.starts_with("tokio") || n == tvq_train::collective::ENGINE_THREAD);
+        use tvq_train::collective::{COORDINATOR_THREAD, ENGINE_THREAD};
+        let engine = std::thread::current().name().is_some_and(|n| {
+            n.starts_with("tokio") || n.starts_with(COORDINATOR_THREAD) || n == ENGINE_THREAD
+        });
         if !engine {
             return default(info);
         }

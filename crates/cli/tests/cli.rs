@@ -1,6 +1,7 @@
 //! The `tvq` binary end to end on a tiny config: kill-and-resume equality,
 //! worker threads, evaluation, sampling, export, importing an official
-//! checkpoint, runs written by earlier versions, and errors on bad input.
+//! checkpoint, runs written by earlier versions, and errors on bad input;
+//! the fault suite in `cli/faults.rs`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -1302,3 +1303,7 @@ fn nodes_that_never_meet_or_disagree_fail_with_one_line() {
     one_line_error(writer, "differ in their config");
     one_line_error(node1, "differ in their config");
 }
+
+/// The fault suite: injected faults, second writers, damaged files, strangers.
+#[path = "cli/faults.rs"]
+mod faults;

@@ -7,7 +7,8 @@
 //! step and dropout is reseeded from (seed, step), so nothing else is needed
 //! to continue bit-identically. `manifest.json` lists every file with its
 //! size and FNV-1a hash; a checkpoint whose files do not match is skipped.
-//! The directory is written under a temporary name, synced, then renamed.
+//! The directory is written under a temporary name, synced, then renamed;
+//! readers list only `step-N` names, so they never see a temporary one.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -25,6 +26,7 @@ use tvq_model::attention::{AttentionState, CachedBlock, CompressedCache};
 
 use crate::error::TrainError;
 use crate::export::f32_values;
+use crate::fault::{self, Point};
 use crate::optim::{B, Model, Optimizers};
 
 /// Progress of a run, saved with each checkpoint.
@@ -197,6 +199,13 @@ fn sync_dir(path: &Path) {
 }
 
 /// Writes a checkpoint atomically; returns its directory.
+///
+/// The files go to a temporary directory (`.tmp-step-N-PID`), are synced,
+/// listed in the manifest, then the directory is renamed into place. A
+/// failure removes the temporary directory; a process killed while writing
+/// leaves it for [`remove_leftovers`] at the next start. A checkpoint of
+/// the same step already in place (one that failed verification, say) is
+/// set aside first and deleted only once the new one is in place.
 pub fn save(
     run_dir: &Path,
     model: &Model,
@@ -211,35 +220,57 @@ pub fn save(
         .to_path_buf();
     std::fs::create_dir_all(&parent).map_err(io(&parent))?;
     let tmp = parent.join(format!(
-        ".tmp-step-{:08}-{}",
+        "{TMP}step-{:08}-{}",
         trainer.step,
         std::process::id()
     ));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
+    let written = write_files(&tmp, model, optim, states, trainer)
+        .and_then(|()| move_into_place(&tmp, &final_dir));
+    if written.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    written?;
+    sync_dir(&parent);
+    Ok(final_dir)
+}
+
+/// Prefixes of the temporary entries of `checkpoints/`: a checkpoint being
+/// written, one being replaced, one being deleted.
+const TMP: &str = ".tmp-";
+const REPLACED: &str = ".replaced-";
+const PRUNED: &str = ".pruned-";
+
+/// Writes every file of a checkpoint, and its manifest, into `tmp`.
+fn write_files(
+    tmp: &Path,
+    model: &Model,
+    optim: &Optimizers,
+    states: &[ModelState<B>],
+    trainer: &TrainerState,
+) -> Result<(), TrainError> {
+    let _ = std::fs::remove_dir_all(tmp);
+    std::fs::create_dir_all(tmp).map_err(io(tmp))?;
     let rec = Rec::new();
-    let record_err = |e: burn::record::RecorderError| bad(&tmp, e.to_string());
+    let record_err = |e: burn::record::RecorderError| bad(tmp, e.to_string());
     model
         .clone()
         .save_file(tmp.join("model"), &rec)
         .map_err(record_err)?;
+    fault::inject(Point::CheckpointData).map_err(io(tmp))?;
     rec.record(optim.decay.to_record(), tmp.join("optim-decay"))
         .map_err(record_err)?;
     rec.record(optim.no_decay.to_record(), tmp.join("optim-no-decay"))
         .map_err(record_err)?;
     rec.record(optim.toeplitz.to_record(), tmp.join("optim-toeplitz"))
         .map_err(record_err)?;
-    std::fs::write(
-        tmp.join("state.safetensors"),
-        states_to_bytes(&tmp, states)?,
-    )
-    .map_err(io(&tmp))?;
+    std::fs::write(tmp.join("state.safetensors"), states_to_bytes(tmp, states)?)
+        .map_err(io(tmp))?;
     let json = serde_json::to_vec_pretty(trainer).expect("serializable");
-    std::fs::write(tmp.join("trainer.json"), json).map_err(io(&tmp))?;
+    std::fs::write(tmp.join("trainer.json"), json).map_err(io(tmp))?;
 
     let mut manifest = BTreeMap::new();
-    for entry in std::fs::read_dir(&tmp).map_err(io(&tmp))? {
-        let path = entry.map_err(io(&tmp))?.path();
+    for entry in std::fs::read_dir(tmp).map_err(io(tmp))? {
+        let path = entry.map_err(io(tmp))?.path();
         let bytes = std::fs::read(&path).map_err(io(&path))?;
         std::fs::File::open(&path)
             .and_then(|f| f.sync_all())
@@ -251,6 +282,7 @@ pub fn save(
         );
     }
     let manifest_path = tmp.join("manifest.json");
+    fault::inject(Point::CheckpointManifest).map_err(io(&manifest_path))?;
     std::fs::write(
         &manifest_path,
         serde_json::to_vec_pretty(&manifest).expect("serializable"),
@@ -259,11 +291,74 @@ pub fn save(
     std::fs::File::open(&manifest_path)
         .and_then(|f| f.sync_all())
         .map_err(io(&manifest_path))?;
-    sync_dir(&tmp);
-    let _ = std::fs::remove_dir_all(&final_dir);
-    std::fs::rename(&tmp, &final_dir).map_err(io(&final_dir))?;
-    sync_dir(&parent);
-    Ok(final_dir)
+    sync_dir(tmp);
+    Ok(())
+}
+
+/// Renames the complete `tmp` to `final_dir`, setting aside a directory
+/// already there and deleting it once the new one is in place (put back
+/// if the rename fails).
+fn move_into_place(tmp: &Path, final_dir: &Path) -> Result<(), TrainError> {
+    fault::inject(Point::CheckpointRename).map_err(io(final_dir))?;
+    let replaced = final_dir.exists().then(|| set_aside(final_dir, REPLACED));
+    let replaced = replaced.transpose().map_err(io(final_dir))?;
+    if let Err(e) = std::fs::rename(tmp, final_dir) {
+        if let Some(old) = &replaced {
+            let _ = std::fs::rename(old, final_dir);
+        }
+        return Err(io(final_dir)(e));
+    }
+    if let Some(old) = replaced {
+        let _ = std::fs::remove_dir_all(old);
+    }
+    Ok(())
+}
+
+/// Renames the checkpoint `dir` to a hidden `PREFIX` name beside it, which
+/// no reader lists; returns the new path.
+fn set_aside(dir: &Path, prefix: &str) -> std::io::Result<PathBuf> {
+    let name = dir.file_name().expect("step-N").to_string_lossy();
+    let aside = dir.with_file_name(format!("{prefix}{name}-{}", std::process::id()));
+    std::fs::rename(dir, &aside)?;
+    Ok(aside)
+}
+
+/// Removes what an earlier writer of `run_dir` left when it was killed or
+/// failed: temporary checkpoint directories and files. A checkpoint that
+/// was being replaced goes back into place if its replacement never got
+/// there. Call only while holding the run directory's lock
+/// ([`crate::lock::RunLock`]); returns how many entries were cleared.
+pub fn remove_leftovers(run_dir: &Path) -> usize {
+    let mut cleared = 0;
+    let dir = run_dir.join("checkpoints");
+    for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(rest) = name.strip_prefix(REPLACED) {
+            // `step-N-PID`: put back unless `step-N` is in place.
+            let step_dir = rest.rsplit_once('-').map(|(s, _)| dir.join(s));
+            if let Some(step_dir) = step_dir.filter(|d| !d.exists())
+                && std::fs::rename(&path, &step_dir).is_ok()
+            {
+                tracing::warn!(
+                    "put back {}, whose replacement was never written",
+                    step_dir.display()
+                );
+                continue;
+            }
+        } else if !(name.starts_with(TMP) || name.starts_with(PRUNED)) {
+            continue;
+        }
+        if std::fs::remove_dir_all(&path).is_ok() {
+            cleared += 1;
+        }
+    }
+    for name in [".config.toml.tmp", ".metrics.jsonl.tmp"] {
+        if std::fs::remove_file(run_dir.join(name)).is_ok() {
+            cleared += 1;
+        }
+    }
+    cleared
 }
 
 /// Checks every file of a checkpoint against its manifest.
@@ -318,11 +413,23 @@ pub fn list(run_dir: &Path) -> Vec<(u64, PathBuf)> {
 }
 
 /// The newest checkpoint that verifies, warning about any skipped.
+///
+/// A run being trained deletes old checkpoints while this looks (the
+/// newest `keep_checkpoints` stay): one that vanished was replaced by a
+/// newer one, so the list is read again rather than the vanished one
+/// reported as damaged.
 pub fn latest_valid(run_dir: &Path) -> Option<PathBuf> {
-    for (_, dir) in list(run_dir) {
-        match verify(&dir) {
-            Ok(()) => return Some(dir),
-            Err(e) => tracing::warn!("skipping {e}"),
+    for _ in 0..100 {
+        let mut vanished = false;
+        for (_, dir) in list(run_dir) {
+            match verify(&dir) {
+                Ok(()) => return Some(dir),
+                Err(_) if !dir.exists() => vanished = true,
+                Err(e) => tracing::warn!("skipping {e}"),
+            }
+        }
+        if !vanished {
+            break;
         }
     }
     None
@@ -397,12 +504,25 @@ pub fn load_model(
         .map_err(|e| bad(dir, e.to_string()))
 }
 
-/// Deletes all but the `keep` newest checkpoints and the one at `best_step`.
-pub fn prune(run_dir: &Path, keep: usize, best_step: Option<u64>) {
-    for (step, dir) in list(run_dir).into_iter().skip(keep) {
-        if Some(step) != best_step
-            && let Err(e) = std::fs::remove_dir_all(&dir)
-        {
+/// Deletes all but the `keep` newest checkpoints up to `step` (the run's
+/// current one) and the one at `best_step`. Checkpoints after `step` are
+/// left alone and not counted: the run resumed before them because they
+/// failed verification, and replaces each as it reaches its step. Each
+/// deleted one is first renamed out of sight (atomically), so that a reader
+/// never sees one half deleted; a failure only warns (the run itself is
+/// saved), and what is left is removed at the next start
+/// ([`remove_leftovers`]).
+pub fn prune(run_dir: &Path, keep: usize, best_step: Option<u64>, step: u64) {
+    let done = list(run_dir).into_iter().filter(|(s, _)| *s <= step);
+    for (s, dir) in done.skip(keep) {
+        if Some(s) == best_step {
+            continue;
+        }
+        let deleted = set_aside(&dir, PRUNED).and_then(|aside| {
+            fault::inject(Point::CheckpointPrune)?;
+            std::fs::remove_dir_all(aside)
+        });
+        if let Err(e) = deleted {
             tracing::warn!("could not delete old checkpoint {}: {e}", dir.display());
         }
     }
@@ -511,9 +631,46 @@ pub(crate) mod tests {
             Some(checkpoint_dir(run.path(), 3))
         );
 
-        prune(run.path(), 2, Some(1));
-        let kept: Vec<u64> = list(run.path()).into_iter().map(|(s, _)| s).collect();
-        assert_eq!(kept, [4, 3, 1], "the two newest and the best");
+        prune(run.path(), 2, Some(1), 4);
+        let kept = || -> Vec<u64> { list(run.path()).into_iter().map(|(s, _)| s).collect() };
+        assert_eq!(kept(), [4, 3, 1], "the two newest and the best");
+        // Resumed at step 1 (newer ones failed verification): those after
+        // it are neither deleted nor counted.
+        prune(run.path(), 1, None, 1);
+        assert_eq!(kept(), [4, 3, 1]);
+        prune(run.path(), 1, None, 3);
+        assert_eq!(kept(), [4, 3]);
+    }
+
+    #[test]
+    fn leftovers_of_a_killed_writer_are_removed_and_a_replaced_checkpoint_put_back() {
+        let run = tempfile::tempdir().unwrap();
+        let dir = run.path().join("checkpoints");
+        for name in [
+            ".tmp-step-00000003-77",
+            ".pruned-step-00000001-77",
+            ".replaced-step-00000002-77",
+            ".replaced-step-00000004-77",
+            "step-00000004",
+        ] {
+            std::fs::create_dir_all(dir.join(name)).unwrap();
+            std::fs::write(dir.join(name).join("manifest.json"), name).unwrap();
+        }
+        std::fs::write(run.path().join(".metrics.jsonl.tmp"), "").unwrap();
+        assert_eq!(remove_leftovers(run.path()), 4);
+        let mut names: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["step-00000002", "step-00000004"]);
+        // Step 2 is the one set aside (its replacement never arrived); step
+        // 4's replacement did arrive, so the old one went.
+        let manifest =
+            |s: &str| std::fs::read_to_string(dir.join(s).join("manifest.json")).unwrap();
+        assert_eq!(manifest("step-00000002"), ".replaced-step-00000002-77");
+        assert_eq!(manifest("step-00000004"), "step-00000004");
+        assert!(!run.path().join(".metrics.jsonl.tmp").exists());
     }
 
     /// A rotary model saved before the position channel existed has a

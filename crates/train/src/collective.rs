@@ -272,9 +272,12 @@ impl Collective {
         if n == 0 {
             return Ok(values);
         }
-        // The ring cuts the vector into one piece per node.
+        let check = SumCheck::new(self.calls.get(), n);
         let mut values = values;
-        values.resize(n.max(self.spec.nodes), 0.0);
+        values.extend(check.tail(&values));
+        let checked = values.len();
+        // The ring cuts the vector into one piece per node.
+        values.resize(checked.max(self.spec.nodes), 0.0);
         let len = values.len();
         let tensor = Tensor::<Engine, 1>::from_data(TensorData::new(values, [len]), &self.device);
         let primitive = tensor.into_primitive().tensor();
@@ -305,6 +308,15 @@ impl Collective {
             .into_data()
             .to_vec::<f32>()
             .map_err(|e| TrainError::Peer(format!("{what}: unreadable sum: {e:?}")))?;
+        summed.truncate(checked);
+        if !check.adds_up(&summed, self.spec.nodes) {
+            return Err(TrainError::Peer(format!(
+                "node {}: the sum while {what} does not add up: a process that is not a node of this \
+                 run took part in it (a run's ports must be reachable only by its nodes: see \
+                 docs/training.md); restart every node with --resume",
+                self.spec.rank
+            )));
+        }
         summed.truncate(n);
         tracing::debug!(
             bytes = 4 * len,
@@ -352,6 +364,85 @@ impl Collective {
     }
 }
 
+/// What every node adds to a vector it sums, so that a sum that is not
+/// the nodes' own is refused rather than stepped with.
+///
+/// The engine has no authentication: a process that registers with the
+/// coordinator at the right moment takes part in a session and its vector
+/// enters the sum. The tail catches that: each node appends `[1, f, c, a]`
+/// with `f` = 1 if its vector holds a non-finite number, `c = sum_j w_j v_j`
+/// and `a = sum_j w_j |v_j|` for pseudo-random weights `w_j` in [0.5, 1.5)
+/// drawn afresh for every call. In an honest sum the first entry is the
+/// number of nodes, exactly, and `c` is `sum_j w_j S_j` of the summed
+/// vector `S` to within `f32` rounding (bounded by `a`). A vector from
+/// elsewhere breaks one or the other, unless made for it by someone who
+/// knows this scheme: a check against accidents and strangers, not an
+/// authentication (docs/training.md: trusted networks only).
+struct SumCheck {
+    /// Seeds the weights (the call's index: every node draws the same).
+    seed: u64,
+    /// Length of the vector checked.
+    len: usize,
+}
+
+impl SumCheck {
+    const TAIL: usize = 4;
+
+    fn new(call: u64, len: usize) -> Self {
+        Self { seed: call, len }
+    }
+
+    /// The weight of entry `j`, in [0.5, 1.5).
+    fn weight(&self, j: usize) -> f64 {
+        // splitmix64 of (seed, j).
+        let mut z = (self.seed << 40 ^ j as u64).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        0.5 + (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// (`c`, `a`) of `values`.
+    fn sums(&self, values: &[f32]) -> (f64, f64) {
+        values
+            .iter()
+            .enumerate()
+            .fold((0.0, 0.0), |(c, a), (j, &v)| {
+                let w = self.weight(j);
+                (c + w * v as f64, a + w * (v as f64).abs())
+            })
+    }
+
+    /// This node's tail for `values` (the vector to sum, `len` long).
+    fn tail(&self, values: &[f32]) -> [f32; Self::TAIL] {
+        let finite = values.iter().all(|v| v.is_finite());
+        let (c, a) = self.sums(values);
+        [1.0, if finite { 0.0 } else { 1.0 }, c as f32, a as f32]
+    }
+
+    /// Whether `summed` (the vector and the tails, summed) is the sum of
+    /// `nodes` nodes' own vectors.
+    fn adds_up(&self, summed: &[f32], nodes: usize) -> bool {
+        let (values, tail) = summed.split_at(self.len);
+        let [count, non_finite, c, a] = [tail[0], tail[1], tail[2], tail[3]];
+        if count != nodes as f32 {
+            return false;
+        }
+        let finite = values.iter().all(|v| v.is_finite());
+        if !finite || !c.is_finite() || !a.is_finite() {
+            // A node's own non-finite numbers pass (the step reports a
+            // non-finite loss and stops); anyone else's do not.
+            return non_finite >= 1.0 && non_finite <= nodes as f32;
+        }
+        let (expected, _) = self.sums(values);
+        // Each sum of `nodes` f32 numbers and each node's f32 tail are off
+        // by at most a few `nodes x eps x a`; 100x that is still far below
+        // what a foreign vector moves `c` by.
+        non_finite == 0.0
+            && (c as f64 - expected).abs() <= 100.0 * nodes as f64 * f32::EPSILON as f64 * a as f64
+    }
+}
+
 /// Name of the threads that wait in the collective engine (a panic there
 /// is the engine's, reported by [`Collective`] as an error).
 pub const ENGINE_THREAD: &str = "tvq-collective";
@@ -383,11 +474,15 @@ fn await_free(port: u16, deadline: Instant) {
     }
 }
 
+/// Prefix of the names of the coordinator's threads (its connections are
+/// served there too, so a panic there is the engine's).
+pub const COORDINATOR_THREAD: &str = "tvq-coordinator-";
+
 /// Serves burn-collective's coordinator (orchestrator) on `port`, on a
 /// thread of its own until the process ends.
 fn start_coordinator(port: u16) -> Result<(), TrainError> {
     std::thread::Builder::new()
-        .name(format!("tvq-coordinator-{port}"))
+        .name(format!("{COORDINATOR_THREAD}{port}"))
         .spawn(move || {
             match tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -488,6 +583,49 @@ mod tests {
         let port = taken.local_addr().unwrap().port();
         let e = check_port_free(port, "the coordinator", "--coordinator").unwrap_err();
         assert!(e.to_string().contains(&format!("port {port}")), "{e}");
+    }
+
+    /// Sums of `vectors` (each with its node's tail) as the engine would.
+    fn summed(check: &SumCheck, vectors: &[Vec<f32>]) -> Vec<f32> {
+        let mut sum = vec![0f32; check.len + SumCheck::TAIL];
+        for v in vectors {
+            let tailed: Vec<f32> = v.iter().copied().chain(check.tail(v)).collect();
+            for (s, x) in sum.iter_mut().zip(tailed) {
+                *s += x;
+            }
+        }
+        sum
+    }
+
+    #[test]
+    fn a_sum_with_a_foreign_or_missing_vector_does_not_add_up() {
+        let n = 10_000;
+        let check = SumCheck::new(7, n);
+        let node = |k: f32| -> Vec<f32> { (0..n).map(|j| (j as f32 * k).sin() * 1e-3).collect() };
+        let (a, b) = (node(0.37), node(1.91));
+        assert!(check.adds_up(&summed(&check, &[a.clone(), b.clone()]), 2));
+        // One node's vector missing, or a third one in the ring.
+        assert!(!check.adds_up(&summed(&check, std::slice::from_ref(&a)), 2));
+        assert!(!check.adds_up(&summed(&check, &[a.clone(), b.clone(), node(3.3)]), 2));
+        // A stranger in a node's place, even one that copies the count.
+        let mut honest = summed(&check, &[a.clone(), b.clone()]);
+        for (s, x) in honest.iter_mut().zip(node(5.1).iter().chain(&[0.0; 4])) {
+            *s += x;
+        }
+        assert!(!check.adds_up(&honest, 2));
+        let mut one_entry = summed(&check, &[a.clone(), b.clone()]);
+        one_entry[n / 2] += 1e-3;
+        assert!(!check.adds_up(&one_entry, 2));
+        // Non-finite numbers: a node's own pass (the step stops on them),
+        // a stranger's do not.
+        let mut diverged = b.clone();
+        diverged[3] = f32::NAN;
+        assert!(check.adds_up(&summed(&check, &[a.clone(), diverged]), 2));
+        let mut poisoned = summed(&check, &[a, b]);
+        poisoned[3] = f32::NAN;
+        assert!(!check.adds_up(&poisoned, 2));
+        // Every call draws other weights.
+        assert_ne!(check.weight(3), SumCheck::new(8, n).weight(3));
     }
 
     #[test]

@@ -60,6 +60,16 @@ pub enum TrainError {
         /// The run directory.
         path: PathBuf,
     },
+    /// Another `tvq train` holds the run directory.
+    #[error(
+        "{path} is in use by another `tvq train` ({holder}): wait for it to end or stop it, or use another --run-dir"
+    )]
+    RunDirInUse {
+        /// The run directory.
+        path: PathBuf,
+        /// The process holding it, as its lock file describes it.
+        holder: String,
+    },
     /// The loss curves cannot be drawn.
     #[error("plot {path}: {reason}")]
     Plot {

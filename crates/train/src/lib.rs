@@ -12,6 +12,8 @@ pub mod config;
 pub mod error;
 pub mod evaluate;
 pub mod export;
+mod fault;
+pub mod lock;
 pub mod metrics;
 pub mod optim;
 pub mod plot;

@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use crate::error::TrainError;
 use crate::evaluate::EvalReport;
+use crate::fault::{self, Point};
 
 /// One line of `metrics.jsonl` per optimizer step.
 #[derive(Clone, Debug, Serialize)]
@@ -83,19 +84,31 @@ pub struct MetricsLog {
 
 impl MetricsLog {
     /// Opens `run_dir/metrics.jsonl`, keeping only the lines up to `step`
-    /// (a resumed run writes the rest again).
-    pub fn open(run_dir: &Path, step: u64) -> Result<Self, TrainError> {
+    /// (a resumed run writes the rest again, exactly) and dropping a torn
+    /// last line. With `redo_final`, a `final_eval` line at `step` goes too:
+    /// the resumed run ends at `step` and writes it again. The kept lines
+    /// replace the file atomically, so a kill while opening loses nothing.
+    pub fn open(run_dir: &Path, step: u64, redo_final: bool) -> Result<Self, TrainError> {
         let path = run_dir.join("metrics.jsonl");
         if let Ok(text) = std::fs::read_to_string(&path) {
             let kept: String = text
                 .lines()
                 .filter(|l| {
-                    serde_json::from_str::<serde_json::Value>(l)
-                        .is_ok_and(|v| v["step"].as_u64().is_some_and(|s| s <= step))
+                    serde_json::from_str::<serde_json::Value>(l).is_ok_and(|v| {
+                        let s = v["step"].as_u64();
+                        s.is_some_and(|s| s <= step)
+                            && !(redo_final && v["kind"] == "final_eval" && s == Some(step))
+                    })
                 })
                 .map(|l| format!("{l}\n"))
                 .collect();
-            std::fs::write(&path, kept).map_err(|e| TrainError::io(&path, e))?;
+            if kept != text {
+                let tmp = run_dir.join(".metrics.jsonl.tmp");
+                std::fs::write(&tmp, kept)
+                    .and_then(|()| std::fs::File::open(&tmp)?.sync_all())
+                    .and_then(|()| std::fs::rename(&tmp, &path))
+                    .map_err(|e| TrainError::io(&path, e))?;
+            }
         }
         let file = std::fs::OpenOptions::new()
             .create(true)
@@ -107,9 +120,11 @@ impl MetricsLog {
 
     /// Appends one JSON line and flushes it.
     pub fn append(&mut self, value: &impl Serialize) -> Result<(), TrainError> {
-        let line = serde_json::to_string(value).expect("metrics serialize");
-        writeln!(self.file, "{line}")
-            .and_then(|_| self.file.flush())
+        // One write of the whole line: appended at once, never interleaved.
+        let line = serde_json::to_string(value).expect("metrics serialize") + "\n";
+        fault::inject(Point::MetricsAppend)
+            .and_then(|()| self.file.write_all(line.as_bytes()))
+            .and_then(|()| self.file.flush())
             .map_err(|e| TrainError::io(&self.path, e))
     }
 }
@@ -135,26 +150,42 @@ mod tests {
     use super::MetricsLog;
 
     #[test]
-    fn reopening_keeps_the_lines_up_to_the_resumed_step() {
+    fn reopening_keeps_the_lines_up_to_the_resumed_step_and_drops_a_torn_one() {
         let dir = tempfile::tempdir().unwrap();
-        let mut log = MetricsLog::open(dir.path(), 0).unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let mut log = MetricsLog::open(dir.path(), 0, false).unwrap();
         for step in 1..=5u64 {
             log.append(&serde_json::json!({"kind": "train", "step": step}))
                 .unwrap();
         }
+        log.append(&serde_json::json!({"kind": "final_eval", "step": 5}))
+            .unwrap();
         drop(log);
-        let mut log = MetricsLog::open(dir.path(), 3).unwrap();
+        let steps = || -> Vec<(String, u64)> {
+            std::fs::read_to_string(&path)
+                .unwrap()
+                .lines()
+                .map(|l| {
+                    let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                    (
+                        v["kind"].as_str().unwrap().into(),
+                        v["step"].as_u64().unwrap(),
+                    )
+                })
+                .collect()
+        };
+        // Resumed at the last step: the final evaluation is done again.
+        drop(MetricsLog::open(dir.path(), 5, true).unwrap());
+        assert_eq!(steps().len(), 5);
+        // A kill in the middle of an append tore the last line.
+        let mut text = std::fs::read_to_string(&path).unwrap();
+        text += r#"{"kind":"train","st"#;
+        std::fs::write(&path, text).unwrap();
+        let mut log = MetricsLog::open(dir.path(), 3, false).unwrap();
         log.append(&serde_json::json!({"kind": "train", "step": 4}))
             .unwrap();
-        let text = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
-        let steps: Vec<u64> = text
-            .lines()
-            .map(|l| {
-                serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
-                    .as_u64()
-                    .unwrap()
-            })
-            .collect();
-        assert_eq!(steps, [1, 2, 3, 4]);
+        let train = |s: u64| ("train".to_string(), s);
+        assert_eq!(steps(), [train(1), train(2), train(3), train(4)]);
+        assert!(!dir.path().join(".metrics.jsonl.tmp").exists());
     }
 }

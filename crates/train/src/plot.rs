@@ -43,19 +43,29 @@ struct Line {
 
 impl Curves {
     /// Reads `metrics.jsonl`; lines of other kinds are skipped, a line that
-    /// does not parse is an error naming it.
+    /// does not parse is an error naming it, unless it is the last and has
+    /// no newline yet (being written, or torn by a killed run, which
+    /// writes it again when resumed).
     pub fn read(path: &Path) -> Result<Self, TrainError> {
         let text = std::fs::read_to_string(path).map_err(|e| TrainError::io(path, e))?;
+        let complete = text.ends_with('\n');
+        let count = text.lines().count();
         let mut curves = Self::default();
         for (i, line) in text
             .lines()
             .enumerate()
             .filter(|(_, l)| !l.trim().is_empty())
         {
-            let line: Line = serde_json::from_str(line).map_err(|e| TrainError::Plot {
-                path: path.to_path_buf(),
-                reason: format!("line {}: {e}", i + 1),
-            })?;
+            let line: Line = match serde_json::from_str(line) {
+                Ok(line) => line,
+                Err(_) if !complete && i + 1 == count => continue,
+                Err(e) => {
+                    return Err(TrainError::Plot {
+                        path: path.to_path_buf(),
+                        reason: format!("line {}: {e}", i + 1),
+                    });
+                }
+            };
             let point = (line.step, line.bits_per_byte);
             match line.kind.as_str() {
                 "train" => curves.train.push(point),
@@ -402,7 +412,7 @@ mod tests {
     }
 
     #[test]
-    fn reads_each_kind_and_names_a_bad_line() {
+    fn reads_each_kind_names_a_bad_line_and_skips_a_torn_last_one() {
         let lines = [
             train_line(1, 8.0),
             train_line(2, 6.0),
@@ -417,9 +427,12 @@ mod tests {
         assert_eq!(curves.validation, vec![(2, 5.5)]);
         assert_eq!(curves.final_validation, Some((2, 5.25)));
 
-        let (_dir, path) = metrics(&[&train_line(1, 8.0), "{not json"]);
+        let (_dir, path) = metrics(&[&train_line(1, 8.0), "{not json", &train_line(2, 6.0)]);
         let err = Curves::read(&path).unwrap_err().to_string();
         assert!(err.contains("line 2"), "{err}");
+        // A last line without its newline is being written (or was torn).
+        let (_dir, path) = metrics(&[&train_line(1, 8.0), r#"{"kind":"tr"#]);
+        assert_eq!(Curves::read(&path).unwrap().train, vec![(1, 8.0)]);
     }
 
     #[test]

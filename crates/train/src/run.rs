@@ -3,7 +3,8 @@
 //!
 //! Over several nodes every node runs this same loop on its rows of each
 //! batch; node 0 alone writes the run directory (config, metrics,
-//! checkpoints, plots) and runs the final evaluation.
+//! checkpoints, plots) and runs the final evaluation. It holds the run
+//! directory's lock while it runs, so no second writer can start there.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -18,9 +19,10 @@ use crate::collective::{ClusterSpec, Collective};
 use crate::config::RunConfig;
 use crate::error::TrainError;
 use crate::evaluate::{EvalOptions, EvalReport, evaluate};
+use crate::lock::RunLock;
 use crate::metrics::{EvalLine, MetricsLog, progress_bar};
 use crate::plot;
-use crate::trainer::Trainer;
+use crate::trainer::{Trainer, check_devices};
 
 /// How `train` is run.
 #[derive(Clone, Debug)]
@@ -65,9 +67,16 @@ pub fn train(
     devices: &[DispatchDevice],
     opts: &TrainOptions,
 ) -> Result<TrainSummary, TrainError> {
-    let corpus = Corpus::open(&cfg.data)?;
     let (rank, nodes) = opts.cluster.as_ref().map_or((0, 1), |c| (c.rank, c.nodes));
+    // What can be checked without files, before anything is written.
     let node_rows = node_rows(cfg, rank, nodes)?;
+    check_devices(devices, cfg.train.workers)?;
+    // Held until the run returns; released by the OS however it ends.
+    let _lock = match rank {
+        0 => Some(lock_run_dir(&opts.run_dir)?),
+        _ => None,
+    };
+    let corpus = Corpus::open(&cfg.data)?;
     let (train_split, valid_split) = (corpus.split(Split::Train), corpus.split(Split::Validation));
     let model = cfg.model_config(corpus.vocab.size());
     let bytes_per_token = train_split.bytes_per_token();
@@ -81,16 +90,21 @@ pub fn train(
         trainer.join(Collective::join(spec, &devices[0])?, fingerprint(cfg))?;
         tracing::info!("node {rank} of {nodes}: joined at {}", spec.coordinator);
     }
+    let total = opts
+        .max_steps
+        .map_or(cfg.train.steps, |m| m.min(cfg.train.steps));
+    let resumed_at = trainer.progress().step;
     let mut log = match rank {
-        0 => Some(MetricsLog::open(&opts.run_dir, trainer.progress().step)?),
+        0 => Some(MetricsLog::open(
+            &opts.run_dir,
+            resumed_at,
+            resumed_at == total,
+        )?),
         _ => None,
     };
     let layout = cfg.data.train_layout(cfg.train.seed);
     let mut loader =
         TrainBatches::new(train_split, layout, trainer.progress().cursor)?.with_rows(node_rows)?;
-    let total = opts
-        .max_steps
-        .map_or(cfg.train.steps, |m| m.min(cfg.train.steps));
     let bar = step_bar(opts.progress, total, trainer.progress().step);
     let validate = |trainer: &Trainer, max_segments, progress| {
         let opts = EvalOptions {
@@ -246,6 +260,20 @@ fn resume_latest(trainer: &mut Trainer, opts: &TrainOptions) -> Result<(), Train
         ),
     }
     Ok(())
+}
+
+/// Takes the run directory for this process alone ([`RunLock`]), then
+/// removes what a writer before it left half done.
+fn lock_run_dir(run_dir: &Path) -> Result<RunLock, TrainError> {
+    let lock = RunLock::acquire(run_dir)?;
+    let cleared = checkpoint::remove_leftovers(run_dir);
+    if cleared > 0 {
+        tracing::info!(
+            "removed {cleared} temporary entries left in {} by an interrupted writer",
+            run_dir.display()
+        );
+    }
+    Ok(lock)
 }
 
 /// Prepares the run directory: refuses another run's directory, writes the config.

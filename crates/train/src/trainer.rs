@@ -341,7 +341,10 @@ impl Trainer {
         let n = self.total_shards() as f64;
         let (ce, commitment) = (ce_sum as f64 / n, commitment_sum as f64 / n);
         let t = &self.settings;
-        let loss = ce + t.commit_weight * commitment;
+        let mut loss = ce + t.commit_weight * commitment;
+        if crate::fault::inject(crate::fault::Point::Loss).is_err() {
+            loss = f64::NAN;
+        }
         if !loss.is_finite() {
             return Err(TrainError::NonFinite {
                 step,
@@ -403,6 +406,7 @@ impl Trainer {
             run_dir,
             self.settings.keep_checkpoints,
             self.progress.best.map(|b| b.1),
+            self.progress.step,
         );
         self.last_checkpoint = Some(dir.clone());
         Ok(dir)
@@ -411,7 +415,7 @@ impl Trainer {
 
 /// Checks that `devices` can share `workers` threads: a valid list
 /// ([`check_device_list`]) with as many workers on each.
-fn check_devices(devices: &[DispatchDevice], workers: usize) -> Result<(), TrainError> {
+pub(crate) fn check_devices(devices: &[DispatchDevice], workers: usize) -> Result<(), TrainError> {
     check_device_list(devices)?;
     if !workers.is_multiple_of(devices.len()) {
         return Err(TrainError::Config {
