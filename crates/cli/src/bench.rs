@@ -12,7 +12,7 @@ use tvq_data::{Batch, TrainCursor};
 use tvq_model::device::DeviceSpec;
 use tvq_model::{AttentionForm, TransformerVqConfig};
 use tvq_train::config::TrainSection;
-use tvq_train::{SampleOptions, Trainer, sample};
+use tvq_train::{SampleOptions, Trainer, mfu, sample};
 
 type B = Dispatch;
 
@@ -68,6 +68,15 @@ pub struct BenchArgs {
     /// Tokens generated per prompt with --generate.
     #[arg(long, default_value_t = 64, value_parser = crate::at_least(2))]
     new_tokens: usize,
+    /// Measure the device's f32 matrix-product rate instead (the peak the
+    /// MFU of a CPU is reported against): products of two 1024 x 1024
+    /// matrices, the best of five.
+    #[arg(long)]
+    peak: bool,
+    /// Peak TFLOP/s of the device for the mfu column [default: measured on
+    /// the CPU; a table of known GPUs; none otherwise].
+    #[arg(long, value_name = "TFLOPS", value_parser = crate::positive)]
+    peak_tflops: Option<f64>,
     /// Measure the data loader instead: training-batch production from this
     /// byte-level text file or directory, for each --seq-len as the segment length.
     #[arg(long)]
@@ -257,9 +266,25 @@ pub fn run(args: BenchArgs) -> Result<()> {
         );
     }
     let (device, info) = args.device.init()?;
+    if args.peak {
+        let flops = mfu::measure_matmul_peak(&device);
+        if args.json {
+            println!(
+                "{}",
+                json!({"form": "peak", "flops_per_s": flops, "device": info})
+            );
+        } else {
+            println!(
+                "device: {info}; f32 matrix products: {:.1} GFLOP/s",
+                flops / 1e9
+            );
+        }
+        return Ok(());
+    }
     if args.generate {
         return bench_generate(&args, &model, &device, &info);
     }
+    let peak = mfu::device_peak(&device, args.peak_tflops).map(|(p, _)| p);
     let forms = args
         .form
         .iter()
@@ -277,31 +302,50 @@ pub fn run(args: BenchArgs) -> Result<()> {
             model.n_code,
             model.block_len
         );
+        if let Some(p) = peak {
+            println!("mfu against {:.1} GFLOP/s", p / 1e9);
+        }
         println!(
-            "{:<10} {:>8} {:>14} {:>14}",
-            "form", "seq_len", "tokens/s", "peak RSS MiB"
+            "{:<10} {:>8} {:>14} {:>6} {:>14}",
+            "form", "seq_len", "tokens/s", "mfu", "peak RSS MiB"
         );
     }
+    let on = Measuring {
+        model: &model,
+        train: &train,
+        device: &device,
+        info: &info,
+        peak,
+    };
     for &form in &forms {
         for &t in &args.seq_len {
-            bench_training(&args, &model, &train, &device, &info, form, t)?;
+            bench_training(&args, &on, form, t)?;
         }
     }
     Ok(())
 }
 
+/// What the training benchmarks run on: the model, the step's settings,
+/// the device (with its description) and its peak FLOP/s, if known.
+struct Measuring<'a> {
+    model: &'a TransformerVqConfig,
+    train: &'a TrainSection,
+    device: &'a burn::DispatchDevice,
+    info: &'a str,
+    peak: Option<f64>,
+}
+
 /// Times `--steps` training steps (or forward and backward passes) of
 /// `--batch` rows of `t` tokens with attention `form`, after one warm-up,
 /// and prints one line.
-fn bench_training(
-    args: &BenchArgs,
-    model: &TransformerVqConfig,
-    train: &TrainSection,
-    device: &burn::DispatchDevice,
-    info: &str,
-    form: AttentionForm,
-    t: usize,
-) -> Result<()> {
+fn bench_training(args: &BenchArgs, on: &Measuring, form: AttentionForm, t: usize) -> Result<()> {
+    let Measuring {
+        model,
+        train,
+        device,
+        info,
+        peak,
+    } = *on;
     let form_name = match form {
         AttentionForm::Vq => "vq",
         AttentionForm::Quadratic => "quadratic",
@@ -315,7 +359,10 @@ fn bench_training(
                 json!({"form": form_name, "seq_len": t, "batch": args.batch, "skipped": reason})
             );
         } else {
-            println!("{form_name:<10} {t:>8} {:>14} {:>14}", "skipped", "-");
+            println!(
+                "{form_name:<10} {t:>8} {:>14} {:>6} {:>14}",
+                "skipped", "-", "-"
+            );
         }
         return Ok(());
     }
@@ -343,20 +390,23 @@ fn bench_training(
     }
     let secs = start.elapsed().as_secs_f64();
     let tokens_per_s = (args.steps * args.batch * t) as f64 / secs;
+    let utilisation = peak.map(|p| tokens_per_s * mfu::training_flops_per_token(&cfg, t) / p);
     let rss = peak_rss_bytes();
     if args.json {
         println!(
             "{}",
             json!({
                 "form": form_name, "seq_len": t, "batch": args.batch,
-                "tokens_per_s": tokens_per_s, "peak_rss_bytes": rss, "device": info,
+                "tokens_per_s": tokens_per_s, "mfu": utilisation, "peak_flops_per_s": peak,
+                "peak_rss_bytes": rss, "device": info,
                 "workers": train.workers,
                 "step": if args.optimizer { "full" } else { "forward+backward" },
             })
         );
     } else {
+        let shown = utilisation.map_or("-".into(), |m| format!("{:.1}%", 100.0 * m));
         println!(
-            "{form_name:<10} {t:>8} {tokens_per_s:>14.0} {:>14.0}",
+            "{form_name:<10} {t:>8} {tokens_per_s:>14.0} {shown:>6} {:>14.0}",
             rss as f64 / (1 << 20) as f64
         );
     }

@@ -46,6 +46,10 @@ pub struct TrainArgs {
     /// No progress bars (logs only).
     #[arg(long)]
     quiet: bool,
+    /// Peak TFLOP/s of one device, for the model FLOPs utilisation (mfu)
+    /// in the logs [default: measured on the CPU; a table of known GPUs].
+    #[arg(long, value_name = "TFLOPS", value_parser = crate::positive)]
+    peak_tflops: Option<f64>,
     /// Number of processes (nodes: one per machine, or several on one)
     /// that train this one model together, each on its share of every batch.
     #[arg(
@@ -314,6 +318,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
         progress: !args.quiet,
         cluster,
         reshard: args.reshard,
+        peak_tflops: args.peak_tflops,
     };
     tracing::info!("run directory: {}", run_dir.display());
     let summary = {

@@ -89,6 +89,14 @@ pub fn parse_device(s: &str) -> Result<DeviceSpec, String> {
     s.parse::<DeviceSpec>().map_err(|e| e.to_string())
 }
 
+/// A positive number (e.g. `--peak-tflops`).
+pub fn positive(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(format!("`{s}` is not a positive number")),
+    }
+}
+
 /// A count flag's parser: a whole number no smaller than `min`, so that
 /// `--steps 0` is a usage error rather than an empty or failed run.
 pub fn at_least(min: u64) -> clap::builder::RangedU64ValueParser<usize> {

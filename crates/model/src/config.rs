@@ -314,4 +314,71 @@ impl TransformerVqConfig {
     pub fn n_sublayers(&self) -> usize {
         2 * self.n_layer
     }
+
+    /// Model FLOPs of one token's forward pass in a segment of `seq_len`
+    /// tokens: the matrix products, a multiply-add counted as 2 FLOPs.
+    /// Per GAU sublayer (`Q = K + P` the query and key width with the
+    /// rotary position channel `P`):
+    ///
+    /// - projections `2 D (H Q + H K + 2 H V)` in, `2 H V D` out;
+    /// - the codebook distances `2 H S K`;
+    /// - VQ attention: the window of `2 L` keys `2 H 2L (Q + V)` and the
+    ///   compressed cache of `S` codes `2 H S (K + V)`; the quadratic form
+    ///   instead scores all `seq_len` keys, `2 H seq_len (Q + V)` (the whole
+    ///   matrix is computed, the causal half masked);
+    ///
+    /// and once per token the output head, `2 D vocab`. Norms, gates, the
+    /// softmax, the position bias and the cache's sums are elementwise or
+    /// smaller and not counted (docs/benchmarks.md). A training step costs
+    /// 3 times this (the backward pass is twice the forward).
+    pub fn forward_flops_per_token(&self, seq_len: usize) -> f64 {
+        let [d, k, v, h, s, l] = [
+            self.d_model,
+            self.d_k,
+            self.d_v,
+            self.n_head,
+            self.n_code,
+            self.block_len,
+        ]
+        .map(|x| x as f64);
+        let q = k + self.rotary_channel_width() as f64;
+        let projections = 2.0 * d * (h * q + h * k + 2.0 * h * v) + 2.0 * h * v * d;
+        let codebook = 2.0 * h * s * k;
+        let attention = match self.attention {
+            AttentionForm::Vq => 2.0 * h * 2.0 * l * (q + v) + 2.0 * h * s * (k + v),
+            AttentionForm::Quadratic => 2.0 * h * seq_len as f64 * (q + v),
+        };
+        let head = 2.0 * d * self.vocab_size as f64;
+        self.n_sublayers() as f64 * (projections + codebook + attention) + head
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The count of the doc comment, by hand for D 8, K 4, V 6, H 1, S 3,
+    /// L 2, one layer (two sublayers), vocabulary 7. Per sublayer:
+    /// projections 2·8·(4 + 4 + 12) + 2·6·8 = 416, codebook 2·3·4 = 24,
+    /// window 2·4·(4 + 6) = 80, cache 2·3·(4 + 6) = 60: 580; head 2·8·7 = 112.
+    #[test]
+    fn forward_flops_match_a_hand_count() {
+        let cfg = TransformerVqConfig::new(7)
+            .with_d_model(8)
+            .with_d_k(4)
+            .with_d_v(6)
+            .with_n_code(3)
+            .with_n_layer(1)
+            .with_block_len(2);
+        assert_eq!(cfg.forward_flops_per_token(1024), 2.0 * 580.0 + 112.0);
+        // Quadratic over 10 keys: attention 2·10·(4 + 6) = 200 instead of 140.
+        let quadratic = cfg.clone().with_attention(AttentionForm::Quadratic);
+        assert_eq!(quadratic.forward_flops_per_token(10), 2.0 * 640.0 + 112.0);
+        // A rotary position channel of 4 widens queries and window scores:
+        // projections 2·8·(8 + 4 + 12) + 96 = 480, window 2·4·(8 + 6) = 112.
+        let rotary = cfg
+            .with_bias(RelativeBias::Rotary)
+            .with_rotary_channel(Some(4));
+        assert_eq!(rotary.forward_flops_per_token(1024), 2.0 * 676.0 + 112.0);
+    }
 }

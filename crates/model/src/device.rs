@@ -19,6 +19,10 @@ use thiserror::Error;
 /// The backend type every binary of the project runs on.
 pub type Backend = Dispatch;
 
+/// Whether the GPU backends fuse elementwise kernels and autotune kernels
+/// (the crate's default `fusion` feature; the CPU backend does neither).
+pub const GPU_FUSION: bool = cfg!(feature = "fusion");
+
 /// A device named on the command line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceSpec {
@@ -118,6 +122,43 @@ pub fn cuda_device_count() -> usize {
     cudarc::driver::result::device::get_count().map_or(0, |n| n.max(0) as usize)
 }
 
+/// The name the driver gives CUDA device `index` (e.g. "NVIDIA H100 80GB
+/// HBM3"), where there is a driver and such a device.
+pub fn cuda_device_name(index: usize) -> Option<String> {
+    if index >= cuda_device_count() {
+        return None;
+    }
+    let device = cudarc::driver::result::device::get(index as i32).ok()?;
+    cudarc::driver::result::device::get_name(device).ok()
+}
+
+/// Where cubecl keeps what autotuning measured, so that a shape is tuned
+/// once per machine rather than once per process: `$XDG_CACHE_HOME/tvq/`
+/// or `~/.cache/tvq/` (cubecl's own default is the `target/` directory of
+/// the Rust project around the working directory, which scatters caches
+/// over whatever directory `tvq` runs in). A `cubecl.toml` that names a
+/// cache, and cubecl's `CUBECL_*` variables, are obeyed as cubecl would.
+/// Runs before the first GPU use (cubecl reads its settings once).
+fn configure_gpu_runtime() {
+    use cubecl_runtime::config::cache::CacheConfig;
+    use cubecl_runtime::config::{CubeClRuntimeConfig, RuntimeConfig};
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let mut settings = CubeClRuntimeConfig::storage().lock();
+        if settings.is_some() {
+            return; // already read: too late to change
+        }
+        let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
+        let home = std::env::var_os("XDG_CACHE_HOME")
+            .map(std::path::PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache")));
+        if let (CacheConfig::Target, Some(dir)) = (&config.autotune.cache, home) {
+            config.autotune.cache = CacheConfig::File(dir.join("tvq"));
+        }
+        *settings = Some(std::sync::Arc::new(config));
+    });
+}
+
 /// Initialises the wgpu adapter for `device` and describes it ("name (type,
 /// api)"), or returns `None` when there is none. cubecl panics when no
 /// adapter exists, so the panic is caught and its message silenced. A
@@ -128,6 +169,7 @@ pub fn wgpu_adapter(device: &WgpuDevice) -> Option<String> {
     use std::collections::HashMap;
     use std::sync::{Mutex, OnceLock};
     static PROBED: OnceLock<Mutex<HashMap<WgpuDevice, Option<String>>>> = OnceLock::new();
+    configure_gpu_runtime();
     let mut probed = PROBED
         .get_or_init(Default::default)
         .lock()
@@ -150,8 +192,23 @@ pub fn wgpu_adapter(device: &WgpuDevice) -> Option<String> {
 
 impl DeviceSpec {
     /// Probes the device and returns it (plain, without autodiff), with a
-    /// one-line description. Never panics.
+    /// one-line description (a GPU's says "unfused" in a build without
+    /// [`GPU_FUSION`]). Never panics.
     pub fn init(self) -> Result<(DispatchDevice, String), DeviceError> {
+        let (device, info) = self.probe()?;
+        let unfused = !GPU_FUSION && !matches!(device, DispatchDevice::Flex(_));
+        Ok((
+            device,
+            if unfused {
+                format!("{info} (unfused)")
+            } else {
+                info
+            },
+        ))
+    }
+
+    fn probe(self) -> Result<(DispatchDevice, String), DeviceError> {
+        configure_gpu_runtime();
         let unavailable = |reason: String| DeviceError::Unavailable {
             spec: self.to_string(),
             reason,
@@ -167,9 +224,10 @@ impl DeviceSpec {
                         format!("only {count} CUDA GPU(s) found")
                     }));
                 }
+                let name = cuda_device_name(index).unwrap_or_default();
                 Ok((
                     DispatchDevice::Cuda(CudaDevice { index }),
-                    format!("cuda:{index}"),
+                    format!("cuda:{index} {name}").trim_end().to_string(),
                 ))
             }
             Self::Wgpu(index) => {

@@ -81,3 +81,22 @@ pub struct DropoutMasks<B: Backend> {
     /// One entry per GAU sublayer.
     pub sublayers: Vec<SublayerMasks<B>>,
 }
+
+impl<B: Backend> DropoutMasks<B> {
+    /// The masks on `device`, copied through the host where they move
+    /// ([`crate::device::to_device_via_host`]; nothing is copied where they
+    /// already are).
+    pub fn to_device(self, device: &B::Device) -> Self {
+        use crate::device::to_device_via_host as to;
+        let sublayers = self
+            .sublayers
+            .into_iter()
+            .map(|m| SublayerMasks {
+                sinusoid: m.sinusoid.map(|t| to(t, device)),
+                residual: m.residual.map(|t| to(t, device)),
+                layer: m.layer.map(|t| to(t, device)),
+            })
+            .collect();
+        Self { sublayers }
+    }
+}

@@ -161,12 +161,19 @@ impl<B: Backend> TransformerVq<B> {
     pub fn dropout_masks(&self, shape: [usize; 2]) -> DropoutMasks<B> {
         // The parameters' device says whether this is a training model (the
         // token tensors' does not: integer tensors carry no autodiff).
-        let device = self.embedding.weight.device();
+        self.dropout_masks_on(shape, &self.embedding.weight.device())
+    }
+
+    /// [`Self::dropout_masks`] drawn with `device`'s generator (on
+    /// `device`): the trainer draws them on the CPU whatever the model's
+    /// device, so that a run's masks depend on its seed only, then moves
+    /// them ([`DropoutMasks::to_device`]).
+    pub fn dropout_masks_on(&self, shape: [usize; 2], device: &B::Device) -> DropoutMasks<B> {
         DropoutMasks {
             sublayers: self
                 .sublayers
                 .iter()
-                .map(|g| g.dropout_masks(self.layer_drop, shape, &device))
+                .map(|g| g.dropout_masks(self.layer_drop, shape, device))
                 .collect(),
         }
     }

@@ -13,8 +13,11 @@ pub mod error;
 pub mod evaluate;
 pub mod export;
 mod fault;
+#[cfg(test)]
+mod gpu_under_test;
 pub mod lock;
 pub mod metrics;
+pub mod mfu;
 pub mod optim;
 pub mod plot;
 pub mod run;

@@ -40,6 +40,11 @@ pub struct StepMetrics {
     pub quantization_error: f64,
     /// Training tokens per second over this step.
     pub tokens_per_s: f64,
+    /// Model FLOPs utilisation over this step: the model's FLOPs per
+    /// training token ([`crate::mfu`]) times `tokens_per_s`, over the peak
+    /// of every device of the run (absent where the peak is unknown).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mfu: Option<f64>,
     /// Training tokens so far.
     pub tokens: u64,
     /// The run was asked to stop (on any node) and stops after this step.
@@ -50,8 +55,11 @@ pub struct StepMetrics {
 impl StepMetrics {
     /// A short line for the progress bar.
     pub fn summary(&self) -> String {
+        let mfu = self
+            .mfu
+            .map_or(String::new(), |m| format!(" mfu {:.0}%", 100.0 * m));
         format!(
-            "loss {:.3} bpb {:.3} {:.0} tok/s",
+            "loss {:.3} bpb {:.3} {:.0} tok/s{mfu}",
             self.loss, self.bits_per_byte, self.tokens_per_s
         )
     }

@@ -43,6 +43,9 @@ pub struct TrainOptions {
     pub cluster: Option<ClusterSpec>,
     /// Resume from a checkpoint of another shard count, with fresh carried states.
     pub reshard: bool,
+    /// Peak TFLOP/s of one device for the MFU in the metrics, where the
+    /// user gives it ([`crate::mfu::device_peak`] otherwise).
+    pub peak_tflops: Option<f64>,
 }
 
 /// How a call to [`train`] ended.
@@ -80,8 +83,9 @@ pub fn train(
     let (train_split, valid_split) = (corpus.split(Split::Train), corpus.split(Split::Validation));
     let model = cfg.model_config(corpus.vocab.size());
     let bytes_per_token = train_split.bytes_per_token();
-    let mut trainer =
-        Trainer::new(&model, &cfg.train, devices, bytes_per_token)?.on_node(rank, nodes);
+    let mut trainer = Trainer::new(&model, &cfg.train, devices, bytes_per_token)?
+        .on_node(rank, nodes)
+        .with_peak_flops(peak_flops(&devices[0], opts.peak_tflops));
     if rank == 0 {
         prepare_run_dir(cfg, opts)?;
     }
@@ -274,6 +278,24 @@ fn lock_run_dir(run_dir: &Path) -> Result<RunLock, TrainError> {
         );
     }
     Ok(lock)
+}
+
+/// The peak FLOP/s of one device that the MFU is reported against
+/// ([`crate::mfu::device_peak`]), said in the log.
+fn peak_flops(device: &DispatchDevice, override_tflops: Option<f64>) -> Option<f64> {
+    match crate::mfu::device_peak(device, override_tflops) {
+        Some((peak, source)) => {
+            tracing::info!(
+                "MFU against {:.3} TFLOP/s per device ({source})",
+                peak / 1e12
+            );
+            Some(peak)
+        }
+        None => {
+            tracing::info!("no MFU: this device's peak is not known; give --peak-tflops");
+            None
+        }
+    }
 }
 
 /// Prepares the run directory: refuses another run's directory, writes the config.

@@ -81,6 +81,14 @@ struct ShardResult {
     state: ModelState<B>,
 }
 
+/// The CPU device with autodiff, where the trainer draws every random
+/// number (initial weights and dropout masks) whatever device it trains
+/// on, so that a run's numbers depend on its config and seed, not on the
+/// backend's generator.
+pub(crate) fn cpu_autodiff() -> DispatchDevice {
+    DispatchDevice::autodiff(DispatchDevice::Flex(Default::default()))
+}
+
 /// `draw()` after seeding `device`'s generator with `seed` (when given).
 /// The backends' generators are shared by the whole process, so seeding and
 /// drawing happen under one process-wide lock: what is drawn depends on the
@@ -117,7 +125,11 @@ fn run_shard(
     let seed = fork
         .uses_dropout()
         .then(|| shard_seed(plan.seed, plan.first + i));
-    let masks = seeded_draw(&device, seed, || fork.dropout_masks(inputs.dims()));
+    // Drawn on the CPU whatever the device: the masks depend on the seed
+    // only, not on the backend's generator.
+    let cpu = cpu_autodiff();
+    let masks =
+        seeded_draw(&cpu, seed, || fork.dropout_masks_on(inputs.dims(), &cpu)).to_device(&device);
     let state = shard.state.into_device(&device);
     let out = fork.forward_with_masks(inputs, state, Some(valid.clone()), masks)?;
     let loss = Loss::new(&out, targets, Some(valid));
