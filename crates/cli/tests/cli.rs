@@ -179,9 +179,14 @@ fn tensors_of(file: &Path) -> Vec<(String, Vec<u8>)> {
 /// 10 steps on wgpu (Mesa's lavapipe in CI) log the CPU's losses within
 /// 1e-4 relative (f32 rounding in other kernels; seen: 1e-6), and so does
 /// the final validation. Before, each backend's generator drew its own
-/// weights: 6.054 against 6.197 at step 1.
+/// weights: 6.054 against 6.197 at step 1. (CUDA instead of wgpu when
+/// `TVQ_TEST_DEVICE=cuda`.)
 #[test]
 fn the_quick_start_trains_alike_on_wgpu_and_the_cpu() {
+    let gpu = match std::env::var("TVQ_TEST_DEVICE").as_deref() {
+        Ok("cuda") => "cuda",
+        _ => "wgpu",
+    };
     let dir = tempfile::tempdir().unwrap();
     tiny_config(dir.path(), 1, 1); // writes the corpus piece
     let corpus = format!("data.path={}", dir.path().join("kjv-small.txt").display());
@@ -205,7 +210,7 @@ fn the_quick_start_trains_alike_on_wgpu_and_the_cpu() {
         let err = String::from_utf8_lossy(&out.stderr).into_owned();
         (out.status.success(), err, run_dir)
     };
-    let (gpu_ok, err, gpu_run) = run("wgpu");
+    let (gpu_ok, err, gpu_run) = run(gpu);
     if !gpu_ok && err.contains("no wgpu adapter") {
         assert!(
             std::env::var_os("TVQ_REQUIRE_WGPU").is_none(),

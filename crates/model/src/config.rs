@@ -321,11 +321,11 @@ impl TransformerVqConfig {
     /// rotary position channel `P`):
     ///
     /// - projections `2 D (H Q + H K + 2 H V)` in, `2 H V D` out;
-    /// - the codebook distances `2 H S K`;
-    /// - VQ attention: the window of `2 L` keys `2 H 2L (Q + V)` and the
-    ///   compressed cache of `S` codes `2 H S (K + V)`; the quadratic form
-    ///   instead scores all `seq_len` keys, `2 H seq_len (Q + V)` (the whole
-    ///   matrix is computed, the causal half masked);
+    /// - VQ attention: the codebook distances `2 H S K`, the window of
+    ///   `2 L` keys `2 H 2L (Q + V)` and the compressed cache of `S` codes
+    ///   `2 H S (K + V)`; the quadratic form instead scores all `seq_len`
+    ///   keys, `2 H seq_len (Q + V)` (the whole matrix is computed, the
+    ///   causal half masked), and quantizes nothing;
     ///
     /// and once per token the output head, `2 D vocab`. Norms, gates, the
     /// softmax, the position bias and the cache's sums are elementwise or
@@ -343,13 +343,14 @@ impl TransformerVqConfig {
         .map(|x| x as f64);
         let q = k + self.rotary_channel_width() as f64;
         let projections = 2.0 * d * (h * q + h * k + 2.0 * h * v) + 2.0 * h * v * d;
-        let codebook = 2.0 * h * s * k;
         let attention = match self.attention {
-            AttentionForm::Vq => 2.0 * h * 2.0 * l * (q + v) + 2.0 * h * s * (k + v),
+            AttentionForm::Vq => {
+                2.0 * h * s * k + 2.0 * h * 2.0 * l * (q + v) + 2.0 * h * s * (k + v)
+            }
             AttentionForm::Quadratic => 2.0 * h * seq_len as f64 * (q + v),
         };
         let head = 2.0 * d * self.vocab_size as f64;
-        self.n_sublayers() as f64 * (projections + codebook + attention) + head
+        self.n_sublayers() as f64 * (projections + attention) + head
     }
 }
 
@@ -371,9 +372,10 @@ mod tests {
             .with_n_layer(1)
             .with_block_len(2);
         assert_eq!(cfg.forward_flops_per_token(1024), 2.0 * 580.0 + 112.0);
-        // Quadratic over 10 keys: attention 2·10·(4 + 6) = 200 instead of 140.
+        // Quadratic over 10 keys: attention 2·10·(4 + 6) = 200 instead of
+        // the codebook, window and cache's 164.
         let quadratic = cfg.clone().with_attention(AttentionForm::Quadratic);
-        assert_eq!(quadratic.forward_flops_per_token(10), 2.0 * 640.0 + 112.0);
+        assert_eq!(quadratic.forward_flops_per_token(10), 2.0 * 616.0 + 112.0);
         // A rotary position channel of 4 widens queries and window scores:
         // projections 2·8·(8 + 4 + 12) + 96 = 480, window 2·4·(8 + 6) = 112.
         let rotary = cfg

@@ -68,11 +68,15 @@ fn a_missing_wgpu_adapter_skips_unless_required() {
     assert!(no_adapter(&e, true).unwrap_err().contains("no adapter"));
 }
 
-/// The wgpu backend computes what the CPU computes.
+/// The wgpu backend computes what the CPU computes (CUDA's instead when
+/// `TVQ_TEST_DEVICE=cuda`).
 #[test]
 fn wgpu_agrees_with_cpu() {
-    let spec = DeviceSpec::Wgpu(None);
-    let (wgpu, info) = match spec.init() {
+    let spec = match std::env::var("TVQ_TEST_DEVICE").as_deref() {
+        Ok("cuda") => DeviceSpec::Cuda(0),
+        _ => DeviceSpec::Wgpu(None),
+    };
+    let (gpu, info) = match spec.init() {
         Ok(found) => found,
         Err(e) => match no_adapter(&e, std::env::var_os("TVQ_REQUIRE_WGPU").is_some()) {
             Ok(skipped) => {
@@ -84,7 +88,7 @@ fn wgpu_agrees_with_cpu() {
             Err(failure) => panic!("{failure}"),
         },
     };
-    eprintln!("wgpu adapter: {info}");
+    eprintln!("GPU under test: {info}");
     let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
     for bias in [RelativeBias::Toeplitz, RelativeBias::Xl] {
         let cfg = TransformerVqConfig::new(29)
@@ -99,11 +103,11 @@ fn wgpu_agrees_with_cpu() {
         B::seed(&cpu(), 5);
         let on_cpu = cfg.init::<B>(&cpu_ad()).unwrap();
         let bytes = recorder.record(on_cpu.clone().into_record(), ()).unwrap();
-        let wgpu_ad = burn::DispatchDevice::autodiff(wgpu.clone());
+        let gpu_ad = burn::DispatchDevice::autodiff(gpu.clone());
         let on_gpu = cfg
-            .init::<B>(&wgpu_ad)
+            .init::<B>(&gpu_ad)
             .unwrap()
-            .load_record(recorder.load(bytes, &wgpu_ad).unwrap());
+            .load_record(recorder.load(bytes, &gpu_ad).unwrap());
 
         let data: Vec<i64> = (0..2 * 16).map(|i| (i * 7 % 29) as i64).collect();
         let run = |m: &tvq_model::TransformerVq<B>, device: &burn::DispatchDevice| {
@@ -125,7 +129,7 @@ fn wgpu_agrees_with_cpu() {
             )
         };
         let (l_cpu, g_cpu, z_cpu) = run(&on_cpu, &cpu_ad());
-        let (l_gpu, g_gpu, z_gpu) = run(&on_gpu, &wgpu_ad);
+        let (l_gpu, g_gpu, z_gpu) = run(&on_gpu, &gpu_ad);
         assert_eq!(z_cpu, z_gpu, "{bias:?}: codes");
         let worst = |a: &[f32], b: &[f32]| {
             a.iter()
