@@ -5,14 +5,15 @@
 # build undoes the other), then times the full training step on the same
 # wgpu device with each, alternating, and counts the kernels each launches
 # per step (cubecl's execution log: the launches of a 3-step benchmark less
-# those of a 1-step one, halved).
+# those of a 1-step one, halved, at the first length).
 #
-#   scripts/fusion-bench.sh [extra `tvq bench` arguments]
+#   SEQ_LEN=512,2048 ROUNDS=2 scripts/fusion-bench.sh [extra `tvq bench` arguments]
 #
-# Default: the benchmark model at T = 512 and 2,048 on wgpu's default adapter
-# (Mesa's lavapipe on a machine without a GPU: there only the ratio and the
-# kernel counts mean anything). Writes OUT/results.jsonl and OUT/summary.md
-# (OUT: $FUSION_BENCH_OUT, default fusion-bench/).
+# Default: the benchmark model at T = $SEQ_LEN (512,2048) on wgpu's default
+# adapter (Mesa's lavapipe on a machine without a GPU: there only the ratio
+# and the kernel counts mean anything), $ROUNDS (2) alternating rounds.
+# Writes OUT/results.jsonl and OUT/summary.md (OUT: $FUSION_BENCH_OUT,
+# default fusion-bench/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,16 +26,17 @@ fused_dir="${CARGO_TARGET_DIR:-$HOME/.cache/tvq/target}"
 unfused_dir="${UNFUSED_TARGET_DIR:-$HOME/.cache/tvq/target-unfused}"
 
 echo "fusion-bench: building (fused: $fused_dir, unfused: $unfused_dir)"
-CARGO_TARGET_DIR="$fused_dir" cargo build --release -p tvq-cli --quiet
+CARGO_TARGET_DIR="$fused_dir" cargo build --release --workspace --quiet
 CARGO_TARGET_DIR="$unfused_dir" cargo build --release -p tvq-cli --no-default-features --quiet
 
-args=(bench --device wgpu --optimizer --json --seq-len 512,2048 "$@")
-rounds="${FUSION_BENCH_ROUNDS:-2}"
+seq_len="${SEQ_LEN:-512,2048}"
+args=(bench --device wgpu --form vq --optimizer --json "$@")
+rounds="${ROUNDS:-2}"
 for round in $(seq "$rounds"); do
   for build in fused unfused; do
     dir="$fused_dir"; [ "$build" = unfused ] && dir="$unfused_dir"
     echo "fusion-bench: round $round, $build"
-    "$dir/release/tvq" "${args[@]}" --steps 3 \
+    "$dir/release/tvq" "${args[@]}" --seq-len "$seq_len" --steps 3 \
       | python3 -c "
 import json, sys
 for l in sys.stdin:
@@ -51,14 +53,15 @@ for build in fused unfused; do
   for steps in 1 3; do
     printf '[profiling.logger]\nlevel = "minimal"\nfile = "%s/kernels-%s.log"\nappend = false\n' \
       "$count_dir" "$steps" > "$count_dir/cubecl.toml"
-    (cd "$count_dir" && "$dir/release/tvq" "${args[@]}" --steps "$steps" > /dev/null)
+    (cd "$count_dir" && "$dir/release/tvq" "${args[@]}" --seq-len "${seq_len%%,*}" \
+      --steps "$steps" > /dev/null)
   done
   python3 - "$count_dir" "$build" >> "$results" <<'EOF'
 import json, sys
 d, build = sys.argv[1], sys.argv[2]
 count = {s: sum(1 for _ in open(f"{d}/kernels-{s}.log")) for s in (1, 3)}
-# Both runs time each of the 2 lengths after a warm-up step: 2 more steps each.
-print(json.dumps({"form": "kernels", "build": build, "per_step": (count[3] - count[1]) / 4}))
+# Both runs time one length after a warm-up step: the second runs 2 more steps.
+print(json.dumps({"form": "kernels", "build": build, "per_step": (count[3] - count[1]) / 2}))
 EOF
   rm -rf "$count_dir"
 done
@@ -78,7 +81,7 @@ for t in sorted({r["seq_len"] for r in steps}):
     print(f"| {t} | {best['fused']:,.0f} | {best['unfused']:,.0f} | "
           f"{best['fused'] / best['unfused']:.2f}x |")
 if kernels:
-    print(f"\nkernel launches per training step (T = 512 and 2,048 averaged): "
+    print(f"\nkernel launches per training step (the first length): "
           f"fused {kernels.get('fused', 0):,.0f}, unfused {kernels.get('unfused', 0):,.0f}")
 EOF
 cat "$out/summary.md"

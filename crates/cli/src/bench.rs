@@ -70,7 +70,7 @@ pub struct BenchArgs {
     new_tokens: usize,
     /// Measure the device's f32 matrix-product rate instead (the peak the
     /// MFU of a CPU is reported against): products of two 1024 x 1024
-    /// matrices, the best of five.
+    /// matrices for half a second, the fastest counting.
     #[arg(long)]
     peak: bool,
     /// Peak TFLOP/s of the device for the mfu column [default: measured on

@@ -264,6 +264,12 @@ pub struct PlotArgs {
 fn init_device(spec: DeviceSpec) -> Result<DispatchDevice> {
     let (device, info) = spec.init()?;
     tracing::info!("device: {info}");
+    if spec != DeviceSpec::Cpu && tvq_model::device::GPU_FUSION {
+        tracing::info!(
+            "kernels are autotuned for each new shape on first use (slow first steps), \
+             and the results kept for later runs"
+        );
+    }
     Ok(device)
 }
 

@@ -107,8 +107,11 @@ fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-                // burn's collective engine logs every connection at info.
-                "info,burn_collective=warn,burn_communication=warn".into()
+                // burn's collective engine logs every connection at info,
+                // cubecl each autotuned shape and its whole adapter.
+                "info,burn_collective=warn,burn_communication=warn,\
+                 cubecl_runtime=warn,cubecl_wgpu=warn,cubecl_cuda=warn"
+                    .into()
             }),
         )
         .with_writer(std::io::stderr)
