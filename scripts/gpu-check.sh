@@ -79,8 +79,10 @@ for r in rows:
         print(f"| generate | {r['context']} | {r['prefill_tokens_per_s']:,.0f} prefill | - | "
               f"{r['per_token_ms']:.2f} ms/token |")
     elif form == "quickstart":
+        bpb = r["validation_bits_per_byte"]
+        bpb = f"{bpb:.3f}" if bpb is not None else "-"
         print(f"| quick start, 200 steps | 256 | {r['tokens_per_s']:,.0f} | {100 * r['mfu']:.1f}% | "
-              f"validation {r['validation_bits_per_byte']} bits/byte |")
+              f"validation {bpb} bits/byte |")
     else:
         print(f"| {form} | - | - | - | {r.get('nvidia_smi', r.get('status', ''))} |")
 EOF

@@ -28,6 +28,7 @@ const KNOWN_GPUS: &[(&str, f64)] = &[
     ("H200", 66.9e12),
     ("A100", 19.5e12),
     ("L40S", 91.6e12),
+    ("L40", 90.5e12),
     ("L4", 30.3e12),
     ("A10", 31.2e12),
     ("RTX 4090", 82.6e12),
@@ -91,6 +92,8 @@ mod tests {
         assert_eq!(known_gpu_peak("NVIDIA H100 80GB HBM3"), Some(66.9e12));
         assert_eq!(known_gpu_peak("NVIDIA H100 PCIe"), Some(51.2e12));
         assert_eq!(known_gpu_peak("NVIDIA A100-SXM4-80GB"), Some(19.5e12));
+        assert_eq!(known_gpu_peak("NVIDIA L40"), Some(90.5e12));
+        assert_eq!(known_gpu_peak("NVIDIA L4"), Some(30.3e12));
         assert_eq!(known_gpu_peak("llvmpipe (LLVM 15.0.6, 256 bits)"), None);
     }
 
