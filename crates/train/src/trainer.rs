@@ -636,6 +636,17 @@ mod tests {
             .collect()
     }
 
+    /// A text corpus in `dir` of `lines` short numbered lines.
+    fn line_corpus(dir: &std::path::Path, lines: usize) -> tvq_data::Corpus {
+        use tvq_data::{Corpus, CorpusKind, DataConfig};
+        let path = dir.join("text.txt");
+        let text: String = (0..lines)
+            .map(|i| format!("line {} of {i}\n", i % 7))
+            .collect();
+        std::fs::write(&path, text).unwrap();
+        Corpus::open(&DataConfig::new(CorpusKind::Text, &path)).unwrap()
+    }
+
     /// The values of every parameter of `model` (codebooks included), in
     /// the module's order.
     fn every_parameter(model: &Model) -> Vec<Vec<f32>> {
@@ -688,17 +699,12 @@ mod tests {
     fn evaluation_on_two_devices_scores_like_one() {
         use crate::config::EvalSection;
         use crate::evaluate::{EvalOptions, evaluate};
-        use tvq_data::{Corpus, CorpusKind, DataConfig, Split};
+        use tvq_data::Split;
         let Some([a, b]) = two_wgpu_devices() else {
             return;
         };
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("text.txt");
-        let text: String = (0..600)
-            .map(|i| format!("line {} of {i}\n", i % 7))
-            .collect();
-        std::fs::write(&path, text).unwrap();
-        let corpus = Corpus::open(&DataConfig::new(CorpusKind::Text, &path)).unwrap();
+        let corpus = line_corpus(dir.path(), 600);
         let split = corpus.split(Split::Validation);
         let model = TransformerVqConfig {
             vocab_size: corpus.vocab.size(),
@@ -793,7 +799,7 @@ mod tests {
     fn a_run_computes_the_same_on_the_gpu_as_on_the_cpu() {
         use crate::config::EvalSection;
         use crate::evaluate::{EvalOptions, evaluate};
-        use tvq_data::{Corpus, CorpusKind, DataConfig, Split};
+        use tvq_data::Split;
         let Some(gpu) = gpu_under_test() else {
             return;
         };
@@ -803,12 +809,7 @@ mod tests {
             ..TrainSection::default()
         };
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("text.txt");
-        let text: String = (0..300)
-            .map(|i| format!("line {} of {i}\n", i % 7))
-            .collect();
-        std::fs::write(&path, text).unwrap();
-        let corpus = Corpus::open(&DataConfig::new(CorpusKind::Text, &path)).unwrap();
+        let corpus = line_corpus(dir.path(), 300);
         let split = corpus.split(Split::Validation);
         let model = TransformerVqConfig {
             dropout_residual: 0.2,
