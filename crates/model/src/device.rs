@@ -137,7 +137,8 @@ pub fn cuda_device_name(index: usize) -> Option<String> {
 /// or `~/.cache/tvq/` (cubecl's own default is the `target/` directory of
 /// the Rust project around the working directory, which scatters caches
 /// over whatever directory `tvq` runs in). A `cubecl.toml` that names a
-/// cache, and cubecl's `CUBECL_*` variables, are obeyed as cubecl would.
+/// cache other than `target`, and cubecl's `CUBECL_*` variables, are obeyed
+/// as cubecl would.
 /// Runs before the first GPU use (cubecl reads its settings once).
 fn configure_gpu_runtime() {
     use cubecl_runtime::config::cache::CacheConfig;
