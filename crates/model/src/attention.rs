@@ -22,10 +22,12 @@
 //! `L` block length, `K` key width, `V` value width, `S` codes.
 
 use burn::prelude::*;
+use burn::tensor::FloatDType;
 use burn::tensor::activation::softmax;
 
 use crate::config::CacheGrad;
 use crate::device::to_device_via_host;
+use crate::precision::{Precision, product_in, to_f32};
 use crate::error::ModelError;
 use crate::quantizer::code_totals;
 
@@ -318,6 +320,7 @@ fn window_scores_and_cache_query<B: Backend>(
     bias: Tensor<B, 4>,
     rows: std::ops::Range<usize>,
     rotary: Option<Rotary>,
+    dt: FloatDType,
 ) -> (Tensor<B, 5>, Tensor<B, 5>, Tensor<B, 5>) {
     let Some(rot) = rotary else {
         let present = window_scores(
@@ -326,8 +329,9 @@ fn window_scores_and_cache_query<B: Backend>(
             bias.clone(),
             WindowBlock::Present,
             rows.clone(),
+            dt,
         );
-        let previous = window_scores(q.clone(), previous, bias, WindowBlock::Previous, rows);
+        let previous = window_scores(q.clone(), previous, bias, WindowBlock::Previous, rows, dt);
         return (present, previous, q);
     };
     let l = present.dims()[3];
@@ -340,6 +344,7 @@ fn window_scores_and_cache_query<B: Backend>(
         bias.clone(),
         WindowBlock::Present,
         rows.clone(),
+        dt,
     );
     let near = window_scores(
         rot.rotate(q, &at(l)),
@@ -347,6 +352,7 @@ fn window_scores_and_cache_query<B: Backend>(
         bias.clone(),
         WindowBlock::Previous,
         rows.clone(),
+        dt,
     );
     let far = window_scores(
         q_far.clone(),
@@ -354,6 +360,7 @@ fn window_scores_and_cache_query<B: Backend>(
         bias,
         WindowBlock::Previous,
         rows.clone(),
+        dt,
     );
     // Key j of the previous block is at distance L + i - j >= L when j <= i.
     let n = rows.len();
@@ -385,6 +392,10 @@ pub struct AttentionInput<B: Backend> {
     /// Most keys the compressed cache weighs ([`cache_limit_bias`];
     /// `None`: all of them, the paper's cache).
     pub cache_limit: Option<usize>,
+    /// Type of the products (scores and weighted values); the softmax and
+    /// the compressed cache stay `f32` ([`crate::precision`]). `v` may come
+    /// in it already.
+    pub precision: Precision,
 }
 
 /// One of the two blocks a query attends key by key. For a query at offset
@@ -424,13 +435,15 @@ fn window_distances(
 /// Scores of queries `q` `[B, H, R, n, K]` at block offsets `rows` against
 /// the keys `k` `[B, H, R, L, K]` of one window block, with the relative bias
 /// from the per-distance table `bias` `[B or 1, H, R * n or 1, L + 1]`, and
-/// future keys at `-inf`. Returns `[B, H, R, n, L]`.
+/// future keys at `-inf`. Returns `[B, H, R, n, L]` in `f32`, the product
+/// in `dt`.
 fn window_scores<B: Backend>(
     q: Tensor<B, 5>,
     k: Tensor<B, 5>,
     bias: Tensor<B, 4>,
     block: WindowBlock,
     rows: std::ops::Range<usize>,
+    dt: FloatDType,
 ) -> Tensor<B, 5> {
     let [b, h, r, n, _] = q.dims();
     let l = k.dims()[3];
@@ -445,7 +458,7 @@ fn window_scores<B: Backend>(
         WindowBlock::Previous => 0.0,
         WindowBlock::Present => f32::NEG_INFINITY,
     };
-    let scores = q.matmul(k.swap_dims(3, 4)); // [B, H, R, n, L]
+    let scores = to_f32(product_in(q, k.swap_dims(3, 4), dt)); // [B, H, R, n, L]
     if tb == 1 {
         // One table for all queries (Toeplitz): pick by distance. Added as
         // rows of n L so the backend sees one shared row when H = 1.
@@ -469,18 +482,20 @@ fn window_scores<B: Backend>(
 
 /// Scores of the compressed cache for each block's queries, from its
 /// counts `[B, H, R, S]`: `[B, H, R, n, S]`, `q . C_s + ln n_s` (`-inf`
-/// where `n_s = 0`), plus [`cache_limit_bias`] of the `N` keys cached.
+/// where `n_s = 0`), plus [`cache_limit_bias`] of the `N` keys cached; in
+/// `f32`, the product in `dt`.
 fn cache_scores<B: Backend>(
     q: Tensor<B, 5>,
     codebook: Tensor<B, 3>,
     counts: Tensor<B, 4>,
     limit: Option<usize>,
+    dt: FloatDType,
 ) -> Tensor<B, 5> {
     let c_t = codebook
         .swap_dims(1, 2)
         .unsqueeze_dim::<4>(1)
         .unsqueeze_dim::<5>(0); // [1, H, 1, K, S]
-    let scores = q.matmul(c_t); // [B, H, R, n, S]
+    let scores = to_f32(product_in(q, c_t, dt)); // [B, H, R, n, S]
     // ln 0 = -inf masks the empty codes; counts carry no gradient.
     let mut log_n = counts.clone().log(); // [B, H, R, S]
     if let Some(limit) = limit {
@@ -505,15 +520,19 @@ pub fn cache_limit_bias(cached: usize, limit: Option<usize>) -> f64 {
 }
 
 /// One softmax over several groups of keys, then the weighted values: each
-/// group is scores `[.., n, N_g]` with values `[.., N_g, V]`. Returns
-/// `[.., n, V]`.
+/// group is scores `[.., n, N_g]` (`f32`) with values `[.., N_g, V]`.
+/// Returns `[.., n, V]` in `f32`: the maximum, the exponentials and their
+/// sums in `f32`, only the products with the values in `dt`.
 ///
 /// The groups (previous block, present block, compressed cache) are
 /// normalised together without concatenating them: a concatenation, and the
 /// slices of its gradient, cost more than the softmax itself. The row maximum
 /// only keeps `exp` in range and cancels in the quotient, so it carries no
 /// gradient. Every query sees at least itself, so the maximum is finite.
-fn attend<B: Backend, const G: usize>(groups: [(Tensor<B, 5>, Tensor<B, 5>); G]) -> Tensor<B, 5> {
+fn attend<B: Backend, const G: usize>(
+    groups: [(Tensor<B, 5>, Tensor<B, 5>); G],
+    dt: FloatDType,
+) -> Tensor<B, 5> {
     let max = groups
         .iter()
         .map(|(scores, _)| scores.clone().max_dim(4))
@@ -523,7 +542,8 @@ fn attend<B: Backend, const G: usize>(groups: [(Tensor<B, 5>, Tensor<B, 5>); G])
     let mut total: Option<(Tensor<B, 5>, Tensor<B, 5>)> = None; // (sum p v, sum p)
     for (scores, values) in groups {
         let p = (scores - max.clone()).exp(); // [.., n, N_g], unnormalised
-        let (o, z) = (p.clone().matmul(values), p.sum_dim(4)); // [.., n, V], [.., n, 1]
+        let o = to_f32(product_in(p.clone(), values, dt)); // [.., n, V]
+        let z = p.sum_dim(4); // [.., n, 1]
         total = Some(match total {
             Some((acc_o, acc_z)) => (acc_o + o, acc_z + z),
             None => (o, z),
@@ -645,7 +665,8 @@ fn previous_blocks<B: Backend>(
     let no_grad = cache_grad == CacheGrad::None;
     let shift = |carried: Tensor<B, 4>, x: Tensor<B, 5>| -> Tensor<B, 5> {
         let x = if no_grad { x.detach() } else { x };
-        let head = carried.unsqueeze_dim::<5>(2); // [B, H, 1, L, W]
+        // The carried block is f32; the segment's values may be narrower.
+        let head = carried.cast(x.dtype()).unsqueeze_dim::<5>(2); // [B, H, 1, L, W]
         if r == 1 {
             return head;
         }
@@ -682,9 +703,10 @@ fn block_caches<B: Backend>(
     cache_grad: CacheGrad,
 ) -> (Tensor<B, 4>, Tensor<B, 5>, CompressedCache<B>) {
     let [b, h, r, l, dv] = prev.v.dims();
+    // Counts and means in f32 whatever the compute type: they sum many keys.
     let values = match cache_grad {
-        CacheGrad::Full => prev.v.clone(),
-        CacheGrad::None | CacheGrad::Window => prev.v.clone().detach(),
+        CacheGrad::Full => to_f32(prev.v.clone()),
+        CacheGrad::None | CacheGrad::Window => to_f32(prev.v.clone().detach()),
     };
     let (counts, sums) = code_totals(
         prev.codes.clone().reshape([b * h * r, l]),
@@ -766,8 +788,9 @@ fn state_after<B: Backend>(
 ) -> AttentionState<B> {
     let [b, h, r, l, dk] = blocks.k_hat.dims();
     let dv = blocks.v.dims()[4];
+    // States are f32 whatever the compute type, so that they resume in any.
     let last = |x: Tensor<B, 5>, width: usize| {
-        x.slice([0..b, 0..h, r - 1..r, 0..l, 0..width])
+        to_f32(x.slice([0..b, 0..h, r - 1..r, 0..l, 0..width]))
             .reshape([b, h, l, width])
             .detach()
     };
@@ -839,7 +862,9 @@ fn block_attention_impl<B: Backend>(
         codebook,
         rotary,
         cache_limit,
+        precision,
     } = input;
+    let dt = precision.dtype();
     let [b, h, t, dk] = q.dims();
     let (dv, s, l) = (v.dims()[3], codebook.dims()[1], block_len);
     if t == 0 || !t.is_multiple_of(l) {
@@ -868,6 +893,7 @@ fn block_attention_impl<B: Backend>(
         bias,
         0..l,
         rotary,
+        dt,
     );
     if !carried.has_prev {
         prev_scores = mask_first_previous(prev_scores);
@@ -875,7 +901,7 @@ fn block_attention_impl<B: Backend>(
     // 4: compressed cache by cumulative sum, [B, H, R, S] and [B, H, R, S, V].
     let (cache_counts, cache_means, cache_after) =
         block_caches(carried.cache, &prev, s, cache_grad);
-    let cache_scores = cache_scores(q, codebook, cache_counts.clone(), cache_limit); // [B, H, R, L, S]
+    let cache_scores = cache_scores(q, codebook, cache_counts.clone(), cache_limit, dt); // [B, H, R, L, S]
     let groups = with_groups.then(|| {
         attention_groups(
             present_scores.clone(),
@@ -885,11 +911,14 @@ fn block_attention_impl<B: Backend>(
         )
     });
     // 5: one softmax over the three groups.
-    let out = attend([
-        (present_scores, blocks.v.clone()),
-        (prev_scores, prev.v),
-        (cache_scores, cache_means),
-    ]);
+    let out = attend(
+        [
+            (present_scores, blocks.v.clone()),
+            (prev_scores, prev.v),
+            (cache_scores, cache_means),
+        ],
+        dt,
+    );
     // 6: state out.
     let out = out.reshape([b, h, t, dv]);
     Ok(BlockAttention {
@@ -932,7 +961,9 @@ pub fn step_attention<B: Backend>(
         codebook,
         rotary,
         cache_limit,
+        precision,
     } = input;
+    let dt = precision.dtype();
     let [b, h, t, dk] = q.dims();
     let dv = v.dims()[3];
     let s = codebook.dims()[1];
@@ -970,6 +1001,7 @@ pub fn step_attention<B: Backend>(
         bias,
         i..i + 1,
         rotary,
+        dt,
     ); // [B, H, 1, 1, L] each
     if !has_prev {
         prev_scores = prev_scores.full_like(f32::NEG_INFINITY);
@@ -979,12 +1011,15 @@ pub fn step_attention<B: Backend>(
         .cache
         .unwrap_or_else(|| CompressedCache::empty(b, h, s, dv, &device));
     let counts = cache.counts.clone().unsqueeze_dim(2); // [B, H, 1, S]
-    let c_scores = cache_scores(q, codebook, counts, cache_limit); // [B, H, 1, 1, S]
-    let out = attend([
-        (present_scores, block(&current.v)),
-        (prev_scores, block(&prev.v)),
-        (c_scores, cache.means.clone().unsqueeze_dim(2)),
-    ])
+    let c_scores = cache_scores(q, codebook, counts, cache_limit, dt); // [B, H, 1, 1, S]
+    let out = attend(
+        [
+            (present_scores, block(&current.v)),
+            (prev_scores, block(&prev.v)),
+            (c_scores, cache.means.clone().unsqueeze_dim(2)),
+        ],
+        dt,
+    )
     .reshape([b, h, 1, dv]);
 
     // At the end of a block the previous block leaves the window.
@@ -1012,17 +1047,26 @@ pub fn step_attention<B: Backend>(
 
 /// `q_i . R(min(i - j, L)) k_j` for every pair, `[B, H, T, T]` (future
 /// pairs included; the caller masks them): `R(i) q . R(j) k` within the
-/// window, `R(L) q . k` beyond it.
-pub fn rotary_scores<B: Backend>(rot: Rotary, q: Tensor<B, 4>, k: Tensor<B, 4>) -> Tensor<B, 4> {
+/// window, `R(L) q . k` beyond it. In `f32`, the products in `dt`.
+pub fn rotary_scores<B: Backend>(
+    rot: Rotary,
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    dt: FloatDType,
+) -> Tensor<B, 4> {
     let [b, h, t, _] = q.dims();
     let block_len = rot.window;
     let positions: Vec<f64> = (0..t).map(|i| i as f64).collect();
-    let near = rot
-        .rotate(q.clone(), &positions)
-        .matmul(rot.rotate(k.clone(), &positions).swap_dims(2, 3));
-    let far = rot
-        .rotate(q, &vec![block_len as f64; t])
-        .matmul(k.swap_dims(2, 3));
+    let near = to_f32(product_in(
+        rot.rotate(q.clone(), &positions),
+        rot.rotate(k.clone(), &positions).swap_dims(2, 3),
+        dt,
+    ));
+    let far = to_f32(product_in(
+        rot.rotate(q, &vec![block_len as f64; t]),
+        k.swap_dims(2, 3),
+        dt,
+    ));
     let beyond: Vec<bool> = (0..t * t).map(|n| n / t >= n % t + block_len).collect();
     let beyond = Tensor::<B, 1, Bool>::from_data(TensorData::new(beyond, [t * t]), &near.device())
         .reshape([1, 1, t, t])
@@ -1033,7 +1077,9 @@ pub fn rotary_scores<B: Backend>(rot: Rotary, q: Tensor<B, 4>, k: Tensor<B, 4>) 
 /// Dense causal softmax attention over unquantized keys with the same
 /// relative bias (or windowed rotary position) and cache limit (on the keys
 /// before the previous block, those the VQ form caches): the quadratic
-/// baseline (`[B, H, T, T]` scores).
+/// baseline (`[B, H, T, T]` scores). The products in `dt`, the softmax and
+/// the output in `f32`.
+#[allow(clippy::too_many_arguments)]
 pub fn quadratic_attention<B: Backend>(
     q: Tensor<B, 4>,
     bias: Tensor<B, 4>,
@@ -1042,6 +1088,7 @@ pub fn quadratic_attention<B: Backend>(
     block_len: usize,
     rotary: Option<Rotary>,
     cache_limit: Option<usize>,
+    dt: FloatDType,
 ) -> Tensor<B, 4> {
     let [b, h, t, _] = q.dims();
     let l = block_len;
@@ -1077,9 +1124,9 @@ pub fn quadratic_attention<B: Backend>(
         .reshape([1, 1, t, t])
         .expand([b, h, t, t]);
     let content = match rotary {
-        Some(rot) => rotary_scores(rot, q, k),
-        None => q.matmul(k.swap_dims(2, 3)),
+        Some(rot) => rotary_scores(rot, q, k, dt),
+        None => to_f32(product_in(q, k.swap_dims(2, 3), dt)),
     };
     let scores = (content + pos + limit_bias).mask_fill(future, f32::NEG_INFINITY);
-    softmax(scores, 3).matmul(v)
+    to_f32(product_in(softmax(scores, 3), v, dt))
 }

@@ -16,6 +16,8 @@ use burn::tensor::{BasicOps, Tensor};
 use burn::{Dispatch, DispatchDevice};
 use thiserror::Error;
 
+use crate::precision::Precision;
+
 /// The backend type every binary of the project runs on.
 pub type Backend = Dispatch;
 
@@ -81,9 +83,12 @@ impl FromStr for DeviceSpec {
 }
 
 /// `t` on `device`, copied through the host when it is on another device
-/// (autodiff or not: they compare by their plain device). wgpu (cubecl
-/// 0.10) has no copy between two of its devices, so training on several
-/// devices moves weights, gradients and states this way on every backend.
+/// (autodiff or not: they compare by their plain device), or when both are
+/// autodiff devices with different checkpointing strategies (burn checks
+/// that the operands of each op share one; integer and boolean tensors
+/// report their plain device and are not copied). wgpu (cubecl 0.10) has no
+/// copy between two of its devices, so training on several devices moves
+/// weights, gradients and states this way on every backend.
 pub fn to_device_via_host<B, const D: usize, K>(
     t: Tensor<B, D, K>,
     device: &B::Device,
@@ -92,10 +97,55 @@ where
     B: burn::prelude::Backend,
     K: BasicOps<B>,
 {
-    if t.device().inner() == device.inner() {
+    let here = t.device();
+    let other_strategy = here != *device && B::ad_enabled(&here) && B::ad_enabled(device);
+    if here.inner() == device.inner() && !other_strategy {
         return t;
     }
     Tensor::from_data(t.into_data(), device)
+}
+
+/// Whether `device` computes matrix products in `precision`: `Err` with a
+/// one-line reason where it does not, found before training starts (the
+/// backends panic on a type they cannot compile). bf16 is refused on wgpu
+/// outright (its WGSL compiler has no bfloat16); otherwise a small product
+/// is tried, its panic caught and silenced.
+pub fn check_precision(device: &DispatchDevice, precision: Precision) -> Result<(), String> {
+    if !precision.is_reduced() {
+        return Ok(());
+    }
+    let name = device_name(device);
+    if precision == Precision::Bf16 && matches!(device.inner(), DispatchDevice::Wgpu(_)) {
+        return Err(format!(
+            "bf16 does not run on {name}: wgpu's WGSL compiler has no bfloat16 \
+             (use --device cuda, or f16 on an adapter with shader f16, or f32)"
+        ));
+    }
+    let plain = device.inner().clone();
+    let probe = move || {
+        let a = Tensor::<Dispatch, 2>::ones([8, 8], &plain).cast(precision.dtype());
+        let product = a.clone().matmul(a).cast(burn::tensor::FloatDType::F32);
+        product.into_data().to_vec::<f32>().ok()
+    };
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let result = std::panic::catch_unwind(probe);
+    std::panic::set_hook(hook);
+    match result {
+        Ok(Some(values)) if values.iter().all(|&v| v == 8.0) => Ok(()),
+        Ok(_) => Err(format!(
+            "{precision} does not run on {name}: a test product came back wrong"
+        )),
+        Err(panic) => {
+            let why = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("the backend panicked");
+            let why = why.lines().next().unwrap_or_default();
+            Err(format!("{precision} does not run on {name}: {why}"))
+        }
+    }
 }
 
 /// A device as `--device` names it (`cpu`, `cuda:N`, `wgpu`, `wgpu:N`),

@@ -3,6 +3,7 @@
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
+use burn::tensor::FloatDType;
 use burn::tensor::activation::silu;
 
 use crate::attention::{self, AttentionInput, AttentionState};
@@ -12,6 +13,7 @@ use crate::dropout::{self, SublayerDropout, SublayerMasks};
 use crate::error::ModelError;
 use crate::layout::{merge_heads, split_heads};
 use crate::norm::{RmsNorm, rms_normalize};
+use crate::precision::{Precision, product_in, to_f32};
 use crate::quantizer::{CodebookStats, VectorQuantizer};
 
 /// A linear map `x W` without bias, `W ~ N(0, 1/fan_in)`, `[d_in, d_out]`.
@@ -58,6 +60,11 @@ pub struct Gau<B: Backend> {
     /// VQ attention or the quadratic baseline.
     #[module(skip)]
     pub form: AttentionForm,
+    /// Type of the block-parallel form's matrix products (not a weight:
+    /// [`crate::TransformerVq::set_precision`]). The recurrent form always
+    /// computes in `f32`.
+    #[module(skip)]
+    pub precision: Precision,
 }
 
 /// How a sublayer uses its caches. Not a parameter: a loaded model's can
@@ -89,7 +96,9 @@ pub struct GauOutput<B: Backend> {
     pub state: AttentionState<B>,
 }
 
-/// The projections of one segment, per head.
+/// The projections of one segment, per head: `q` and `k` in `f32` (they
+/// are normalised and quantized), `v` and `gate` in the compute type (they
+/// only enter products).
 struct Projected<B: Backend> {
     q: Tensor<B, 4>,    // [B, H, T, K], RMS-normalised and scaled by K^(-1/4)
     k: Tensor<B, 4>,    // [B, H, T, K], likewise
@@ -119,13 +128,15 @@ impl<B: Backend> Gau<B> {
                 limit: cfg.cache_limit,
             },
             form: cfg.attention,
+            precision: Precision::F32,
         }
     }
 
-    fn project(&self, x: Tensor<B, 3>) -> Projected<B> {
+    /// The projections of `x` `[B, T, D]`, their products in `dt`.
+    fn project(&self, x: Tensor<B, 3>, dt: FloatDType) -> Projected<B> {
         let (h, k, v) = (self.n_head, self.d_k, self.d_v);
         let scale = (k as f64).powf(-0.25); // twice applied: the 1/sqrt(K) of attention
-        let x = self.input_norm.forward(x);
+        let x = self.input_norm.forward(x).cast(dt); // statistics in f32, then the compute type
         // The rotary form without a position channel sharpens its scores
         // through the query (`Rotary::LOGIT_SCALE`); with one, the channel's
         // unnormalised features give the scores their range.
@@ -135,34 +146,41 @@ impl<B: Backend> Gau<B> {
         };
         let (hk, hv) = (h * k, h * v);
         let channel = self.rotary_channel();
+        let heads = |x: Tensor<B, 3>| to_f32(split_heads(x, h));
         let q = if channel == 0 {
-            rms_normalize(split_heads(self.q_proj.forward(x.clone()), h)) * q_scale
+            let [q] = column_blocks(&x, self.q_proj.weight.val(), [hk], dt);
+            rms_normalize(heads(q)) * q_scale
         } else {
             // The position channel is not normalised: its size is how much
             // the query cares about distance.
-            let [content, pos] = column_blocks(&x, self.q_proj.weight.val(), [hk, h * channel]);
-            let content = rms_normalize(split_heads(content, h)) * q_scale; // [B, H, T, K]
-            let pos = split_heads(pos, h) * scale; // [B, H, T, P]
+            let [content, pos] =
+                column_blocks(&x, self.q_proj.weight.val(), [hk, h * channel], dt);
+            let content = rms_normalize(heads(content)) * q_scale; // [B, H, T, K]
+            let pos = heads(pos) * scale; // [B, H, T, P]
             with_channel(content, pos)
         };
-        let [k_raw, v_raw, g_raw] = column_blocks(&x, self.kvg_proj.weight.val(), [hk, hv, hv]);
+        let [k_raw, v_raw, g_raw] =
+            column_blocks(&x, self.kvg_proj.weight.val(), [hk, hv, hv], dt);
         Projected {
             q,
-            k: rms_normalize(split_heads(k_raw, h)) * scale,
+            k: rms_normalize(heads(k_raw)) * scale,
             v: split_heads(silu(v_raw), h),
             gate: silu(g_raw),
         }
     }
 
-    /// `[B, T, D]` from the attention output `o` `[B, H, T, V]` and the gate.
+    /// `[B, T, D]` (`f32`) from the attention output `o` `[B, H, T, V]`
+    /// and the gate, the output product in `dt`.
     fn finish(
         &self,
         o: Tensor<B, 4>,
         gate: Tensor<B, 3>,
         residual_mask: Option<Tensor<B, 3>>,
+        dt: FloatDType,
     ) -> Tensor<B, 3> {
-        let o = merge_heads(o) * gate; // [B, T, H V]
-        dropout::apply(self.out_proj.forward(o), residual_mask)
+        let o = merge_heads(o).cast(dt) * gate; // [B, T, H V]
+        let w = self.out_proj.weight.val().unsqueeze::<3>(); // [1, H V, D]
+        dropout::apply(to_f32(product_in(o, w, dt)), residual_mask)
     }
 
     /// The windowed rotary position, when it is this sublayer's position term.
@@ -234,7 +252,8 @@ impl<B: Backend> Gau<B> {
     ) -> Result<GauOutput<B>, ModelError> {
         let [b, t, _] = x.dims();
         let device = x.device();
-        let p = self.project(x);
+        let dt = self.precision.dtype();
+        let p = self.project(x, dt);
         let (q, bias) = self.bias.apply(p.q, self.block_len, masks.sinusoid.take());
         if self.form == AttentionForm::Quadratic {
             if state.pos != 0 || state.prev.is_some() {
@@ -248,9 +267,10 @@ impl<B: Backend> Gau<B> {
                 self.block_len,
                 self.rotary(),
                 self.cache.limit,
+                dt,
             );
             return Ok(GauOutput {
-                out: self.finish(o, p.gate, masks.residual.take()),
+                out: self.finish(o, p.gate, masks.residual.take(), dt),
                 commitment: Tensor::zeros([b, t], &device),
                 stats: None,
                 codes: None,
@@ -268,6 +288,7 @@ impl<B: Backend> Gau<B> {
             codebook: self.keys_with_channel(self.quantizer.codebook()),
             rotary: self.rotary(),
             cache_limit: self.cache.limit,
+            precision: self.precision,
         };
         let (o, state, groups) = if with_groups {
             let a = attention::block_attention_with_groups(
@@ -283,7 +304,7 @@ impl<B: Backend> Gau<B> {
             (o, state, None)
         };
         Ok(GauOutput {
-            out: self.finish(o, p.gate, masks.residual.take()),
+            out: self.finish(o, p.gate, masks.residual.take(), dt),
             commitment: vq.commitment,
             stats: Some(vq.stats),
             codes: Some(vq.codes),
@@ -303,7 +324,8 @@ impl<B: Backend> Gau<B> {
         if self.form == AttentionForm::Quadratic {
             return Err(ModelError::QuadraticIsStateless);
         }
-        let p = self.project(x);
+        let f32 = FloatDType::F32;
+        let p = self.project(x, f32);
         let (q, bias) = self.bias.apply(p.q, self.block_len, masks.sinusoid.take());
         let vq = self.quantizer.quantize(p.k, None);
         let input = AttentionInput {
@@ -315,14 +337,15 @@ impl<B: Backend> Gau<B> {
             codebook: self.keys_with_channel(self.quantizer.codebook()),
             rotary: self.rotary(),
             cache_limit: self.cache.limit,
+            precision: Precision::F32,
         };
         let (o, state) = attention::step_attention(input, state, self.block_len)?;
-        Ok((self.finish(o, p.gate, masks.residual.take()), state))
+        Ok((self.finish(o, p.gate, masks.residual.take(), f32), state))
     }
 }
 
 /// `x W` `[B, T, sum(widths)]` for `x` `[B, T, D]`, as one tensor per block
-/// of `widths` columns. One matmul per column block of the weight, rather
+/// of `widths` columns, the products in `dt`. One matmul per column block of the weight, rather
 /// than slicing the product: slices of the last axis are strided views, and
 /// every elementwise op (and the slice's backward) on them is far slower
 /// than on contiguous tensors. For one token (the recurrent form) the
@@ -332,19 +355,18 @@ fn column_blocks<B: Backend, const N: usize>(
     x: &Tensor<B, 3>,
     w: Tensor<B, 2>,
     widths: [usize; N],
+    dt: FloatDType,
 ) -> [Tensor<B, 3>; N] {
     let [b, t, _] = x.dims();
     let d = w.dims()[0];
-    let product = (t == 1).then(|| x.clone().matmul(w.clone().unsqueeze::<3>()));
+    let product = (t == 1).then(|| product_in(x.clone(), w.clone().unsqueeze::<3>(), dt));
     let mut start = 0;
     widths.map(|n| {
         let cols = start..start + n;
         start += n;
         match &product {
             Some(p) => p.clone().slice([0..b, 0..1, cols]),
-            None => x
-                .clone()
-                .matmul(w.clone().slice([0..d, cols]).unsqueeze::<3>()),
+            None => product_in(x.clone(), w.clone().slice([0..d, cols]).unsqueeze::<3>(), dt),
         }
     })
 }

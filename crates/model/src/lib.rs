@@ -21,6 +21,7 @@ pub mod loss;
 pub mod model;
 pub mod norm;
 pub mod official;
+pub mod precision;
 pub mod quantizer;
 
 pub use attention::AttentionState;
@@ -28,5 +29,6 @@ pub use config::{AttentionForm, CacheGrad, RelativeBias, TransformerVqConfig};
 pub use dropout::DropoutMasks;
 pub use error::{ConfigError, ModelError};
 pub use loss::{Loss, token_nll};
-pub use model::{ModelOutput, ModelState, TransformerVq};
+pub use model::{ModelOutput, ModelState, SublayerOutput, TransformerVq};
+pub use precision::Precision;
 pub use quantizer::{CodebookMetrics, CodebookStats};

@@ -17,6 +17,27 @@ pub fn token_nll<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -
         .neg()
 }
 
+/// The sum and the mean of `x` `[B, T]` over the tokens `valid` marks (all
+/// when `None`), `[1]` each.
+fn sum_and_mean<B: Backend>(
+    x: Tensor<B, 2>,
+    valid: Option<Tensor<B, 2, Bool>>,
+) -> (Tensor<B, 1>, Tensor<B, 1>) {
+    match valid {
+        None => {
+            let n = x.dims().iter().product::<usize>() as f64;
+            let sum = x.sum();
+            (sum.clone(), sum / n)
+        }
+        Some(valid) => {
+            let w = bool_to_float(valid, &x.device()); // [B, T]
+            let count = w.clone().sum().clamp_min(1.0); // [1]
+            let sum = (x * w).sum();
+            (sum.clone(), sum / count)
+        }
+    }
+}
+
 /// The loss of one pass over `[B, T]` tokens, in its parts. Means are over
 /// the valid tokens; the official code divides by all `B T` positions
 /// instead, which agrees when nothing is padded.
@@ -40,35 +61,42 @@ impl<B: Backend> Loss<B> {
         targets: Tensor<B, 2, Int>,
         valid: Option<Tensor<B, 2, Bool>>,
     ) -> Self {
-        let nll = token_nll(output.logits.clone(), targets); // [B, T]
-        let commitment = output.commitment.clone(); // [B, T]
-        let (nll_sum, commitment_sum, count) = match valid {
-            None => {
-                let n = nll.dims().iter().product::<usize>() as f64;
-                let (nll_sum, commitment_sum) = (nll.clone().sum(), commitment.sum());
-                return Self {
-                    ce: nll_sum.clone() / n,
-                    commitment: commitment_sum / n,
-                    nll_sum,
-                    nll,
-                };
-            }
-            Some(valid) => {
-                let w = bool_to_float(valid, &nll.device()); // [B, T]
-                let count = w.clone().sum().clamp_min(1.0); // [1]
-                (
-                    (nll.clone() * w.clone()).sum(),
-                    (commitment * w).sum(),
-                    count,
-                )
-            }
-        };
+        Self::from_parts(
+            output.logits.clone(),
+            output.commitment.clone(),
+            targets,
+            valid,
+        )
+    }
+
+    /// The loss of `logits` `[B, T, vocab]` and per-token commitment `[B, T]`
+    /// against `targets` `[B, T]` ([`Self::new`] from the parts of a
+    /// [`ModelOutput`]).
+    pub fn from_parts(
+        logits: Tensor<B, 3>,
+        commitment: Tensor<B, 2>,
+        targets: Tensor<B, 2, Int>,
+        valid: Option<Tensor<B, 2, Bool>>,
+    ) -> Self {
+        let nll = token_nll(logits, targets); // [B, T]
+        let (nll_sum, ce) = sum_and_mean(nll.clone(), valid.clone());
         Self {
-            ce: nll_sum.clone() / count.clone(),
-            commitment: commitment_sum / count,
+            ce,
+            commitment: Self::commitment_mean(commitment, valid),
             nll_sum,
             nll,
         }
+    }
+
+    /// The mean commitment per valid token, `[1]`, of per-token commitment
+    /// `[B, T]` (one sublayer's, or all of them summed): [`Self::commitment`]
+    /// of one part, for training that adds the parts' gradients one sublayer
+    /// at a time.
+    pub fn commitment_mean(
+        commitment: Tensor<B, 2>,
+        valid: Option<Tensor<B, 2, Bool>>,
+    ) -> Tensor<B, 1> {
+        sum_and_mean(commitment, valid).1
     }
 
     /// `ce + commit_weight * commitment`: what training minimises, `[1]`.

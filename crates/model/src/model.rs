@@ -11,6 +11,7 @@ use crate::dropout::{self, DropoutMasks, SublayerMasks};
 use crate::error::ModelError;
 use crate::gau::Gau;
 use crate::norm::RmsNorm;
+use crate::precision::Precision;
 use crate::quantizer::CodebookStats;
 
 /// The Transformer-VQ language model. Build it with [`TransformerVqConfig::init`].
@@ -87,6 +88,24 @@ impl<B: Backend> ModelState<B> {
                 .collect(),
         }
     }
+}
+
+/// What one sublayer ([`TransformerVq::sublayer_forward`]) returns.
+#[derive(Debug)]
+pub struct SublayerOutput<B: Backend> {
+    /// Hidden states after the sublayer (its branch added to the residual
+    /// stream), `[B, T, D]`.
+    pub h: Tensor<B, 3>,
+    /// Commitment error per token, summed over heads, `[B, T]`.
+    pub commitment: Tensor<B, 2>,
+    /// Code statistics (`None` for the quadratic form).
+    pub stats: Option<CodebookStats<B>>,
+    /// Codes of the keys, `[B, H, T]` (`None` for the quadratic form).
+    pub codes: Option<Tensor<B, 3, Int>>,
+    /// Where the attention went, when asked for.
+    pub groups: Option<AttentionGroups<B>>,
+    /// The sublayer's state after the segment (detached).
+    pub state: AttentionState<B>,
 }
 
 /// What the model returns for one segment.
@@ -188,6 +207,23 @@ impl<B: Backend> TransformerVq<B> {
         self.embedding.weight.dims()[0]
     }
 
+    /// Sets the type of every sublayer's matrix products in the
+    /// block-parallel form ([`Precision`]; parameters, statistics and the
+    /// residual stream stay `f32`). Not a weight: a loaded model computes in
+    /// `f32` until set.
+    pub fn set_precision(&mut self, precision: Precision) {
+        for g in &mut self.sublayers {
+            g.precision = precision;
+        }
+    }
+
+    /// The type of the sublayers' matrix products ([`Self::set_precision`]).
+    pub fn precision(&self) -> Precision {
+        self.sublayers
+            .first()
+            .map_or(Precision::F32, |g| g.precision)
+    }
+
     /// Sets every sublayer's cache limit
     /// ([`crate::TransformerVqConfig::cache_limit`]), e.g. to read a stream
     /// far longer than the training sequences with a model trained without
@@ -229,7 +265,9 @@ impl<B: Backend> TransformerVq<B> {
         Ok(())
     }
 
-    fn head(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
+    /// The logits `[B, T, vocab]` of final hidden states `h` `[B, T, D]`
+    /// (final norm and output projection, in `f32`).
+    pub fn head(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
         let h = match &self.final_norm {
             Some(norm) => norm.forward(h),
             None => h,
@@ -359,6 +397,38 @@ impl<B: Backend> TransformerVq<B> {
         self.head(h.slice([0..b, t - 1..t, 0..d]))
     }
 
+    /// Sublayer `i`'s block-parallel forward over hidden states `h`
+    /// `[B, T, D]` from its `state`, with its dropout masks `masks` (layer
+    /// drop included): one step of [`Self::forward`], for a caller that
+    /// runs the sublayers one at a time (per-sublayer recomputation in
+    /// training keeps only each sublayer's input).
+    pub fn sublayer_forward(
+        &self,
+        i: usize,
+        h: Tensor<B, 3>,
+        state: AttentionState<B>,
+        valid: Option<Tensor<B, 2, Bool>>,
+        mut masks: SublayerMasks<B>,
+        with_groups: bool,
+    ) -> Result<SublayerOutput<B>, ModelError> {
+        let gau = self.sublayers.get(i).ok_or_else(|| {
+            ModelError::StateMismatch(format!(
+                "sublayer {i} of a model with {}",
+                self.sublayers.len()
+            ))
+        })?;
+        let out = gau.forward(h.clone(), state, valid, &mut masks, with_groups)?;
+        Ok(SublayerOutput {
+            // Layer drop: a row keeps or skips the whole sublayer.
+            h: h + dropout::apply(out.out, masks.layer),
+            commitment: out.commitment,
+            stats: out.stats,
+            codes: out.codes,
+            groups: out.groups,
+            state: out.state.detach(),
+        })
+    }
+
     /// The sublayers, then the logits of every position.
     fn forward_impl(
         &self,
@@ -377,16 +447,15 @@ impl<B: Backend> TransformerVq<B> {
         let mut codes = Vec::with_capacity(self.sublayers.len());
         let mut attention = vec![];
         let mut states = Vec::with_capacity(self.sublayers.len());
-        let layers = self.sublayers.iter().zip(state.sublayers);
-        for ((gau, s), mut m) in layers.zip(masks.sublayers) {
-            let out = gau.forward(h.clone(), s, valid.clone(), &mut m, with_groups)?;
-            // Layer drop: a row keeps or skips the whole sublayer.
-            h = h + dropout::apply(out.out, m.layer);
+        let layers = state.sublayers.into_iter().zip(masks.sublayers);
+        for (i, (s, m)) in layers.enumerate() {
+            let out = self.sublayer_forward(i, h, s, valid.clone(), m, with_groups)?;
+            h = out.h;
             commitment = commitment + out.commitment;
             stats.extend(out.stats);
             codes.extend(out.codes);
             attention.extend(out.groups);
-            states.push(out.state.detach());
+            states.push(out.state);
         }
         Ok(ModelOutput {
             logits: self.head(h),

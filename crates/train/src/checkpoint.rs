@@ -27,7 +27,7 @@ use tvq_model::attention::{AttentionState, CachedBlock, CompressedCache};
 use crate::error::TrainError;
 use crate::export::f32_values;
 use crate::fault::{self, Point};
-use crate::optim::{B, Model, Optimizers};
+use crate::optim::{B, LossScale, Model, Optimizers};
 
 /// Progress of a run, saved with each checkpoint.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -40,6 +40,10 @@ pub struct TrainerState {
     pub best: Option<(f64, u64)>,
     /// Training tokens consumed.
     pub tokens: u64,
+    /// The dynamic loss scale of `f16` training (absent otherwise, and in
+    /// checkpoints written before it existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<LossScale>,
 }
 
 type Rec = BinFileRecorder<FullPrecisionSettings>;
@@ -447,12 +451,16 @@ pub struct Loaded {
     pub trainer: TrainerState,
 }
 
-/// Loads a verified checkpoint into `model` / `optim` built from the run's config.
+/// Loads a verified checkpoint into `model` / `optim` built from the run's
+/// config, the model on `device` and the carried states on `state_device`
+/// (the autodiff device the shards run on, whose checkpointing strategy the
+/// states must share).
 pub fn load(
     dir: &Path,
     model: Model,
     mut optim: Optimizers,
     device: &burn::DispatchDevice,
+    state_device: &burn::DispatchDevice,
 ) -> Result<Loaded, TrainError> {
     verify(dir)?;
     let rec = Rec::new();
@@ -480,7 +488,7 @@ pub fn load(
     }
     let state_path = dir.join("state.safetensors");
     let bytes = std::fs::read(&state_path).map_err(io(&state_path))?;
-    let states = states_from_bytes(dir, &bytes, device)?;
+    let states = states_from_bytes(dir, &bytes, state_device)?;
     let trainer_path = dir.join("trainer.json");
     let trainer = serde_json::from_slice(&std::fs::read(&trainer_path).map_err(io(&trainer_path))?)
         .map_err(|e| bad(dir, format!("trainer.json: {e}")))?;

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use tvq_data::DataConfig;
-use tvq_model::TransformerVqConfig;
+use tvq_model::{Precision, TransformerVqConfig};
 
 use crate::error::TrainError;
 
@@ -76,6 +76,61 @@ pub struct TrainSection {
     pub checkpoint_every: u64,
     /// Keep this many recent checkpoints (plus the best by validation loss).
     pub keep_checkpoints: usize,
+    /// What the backward pass recomputes instead of keeping
+    /// ([`ActivationCheckpointing`]).
+    pub activation_checkpointing: ActivationCheckpointing,
+    /// Type of the sublayers' matrix products ([`Precision`]); weights,
+    /// optimizer moments, codebooks and the loss stay `f32`.
+    pub precision: Precision,
+}
+
+/// What the backward pass recomputes instead of keeping (torchtitan's
+/// names). Every mode computes the same gradients; they trade memory for
+/// time (docs/training.md, "Memory").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ActivationCheckpointing {
+    /// Keep every activation the backward pass needs. Default.
+    #[default]
+    None,
+    /// burn's balanced checkpointing: memory-bound ops (elementwise,
+    /// softmax) are recomputed, matrix products keep their outputs.
+    Selective,
+    /// Each sublayer keeps only its input; its forward pass runs again in
+    /// the backward pass with the same dropout masks and carried state (the
+    /// official code's per-layer remat).
+    Full,
+}
+
+impl ActivationCheckpointing {
+    /// Every mode, in the order of their names.
+    pub const ALL: [ActivationCheckpointing; 3] = [Self::None, Self::Selective, Self::Full];
+
+    /// The name in configs and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Selective => "selective",
+            Self::Full => "full",
+        }
+    }
+}
+
+impl std::fmt::Display for ActivationCheckpointing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for ActivationCheckpointing {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| format!("unknown activation checkpointing {s:?} (none, selective or full)"))
+    }
 }
 
 impl TrainSection {
@@ -106,6 +161,8 @@ impl Default for TrainSection {
             seed: 0,
             checkpoint_every: 200,
             keep_checkpoints: 2,
+            activation_checkpointing: ActivationCheckpointing::None,
+            precision: Precision::F32,
         }
     }
 }

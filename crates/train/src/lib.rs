@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod mfu;
 pub mod optim;
 pub mod plot;
+pub mod recompute;
 pub mod run;
 pub mod sample;
 pub mod step;

@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
+use tvq_model::Precision;
+
+use crate::config::ActivationCheckpointing;
 use crate::error::TrainError;
 use crate::evaluate::EvalReport;
 use crate::fault::{self, Point};
@@ -45,6 +48,17 @@ pub struct StepMetrics {
     /// of every device of the run (absent where the peak is unknown).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mfu: Option<f64>,
+    /// Type of the sublayers' matrix products (`train.precision`).
+    pub precision: Precision,
+    /// What the backward pass recomputed (`train.activation_checkpointing`).
+    pub activation_checkpointing: ActivationCheckpointing,
+    /// The loss scale this step's objective was multiplied by (`f16` only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    /// The gradients overflowed under loss scaling: weights and codebooks
+    /// were left as they were (written only when true).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
     /// Training tokens so far.
     pub tokens: u64,
     /// The run was asked to stop (on any node) and stops after this step.

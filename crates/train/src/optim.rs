@@ -15,6 +15,7 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer};
 use burn::prelude::*;
+use serde::{Deserialize, Serialize};
 use tvq_model::TransformerVq;
 
 use crate::config::TrainSection;
@@ -146,9 +147,66 @@ impl Optimizers {
     }
 }
 
-/// Scales `grads` so that their global L2 norm is at most `max_norm` (no-op
-/// for `max_norm <= 0`); returns the norm before clipping.
-pub fn clip_global_norm(model: &Model, grads: &mut GradientsParams, max_norm: f64) -> f64 {
+/// Dynamic loss scaling for `f16` training, as PyTorch's `GradScaler`: the
+/// objective is multiplied by `scale` before the backward pass so that small
+/// gradients do not underflow `f16`'s range (below `6e-8`); the gradients
+/// are divided by it before clipping. A step whose gradients overflow (a
+/// non-finite norm) is skipped and halves the scale; every
+/// [`Self::GROWTH_INTERVAL`] finite steps in a row double it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LossScale {
+    /// The factor on the objective.
+    pub scale: f64,
+    /// Finite steps since the scale last changed.
+    pub good_steps: u64,
+}
+
+impl LossScale {
+    /// The first scale, `2^16` (PyTorch's).
+    pub const INITIAL: f64 = 65536.0;
+    /// Finite steps in a row before the scale doubles (PyTorch's).
+    pub const GROWTH_INTERVAL: u64 = 2000;
+
+    /// The scale a run starts with.
+    pub fn new() -> Self {
+        Self {
+            scale: Self::INITIAL,
+            good_steps: 0,
+        }
+    }
+
+    /// Moves the scale after a step whose gradients were `finite` or not.
+    pub fn update(&mut self, finite: bool) {
+        if finite {
+            self.good_steps += 1;
+            if self.good_steps == Self::GROWTH_INTERVAL {
+                self.scale *= 2.0;
+                self.good_steps = 0;
+            }
+        } else {
+            self.scale = (self.scale / 2.0).max(1.0);
+            self.good_steps = 0;
+        }
+    }
+}
+
+impl Default for LossScale {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Divides `grads` (of an objective multiplied by `loss_scale`) by
+/// `loss_scale` and scales them so that their global L2 norm is at most
+/// `max_norm` (no clipping for `max_norm <= 0`), in one pass; returns the
+/// unscaled norm before clipping. A non-finite norm leaves the gradients as
+/// they are (the step must be skipped).
+pub fn clip_global_norm(
+    model: &Model,
+    grads: &mut GradientsParams,
+    max_norm: f64,
+    loss_scale: f64,
+) -> f64 {
     struct SumSquares<'a> {
         grads: &'a GradientsParams,
         total: Option<Tensor<B, 1>>,
@@ -167,8 +225,17 @@ pub fn clip_global_norm(model: &Model, grads: &mut GradientsParams, max_norm: f6
     let mut sum = SumSquares { grads, total: None };
     model.visit(&mut sum);
     let Some(total) = sum.total else { return 0.0 };
-    let norm = total.into_scalar().elem::<f64>().sqrt();
-    if max_norm > 0.0 && norm > max_norm {
+    let norm = total.into_scalar().elem::<f64>().sqrt() / loss_scale;
+    if !norm.is_finite() {
+        return norm;
+    }
+    let clip = if max_norm > 0.0 && norm > max_norm {
+        max_norm / norm
+    } else {
+        1.0
+    };
+    let factor = clip / loss_scale;
+    if factor != 1.0 {
         struct Scale<'a> {
             grads: &'a mut GradientsParams,
             factor: f64,
@@ -180,10 +247,7 @@ pub fn clip_global_norm(model: &Model, grads: &mut GradientsParams, max_norm: f6
                 }
             }
         }
-        model.visit(&mut Scale {
-            grads,
-            factor: max_norm / norm,
-        });
+        model.visit(&mut Scale { grads, factor });
     }
     norm
 }
@@ -202,6 +266,28 @@ mod tests {
             lr_floor: 0.1,
             ..TrainSection::default()
         }
+    }
+
+    #[test]
+    fn the_loss_scale_halves_on_overflow_and_doubles_after_a_run_of_finite_steps() {
+        let mut s = LossScale::new();
+        s.update(false);
+        assert_eq!(s.scale, LossScale::INITIAL / 2.0);
+        for _ in 0..LossScale::GROWTH_INTERVAL - 1 {
+            s.update(true);
+        }
+        assert_eq!(s.scale, LossScale::INITIAL / 2.0, "not yet");
+        s.update(true);
+        assert_eq!((s.scale, s.good_steps), (LossScale::INITIAL, 0));
+        // An overflow resets the run of finite steps.
+        s.update(true);
+        s.update(false);
+        assert_eq!((s.scale, s.good_steps), (LossScale::INITIAL / 2.0, 0));
+        // The scale never drops below 1.
+        for _ in 0..40 {
+            s.update(false);
+        }
+        assert_eq!(s.scale, 1.0);
     }
 
     #[test]

@@ -10,7 +10,7 @@
 use std::ops::Range;
 use std::sync::Mutex;
 
-use burn::DispatchDevice;
+use burn::{CheckpointingStrategy, DispatchDevice};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
@@ -21,6 +21,7 @@ use tvq_model::{CodebookStats, Loss, ModelState};
 
 use crate::batch::BatchTensors;
 use crate::collective::Collective;
+use crate::config::ActivationCheckpointing;
 use crate::error::TrainError;
 use crate::optim::{B, Model};
 use crate::workers::map_in_workers;
@@ -37,7 +38,8 @@ pub struct Shard<'a> {
     pub state: ModelState<B>,
 }
 
-/// Which shards of the whole run a call computes, and how they draw dropout.
+/// Which shards of the whole run a call computes, how they draw dropout,
+/// and how their passes run.
 #[derive(Clone, Copy, Debug)]
 pub struct ShardPlan {
     /// Index of the first shard in the run (`rank * shards per node`).
@@ -48,6 +50,44 @@ pub struct ShardPlan {
     /// Seed of this step's dropout draws; shard `g` draws from
     /// `shard_seed(seed, g)`, so its masks do not depend on where it runs.
     pub seed: u64,
+    /// Weight of the commitment loss.
+    pub commit_weight: f64,
+    /// Factor on the objective before the backward pass (dynamic loss
+    /// scaling, [`crate::optim::LossScale`]; 1 without): the gradients come
+    /// back multiplied by it.
+    pub loss_scale: f64,
+    /// Whether each sublayer's forward pass runs again in the backward pass
+    /// ([`ActivationCheckpointing::Full`], [`crate::recompute`]). The other
+    /// modes are the devices' ([`autodiff_device`]).
+    pub checkpointing: ActivationCheckpointing,
+}
+
+impl ShardPlan {
+    /// `x` times the loss scale (itself when there is none).
+    pub(crate) fn scaled(&self, x: Tensor<B, 1>) -> Tensor<B, 1> {
+        if self.loss_scale == 1.0 {
+            x
+        } else {
+            x * self.loss_scale
+        }
+    }
+
+    /// A shard's part of the step's objective: its loss over the run's
+    /// shards, scaled.
+    pub(crate) fn objective(&self, loss: &Loss<B>) -> Tensor<B, 1> {
+        self.scaled(loss.total(self.commit_weight) / self.total as f64)
+    }
+
+    /// The part of the objective a per-token commitment `[B, T]` (one
+    /// sublayer's) adds: the same terms as [`Self::objective`]'s.
+    pub(crate) fn commitment_objective(
+        &self,
+        commitment: Tensor<B, 2>,
+        valid: Option<Tensor<B, 2, Bool>>,
+    ) -> Tensor<B, 1> {
+        let mean = Loss::commitment_mean(commitment, valid);
+        self.scaled(mean * self.commit_weight / self.total as f64)
+    }
 }
 
 /// The seed of shard `shard`'s dropout masks in a step seeded `seed`.
@@ -73,12 +113,18 @@ pub struct StepGradients {
     pub states: Vec<ModelState<B>>,
 }
 
-struct ShardResult {
-    grads: GradientsParams,
-    ce: f32,
-    commitment: f32,
-    stats: Vec<CodebookStats<B>>,
-    state: ModelState<B>,
+/// What one shard's passes produce.
+pub(crate) struct ShardResult {
+    /// Gradients of the shard's part of the objective.
+    pub grads: GradientsParams,
+    /// Mean cross-entropy, nats per token.
+    pub ce: f32,
+    /// Mean commitment.
+    pub commitment: f32,
+    /// Codebook statistics, one per sublayer.
+    pub stats: Vec<CodebookStats<B>>,
+    /// The state after the segment (detached).
+    pub state: ModelState<B>,
 }
 
 /// The CPU device with autodiff, where the trainer draws every random
@@ -87,6 +133,20 @@ struct ShardResult {
 /// backend's generator.
 pub(crate) fn cpu_autodiff() -> DispatchDevice {
     DispatchDevice::autodiff(DispatchDevice::Flex(Default::default()))
+}
+
+/// The autodiff device a run trains on over the plain `device`: burn's
+/// balanced checkpointing for [`ActivationCheckpointing::Selective`] (every
+/// tensor of a pass must come from such a device: burn checks that the
+/// operands of each op share a strategy), plain autodiff otherwise.
+pub fn autodiff_device(device: &DispatchDevice, mode: ActivationCheckpointing) -> DispatchDevice {
+    let strategy = match mode {
+        ActivationCheckpointing::Selective => CheckpointingStrategy::Balanced,
+        ActivationCheckpointing::None | ActivationCheckpointing::Full => {
+            CheckpointingStrategy::None
+        }
+    };
+    DispatchDevice::autodiff_checkpointed(device.inner().clone(), strategy)
 }
 
 /// `draw()` after seeding `device`'s generator with `seed` (when given).
@@ -113,7 +173,6 @@ fn run_shard(
     fork: &Model,
     (i, shard): (usize, Shard),
     plan: ShardPlan,
-    commit_weight: f64,
     home: &DispatchDevice,
 ) -> Result<ShardResult, TrainError> {
     let device = fork.embedding.weight.device();
@@ -131,25 +190,31 @@ fn run_shard(
     let masks =
         seeded_draw(&cpu, seed, || fork.dropout_masks_on(inputs.dims(), &cpu)).to_device(&device);
     let state = shard.state.into_device(&device);
-    let out = fork.forward_with_masks(inputs, state, Some(valid.clone()), masks)?;
-    let loss = Loss::new(&out, targets, Some(valid));
-    // The step minimises the mean over shards of each shard's mean token loss.
-    let objective = loss.total(commit_weight) / plan.total as f64;
-    let mut grads = GradientsParams::from_grads(objective.backward(), fork);
-    let mut stats = out.stats;
+    let mut result = match plan.checkpointing {
+        ActivationCheckpointing::Full => {
+            crate::recompute::passes(fork, inputs, targets, valid, state, masks, &plan)?
+        }
+        ActivationCheckpointing::None | ActivationCheckpointing::Selective => {
+            let out = fork.forward_with_masks(inputs, state, Some(valid.clone()), masks)?;
+            let loss = Loss::new(&out, targets, Some(valid));
+            // The step minimises the mean over shards of each shard's mean token loss.
+            let grads = GradientsParams::from_grads(plan.objective(&loss).backward(), fork);
+            ShardResult {
+                ce: loss.ce.into_scalar().elem(),
+                commitment: loss.commitment.into_scalar().elem(),
+                grads,
+                stats: out.stats,
+                state: out.state,
+            }
+        }
+    };
     if device != *home {
         let mut flat = vec![];
-        let shapes = flatten_grads(fork, &mut grads, &mut flat);
-        grads = unflatten_grads(fork, shapes, &mut Pieces(&flat), home.inner());
-        stats = stats.into_iter().map(|s| s.into_device(home)).collect();
+        let shapes = flatten_grads(fork, &mut result.grads, &mut flat);
+        result.grads = unflatten_grads(fork, shapes, &mut Pieces(&flat), home.inner());
+        result.stats = result.stats.into_iter().map(|s| s.into_device(home)).collect();
     }
-    Ok(ShardResult {
-        ce: loss.ce.into_scalar().elem(),
-        commitment: loss.commitment.into_scalar().elem(),
-        grads,
-        stats,
-        state: out.state,
-    })
+    Ok(result)
 }
 
 /// `model` forked onto `device` (an autodiff graph of its own, the same
@@ -185,7 +250,6 @@ pub fn compute_gradients(
     shards: Vec<Shard>,
     plan: ShardPlan,
     devices: &[DispatchDevice],
-    commit_weight: f64,
 ) -> Result<StepGradients, TrainError> {
     let n = shards.len();
     let home = model.embedding.weight.device();
@@ -193,7 +257,7 @@ pub fn compute_gradients(
         shards.into_iter().enumerate().collect(),
         devices.len(),
         |w| fork_onto(model, &devices[w]),
-        |fork, shard| run_shard(fork, shard, plan, commit_weight, &home),
+        |fork, shard| run_shard(fork, shard, plan, &home),
     )?;
     let mut accumulator = GradientsAccumulator::<Model>::new();
     let (mut ce_sum, mut commitment_sum) = (0f32, 0f32);
@@ -225,7 +289,7 @@ pub fn compute_gradients(
 /// Moves the gradients out of `grads` onto the end of `flat`, parameter by
 /// parameter in module order (the same on every node, whatever ids the
 /// parameters got); returns which parameters had one, with their shapes.
-fn flatten_grads(
+pub(crate) fn flatten_grads(
     model: &Model,
     grads: &mut GradientsParams,
     flat: &mut Vec<f32>,

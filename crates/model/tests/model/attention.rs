@@ -1,7 +1,9 @@
 //! The block-parallel and recurrent forms against the quadratic oracle.
 
 use burn::prelude::*;
+use burn::tensor::FloatDType;
 use tvq_model::CacheGrad;
+use tvq_model::precision::Precision;
 use tvq_model::attention::{
     AttentionInput, AttentionState, Rotary, block_attention, block_attention_with_groups,
     rotary_scores, step_attention,
@@ -197,6 +199,7 @@ impl Problem {
             codebook: self.quantizer.codebook(),
             rotary: self.rotary,
             cache_limit: self.cache_limit,
+            precision: Precision::F32,
         }
     }
 
@@ -534,7 +537,7 @@ fn rotary_scores_are_the_clipped_rotation_pair_by_pair() {
         let rot = Rotary::new(l).with_channel(channel);
         let q = randn([1, 1, t, k], &device);
         let kk = randn([1, 1, t, k], &device);
-        let got = to_vec(rotary_scores(rot, q.clone(), kk.clone()));
+        let got = to_vec(rotary_scores(rot, q.clone(), kk.clone(), FloatDType::F32));
         let (q, kk) = (to_vec(q), to_vec(kk));
         let half = k / 2;
         let content = half - channel / 2;

@@ -4,6 +4,7 @@ use burn::backend::flex::FlexDevice;
 use burn::prelude::*;
 use burn::tensor::Distribution;
 use burn::{Dispatch, DispatchDevice};
+use burn::tensor::FloatDType;
 use tvq_model::CacheGrad;
 use tvq_model::attention::{AttentionInput, rotary_scores};
 
@@ -121,7 +122,7 @@ pub fn oracle_attention(
         + Tensor::<B, 2>::from_data(TensorData::new(limit, [t, t]), &device).reshape([1, 1, t, t]);
 
     let content = |k: Tensor<B, 4>| match rotary {
-        Some(rot) => rotary_scores(rot, q.clone(), k),
+        Some(rot) => rotary_scores(rot, q.clone(), k, FloatDType::F32),
         None => q.clone().matmul(k.swap_dims(2, 3)),
     };
     let scores_flow = content(k_hat.clone());

@@ -149,3 +149,19 @@ fn wgpu_agrees_with_cpu() {
         );
     }
 }
+
+/// bf16 on wgpu is refused with one line before any adapter is touched; the
+/// CPU computes in every precision.
+#[test]
+fn precisions_a_device_cannot_run_are_refused() {
+    use burn::backend::wgpu::WgpuDevice;
+    use tvq_model::Precision;
+    use tvq_model::device::check_precision;
+    let wgpu = burn::DispatchDevice::Wgpu(WgpuDevice::DefaultDevice);
+    let why = check_precision(&wgpu, Precision::Bf16).unwrap_err();
+    assert!(why.starts_with("bf16 does not run on wgpu") && !why.contains('\n'), "{why}");
+    assert_eq!(check_precision(&wgpu, Precision::F32), Ok(()));
+    for p in Precision::ALL {
+        assert_eq!(check_precision(&cpu(), p), Ok(()), "{p}");
+    }
+}

@@ -5,3 +5,4 @@ mod common;
 mod devices;
 mod network;
 mod parity;
+mod precision;

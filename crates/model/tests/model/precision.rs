@@ -1,0 +1,117 @@
+//! Reduced-precision products (bf16, f16) against `f32`.
+
+use burn::prelude::*;
+use burn::tensor::DType;
+use tvq_model::{AttentionForm, ModelState, Precision, TransformerVq, TransformerVqConfig, token_nll};
+
+use crate::common::*;
+
+fn config(form: AttentionForm) -> TransformerVqConfig {
+    TransformerVqConfig::new(64)
+        .with_d_model(64)
+        .with_d_k(16)
+        .with_d_v(64)
+        .with_n_code(16)
+        .with_n_head(2)
+        .with_n_layer(2)
+        .with_block_len(16)
+        .with_attention(form)
+}
+
+fn tokens(rows: usize, len: usize, seed: usize) -> Tensor<B, 2, Int> {
+    let data: Vec<i64> = (0..rows * len)
+        .map(|i| ((i * 37 + seed * 101 + (i * i) % 13) % 64) as i64)
+        .collect();
+    Tensor::from_data(TensorData::new(data, [rows, len]), &cpu())
+}
+
+/// Mean cross-entropy of `tokens` predicting themselves shifted by one.
+fn mean_nll(logits: Tensor<B, 3>, tokens: &Tensor<B, 2, Int>) -> f32 {
+    let [b, t] = tokens.dims();
+    let targets = tokens.clone().slice([0..b, 1..t]);
+    let logits = logits.slice([0..b, 0..t - 1]);
+    token_nll(logits, targets).mean().into_scalar()
+}
+
+/// The root mean square of `x`.
+fn rms<const D: usize>(x: Tensor<B, D>) -> f32 {
+    x.square().mean().sqrt().into_scalar()
+}
+
+/// `(rms(a - b) / rms(a), |loss(a) - loss(b)| / loss(a))` of the `f32`
+/// logits `a` and those `b` in `precision`.
+fn errors(model: &TransformerVq<B>, precision: Precision, x: &Tensor<B, 2, Int>) -> (f32, f32) {
+    let mut m = model.clone();
+    m.set_precision(Precision::F32);
+    let reference = m.forward(x.clone(), m.empty_state(), None).unwrap().logits;
+    m.set_precision(precision);
+    let out = m.forward(x.clone(), m.empty_state(), None).unwrap();
+    // The state carried to the next segment stays f32 in every precision.
+    for s in &out.state.sublayers {
+        if let Some(prev) = &s.prev {
+            assert_eq!((prev.k_hat.dtype(), prev.v.dtype()), (DType::F32, DType::F32));
+        }
+        if let Some(c) = &s.cache {
+            assert_eq!((c.counts.dtype(), c.means.dtype()), (DType::F32, DType::F32));
+        }
+    }
+    assert_eq!(out.logits.dtype(), DType::F32);
+    let logits = rms(reference.clone() - out.logits.clone()) / rms(reference.clone());
+    let (a, b) = (mean_nll(reference, x), mean_nll(out.logits, x));
+    (logits, (a - b).abs() / a)
+}
+
+/// A forward pass with bf16 or f16 products agrees with the `f32` one
+/// within what their mantissas allow. bf16 keeps 8 significant bits, a
+/// relative rounding of up to 2^-9 = 0.2% per operand; a product over `n`
+/// terms sums roundings that mostly cancel, and two sublayers of five
+/// products each compound them: the logits stay within 2% of their largest
+/// value and the loss within 0.5%. f16 keeps 11 bits (2^-12 = 0.024%), eight
+/// times finer: 0.3% and 0.1%. (Measured: see docs/training.md.)
+#[test]
+fn reduced_precision_forward_passes_agree_with_f32() {
+    for form in [AttentionForm::Vq, AttentionForm::Quadratic] {
+        B::seed(&cpu(), 7);
+        let model = config(form).init::<B>(&cpu()).unwrap();
+        let x = tokens(2, 128, 0);
+        for (precision, logit_tol, loss_tol) in
+            [(Precision::Bf16, 0.02, 0.005), (Precision::F16, 0.003, 0.001)]
+        {
+            let (logits, loss) = errors(&model, precision, &x);
+            eprintln!("{form:?} {precision}: logits {logits:.2e} loss {loss:.2e}");
+            assert!(logits > 0.0, "{form:?} {precision}: the products did change type");
+            assert!(logits <= logit_tol, "{form:?} {precision}: logits off by {logits}");
+            assert!(loss <= loss_tol, "{form:?} {precision}: loss off by {loss}");
+        }
+    }
+}
+
+/// The compressed cache's counts and means and the carried block stay f32,
+/// so a long stream read in bf16 does not drift from f32: over 32 segments
+/// (4,096 tokens, the cache absorbing all but the last two blocks) the loss
+/// of the last segments differs from f32's no more than the first's does,
+/// within the single-pass tolerance.
+#[test]
+fn a_long_bf16_stream_does_not_drift_from_f32() {
+    B::seed(&cpu(), 3);
+    let model = config(AttentionForm::Vq).init::<B>(&cpu()).unwrap();
+    let read = |precision| {
+        let mut m = model.clone();
+        m.set_precision(precision);
+        let mut state: ModelState<B> = m.empty_state();
+        (0..32)
+            .map(|s| {
+                let x = tokens(2, 128, s);
+                let out = m.forward(x.clone(), state.clone(), None).unwrap();
+                state = out.state;
+                mean_nll(out.logits, &x)
+            })
+            .collect::<Vec<_>>()
+    };
+    let (f32s, bf16s) = (read(Precision::F32), read(Precision::Bf16));
+    let rel: Vec<f32> = f32s.iter().zip(&bf16s).map(|(a, b)| (a - b).abs() / a).collect();
+    let first = rel[..4].iter().copied().fold(0f32, f32::max);
+    let last = rel[28..].iter().copied().fold(0f32, f32::max);
+    eprintln!("relative loss difference: first segments {first:.2e}, last {last:.2e}");
+    assert!(last <= 0.005 && first <= 0.005, "{rel:?}");
+}

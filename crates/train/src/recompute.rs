@@ -1,0 +1,108 @@
+//! Full activation checkpointing: per-sublayer recomputation.
+//!
+//! The forward pass runs without an autodiff graph and keeps only each
+//! sublayer's input `h_i` `[B, T, D]`. The backward pass then walks the
+//! sublayers from the last to the first: sublayer `i` runs again from `h_i`
+//! (a leaf that asks for its gradient) with the same dropout masks and
+//! carried state, so it computes the same numbers, and its backward pass
+//! starts from `g_{i+1}`, the gradient of the objective with respect to its
+//! output: `sum(h_{i+1} ⊙ g_{i+1})` has exactly that gradient. The
+//! sublayer's commitment term, which the loss reads directly, is added to
+//! that objective. Only one sublayer's graph is alive at a time, so a step
+//! keeps `N` hidden states plus one sublayer's activations, instead of every
+//! sublayer's (the official code's per-layer remat, at the price of a second
+//! forward pass through every sublayer).
+//!
+//! The forward pass computes the same numbers as without recomputation, bit
+//! for bit (losses, codebook statistics, carried state); the gradients agree
+//! to rounding, since the gradient reaching a sublayer's input adds the
+//! residual path and the recomputed graph in another order (tested in
+//! [`crate::trainer`]).
+
+use burn::module::Module;
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::prelude::*;
+use tvq_model::{DropoutMasks, Loss, ModelState};
+
+use crate::error::TrainError;
+use crate::optim::{B, Model};
+use crate::step::{ShardPlan, ShardResult};
+
+/// The forward and backward passes of one shard (`inputs`, `targets` and
+/// `valid` `[B, T]`) from `state` with dropout `masks`, recomputing each
+/// sublayer in the backward pass.
+pub(crate) fn passes(
+    model: &Model,
+    inputs: Tensor<B, 2, Int>,
+    targets: Tensor<B, 2, Int>,
+    valid: Tensor<B, 2, Bool>,
+    state: ModelState<B>,
+    masks: DropoutMasks<B>,
+    plan: &ShardPlan,
+) -> Result<ShardResult, TrainError> {
+    let valid = Some(valid);
+    // 1: forward without a graph (no parameter asks for a gradient), keeping
+    // each sublayer's input.
+    let frozen = model.clone().no_grad();
+    let mut h = frozen.embed(inputs.clone())?; // [B, T, D]
+    let mut commitment: Tensor<B, 2> = Tensor::zeros(inputs.dims(), &h.device()); // [B, T]
+    let n = state.sublayers.len();
+    let (mut kept, mut stats, mut states) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    let layers = state.sublayers.iter().cloned().zip(masks.sublayers.clone());
+    for (i, (s, m)) in layers.enumerate() {
+        kept.push(h.clone());
+        let out = frozen.sublayer_forward(i, h, s, valid.clone(), m, false)?;
+        h = out.h;
+        commitment = commitment + out.commitment;
+        stats.extend(out.stats);
+        states.push(out.state);
+    }
+
+    // 2: the head and the loss, with the commitment as a constant (each
+    // sublayer adds its own term's gradient below).
+    let mut grads = GradientsAccumulator::<Model>::new();
+    let h = h.require_grad();
+    let loss = Loss::from_parts(model.head(h.clone()), commitment, targets, valid.clone());
+    let mut g = backward(model, plan.objective(&loss), &h, &mut grads); // [B, T, D]
+
+    // 3: each sublayer again, last to first, from its input.
+    let layers = state.sublayers.into_iter().zip(masks.sublayers);
+    for (i, ((s, m), x)) in layers.zip(kept).enumerate().rev() {
+        let x = x.require_grad();
+        let out = model.sublayer_forward(i, x.clone(), s, valid.clone(), m, false)?;
+        let objective = (out.h * g).sum() + plan.commitment_objective(out.commitment, valid.clone());
+        g = backward(model, objective, &x, &mut grads);
+    }
+
+    // 4: the embedding.
+    let h0 = model.embed(inputs)?;
+    let objective = (h0 * g).sum();
+    grads.accumulate(model, GradientsParams::from_grads(objective.backward(), model));
+    Ok(ShardResult {
+        grads: grads.grads(),
+        ce: loss.ce.into_scalar().elem(),
+        commitment: loss.commitment.into_scalar().elem(),
+        stats,
+        state: ModelState { sublayers: states },
+    })
+}
+
+/// Runs `objective`'s backward pass, adds the parameters' gradients to
+/// `grads` and returns the gradient of the leaf `x` (on `x`'s device).
+fn backward(
+    model: &Model,
+    objective: Tensor<B, 1>,
+    x: &Tensor<B, 3>,
+    grads: &mut GradientsAccumulator<Model>,
+) -> Tensor<B, 3> {
+    let mut all = objective.backward();
+    let g = x
+        .grad_remove(&mut all)
+        .expect("the recomputed sublayer reads its input");
+    grads.accumulate(model, GradientsParams::from_grads(all, model));
+    Tensor::from_inner(g)
+}
