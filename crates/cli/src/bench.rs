@@ -10,8 +10,8 @@ use serde::Deserialize;
 use serde_json::json;
 use tvq_data::{Batch, TrainCursor};
 use tvq_model::device::DeviceSpec;
-use tvq_model::{AttentionForm, TransformerVqConfig};
-use tvq_train::config::TrainSection;
+use tvq_model::{AttentionForm, Precision, TransformerVqConfig};
+use tvq_train::config::{ActivationCheckpointing, TrainSection};
 use tvq_train::{SampleOptions, Trainer, mfu, sample};
 
 type B = Dispatch;
@@ -32,6 +32,14 @@ pub struct BenchArgs {
     /// Batch rows.
     #[arg(long, default_value_t = 4, value_parser = crate::at_least(1))]
     batch: usize,
+    /// Precisions to measure, comma separated: f32, bf16, f16 [default:
+    /// the config's train.precision].
+    #[arg(long, value_delimiter = ',')]
+    precision: Vec<Precision>,
+    /// Activation checkpointing modes to measure, comma separated: none,
+    /// selective, full [default: the config's train.activation_checkpointing].
+    #[arg(long, value_delimiter = ',')]
+    checkpointing: Vec<ActivationCheckpointing>,
     /// Vocabulary size of the benchmark model (default: a byte-level
     /// corpus's 256 bytes and 3 special tokens). A large vocabulary weighs
     /// on the output head.
@@ -306,23 +314,43 @@ pub fn run(args: BenchArgs) -> Result<()> {
             println!("mfu against {:.1} GFLOP/s", p / 1e9);
         }
         println!(
-            "{:<10} {:>8} {:>14} {:>6} {:>14}",
-            "form", "seq_len", "tokens/s", "mfu", "peak RSS MiB"
+            "{:<10} {:>8} {:>9} {:>9} {:>14} {:>6} {:>14}",
+            "form", "seq_len", "precision", "ckpt", "tokens/s", "mfu", "peak RSS MiB"
         );
     }
-    let on = Measuring {
-        model: &model,
-        train: &train,
-        device: &device,
-        info: &info,
-        peak,
-    };
+    let precisions = given_or(&args.precision, train.precision);
+    let modes = given_or(&args.checkpointing, train.activation_checkpointing);
     for &form in &forms {
         for &t in &args.seq_len {
-            bench_training(&args, &on, form, t)?;
+            for &precision in &precisions {
+                for &activation_checkpointing in &modes {
+                    let train = TrainSection {
+                        precision,
+                        activation_checkpointing,
+                        ..train.clone()
+                    };
+                    let on = Measuring {
+                        model: &model,
+                        train: &train,
+                        device: &device,
+                        info: &info,
+                        peak,
+                    };
+                    bench_training(&args, &on, form, t)?;
+                }
+            }
         }
     }
     Ok(())
+}
+
+/// The values given on the command line, or the config's one.
+fn given_or<T: Copy>(given: &[T], configured: T) -> Vec<T> {
+    if given.is_empty() {
+        vec![configured]
+    } else {
+        given.to_vec()
+    }
 }
 
 /// What the training benchmarks run on: the model, the step's settings,
@@ -350,17 +378,21 @@ fn bench_training(args: &BenchArgs, on: &Measuring, form: AttentionForm, t: usiz
         AttentionForm::Vq => "vq",
         AttentionForm::Quadratic => "quadratic",
     };
+    let (precision, mode) = (train.precision, train.activation_checkpointing);
     let score_gib = (args.batch * t * t * 4) as f64 / (1u64 << 30) as f64;
     if form == AttentionForm::Quadratic && score_gib > args.max_score_gib {
         let reason = format!("scores alone need {score_gib:.1} GiB (> --max-score-gib)");
         if args.json {
             println!(
                 "{}",
-                json!({"form": form_name, "seq_len": t, "batch": args.batch, "skipped": reason})
+                json!({
+                    "form": form_name, "seq_len": t, "batch": args.batch, "skipped": reason,
+                    "precision": precision, "activation_checkpointing": mode,
+                })
             );
         } else {
             println!(
-                "{form_name:<10} {t:>8} {:>14} {:>6} {:>14}",
+                "{form_name:<10} {t:>8} {precision:>9} {mode:>9} {:>14} {:>6} {:>14}",
                 "skipped", "-", "-"
             );
         }
@@ -399,6 +431,7 @@ fn bench_training(args: &BenchArgs, on: &Measuring, form: AttentionForm, t: usiz
                 "form": form_name, "seq_len": t, "batch": args.batch,
                 "tokens_per_s": tokens_per_s, "mfu": utilisation, "peak_flops_per_s": peak,
                 "peak_rss_bytes": rss, "device": info,
+                "precision": precision, "activation_checkpointing": mode,
                 "workers": train.workers,
                 "step": if args.optimizer { "full" } else { "forward+backward" },
             })
@@ -406,7 +439,7 @@ fn bench_training(args: &BenchArgs, on: &Measuring, form: AttentionForm, t: usiz
     } else {
         let shown = utilisation.map_or("-".into(), |m| format!("{:.1}%", 100.0 * m));
         println!(
-            "{form_name:<10} {t:>8} {tokens_per_s:>14.0} {shown:>6} {:>14.0}",
+            "{form_name:<10} {t:>8} {precision:>9} {mode:>9} {tokens_per_s:>14.0} {shown:>6} {:>14.0}",
             rss as f64 / (1 << 20) as f64
         );
     }

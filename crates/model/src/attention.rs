@@ -27,8 +27,8 @@ use burn::tensor::activation::softmax;
 
 use crate::config::CacheGrad;
 use crate::device::to_device_via_host;
-use crate::precision::{Precision, product_in, to_f32};
 use crate::error::ModelError;
+use crate::precision::{Precision, product_in, to_f32};
 use crate::quantizer::code_totals;
 
 /// Keys, values and codes of one block as they were when it was the present block.

@@ -153,14 +153,12 @@ impl<B: Backend> Gau<B> {
         } else {
             // The position channel is not normalised: its size is how much
             // the query cares about distance.
-            let [content, pos] =
-                column_blocks(&x, self.q_proj.weight.val(), [hk, h * channel], dt);
+            let [content, pos] = column_blocks(&x, self.q_proj.weight.val(), [hk, h * channel], dt);
             let content = rms_normalize(heads(content)) * q_scale; // [B, H, T, K]
             let pos = heads(pos) * scale; // [B, H, T, P]
             with_channel(content, pos)
         };
-        let [k_raw, v_raw, g_raw] =
-            column_blocks(&x, self.kvg_proj.weight.val(), [hk, hv, hv], dt);
+        let [k_raw, v_raw, g_raw] = column_blocks(&x, self.kvg_proj.weight.val(), [hk, hv, hv], dt);
         Projected {
             q,
             k: rms_normalize(heads(k_raw)) * scale,
@@ -366,7 +364,11 @@ fn column_blocks<B: Backend, const N: usize>(
         start += n;
         match &product {
             Some(p) => p.clone().slice([0..b, 0..1, cols]),
-            None => product_in(x.clone(), w.clone().slice([0..d, cols]).unsqueeze::<3>(), dt),
+            None => product_in(
+                x.clone(),
+                w.clone().slice([0..d, cols]).unsqueeze::<3>(),
+                dt,
+            ),
         }
     })
 }

@@ -93,8 +93,7 @@ pub(crate) fn code_totals<B: Backend>(
     }
     // Row of each token in the flattened [G S] table; an empty slot goes to
     // code S - 1 of its group with weight 0.
-    let group =
-        Tensor::<B, 1, Int>::arange_step(0..(g * s) as i64, s, &device).reshape([g, 1]);
+    let group = Tensor::<B, 1, Int>::arange_step(0..(g * s) as i64, s, &device).reshape([g, 1]);
     let row = (codes.clamp_max(s as i64 - 1) + group).reshape([g * n]);
     let counts = Tensor::<B, 1>::zeros([g * s], &device)
         .select_assign(
@@ -161,8 +160,8 @@ impl<B: Backend> VectorQuantizer<B> {
         let codes = dist.argmin(3).reshape([b, h, t]); // [B, H, T]
 
         // Gather C_z per head from the flattened [H*S, K] codebook.
-        let offsets = Tensor::<B, 1, Int>::arange_step(0..(h * s) as i64, s, &device)
-            .reshape([1, h, 1]);
+        let offsets =
+            Tensor::<B, 1, Int>::arange_step(0..(h * s) as i64, s, &device).reshape([1, h, 1]);
         let flat_idx = (codes.clone() + offsets).reshape([b * h * t]);
         let c_z = codebook
             .reshape([h * s, d_k])

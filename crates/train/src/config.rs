@@ -98,7 +98,8 @@ pub enum ActivationCheckpointing {
     Selective,
     /// Each sublayer keeps only its input; its forward pass runs again in
     /// the backward pass with the same dropout masks and carried state (the
-    /// official code's per-layer remat).
+    /// official code's per-layer remat), itself under `selective`'s
+    /// balanced checkpointing.
     Full,
 }
 
@@ -118,7 +119,7 @@ impl ActivationCheckpointing {
 
 impl std::fmt::Display for ActivationCheckpointing {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
+        f.pad(self.name())
     }
 }
 
@@ -129,7 +130,9 @@ impl std::str::FromStr for ActivationCheckpointing {
         Self::ALL
             .into_iter()
             .find(|m| m.name() == s)
-            .ok_or_else(|| format!("unknown activation checkpointing {s:?} (none, selective or full)"))
+            .ok_or_else(|| {
+                format!("unknown activation checkpointing {s:?} (none, selective or full)")
+            })
     }
 }
 

@@ -11,7 +11,11 @@
 //! that objective. Only one sublayer's graph is alive at a time, so a step
 //! keeps `N` hidden states plus one sublayer's activations, instead of every
 //! sublayer's (the official code's per-layer remat, at the price of a second
-//! forward pass through every sublayer).
+//! forward pass through every sublayer but the last, whose graph is kept:
+//! its backward pass comes first). The recomputed graph is itself kept
+//! under burn's balanced checkpointing (the devices of `full` are those of
+//! `selective`, [`crate::step::autodiff_device`]), which takes a third off
+//! the one sublayer's activations.
 //!
 //! The forward pass computes the same numbers as without recomputation, bit
 //! for bit (losses, codebook statistics, carried state); the gradients agree
@@ -42,7 +46,8 @@ pub(crate) fn passes(
 ) -> Result<ShardResult, TrainError> {
     let valid = Some(valid);
     // 1: forward without a graph (no parameter asks for a gradient), keeping
-    // each sublayer's input.
+    // each sublayer's input; the last sublayer keeps its graph instead, as
+    // its backward pass comes first (recomputing it would save nothing).
     let frozen = model.clone().no_grad();
     let mut h = frozen.embed(inputs.clone())?; // [B, T, D]
     let mut commitment: Tensor<B, 2> = Tensor::zeros(inputs.dims(), &h.device()); // [B, T]
@@ -52,36 +57,51 @@ pub(crate) fn passes(
         Vec::with_capacity(n),
         Vec::with_capacity(n),
     );
+    let mut last = None; // the last sublayer's input (a leaf) and commitment
     let layers = state.sublayers.iter().cloned().zip(masks.sublayers.clone());
     for (i, (s, m)) in layers.enumerate() {
-        kept.push(h.clone());
-        let out = frozen.sublayer_forward(i, h, s, valid.clone(), m, false)?;
+        let out = if i + 1 < n {
+            kept.push(h.clone());
+            frozen.sublayer_forward(i, h, s, valid.clone(), m, false)?
+        } else {
+            let x = h.require_grad();
+            let out = model.sublayer_forward(i, x.clone(), s, valid.clone(), m, false)?;
+            last = Some((x, out.commitment.clone()));
+            out
+        };
         h = out.h;
-        commitment = commitment + out.commitment;
+        commitment = commitment + out.commitment.detach();
         stats.extend(out.stats);
         states.push(out.state);
     }
 
-    // 2: the head and the loss, with the commitment as a constant (each
-    // sublayer adds its own term's gradient below).
+    // 2: the head and the loss through the last sublayer, every other
+    // sublayer's commitment a constant (each adds its own term's gradient
+    // below).
     let mut grads = GradientsAccumulator::<Model>::new();
-    let h = h.require_grad();
-    let loss = Loss::from_parts(model.head(h.clone()), commitment, targets, valid.clone());
-    let mut g = backward(model, plan.objective(&loss), &h, &mut grads); // [B, T, D]
+    let (x, last_commitment) = last.expect("a model has sublayers");
+    let loss = Loss::from_parts(model.head(h), commitment, targets, valid.clone());
+    let objective =
+        plan.objective(&loss) + plan.commitment_objective(last_commitment, valid.clone());
+    let mut g = backward(model, objective, &x, &mut grads); // [B, T, D]
 
-    // 3: each sublayer again, last to first, from its input.
+    // 3: each other sublayer again, last to first, from its input.
     let layers = state.sublayers.into_iter().zip(masks.sublayers);
     for (i, ((s, m), x)) in layers.zip(kept).enumerate().rev() {
         let x = x.require_grad();
         let out = model.sublayer_forward(i, x.clone(), s, valid.clone(), m, false)?;
-        let objective = (out.h * g).sum() + plan.commitment_objective(out.commitment, valid.clone());
+        let objective =
+            (out.h * g).sum() + plan.commitment_objective(out.commitment, valid.clone());
         g = backward(model, objective, &x, &mut grads);
     }
 
     // 4: the embedding.
     let h0 = model.embed(inputs)?;
     let objective = (h0 * g).sum();
-    grads.accumulate(model, GradientsParams::from_grads(objective.backward(), model));
+    grads.accumulate(
+        model,
+        GradientsParams::from_grads(objective.backward(), model),
+    );
     Ok(ShardResult {
         grads: grads.grads(),
         ce: loss.ce.into_scalar().elem(),

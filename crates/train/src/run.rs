@@ -83,9 +83,13 @@ pub fn train(
     let (train_split, valid_split) = (corpus.split(Split::Train), corpus.split(Split::Validation));
     let model = cfg.model_config(corpus.vocab.size());
     let bytes_per_token = train_split.bytes_per_token();
-    let mut trainer = Trainer::new(&model, &cfg.train, devices, bytes_per_token)?
-        .on_node(rank, nodes)
-        .with_peak_flops(peak_flops(&devices[0], opts.peak_tflops));
+    let trainer = Trainer::new(&model, &cfg.train, devices, bytes_per_token)?.on_node(rank, nodes);
+    tracing::info!(
+        "products in {}, activation checkpointing {}",
+        cfg.train.precision,
+        cfg.train.activation_checkpointing
+    );
+    let mut trainer = trainer.with_peak_flops(peak_flops(&devices[0], opts.peak_tflops));
     if rank == 0 {
         prepare_run_dir(cfg, opts)?;
     }

@@ -10,11 +10,11 @@
 use std::ops::Range;
 use std::sync::Mutex;
 
-use burn::{CheckpointingStrategy, DispatchDevice};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
 use burn::tensor::backend::DeviceOps;
+use burn::{CheckpointingStrategy, DispatchDevice};
 use tvq_data::Batch;
 use tvq_model::device::to_device_via_host;
 use tvq_model::{CodebookStats, Loss, ModelState};
@@ -141,10 +141,10 @@ pub(crate) fn cpu_autodiff() -> DispatchDevice {
 /// operands of each op share a strategy), plain autodiff otherwise.
 pub fn autodiff_device(device: &DispatchDevice, mode: ActivationCheckpointing) -> DispatchDevice {
     let strategy = match mode {
-        ActivationCheckpointing::Selective => CheckpointingStrategy::Balanced,
-        ActivationCheckpointing::None | ActivationCheckpointing::Full => {
-            CheckpointingStrategy::None
+        ActivationCheckpointing::Selective | ActivationCheckpointing::Full => {
+            CheckpointingStrategy::Balanced
         }
+        ActivationCheckpointing::None => CheckpointingStrategy::None,
     };
     DispatchDevice::autodiff_checkpointed(device.inner().clone(), strategy)
 }
@@ -212,7 +212,11 @@ fn run_shard(
         let mut flat = vec![];
         let shapes = flatten_grads(fork, &mut result.grads, &mut flat);
         result.grads = unflatten_grads(fork, shapes, &mut Pieces(&flat), home.inner());
-        result.stats = result.stats.into_iter().map(|s| s.into_device(home)).collect();
+        result.stats = result
+            .stats
+            .into_iter()
+            .map(|s| s.into_device(home))
+            .collect();
     }
     Ok(result)
 }

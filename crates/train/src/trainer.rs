@@ -1013,7 +1013,12 @@ mod tests {
                 v
             })
             .collect();
-        (vec![g.ce_sum, g.commitment_sum], grads, stats, state_values(&t.states))
+        (
+            vec![g.ce_sum, g.commitment_sum],
+            grads,
+            stats,
+            state_values(&t.states),
+        )
     }
 
     /// Every number of carried `states`: positions, previous blocks (codes
@@ -1082,7 +1087,10 @@ mod tests {
             };
             let none = run(ActivationCheckpointing::None);
             assert!(none.1.iter().flatten().any(|&g| g != 0.0));
-            for mode in [ActivationCheckpointing::Selective, ActivationCheckpointing::Full] {
+            for mode in [
+                ActivationCheckpointing::Selective,
+                ActivationCheckpointing::Full,
+            ] {
                 let got = run(mode);
                 assert_eq!(got.0, none.0, "{mode} losses, {cache_grad:?}");
                 if mode == ActivationCheckpointing::Selective {
@@ -1090,7 +1098,11 @@ mod tests {
                 }
                 assert_eq!(got.1.len(), none.1.len());
                 for (i, (a, b)) in got.1.iter().zip(&none.1).enumerate() {
-                    let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                    let worst = a
+                        .iter()
+                        .zip(b)
+                        .map(|(x, y)| (x - y).abs())
+                        .fold(0f32, f32::max);
                     let largest = b.iter().map(|x| x.abs()).fold(0f32, f32::max);
                     assert!(
                         worst <= 1e-6 * largest,
@@ -1121,9 +1133,16 @@ mod tests {
                 .collect();
             let (first, last) = (losses[0].loss, losses[5].loss);
             assert!(last < 0.9 * first, "{precision}: {first} -> {last}");
-            assert!(losses.iter().all(|m| m.precision == precision && !m.skipped));
+            assert!(
+                losses
+                    .iter()
+                    .all(|m| m.precision == precision && !m.skipped)
+            );
             let scale = losses[0].loss_scale;
-            assert_eq!(scale, (precision == Precision::F16).then_some(LossScale::INITIAL));
+            assert_eq!(
+                scale,
+                (precision == Precision::F16).then_some(LossScale::INITIAL)
+            );
         }
     }
 

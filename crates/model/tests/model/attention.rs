@@ -3,11 +3,11 @@
 use burn::prelude::*;
 use burn::tensor::FloatDType;
 use tvq_model::CacheGrad;
-use tvq_model::precision::Precision;
 use tvq_model::attention::{
     AttentionInput, AttentionState, Rotary, block_attention, block_attention_with_groups,
     rotary_scores, step_attention,
 };
+use tvq_model::precision::Precision;
 use tvq_model::quantizer::VectorQuantizer;
 
 use crate::common::*;

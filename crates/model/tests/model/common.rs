@@ -3,8 +3,8 @@
 use burn::backend::flex::FlexDevice;
 use burn::prelude::*;
 use burn::tensor::Distribution;
-use burn::{Dispatch, DispatchDevice};
 use burn::tensor::FloatDType;
+use burn::{Dispatch, DispatchDevice};
 use tvq_model::CacheGrad;
 use tvq_model::attention::{AttentionInput, rotary_scores};
 

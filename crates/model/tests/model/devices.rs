@@ -159,7 +159,10 @@ fn precisions_a_device_cannot_run_are_refused() {
     use tvq_model::device::check_precision;
     let wgpu = burn::DispatchDevice::Wgpu(WgpuDevice::DefaultDevice);
     let why = check_precision(&wgpu, Precision::Bf16).unwrap_err();
-    assert!(why.starts_with("bf16 does not run on wgpu") && !why.contains('\n'), "{why}");
+    assert!(
+        why.starts_with("bf16 does not run on wgpu") && !why.contains('\n'),
+        "{why}"
+    );
     assert_eq!(check_precision(&wgpu, Precision::F32), Ok(()));
     for p in Precision::ALL {
         assert_eq!(check_precision(&cpu(), p), Ok(()), "{p}");

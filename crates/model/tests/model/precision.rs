@@ -2,7 +2,9 @@
 
 use burn::prelude::*;
 use burn::tensor::DType;
-use tvq_model::{AttentionForm, ModelState, Precision, TransformerVq, TransformerVqConfig, token_nll};
+use tvq_model::{
+    AttentionForm, ModelState, Precision, TransformerVq, TransformerVqConfig, token_nll,
+};
 
 use crate::common::*;
 
@@ -49,10 +51,16 @@ fn errors(model: &TransformerVq<B>, precision: Precision, x: &Tensor<B, 2, Int>)
     // The state carried to the next segment stays f32 in every precision.
     for s in &out.state.sublayers {
         if let Some(prev) = &s.prev {
-            assert_eq!((prev.k_hat.dtype(), prev.v.dtype()), (DType::F32, DType::F32));
+            assert_eq!(
+                (prev.k_hat.dtype(), prev.v.dtype()),
+                (DType::F32, DType::F32)
+            );
         }
         if let Some(c) = &s.cache {
-            assert_eq!((c.counts.dtype(), c.means.dtype()), (DType::F32, DType::F32));
+            assert_eq!(
+                (c.counts.dtype(), c.means.dtype()),
+                (DType::F32, DType::F32)
+            );
         }
     }
     assert_eq!(out.logits.dtype(), DType::F32);
@@ -74,13 +82,20 @@ fn reduced_precision_forward_passes_agree_with_f32() {
         B::seed(&cpu(), 7);
         let model = config(form).init::<B>(&cpu()).unwrap();
         let x = tokens(2, 128, 0);
-        for (precision, logit_tol, loss_tol) in
-            [(Precision::Bf16, 0.02, 0.005), (Precision::F16, 0.003, 0.001)]
-        {
+        for (precision, logit_tol, loss_tol) in [
+            (Precision::Bf16, 0.02, 0.005),
+            (Precision::F16, 0.003, 0.001),
+        ] {
             let (logits, loss) = errors(&model, precision, &x);
             eprintln!("{form:?} {precision}: logits {logits:.2e} loss {loss:.2e}");
-            assert!(logits > 0.0, "{form:?} {precision}: the products did change type");
-            assert!(logits <= logit_tol, "{form:?} {precision}: logits off by {logits}");
+            assert!(
+                logits > 0.0,
+                "{form:?} {precision}: the products did change type"
+            );
+            assert!(
+                logits <= logit_tol,
+                "{form:?} {precision}: logits off by {logits}"
+            );
             assert!(loss <= loss_tol, "{form:?} {precision}: loss off by {loss}");
         }
     }
@@ -109,7 +124,11 @@ fn a_long_bf16_stream_does_not_drift_from_f32() {
             .collect::<Vec<_>>()
     };
     let (f32s, bf16s) = (read(Precision::F32), read(Precision::Bf16));
-    let rel: Vec<f32> = f32s.iter().zip(&bf16s).map(|(a, b)| (a - b).abs() / a).collect();
+    let rel: Vec<f32> = f32s
+        .iter()
+        .zip(&bf16s)
+        .map(|(a, b)| (a - b).abs() / a)
+        .collect();
     let first = rel[..4].iter().copied().fold(0f32, f32::max);
     let last = rel[28..].iter().copied().fold(0f32, f32::max);
     eprintln!("relative loss difference: first segments {first:.2e}, last {last:.2e}");
