@@ -71,11 +71,12 @@ fn errors(model: &TransformerVq<B>, precision: Precision, x: &Tensor<B, 2, Int>)
 
 /// A forward pass with bf16 or f16 products agrees with the `f32` one
 /// within what their mantissas allow. bf16 keeps 8 significant bits, a
-/// relative rounding of up to 2^-9 = 0.2% per operand; a product over `n`
-/// terms sums roundings that mostly cancel, and two sublayers of five
-/// products each compound them: the logits stay within 2% of their largest
-/// value and the loss within 0.5%. f16 keeps 11 bits (2^-12 = 0.024%), eight
-/// times finer: 0.3% and 0.1%. (Measured: see docs/training.md.)
+/// relative rounding of up to 2^-9 = 0.2% per operand, and two sublayers of
+/// five products each compound it: the logits stay within 2% (root mean
+/// square, relative; measured 0.7%). f16 keeps 11 bits, eight times finer:
+/// 0.1% (measured 0.02%). The mean loss over 256 tokens averages the
+/// logits' errors out: within 0.1% for bf16 and 0.01% for f16 (measured
+/// 0.002% and 0.0001%).
 #[test]
 fn reduced_precision_forward_passes_agree_with_f32() {
     for form in [AttentionForm::Vq, AttentionForm::Quadratic] {
@@ -104,8 +105,8 @@ fn reduced_precision_forward_passes_agree_with_f32() {
 /// The compressed cache's counts and means and the carried block stay f32,
 /// so a long stream read in bf16 does not drift from f32: over 32 segments
 /// (4,096 tokens, the cache absorbing all but the last two blocks) the loss
-/// of the last segments differs from f32's no more than the first's does,
-/// within the single-pass tolerance.
+/// of the last segments differs from f32's hardly more than the first's
+/// does (measured: 4.4e-5 against 3.7e-5, relative).
 #[test]
 fn a_long_bf16_stream_does_not_drift_from_f32() {
     B::seed(&cpu(), 3);
@@ -132,5 +133,5 @@ fn a_long_bf16_stream_does_not_drift_from_f32() {
     let first = rel[..4].iter().copied().fold(0f32, f32::max);
     let last = rel[28..].iter().copied().fold(0f32, f32::max);
     eprintln!("relative loss difference: first segments {first:.2e}, last {last:.2e}");
-    assert!(last <= 0.005 && first <= 0.005, "{rel:?}");
+    assert!(first <= 1e-3 && last <= 3.0 * first.max(1e-5), "{rel:?}");
 }
