@@ -7,8 +7,10 @@
 #
 #   scripts/gpu-check.sh
 #
-# Without a GPU it stops at once with one line saying so. bf16 is not
-# measured: tvq trains in f32 only so far.
+# Without a GPU it stops at once with one line saying so. Training is
+# measured in f32 and bf16, and in every activation checkpointing mode at
+# 8,192 and 32,768 tokens (scripts/memory-bench.sh on CUDA; its peak RSS is
+# host memory, not the GPU's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,7 +40,9 @@ echo "{\"form\": \"tests\", \"device\": \"cuda\", \"status\": \"$tests_status\"}
 
 echo "gpu-check: training throughput"
 "$tvq" bench --device cuda --json --optimizer --seq-len 2048,8192,32768 --form vq,quadratic \
-  --max-score-gib 16 >> "$results"
+  --precision f32,bf16 --max-score-gib 16 >> "$results"
+echo "gpu-check: memory by activation checkpointing mode and precision"
+DEVICE=cuda SEQ_LENS="8192 32768" scripts/memory-bench.sh >> "$results" || true
 # The enwik8 config's widths, as many layers as the GPU holds at 8k tokens.
 "$tvq" bench --device cuda --json --optimizer --config configs/enwik8.toml --seq-len 8192 \
   --batch 1 --set model.n_layer=4 --form vq >> "$results" || true
@@ -74,7 +78,8 @@ for r in rows:
     if form in ("vq", "quadratic"):
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-"
         tps = f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else r.get("skipped", "-")
-        print(f"| train {form} | {r['seq_len']} | {tps} | {mfu} | batch {r['batch']} |")
+        note = f"batch {r['batch']}, {r.get('precision', 'f32')}, {r.get('activation_checkpointing', 'none')}"
+        print(f"| train {form} | {r['seq_len']} | {tps} | {mfu} | {note} |")
     elif form == "generate":
         print(f"| generate | {r['context']} | {r['prefill_tokens_per_s']:,.0f} prefill | - | "
               f"{r['per_token_ms']:.2f} ms/token |")

@@ -54,28 +54,30 @@ pub struct Gau<B: Backend> {
     pub d_v: usize,
     /// Block length `L`.
     pub block_len: usize,
-    /// How the caches are used (from the config, not learned).
+    /// How the sublayer computes (from the config or set later, not
+    /// learned). One field for all such settings: each field of a module,
+    /// even a skipped one, takes a place in burn's binary record, so a new
+    /// one would make older checkpoints unreadable.
     #[module(skip)]
-    pub cache: CacheSettings,
+    pub settings: SublayerSettings,
     /// VQ attention or the quadratic baseline.
     #[module(skip)]
     pub form: AttentionForm,
-    /// Type of the block-parallel form's matrix products (not a weight:
-    /// [`crate::TransformerVq::set_precision`]). The recurrent form always
-    /// computes in `f32`.
-    #[module(skip)]
-    pub precision: Precision,
 }
 
-/// How a sublayer uses its caches. Not a parameter: a loaded model's can
-/// be changed ([`crate::TransformerVq::set_cache_limit`]).
+/// How a sublayer computes. Not parameters: a loaded model's can be changed
+/// ([`crate::TransformerVq::set_cache_limit`],
+/// [`crate::TransformerVq::set_precision`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct CacheSettings {
+pub struct SublayerSettings {
     /// Gradient through the caches within a segment.
-    pub grad: CacheGrad,
+    pub cache_grad: CacheGrad,
     /// Most keys the compressed cache weighs
     /// ([`TransformerVqConfig::cache_limit`]).
-    pub limit: Option<usize>,
+    pub cache_limit: Option<usize>,
+    /// Type of the block-parallel form's matrix products; the recurrent
+    /// form always computes in `f32`.
+    pub precision: Precision,
 }
 
 /// What a GAU sublayer returns for one segment.
@@ -123,12 +125,12 @@ impl<B: Backend> Gau<B> {
             d_k: k,
             d_v: v,
             block_len: cfg.block_len,
-            cache: CacheSettings {
-                grad: cfg.cache_grad,
-                limit: cfg.cache_limit,
+            settings: SublayerSettings {
+                cache_grad: cfg.cache_grad,
+                cache_limit: cfg.cache_limit,
+                precision: Precision::F32,
             },
             form: cfg.attention,
-            precision: Precision::F32,
         }
     }
 
@@ -250,7 +252,7 @@ impl<B: Backend> Gau<B> {
     ) -> Result<GauOutput<B>, ModelError> {
         let [b, t, _] = x.dims();
         let device = x.device();
-        let dt = self.precision.dtype();
+        let dt = self.settings.precision.dtype();
         let p = self.project(x, dt);
         let (q, bias) = self.bias.apply(p.q, self.block_len, masks.sinusoid.take());
         if self.form == AttentionForm::Quadratic {
@@ -264,7 +266,7 @@ impl<B: Backend> Gau<B> {
                 p.v,
                 self.block_len,
                 self.rotary(),
-                self.cache.limit,
+                self.settings.cache_limit,
                 dt,
             );
             return Ok(GauOutput {
@@ -285,20 +287,20 @@ impl<B: Backend> Gau<B> {
             v: p.v,
             codebook: self.keys_with_channel(self.quantizer.codebook()),
             rotary: self.rotary(),
-            cache_limit: self.cache.limit,
-            precision: self.precision,
+            cache_limit: self.settings.cache_limit,
+            precision: self.settings.precision,
         };
         let (o, state, groups) = if with_groups {
             let a = attention::block_attention_with_groups(
                 input,
                 state,
                 self.block_len,
-                self.cache.grad,
+                self.settings.cache_grad,
             )?;
             (a.out, a.state, a.groups)
         } else {
             let (o, state) =
-                attention::block_attention(input, state, self.block_len, self.cache.grad)?;
+                attention::block_attention(input, state, self.block_len, self.settings.cache_grad)?;
             (o, state, None)
         };
         Ok(GauOutput {
@@ -334,7 +336,7 @@ impl<B: Backend> Gau<B> {
             v: p.v,
             codebook: self.keys_with_channel(self.quantizer.codebook()),
             rotary: self.rotary(),
-            cache_limit: self.cache.limit,
+            cache_limit: self.settings.cache_limit,
             precision: Precision::F32,
         };
         let (o, state) = attention::step_attention(input, state, self.block_len)?;

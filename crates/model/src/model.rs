@@ -213,7 +213,7 @@ impl<B: Backend> TransformerVq<B> {
     /// `f32` until set.
     pub fn set_precision(&mut self, precision: Precision) {
         for g in &mut self.sublayers {
-            g.precision = precision;
+            g.settings.precision = precision;
         }
     }
 
@@ -221,7 +221,7 @@ impl<B: Backend> TransformerVq<B> {
     pub fn precision(&self) -> Precision {
         self.sublayers
             .first()
-            .map_or(Precision::F32, |g| g.precision)
+            .map_or(Precision::F32, |g| g.settings.precision)
     }
 
     /// Sets every sublayer's cache limit
@@ -230,7 +230,7 @@ impl<B: Backend> TransformerVq<B> {
     /// one. It is not a weight: the model computes as if configured so.
     pub fn set_cache_limit(&mut self, limit: Option<usize>) {
         for g in &mut self.sublayers {
-            g.cache.limit = limit;
+            g.settings.cache_limit = limit;
         }
     }
 

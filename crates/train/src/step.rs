@@ -57,8 +57,8 @@ pub struct ShardPlan {
     /// back multiplied by it.
     pub loss_scale: f64,
     /// Whether each sublayer's forward pass runs again in the backward pass
-    /// ([`ActivationCheckpointing::Full`], [`crate::recompute`]). The other
-    /// modes are the devices' ([`autodiff_device`]).
+    /// ([`ActivationCheckpointing::Full`], [`crate::recompute`]); burn's
+    /// balanced checkpointing is the devices' ([`autodiff_device`]).
     pub checkpointing: ActivationCheckpointing,
 }
 
@@ -135,10 +135,11 @@ pub(crate) fn cpu_autodiff() -> DispatchDevice {
     DispatchDevice::autodiff(DispatchDevice::Flex(Default::default()))
 }
 
-/// The autodiff device a run trains on over the plain `device`: burn's
-/// balanced checkpointing for [`ActivationCheckpointing::Selective`] (every
-/// tensor of a pass must come from such a device: burn checks that the
-/// operands of each op share a strategy), plain autodiff otherwise.
+/// The autodiff device a shard's passes run on over the plain `device`:
+/// burn's balanced checkpointing under `selective` and `full` (whose
+/// recomputed sublayers keep less that way), plain autodiff under `none`.
+/// Every tensor of a pass must come from such a device: burn checks that
+/// the operands of each op share a strategy.
 pub fn autodiff_device(device: &DispatchDevice, mode: ActivationCheckpointing) -> DispatchDevice {
     let strategy = match mode {
         ActivationCheckpointing::Selective | ActivationCheckpointing::Full => {
