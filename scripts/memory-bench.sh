@@ -19,7 +19,7 @@ MODES=${MODES:-"none selective full"}
 DEVICE=${DEVICE:-cpu}
 MEM_GIB=${MEM_GIB:-$(awk '/MemTotal/ {printf "%d", $2 / 1048576}' /proc/meminfo)}
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/tvq/target}"
-cargo build --release -p tvq-cli >&2
+cargo build --workspace --release >&2
 tvq="$CARGO_TARGET_DIR/release/tvq"
 
 # Activation bytes per token of the benchmark model, measured at T = 8,192 x
