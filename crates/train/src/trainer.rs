@@ -420,9 +420,9 @@ impl Trainer {
             s.update(!skipped);
         }
         self.model = Some(if skipped {
+            let lowered = self.progress.loss_scale.map_or(1.0, |s| s.scale);
             tracing::warn!(
-                "step {step}: the f16 gradients overflowed; the step is skipped and the loss scale lowered to {}",
-                scale / 2.0
+                "step {step}: the f16 gradients overflowed; the step is skipped and the loss scale is now {lowered}"
             );
             model
         } else {
