@@ -380,12 +380,11 @@ impl<B: Backend> TransformerVq<B> {
         let [b, t, _] = h.dims();
         let device = self.embedding.weight.device();
         let mut out_states = Vec::with_capacity(states.len());
-        for (gau, s) in self.sublayers[range].iter().zip(states) {
-            let mut m = gau.dropout_masks(self.layer_drop, [b, t], &device);
-            let out = gau.forward(h.clone(), s, None, &mut m, false)?;
-            // Layer drop: a row keeps or skips the whole sublayer.
-            h = h + dropout::apply(out.out, m.layer);
-            out_states.push(out.state.detach());
+        for (i, s) in range.zip(states) {
+            let m = self.sublayers[i].dropout_masks(self.layer_drop, [b, t], &device);
+            let out = self.sublayer_forward(i, h, s, None, m, false)?;
+            h = out.h;
+            out_states.push(out.state);
         }
         Ok((h, out_states))
     }
