@@ -89,6 +89,15 @@ pub struct BenchArgs {
     /// byte-level text file or directory, for each --seq-len as the segment length.
     #[arg(long)]
     loader: Option<std::path::PathBuf>,
+    /// Measure checkpoints instead, in a temporary directory under DIR
+    /// (removed after; put it on the disk runs go to): one training step of
+    /// the configured model, then --steps rounds of saving its checkpoint
+    /// (weights, AdamW moments, carried state: written and synced) and
+    /// verifying it (read back and hashed), each against a plain copy of
+    /// the same files (copied and synced); and the checksum's rate on one
+    /// core.
+    #[arg(long, value_name = "DIR")]
+    checkpoint: Option<std::path::PathBuf>,
 }
 
 /// Tokens per second of training-batch production (the model is not run).
@@ -292,6 +301,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.generate {
         return bench_generate(&args, &model, &device, &info);
     }
+    if let Some(dir) = &args.checkpoint {
+        return bench_checkpoint(&args, &model, &train, &device, dir);
+    }
     let peak = mfu::device_peak(&device, args.peak_tflops).map(|(p, _)| p);
     let forms = args
         .form
@@ -340,6 +352,111 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 }
             }
         }
+    }
+    Ok(())
+}
+
+/// Removes a directory when dropped (the checkpoint benchmark's scratch).
+struct Scratch(std::path::PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Copies every file of `from` into a new directory `to`, syncing each and
+/// the directory: what `cp -r` and `sync` do for these files.
+fn plain_copy(from: &std::path::Path, to: &std::path::Path) -> Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let path = entry?.path();
+        let target = to.join(path.file_name().context("a file name")?);
+        std::fs::copy(&path, &target)?;
+        std::fs::File::open(&target)?.sync_all()?;
+    }
+    std::fs::File::open(to)?.sync_all()?;
+    Ok(())
+}
+
+/// The median of `xs`.
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// Saves and verifies a checkpoint of the configured model after one
+/// training step, --steps times, against a plain copy of its files; prints
+/// the medians and the checksum's single-core rate.
+fn bench_checkpoint(
+    args: &BenchArgs,
+    model: &TransformerVqConfig,
+    train: &TrainSection,
+    device: &burn::DispatchDevice,
+    under: &std::path::Path,
+) -> Result<()> {
+    use tvq_train::checkpoint;
+    let scratch = Scratch(under.join(format!(".tvq-bench-checkpoint-{}", std::process::id())));
+    std::fs::create_dir_all(&scratch.0)
+        .with_context(|| format!("creating {}", scratch.0.display()))?;
+    let cfg = model.clone().with_vocab_size(args.vocab_size as usize);
+    let mut trainer =
+        Trainer::new(&cfg, train, std::slice::from_ref(device), 1.0).context("benchmark model")?;
+    // One real step, so that every parameter has its AdamW moments.
+    let batch = pattern_batch(train.shards(), cfg.block_len, args.vocab_size);
+    trainer.step(&batch, TrainCursor::default())?;
+    let (mut save, mut verify, mut copy, mut bytes) = (vec![], vec![], vec![], 0u64);
+    for round in 0..args.steps {
+        let run = scratch.0.join(format!("run-{round}"));
+        let start = Instant::now();
+        let dir = trainer.save(&run)?;
+        save.push(start.elapsed().as_secs_f64());
+        let start = Instant::now();
+        checkpoint::verify(&dir)?;
+        verify.push(start.elapsed().as_secs_f64());
+        let start = Instant::now();
+        plain_copy(&dir, &scratch.0.join(format!("copy-{round}")))?;
+        copy.push(start.elapsed().as_secs_f64());
+        bytes = std::fs::read_dir(&dir)?
+            .map(|e| Ok(e?.metadata()?.len()))
+            .sum::<Result<u64>>()?;
+        // Keep the page cache and the disk as they were for the next round.
+        std::fs::remove_dir_all(&run)?;
+        std::fs::remove_dir_all(scratch.0.join(format!("copy-{round}")))?;
+    }
+    // The checksum alone, on one core, over as many bytes as the checkpoint
+    // (at most 1 GiB, in memory).
+    let data: Vec<u8> = (0..bytes.min(1 << 30))
+        .map(|i| i.wrapping_mul(0x9E37_79B9) as u8)
+        .collect();
+    let rate = |f: &dyn Fn(&[u8]) -> u64| {
+        let start = Instant::now();
+        std::hint::black_box(f(&data));
+        data.len() as f64 / start.elapsed().as_secs_f64() / 1e9
+    };
+    let xxh3 = rate(&checkpoint::checksum);
+    let fnv1a = rate(&tvq_data::hash::fnv1a);
+    let (save, verify, copy) = (median(save), median(verify), median(copy));
+    if args.json {
+        println!(
+            "{}",
+            json!({
+                "form": "checkpoint", "bytes": bytes, "save_s": save, "verify_s": verify,
+                "plain_copy_s": copy, "save_over_copy": save / copy,
+                "xxh3_gb_per_s": xxh3, "fnv1a_gb_per_s": fnv1a, "rounds": args.steps,
+            })
+        );
+    } else {
+        println!(
+            "checkpoint of {:.1} MB (median of {} rounds): save {save:.3} s (write + sync), \
+             verify {verify:.3} s, plain copy {copy:.3} s (copy + sync); save / copy {:.2}x",
+            bytes as f64 / 1e6,
+            args.steps,
+            save / copy
+        );
+        println!(
+            "checksum on one core: xxh3-64 {xxh3:.1} GB/s (FNV-1a, format 1's: {fnv1a:.2} GB/s)"
+        );
     }
     Ok(())
 }

@@ -145,8 +145,7 @@ fn losses(run: &Path) -> Vec<(u64, String)> {
         .collect()
 }
 
-/// Every tensor of a checkpoint's model, by name, via `tvq export`
-/// (`model.bin` also holds burn's parameter ids, which differ between processes).
+/// Every tensor of a checkpoint's model, by name, via `tvq export`.
 fn final_weights(run: &Path, step: u64) -> Vec<(String, Vec<u8>)> {
     let out = run.join("weights.safetensors");
     let checkpoint = run.join(format!("checkpoints/step-{step:08}"));
@@ -799,7 +798,7 @@ fn bad_input_is_a_one_line_error() {
     fails(&["train", "--config", c, "--run-dir", run_s], "--resume");
 
     // A corrupt newest checkpoint is skipped with a warning on resume.
-    let newest = run.join("checkpoints/step-00000002/model.bin");
+    let newest = run.join("checkpoints/step-00000002/model.safetensors");
     std::fs::write(&newest, b"corrupt").unwrap();
     let out = tvq(&[
         "train",
@@ -1030,35 +1029,174 @@ fn copy_tree(from: &Path, to: &Path) {
     }
 }
 
-#[test]
-fn a_run_written_by_an_earlier_version_evaluates_and_resumes() {
-    let dir = tempfile::tempdir().unwrap();
-    let run = dir.path().join("run");
-    copy_tree(&crate_dir().join("tests/fixtures/run-format-1"), &run);
-    let corpus = dir.path().join("kjv-small.txt");
+/// A copy of the committed run directory `fixtures/NAME` in `dir`, its
+/// corpus the first 400,000 bytes of the KJV; returns the run directory.
+fn fixture_run(dir: &Path, name: &str) -> PathBuf {
+    let run = dir.join(name);
+    copy_tree(&crate_dir().join("tests/fixtures").join(name), &run);
+    let corpus = dir.join("kjv-small.txt");
     let text = std::fs::read(repo().join("data/kjv.txt")).unwrap();
     std::fs::write(&corpus, &text[..400_000]).unwrap();
     let config = run.join("config.toml");
     let toml = std::fs::read_to_string(&config).unwrap();
-    let corpus = corpus.to_str().unwrap();
-    std::fs::write(&config, toml.replace("CORPUS", corpus)).unwrap();
-    let (run_s, config_s) = (run.to_str().unwrap(), config.to_str().unwrap());
+    std::fs::write(&config, toml.replace("CORPUS", corpus.to_str().unwrap())).unwrap();
+    run
+}
 
-    let eval: serde_json::Value =
-        serde_json::from_str(&ok(&["eval", "--checkpoint", run_s, "--json"])).unwrap();
-    assert_eq!(eval["step"], 2);
-    assert!(eval["bits_per_byte"].as_f64().unwrap().is_finite());
-    ok(&[
-        "train",
-        "--config",
-        config_s,
-        "--run-dir",
-        run_s,
-        "--resume",
-        "--quiet",
-    ]);
-    let steps: Vec<u64> = losses(&run).iter().map(|(step, _)| *step).collect();
-    assert_eq!(steps, [3, 4], "the run goes on from its step 2");
+/// Runs of each checkpoint format evaluate and resume, continuing exactly:
+/// the resumed steps' loss, gradient norm and commitment equal what was
+/// logged when the format was current (format 1: the release before format
+/// 2 resuming this very directory; format 2: an uninterrupted run of the
+/// fixture's config). A resumed format-1 run writes format 2.
+#[test]
+fn a_run_written_by_an_earlier_version_evaluates_and_resumes() {
+    let logged = [
+        (
+            "run-format-1",
+            8.589750307821747,
+            [
+                "5.8521983801841735 0.8489067592440278 4.241644859313965",
+                "5.878555007719994 0.7602364618337236 3.773648977279663",
+            ],
+        ),
+        (
+            "run-format-2",
+            8.587114965655022,
+            [
+                "5.861923299312592 0.8420039229879258 4.16837215423584",
+                "5.88014134759903 0.7562802348122404 3.6630029678344727",
+            ],
+        ),
+    ];
+    for (name, bits_per_byte, want) in logged {
+        let dir = tempfile::tempdir().unwrap();
+        let run = fixture_run(dir.path(), name);
+        let config = run.join("config.toml");
+        let (run_s, config_s) = (run.to_str().unwrap(), config.to_str().unwrap());
+        let eval: serde_json::Value =
+            serde_json::from_str(&ok(&["eval", "--checkpoint", run_s, "--json"])).unwrap();
+        assert_eq!(eval["step"], 2, "{name}");
+        assert_eq!(eval["bits_per_byte"], bits_per_byte, "{name}");
+        ok(&[
+            "train",
+            "--config",
+            config_s,
+            "--run-dir",
+            run_s,
+            "--resume",
+            "--quiet",
+        ]);
+        let resumed: Vec<(u64, String)> = want
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (3 + i as u64, l.to_string()))
+            .collect();
+        assert_eq!(
+            losses(&run),
+            resumed,
+            "{name}: the run goes on from its step 2 as before"
+        );
+        let manifest: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(run.join("checkpoints/step-00000004/manifest.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(manifest["format"], 2, "{name}: {manifest}");
+    }
+}
+
+/// A checkpoint read with the safetensors crate alone (no burn): every
+/// parameter of the config under its path with its shape, float32; both
+/// moments of every trained parameter, and its step count; and the step in
+/// trainer.json.
+#[test]
+fn a_checkpoint_reads_without_tvq() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = fixture_run(dir.path(), "run-format-2");
+    let ckpt = run.join("checkpoints/step-00000002");
+    let toml: toml::Table = std::fs::read_to_string(run.join("config.toml"))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let m = &toml["model"];
+    let get = |k: &str| m[k].as_integer().unwrap() as usize;
+    let (d, k, v, s, h) = (
+        get("d_model"),
+        get("d_k"),
+        get("d_v"),
+        get("n_code"),
+        get("n_head"),
+    );
+    let vocab = 259;
+    let mut want: Vec<(String, Vec<usize>)> = vec![
+        ("embedding.weight".into(), vec![vocab, d]),
+        ("output.weight".into(), vec![d, vocab]),
+        ("output.bias".into(), vec![vocab]),
+    ];
+    assert_eq!(m["bias"].as_str(), Some("xl"));
+    for i in 0..2 * get("n_layer") {
+        let p = format!("sublayers.{i}");
+        want.extend([
+            (format!("{p}.input_norm.gain"), vec![d]),
+            (format!("{p}.input_norm.bias"), vec![d]),
+            (format!("{p}.q_proj.weight"), vec![d, h * k]),
+            (format!("{p}.kvg_proj.weight"), vec![d, h * k + 2 * h * v]),
+            (format!("{p}.out_proj.weight"), vec![h * v, d]),
+            (format!("{p}.quantizer.c_sum"), vec![h, s, k]),
+            (format!("{p}.quantizer.c_count"), vec![h, s]),
+            (format!("{p}.bias.xl.r_proj.weight"), vec![d, h * k]),
+            (format!("{p}.bias.xl.u"), vec![h, k]),
+            (format!("{p}.bias.xl.w"), vec![h, k]),
+        ]);
+    }
+    want.sort();
+    let read = |file: &str| std::fs::read(ckpt.join(file)).unwrap();
+    let model = read("model.safetensors");
+    let model = safetensors::SafeTensors::deserialize(&model).unwrap();
+    let mut got: Vec<(String, Vec<usize>)> = model
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| {
+            assert_eq!(t.dtype(), safetensors::Dtype::F32, "{n}");
+            (n, t.shape().to_vec())
+        })
+        .collect();
+    got.sort();
+    assert_eq!(got, want);
+
+    let bytes = read("optimizer.safetensors");
+    let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let meta = header.metadata().clone().unwrap();
+    let optim = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    // The codebook statistics follow the EMA, not AdamW: no moments.
+    let trained: Vec<&(String, Vec<usize>)> = want
+        .iter()
+        .filter(|(n, _)| !n.contains(".quantizer."))
+        .collect();
+    for (name, shape) in &trained {
+        let group = if shape.len() >= 2 {
+            "decay"
+        } else {
+            "no_decay"
+        };
+        for moment in ["m1", "m2"] {
+            let t = optim
+                .tensor(&format!("{group}/{name}.{moment}"))
+                .unwrap_or_else(|_| panic!("{group}/{name}.{moment}"));
+            assert_eq!(
+                (t.dtype(), t.shape()),
+                (safetensors::Dtype::F32, &shape[..])
+            );
+        }
+        assert_eq!(meta[&format!("{group}/{name}.step")], "2", "{name}");
+    }
+    assert_eq!(optim.len(), 2 * trained.len());
+    assert_eq!(meta["decay/step"], "2");
+    assert_eq!(
+        meta["toeplitz/step"], "0",
+        "an XL model has no Toeplitz tables"
+    );
+    let trainer: serde_json::Value = serde_json::from_slice(&read("trainer.json")).unwrap();
+    assert_eq!(trainer["step"], 2);
 }
 
 #[test]

@@ -13,13 +13,12 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use burn::store::{ModuleSnapshot, SafetensorsStore};
-use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 use tvq_model::official::{self, OfficialConfig, OfficialTensor};
 use tvq_model::{RelativeBias, TransformerVqConfig};
 
+use crate::checkpoint::{self, tensor_file, tensor_file::f32_values};
 use crate::error::TrainError;
 use crate::optim::{B, Model};
 
@@ -52,13 +51,10 @@ pub fn export(model: &Model, info: &ExportInfo, weights: &Path) -> Result<(), Tr
     if info.model.bias == RelativeBias::Rotary {
         info.model.rotary_channel = model.sublayers.first().map(|g| g.rotary_channel());
     }
-    let mut store = SafetensorsStore::from_file(weights.to_path_buf())
-        .metadata("format", "tvq")
-        .metadata("step", info.step.to_string())
-        .overwrite(true);
-    model
-        .save_into(&mut store)
-        .map_err(|e| TrainError::io(weights, std::io::Error::other(e.to_string())))?;
+    // The same writer as checkpoints: the same weights, the same bytes.
+    let meta = checkpoint::weights_metadata(info.step);
+    tensor_file::write(weights, &meta, checkpoint::model_tensors(model))
+        .map_err(|e| TrainError::io(weights, e))?;
     let path = info_path(weights);
     std::fs::write(
         &path,
@@ -88,22 +84,7 @@ pub fn load_export(
             .or_insert(serde_json::Value::from(0));
     }
     let info: ExportInfo = serde_json::from_value(json).map_err(bad)?;
-    let mut model = info.model.init::<B>(device)?;
-    let result = model
-        .load_from(&mut SafetensorsStore::from_file(weights.to_path_buf()))
-        .map_err(|e| TrainError::Checkpoint {
-            path: weights.to_path_buf(),
-            reason: e.to_string(),
-        })?;
-    if !result.missing.is_empty() || !result.errors.is_empty() {
-        return Err(TrainError::Checkpoint {
-            path: weights.to_path_buf(),
-            reason: format!(
-                "missing tensors {:?}, errors {:?}",
-                result.missing, result.errors
-            ),
-        });
-    }
+    let model = checkpoint::read_weights(weights, info.model.init::<B>(device)?)?;
     Ok((info, model))
 }
 
@@ -135,14 +116,6 @@ pub fn import_official(
         }
         _ => fail(config, e.to_string()),
     })
-}
-
-/// The values of a float32 safetensors tensor (little-endian on disk).
-pub(crate) fn f32_values(view: &TensorView<'_>) -> Vec<f32> {
-    view.data()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
 }
 
 /// Every float32 tensor of a safetensors file, by name.

@@ -3,7 +3,7 @@
 //! writer, damaged checkpoints and a torn metrics line. After each, the run
 //! is resumed and must end exactly as an uninterrupted run: every metrics
 //! row (but its timing) and the final weights bit for bit, and the same
-//! checkpoints kept.
+//! checkpoints kept, every file of them byte for byte.
 
 use super::*;
 
@@ -60,11 +60,34 @@ fn checkpoint_names(run: &Path) -> Vec<String> {
     names
 }
 
+/// Every file of every checkpoint kept in `run`, by path under
+/// `checkpoints/`, with its bytes' hash.
+fn checkpoint_files(run: &Path) -> Vec<(String, u64)> {
+    let mut files = vec![];
+    for dir in checkpoint_list(run) {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let name = format!(
+                "{}/{}",
+                dir.file_name().unwrap().to_string_lossy(),
+                path.file_name().unwrap().to_string_lossy()
+            );
+            files.push((
+                name,
+                tvq_train::checkpoint::checksum(&std::fs::read(&path).unwrap()),
+            ));
+        }
+    }
+    files.sort();
+    files
+}
+
 /// What an uninterrupted run leaves: its rows, final weights and checkpoints.
 struct Reference {
     rows: Vec<serde_json::Value>,
     weights: Vec<(String, Vec<u8>)>,
     checkpoints: Vec<String>,
+    files: Vec<(String, u64)>,
 }
 
 impl Reference {
@@ -87,6 +110,7 @@ impl Reference {
             rows,
             weights: final_weights(&run, TOTAL),
             checkpoints: checkpoint_names(&run),
+            files: checkpoint_files(&run),
         }
     }
 
@@ -100,6 +124,12 @@ impl Reference {
         assert!(
             final_weights(run, TOTAL) == self.weights,
             "{what}: final weights differ"
+        );
+        // The same run writes the same bytes, however often interrupted.
+        assert_eq!(
+            checkpoint_files(run),
+            self.files,
+            "{what}: checkpoint bytes"
         );
     }
 }
@@ -256,7 +286,16 @@ fn a_damaged_newest_checkpoint_or_a_torn_metrics_line_loses_nothing() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     files.sort();
-    assert_eq!(files.len(), 7, "{files:?}");
+    assert_eq!(
+        files,
+        [
+            "manifest.json",
+            "model.safetensors",
+            "optimizer.safetensors",
+            "state.safetensors",
+            "trainer.json"
+        ]
+    );
     for (i, file) in files.iter().enumerate() {
         let run = dir.path().join(format!("damaged-{file}"));
         copy_tree(&base, &run);

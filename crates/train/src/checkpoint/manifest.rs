@@ -1,0 +1,137 @@
+//! `manifest.json`: every file of a checkpoint with its size and checksum,
+//! written last, so that a checkpoint with a manifest is complete and one
+//! whose files do not match it is damaged.
+//!
+//! Format 2 (this version):
+//!
+//! ```json
+//! {"format": 2, "checksum": "xxh3-64",
+//!  "files": {"model.safetensors": {"bytes": 132357, "xxh3": "5fc71074180863d2"}, ...}}
+//! ```
+//!
+//! Format 1 (burn records) was a bare map of the files, each with its
+//! `bytes` and `fnv1a` (FNV-1a 64, hex); it is still read.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use tvq_data::hash::fnv1a;
+
+use super::bad;
+use super::tensor_file::{Written, hash_file};
+use crate::error::TrainError;
+
+/// The checkpoint format this version writes.
+pub const FORMAT: u32 = 2;
+
+/// The files a checkpoint of each format must list.
+fn required(format: u32) -> &'static [&'static str] {
+    match format {
+        1 => &[
+            "model.bin",
+            "optim-decay.bin",
+            "optim-no-decay.bin",
+            "state.safetensors",
+            "trainer.json",
+        ],
+        _ => &[
+            "model.safetensors",
+            "optimizer.safetensors",
+            "state.safetensors",
+            "trainer.json",
+        ],
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct Manifest {
+    format: u32,
+    checksum: String,
+    files: BTreeMap<String, Entry>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Entry {
+    bytes: u64,
+    xxh3: String,
+}
+
+/// The manifest of the `files` written (name, size and hash), as bytes.
+pub(crate) fn to_bytes(files: &BTreeMap<&str, Written>) -> Vec<u8> {
+    let manifest = Manifest {
+        format: FORMAT,
+        checksum: "xxh3-64".into(),
+        files: files
+            .iter()
+            .map(|(name, w)| {
+                let entry = Entry {
+                    bytes: w.bytes,
+                    xxh3: format!("{:016x}", w.xxh3),
+                };
+                (name.to_string(), entry)
+            })
+            .collect(),
+    };
+    serde_json::to_vec_pretty(&manifest).expect("serializable")
+}
+
+/// Checks every file of the checkpoint `dir` against its manifest; returns
+/// the checkpoint's format.
+pub(crate) fn verify(dir: &Path) -> Result<u32, TrainError> {
+    let text = std::fs::read(dir.join("manifest.json"))
+        .map_err(|_| bad(dir, "no manifest.json (incomplete checkpoint)"))?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&text).map_err(|e| bad(dir, format!("manifest.json: {e}")))?;
+    let (format, files) = match json.get("format") {
+        Some(_) => {
+            let m: Manifest = serde_json::from_value(json)
+                .map_err(|e| bad(dir, format!("manifest.json: {e}")))?;
+            if m.format != FORMAT {
+                return Err(bad(
+                    dir,
+                    format!(
+                        "checkpoint format {} is newer than this tvq reads ({FORMAT}); \
+                         upgrade tvq to resume it",
+                        m.format
+                    ),
+                ));
+            }
+            let files = m.files.into_iter().map(|(n, e)| (n, e.bytes, e.xxh3));
+            (m.format, files.collect::<Vec<_>>())
+        }
+        None => {
+            let m: BTreeMap<String, serde_json::Value> = serde_json::from_value(json)
+                .map_err(|e| bad(dir, format!("manifest.json: {e}")))?;
+            let files = m.into_iter().map(|(n, e)| {
+                let bytes = e["bytes"].as_u64().unwrap_or(u64::MAX);
+                (
+                    n,
+                    bytes,
+                    e["fnv1a"].as_str().unwrap_or_default().to_string(),
+                )
+            });
+            (1, files.collect())
+        }
+    };
+    for name in required(format) {
+        if !files.iter().any(|(n, ..)| n == name) {
+            return Err(bad(dir, format!("manifest lacks {name}")));
+        }
+    }
+    for (name, bytes, want) in files {
+        let path = dir.join(&name);
+        let missing = |_| bad(dir, format!("{name} is missing"));
+        let got = if format == 1 {
+            let data = std::fs::read(&path).map_err(missing)?;
+            (data.len() as u64, format!("{:016x}", fnv1a(&data)))
+        } else {
+            let w = hash_file(&path).map_err(missing)?;
+            (w.bytes, format!("{:016x}", w.xxh3))
+        };
+        if got != (bytes, want) {
+            return Err(bad(dir, format!("{name} does not match its checksum")));
+        }
+    }
+    Ok(format)
+}
