@@ -28,8 +28,11 @@ train b >/dev/null
 # The third run: killed right after checkpoints EVERY and 2 x EVERY.
 for kill_after in "$EVERY" $((2 * EVERY)); do
   resume=()
-  [ -d "$OUT/c" ] && resume=(--resume)
-  train c "${resume[@]}" >/dev/null &
+  if [ -d "$OUT/c" ]; then resume=(--resume); fi
+  # tvq itself in the background (not a function's subshell), so that
+  # kill -9 reaches it.
+  "$tvq" train --config "$CONFIG" --run-dir "$OUT/c" --quiet "${sets[@]}" "${resume[@]}" \
+    >/dev/null 2>&1 &
   pid=$!
   manifest=$(printf '%s/c/checkpoints/step-%08d/manifest.json' "$OUT" "$kill_after")
   while [ ! -f "$manifest" ]; do

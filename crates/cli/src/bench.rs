@@ -447,11 +447,15 @@ fn bench_checkpoint(
             })
         );
     } else {
+        let ms = |s: f64| format!("{:.1} ms", s * 1e3);
         println!(
-            "checkpoint of {:.1} MB (median of {} rounds): save {save:.3} s (write + sync), \
-             verify {verify:.3} s, plain copy {copy:.3} s (copy + sync); save / copy {:.2}x",
+            "checkpoint of {:.1} MB (median of {} rounds): save {} (write + sync), verify {}, \
+             plain copy {} (copy + sync); save / copy {:.2}x",
             bytes as f64 / 1e6,
             args.steps,
+            ms(save),
+            ms(verify),
+            ms(copy),
             save / copy
         );
         println!(

@@ -57,6 +57,22 @@ pub struct Optimizers {
     pub toeplitz: Adam,
     /// Multiplier on the learning rate of the Toeplitz tables.
     pub toeplitz_lr_scale: f64,
+    /// The settings the groups were built with (recorded in checkpoints).
+    pub settings: AdamWSettings,
+}
+
+/// The AdamW settings of a run (`decay` applies `weight_decay`, the other
+/// groups none).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWSettings {
+    /// Decay of the first moment.
+    pub beta1: f64,
+    /// Decay of the second moment.
+    pub beta2: f64,
+    /// Added to the root of the second moment.
+    pub epsilon: f64,
+    /// Decoupled weight decay of the `decay` group.
+    pub weight_decay: f64,
 }
 
 fn adam(t: &TrainSection, weight_decay: f64) -> Adam {
@@ -130,6 +146,12 @@ impl Optimizers {
             no_decay: adam(t, 0.0),
             toeplitz: adam(t, 0.0),
             toeplitz_lr_scale: t.toeplitz_lr_scale,
+            settings: AdamWSettings {
+                beta1: t.beta1,
+                beta2: t.beta2,
+                epsilon: t.epsilon,
+                weight_decay: t.weight_decay,
+            },
         }
     }
 

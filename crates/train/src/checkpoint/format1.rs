@@ -10,7 +10,6 @@ use std::path::Path;
 use burn::module::Module;
 use burn::optim::Optimizer;
 use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
-use burn::tensor::backend::DeviceOps;
 
 use super::bad;
 use crate::error::TrainError;
@@ -34,16 +33,15 @@ pub(crate) fn load_model(
         .map_err(record_err(dir))
 }
 
-/// The optimizer state of `dir` loaded into `optim`. The records live on
-/// the plain (non-autodiff) device under `device`.
+/// The optimizer state of `dir` loaded into `optim`, on `device` (the
+/// plain, non-autodiff one).
 pub(crate) fn load_optimizer(
     dir: &Path,
     mut optim: Optimizers,
     device: &burn::DispatchDevice,
 ) -> Result<Optimizers, TrainError> {
     let rec = Rec::new();
-    let inner = device.inner();
-    let load = |name: &str| rec.load(dir.join(name), inner).map_err(record_err(dir));
+    let load = |name: &str| rec.load(dir.join(name), device).map_err(record_err(dir));
     optim.decay = optim.decay.load_record(load("optim-decay")?);
     optim.no_decay = optim.no_decay.load_record(load("optim-no-decay")?);
     // Checkpoints written before the Toeplitz tables had their own group

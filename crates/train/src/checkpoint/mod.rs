@@ -116,6 +116,12 @@ pub fn save(
     Ok(final_dir)
 }
 
+/// The files of a checkpoint (format 2).
+const MODEL: &str = "model.safetensors";
+const OPTIMIZER: &str = "optimizer.safetensors";
+const STATE: &str = "state.safetensors";
+const TRAINER: &str = "trainer.json";
+
 /// Prefixes of the temporary entries of `checkpoints/`: a checkpoint being
 /// written, one being replaced, one being deleted.
 const TMP: &str = ".tmp-";
@@ -163,12 +169,6 @@ fn write_files(
     sync_dir(tmp);
     Ok(())
 }
-
-/// The files of a checkpoint (format 2).
-const MODEL: &str = "model.safetensors";
-const OPTIMIZER: &str = "optimizer.safetensors";
-const STATE: &str = "state.safetensors";
-const TRAINER: &str = "trainer.json";
 
 /// Renames the complete `tmp` to `final_dir`, setting aside a directory
 /// already there and deleting it once the new one is in place (put back
@@ -311,19 +311,10 @@ pub fn load(
     let format = verify(dir)?;
     let model = read_model(dir, format, model, device)?;
     // Optimizer state lives on the plain (non-autodiff) device.
+    let inner = device.inner();
     let optim = match format {
-        1 => format1::load_optimizer(dir, optim, device)?,
-        _ => {
-            let path = dir.join(OPTIMIZER);
-            let bytes = std::fs::read(&path).map_err(io(&path))?;
-            let (_, header) = safetensors::SafeTensors::read_metadata(&bytes)
-                .map_err(|e| bad(&path, e.to_string()))?;
-            let file = safetensors::SafeTensors::deserialize(&bytes)
-                .map_err(|e| bad(&path, e.to_string()))?;
-            let meta = header.metadata().clone().unwrap_or_default();
-            named::load_optimizer(&file, &meta, &model, optim, device.inner())
-                .map_err(|e| bad(&path, e))?
-        }
+        1 => format1::load_optimizer(dir, optim, inner)?,
+        _ => named::read_optimizer(&dir.join(OPTIMIZER), &model, optim, inner)?,
     };
     let state_path = dir.join(STATE);
     let bytes = std::fs::read(&state_path).map_err(io(&state_path))?;

@@ -9,6 +9,7 @@
 //! the same run writes the same bytes and any reader can match them up.
 
 use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::record::{AdaptorRecord, AdaptorRecordV1};
@@ -16,7 +17,9 @@ use burn::optim::{AdamW, AdamWState, AdaptiveMomentumState, Optimizer};
 use burn::prelude::*;
 use safetensors::SafeTensors;
 
+use super::bad;
 use super::tensor_file::{F32Tensor, f32_values};
+use crate::error::TrainError;
 use crate::optim::{Adam, B, Model, Optimizers};
 
 /// Walks the model's float parameters with their dotted module paths.
@@ -44,14 +47,10 @@ trait FloatParam {
     fn id(&self) -> ParamId;
     fn shape(&self) -> Vec<usize>;
     /// The parameter's values as a tensor to write.
-    fn values(&self, name: String) -> F32Tensor<'static>;
+    fn values(&self, name: String) -> F32Tensor;
     /// The moments of `record` (this parameter's) as tensors to write, and
     /// the step count.
-    fn moments(
-        &self,
-        name: &str,
-        record: AdaptorRecord<AdamW, B>,
-    ) -> (usize, [F32Tensor<'static>; 2]);
+    fn moments(&self, name: &str, record: AdaptorRecord<AdamW, B>) -> (usize, [F32Tensor; 2]);
     /// A record holding `time` and the moments `m1`, `m2` (this
     /// parameter's shape) on `device`.
     fn record(
@@ -63,7 +62,7 @@ trait FloatParam {
     ) -> AdaptorRecord<AdamW, B>;
 }
 
-fn f32_tensor<const D: usize>(name: String, t: Tensor<B, D>) -> F32Tensor<'static> {
+fn f32_tensor<const D: usize>(name: String, t: Tensor<B, D>) -> F32Tensor {
     F32Tensor {
         name,
         shape: t.dims().to_vec(),
@@ -85,15 +84,11 @@ impl<const D: usize> FloatParam for Param<Tensor<B, D>> {
         self.val().dims().to_vec()
     }
 
-    fn values(&self, name: String) -> F32Tensor<'static> {
+    fn values(&self, name: String) -> F32Tensor {
         f32_tensor(name, self.val())
     }
 
-    fn moments(
-        &self,
-        name: &str,
-        record: AdaptorRecord<AdamW, B>,
-    ) -> (usize, [F32Tensor<'static>; 2]) {
+    fn moments(&self, name: &str, record: AdaptorRecord<AdamW, B>) -> (usize, [F32Tensor; 2]) {
         let m: AdamWState<B, D> = record.into_state::<D>();
         let m = m.momentum;
         (
@@ -130,32 +125,39 @@ fn for_each_param(model: &Model, each: impl FnMut(String, &dyn FloatParam)) {
 
 /// Every parameter of `model` (the EMA codebook statistics included), to
 /// write under its path.
-pub(crate) fn model_tensors(model: &Model) -> Vec<F32Tensor<'static>> {
+pub(crate) fn model_tensors(model: &Model) -> Vec<F32Tensor> {
     let mut out = vec![];
     for_each_param(model, |path, p| out.push(p.values(path)));
     out
 }
 
-/// The optimizer groups by their name in the file, in a fixed order.
-fn groups(optim: &Optimizers) -> [(&'static str, &Adam, f64); 3] {
+/// A group of the optimizer state: its name in the file, its optimizer,
+/// its learning-rate scale and weight decay.
+type Group<'a> = (&'static str, &'a Adam, f64, f64);
+
+/// The optimizer groups, in a fixed order.
+fn groups(optim: &Optimizers) -> [Group<'_>; 3] {
+    let decay = optim.settings.weight_decay;
     [
-        ("decay", &optim.decay, 1.0),
-        ("no_decay", &optim.no_decay, 1.0),
-        ("toeplitz", &optim.toeplitz, optim.toeplitz_lr_scale),
+        ("decay", &optim.decay, 1.0, decay),
+        ("no_decay", &optim.no_decay, 1.0, 0.0),
+        ("toeplitz", &optim.toeplitz, optim.toeplitz_lr_scale, 0.0),
     ]
 }
 
 /// The moments of every group as tensors, with the metadata: each group's
-/// step count (the most steps any of its parameters took) and learning-rate
-/// scale, and each parameter's own step count (burn's AdamW counts per
-/// parameter; a parameter with no gradient in a step would lag).
+/// step count (the most steps any of its parameters took) and settings
+/// (learning-rate scale, betas, epsilon, weight decay: a record, the run's
+/// config rules), and each parameter's own step count (burn's AdamW counts
+/// per parameter; a parameter with no gradient in a step would lag).
 pub(crate) fn optimizer_tensors(
     model: &Model,
     optim: &Optimizers,
-) -> (BTreeMap<String, String>, Vec<F32Tensor<'static>>) {
+) -> (BTreeMap<String, String>, Vec<F32Tensor>) {
     let mut meta = BTreeMap::new();
     let mut tensors = vec![];
-    for (group, adam, lr_scale) in groups(optim) {
+    let s = optim.settings;
+    for (group, adam, lr_scale, weight_decay) in groups(optim) {
         let mut records = adam.to_record();
         let mut step = 0;
         for_each_param(model, |path, p| {
@@ -168,16 +170,38 @@ pub(crate) fn optimizer_tensors(
             }
         });
         debug_assert!(records.is_empty(), "moments of parameters the model lacks");
-        meta.insert(format!("{group}/step"), step.to_string());
-        meta.insert(format!("{group}/lr_scale"), lr_scale.to_string());
+        for (key, value) in [
+            ("step", step.to_string()),
+            ("lr_scale", lr_scale.to_string()),
+            ("beta1", s.beta1.to_string()),
+            ("beta2", s.beta2.to_string()),
+            ("epsilon", s.epsilon.to_string()),
+            ("weight_decay", weight_decay.to_string()),
+        ] {
+            meta.insert(format!("{group}/{key}"), value);
+        }
     }
     (meta, tensors)
 }
 
-/// `optim` with the moments in `file`, keyed by the ids of `model`'s
-/// parameters; the tensors go on `device` (the optimizer's, not autodiff).
-/// A parameter without moments starts fresh (as before its first step).
-pub(crate) fn load_optimizer(
+/// `optim` with the moments of the file `path` (an `optimizer.safetensors`),
+/// keyed by the ids of `model`'s parameters; the tensors go on `device`
+/// (the optimizer's, not autodiff). A parameter without moments starts
+/// fresh (as before its first step).
+pub(crate) fn read_optimizer(
+    path: &Path,
+    model: &Model,
+    optim: Optimizers,
+    device: &burn::DispatchDevice,
+) -> Result<Optimizers, TrainError> {
+    let bytes = std::fs::read(path).map_err(|e| TrainError::io(path, e))?;
+    let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| bad(path, e.to_string()))?;
+    let file = SafeTensors::deserialize(&bytes).map_err(|e| bad(path, e.to_string()))?;
+    let meta = header.metadata().clone().unwrap_or_default();
+    with_moments(&file, &meta, model, optim, device).map_err(|e| bad(path, e))
+}
+
+fn with_moments(
     file: &SafeTensors<'_>,
     meta: &HashMap<String, String>,
     model: &Model,

@@ -17,13 +17,13 @@ use xxhash_rust::xxh3::Xxh3Default;
 
 /// A float32 tensor to write: its values are produced only when written,
 /// so that a file larger than memory's spare room can be streamed.
-pub(crate) struct F32Tensor<'a> {
+pub(crate) struct F32Tensor {
     /// Name in the file.
     pub name: String,
     /// Shape.
     pub shape: Vec<usize>,
     /// Produces the `shape.product()` values, row-major.
-    pub values: Box<dyn FnOnce() -> Vec<f32> + 'a>,
+    pub values: Box<dyn FnOnce() -> Vec<f32>>,
 }
 
 /// Size and xxh3-64 of a written file.
@@ -51,7 +51,7 @@ impl<W: Write> Hashing<W> {
 }
 
 /// The header of a file of `tensors` (sorted by name) with `metadata`.
-fn header(metadata: &BTreeMap<String, String>, tensors: &[F32Tensor<'_>]) -> Vec<u8> {
+fn header(metadata: &BTreeMap<String, String>, tensors: &[F32Tensor]) -> Vec<u8> {
     let mut json = String::from("{");
     let mut entries = vec![];
     if !metadata.is_empty() {
@@ -85,7 +85,7 @@ fn header(metadata: &BTreeMap<String, String>, tensors: &[F32Tensor<'_>]) -> Vec
 pub(crate) fn write(
     path: &Path,
     metadata: &BTreeMap<String, String>,
-    tensors: Vec<F32Tensor<'_>>,
+    tensors: Vec<F32Tensor>,
 ) -> std::io::Result<Written> {
     let file = std::fs::File::create(path)?;
     let mut out = BufWriter::with_capacity(1 << 20, file);
@@ -97,7 +97,7 @@ pub(crate) fn write(
 /// The safetensors bytes of `tensors` and `metadata` (as [`write`]).
 pub(crate) fn to_bytes(
     metadata: &BTreeMap<String, String>,
-    tensors: Vec<F32Tensor<'_>>,
+    tensors: Vec<F32Tensor>,
 ) -> std::io::Result<Vec<u8>> {
     let mut out = vec![];
     write_to(&mut out, metadata, tensors)?;
@@ -123,7 +123,7 @@ pub(crate) fn write_bytes(path: &Path, bytes: &[u8]) -> std::io::Result<Written>
 fn write_to(
     out: &mut impl Write,
     metadata: &BTreeMap<String, String>,
-    mut tensors: Vec<F32Tensor<'_>>,
+    mut tensors: Vec<F32Tensor>,
 ) -> std::io::Result<Written> {
     tensors.sort_by(|a, b| a.name.cmp(&b.name));
     if let Some(w) = tensors.windows(2).find(|w| w[0].name == w[1].name) {
@@ -198,7 +198,7 @@ mod tests {
     use super::*;
     use safetensors::{Dtype, SafeTensors};
 
-    fn tensor(name: &str, shape: &[usize], start: f32) -> F32Tensor<'static> {
+    fn tensor(name: &str, shape: &[usize], start: f32) -> F32Tensor {
         let n: usize = shape.iter().product();
         F32Tensor {
             name: name.into(),
