@@ -1199,6 +1199,56 @@ fn a_checkpoint_reads_without_tvq() {
     assert_eq!(trainer["step"], 2);
 }
 
+/// A `wsd` or `constant` run stopped before its decay and resumed with
+/// `train.steps` doubled trains exactly as one started with the larger
+/// `steps` (every loss, the final weights); a cosine one warns that the
+/// schedule of the steps already done changed, and goes on differently.
+#[test]
+fn wsd_and_constant_runs_extend_on_resume_and_a_cosine_one_warns() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 6, 2);
+    let config = config.to_str().unwrap();
+    for schedule in ["wsd", "constant", "cosine"] {
+        let train = |run: &Path, steps: u64, extra: &[&str]| -> Output {
+            let run_s = run.to_str().unwrap();
+            let schedule = format!("train.schedule=\"{schedule}\"");
+            let steps = format!("train.steps={steps}");
+            let args = [
+                &["train", "--config", config, "--run-dir", run_s, "--quiet"][..],
+                &["--set", &schedule, "--set", "train.decay_fraction=0.5"],
+                &["--set", &steps],
+                extra,
+            ]
+            .concat();
+            let out = tvq(&args);
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            out
+        };
+        let reference = dir.path().join(format!("{schedule}-12"));
+        train(&reference, 12, &[]);
+        // 6 steps, stopped after 3: warm-up (2) and, for wsd, the last
+        // stable step (its decay takes steps 4 to 6).
+        let run = dir.path().join(format!("{schedule}-extended"));
+        train(&run, 6, &["--max-steps", "3"]);
+        let out = train(&run, 12, &["--resume"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        let warned = err.contains("the learning-rate schedule changed for steps already done");
+        if schedule == "cosine" {
+            assert!(warned && err.contains("first at step 3"), "{err}");
+            assert_ne!(losses(&run), losses(&reference));
+        } else {
+            assert!(!warned, "{schedule}: {err}");
+            assert_eq!(losses(&run), losses(&reference), "{schedule}");
+            assert!(final_weights(&run, 12) == final_weights(&reference, 12));
+        }
+        assert_eq!(losses(&run).len(), 12);
+    }
+}
+
 #[test]
 fn bench_times_the_training_step_of_the_configured_model() {
     let dir = tempfile::tempdir().unwrap();

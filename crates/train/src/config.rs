@@ -40,8 +40,15 @@ pub struct TrainSection {
     pub lr: f64,
     /// Linear warm-up steps.
     pub warmup_steps: u64,
-    /// Step where the cosine reaches its floor (default: `steps`).
+    /// The learning rate after the warm-up ([`Schedule`]).
+    pub schedule: Schedule,
+    /// Step where the cosine reaches its floor (default: `steps`; `cosine`
+    /// only).
     pub decay_steps: Option<u64>,
+    /// Share of `steps` at the end over which `wsd` decays to the floor.
+    pub decay_fraction: f64,
+    /// Shape of the `wsd` decay ([`DecayShape`]).
+    pub decay_shape: DecayShape,
     /// Floor of the learning rate, as a fraction of the peak.
     pub lr_floor: f64,
     /// AdamW beta 1.
@@ -82,6 +89,39 @@ pub struct TrainSection {
     /// Type of the sublayers' matrix products ([`Precision`]); weights,
     /// optimizer moments, codebooks and the loss stay `f32`.
     pub precision: Precision,
+}
+
+/// The learning rate after the linear warm-up (docs/training.md,
+/// "Learning-rate schedules").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    /// Cosine from the peak down to `lr_floor` at `decay_steps` (default
+    /// `steps`), then held there. Default. Its whole course depends on
+    /// `steps`: a run cannot be extended without changing its past.
+    #[default]
+    Cosine,
+    /// Warmup-stable-decay: the peak held until the last `decay_fraction`
+    /// of `steps`, then down to `lr_floor` in `decay_shape`. Until the
+    /// decay starts, `steps` can be raised on `--resume`: the run goes on
+    /// exactly as one started with the larger `steps`.
+    Wsd,
+    /// The peak held after the warm-up, whatever `steps`.
+    Constant,
+}
+
+/// The shape of the `wsd` decay from the peak to the floor, over the
+/// decay's progress `p` in `[0, 1]` (torchtitan's names).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DecayShape {
+    /// `1 - p`. Default.
+    #[default]
+    Linear,
+    /// `1 - sqrt(p)`: most of the drop early.
+    Sqrt,
+    /// `(1 + cos(pi p)) / 2`.
+    Cosine,
 }
 
 /// What the backward pass recomputes instead of keeping (torchtitan's
@@ -149,7 +189,10 @@ impl Default for TrainSection {
             steps: 1000,
             lr: 4e-4,
             warmup_steps: 100,
+            schedule: Schedule::Cosine,
             decay_steps: None,
+            decay_fraction: 0.2,
+            decay_shape: DecayShape::Linear,
             lr_floor: 0.1,
             beta1: 0.9,
             beta2: 0.98,
@@ -308,6 +351,16 @@ impl RunConfig {
         if !(0.0..=1.0).contains(&t.lr_floor) {
             return Err(invalid("train.lr_floor", "must be in [0, 1]"));
         }
+        if !(0.0..=1.0).contains(&t.decay_fraction) {
+            return Err(invalid("train.decay_fraction", "must be in [0, 1]"));
+        }
+        if t.decay_steps.is_some() && t.schedule != Schedule::Cosine {
+            return Err(invalid(
+                "train.decay_steps",
+                "sets where the cosine ends; schedule \"wsd\" decays over the last \
+                 train.decay_fraction of train.steps, \"constant\" never",
+            ));
+        }
         for (key, v) in [
             ("train.beta1", t.beta1),
             ("train.beta2", t.beta2),
@@ -426,6 +479,10 @@ mod tests {
         assert!(error(MINIMAL, &["data.update_len=100"]).contains("data.update_len"));
         assert!(error(MINIMAL, &["train.workers=3"]).contains("train.workers"));
         assert!(error(MINIMAL, &["train.beta2=1.0"]).contains("train.beta2"));
+        assert!(error(MINIMAL, &["train.schedule=\"step\""]).contains("schedule"));
+        let wsd_with_decay_steps = ["train.schedule=\"wsd\"", "train.decay_steps=10"];
+        assert!(error(MINIMAL, &wsd_with_decay_steps).contains("train.decay_steps"));
+        assert!(error(MINIMAL, &["train.decay_fraction=1.5"]).contains("train.decay_fraction"));
         assert!(error(MINIMAL, &["data.kind.x=1"]).contains("not a section"));
         assert!(error("[model]\nd_model = 8\n", &[]).contains("data"));
     }

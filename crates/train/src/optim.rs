@@ -18,7 +18,7 @@ use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 use tvq_model::TransformerVq;
 
-use crate::config::TrainSection;
+use crate::config::{DecayShape, Schedule, TrainSection};
 
 /// The backend of training.
 pub type B = Dispatch;
@@ -28,19 +28,45 @@ pub type Model = TransformerVq<B>;
 pub type Adam = OptimizerAdaptor<AdamW, Model, B>;
 
 /// Learning rate at optimizer step `step` (1-based): linear warm-up to `lr`,
-/// cosine down to `lr * lr_floor` at `decay_steps`, then held there.
+/// then the [`Schedule`] down to `lr * lr_floor`: a cosine that reaches the
+/// floor at `decay_steps`; the peak held until the last `decay_fraction` of
+/// `steps` and a decay of `decay_shape` (`wsd`); or the peak (`constant`).
 pub fn learning_rate(t: &TrainSection, step: u64) -> f64 {
+    use std::f64::consts::PI;
     let peak = t.lr;
     let floor = t.lr * t.lr_floor;
-    let end = t.decay_steps.unwrap_or(t.steps).max(t.warmup_steps + 1);
     if step <= t.warmup_steps {
-        peak * step as f64 / t.warmup_steps.max(1) as f64
-    } else if step >= end {
-        floor
-    } else {
-        let p = (step - t.warmup_steps) as f64 / (end - t.warmup_steps) as f64;
-        floor + 0.5 * (peak - floor) * (1.0 + (std::f64::consts::PI * p).cos())
+        return peak * step as f64 / t.warmup_steps.max(1) as f64;
     }
+    // The decay runs from `start` (the peak) to `end` (the floor).
+    let (start, end) = match t.schedule {
+        Schedule::Constant => return peak,
+        Schedule::Cosine => (t.warmup_steps, t.decay_steps.unwrap_or(t.steps)),
+        Schedule::Wsd => {
+            let decay = (t.decay_fraction * t.steps as f64).round() as u64;
+            (t.steps.saturating_sub(decay).max(t.warmup_steps), t.steps)
+        }
+    };
+    if step <= start {
+        return peak;
+    }
+    if step >= end {
+        return floor;
+    }
+    let p = (step - start) as f64 / (end - start) as f64;
+    match (t.schedule, t.decay_shape) {
+        (Schedule::Wsd, DecayShape::Linear) => floor + (peak - floor) * (1.0 - p),
+        (Schedule::Wsd, DecayShape::Sqrt) => floor + (peak - floor) * (1.0 - p.sqrt()),
+        // The cosine's expression as before schedules had names, to the bit.
+        _ => floor + 0.5 * (peak - floor) * (1.0 + (PI * p).cos()),
+    }
+}
+
+/// The first step up to `done` whose learning rate differs between the
+/// settings `old` and `new`: where a run resumed under `new` stops being
+/// the run `new` would have trained from the start.
+pub fn schedule_differs(old: &TrainSection, new: &TrainSection, done: u64) -> Option<u64> {
+    (1..=done).find(|&s| learning_rate(old, s) != learning_rate(new, s))
 }
 
 /// The optimizers of a run, one per parameter group.
@@ -310,6 +336,78 @@ mod tests {
             s.update(false);
         }
         assert_eq!(s.scale, 1.0);
+    }
+
+    /// `wsd` holds the peak until the last `decay_fraction` of the steps,
+    /// then falls to the floor in its shape; `constant` holds the peak.
+    #[test]
+    fn wsd_holds_the_peak_then_decays_in_its_shape_and_constant_holds_it() {
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        let (peak, floor) = (1e-3, 1e-4);
+        let wsd = |shape| TrainSection {
+            schedule: Schedule::Wsd,
+            decay_steps: None,
+            decay_fraction: 0.2,
+            decay_shape: shape,
+            ..schedule()
+        };
+        for shape in [DecayShape::Linear, DecayShape::Sqrt, DecayShape::Cosine] {
+            let t = wsd(shape);
+            assert!(close(learning_rate(&t, 50), 5e-4), "the same warm-up");
+            assert!((100..=800).all(|s| learning_rate(&t, s) == peak));
+            assert!(close(learning_rate(&t, 1000), floor));
+            let decay: Vec<f64> = (800..=1000).map(|s| learning_rate(&t, s)).collect();
+            assert!(decay.windows(2).all(|w| w[1] < w[0]), "{shape:?}");
+        }
+        let mid = |shape| learning_rate(&wsd(shape), 900);
+        assert!(close(mid(DecayShape::Linear), (peak + floor) / 2.0));
+        assert!(close(mid(DecayShape::Cosine), (peak + floor) / 2.0));
+        let sqrt = floor + (peak - floor) * (1.0 - 0.5f64.sqrt());
+        assert!(close(mid(DecayShape::Sqrt), sqrt));
+        // The linear decay's quarter point; the cosine is still higher.
+        assert!(close(
+            learning_rate(&wsd(DecayShape::Linear), 850),
+            floor + 0.75 * (peak - floor)
+        ));
+        assert!(learning_rate(&wsd(DecayShape::Cosine), 850) > floor + 0.75 * (peak - floor));
+        let constant = TrainSection {
+            schedule: Schedule::Constant,
+            decay_steps: None,
+            ..schedule()
+        };
+        assert!(
+            [101, 1000, 10_000]
+                .iter()
+                .all(|&s| learning_rate(&constant, s) == peak)
+        );
+    }
+
+    /// Raising `steps` leaves a `wsd` run's past alone until its decay
+    /// starts and a `constant` run's always; a cosine's changes right after
+    /// the warm-up.
+    #[test]
+    fn only_the_cosine_changes_its_past_when_the_steps_grow() {
+        let longer = |t: &TrainSection| TrainSection {
+            steps: 2 * t.steps,
+            ..t.clone()
+        };
+        let wsd = TrainSection {
+            schedule: Schedule::Wsd,
+            decay_steps: None,
+            ..schedule()
+        };
+        assert_eq!(schedule_differs(&wsd, &longer(&wsd), 800), None);
+        assert_eq!(schedule_differs(&wsd, &longer(&wsd), 1000), Some(801));
+        let constant = TrainSection {
+            schedule: Schedule::Constant,
+            ..wsd.clone()
+        };
+        assert_eq!(schedule_differs(&constant, &longer(&constant), 1000), None);
+        let cosine = TrainSection {
+            decay_steps: None,
+            ..schedule()
+        };
+        assert_eq!(schedule_differs(&cosine, &longer(&cosine), 1000), Some(101));
     }
 
     #[test]

@@ -16,7 +16,7 @@ use tvq_data::{Corpus, Split, TrainBatches};
 
 use crate::checkpoint;
 use crate::collective::{ClusterSpec, Collective};
-use crate::config::RunConfig;
+use crate::config::{RunConfig, Schedule, TrainSection};
 use crate::error::TrainError;
 use crate::evaluate::{EvalOptions, EvalReport, evaluate};
 use crate::lock::RunLock;
@@ -90,10 +90,14 @@ pub fn train(
         cfg.train.activation_checkpointing
     );
     let mut trainer = trainer.with_peak_flops(peak_flops(&devices[0], opts.peak_tflops));
-    if rank == 0 {
-        prepare_run_dir(cfg, opts)?;
-    }
+    let previous = match rank {
+        0 => prepare_run_dir(cfg, opts)?,
+        _ => None,
+    };
     resume_latest(&mut trainer, opts)?;
+    if let Some(old) = previous {
+        warn_if_the_past_schedule_changed(&old, &cfg.train, trainer.progress().step);
+    }
     if let Some(spec) = &opts.cluster {
         trainer.join(Collective::join(spec, &devices[0])?, fingerprint(cfg))?;
         tracing::info!("node {rank} of {nodes}: joined at {}", spec.coordinator);
@@ -302,17 +306,45 @@ fn peak_flops(device: &DispatchDevice, override_tflops: Option<f64>) -> Option<f
     }
 }
 
-/// Prepares the run directory: refuses another run's directory, writes the config.
-fn prepare_run_dir(cfg: &RunConfig, opts: &TrainOptions) -> Result<(), TrainError> {
+/// Warns when a resumed run's learning rate differs from its own past: the
+/// steps already done (`done`) had the rates of `old`, the config the run
+/// goes on with is `new`.
+fn warn_if_the_past_schedule_changed(old: &TrainSection, new: &TrainSection, done: u64) {
+    if let Some(step) = crate::optim::schedule_differs(old, new, done) {
+        let extendable = match new.schedule {
+            Schedule::Cosine => {
+                "a cosine's whole course follows train.steps; \
+                                 schedule = \"wsd\" or \"constant\" can be extended"
+            }
+            _ => "a wsd run extends exactly only from a checkpoint before its decay starts",
+        };
+        tracing::warn!(
+            "the learning-rate schedule changed for steps already done (first at step {step}): \
+             the run goes on with the new schedule from step {}, but is not the run this \
+             config trains from the start ({extendable})",
+            done + 1
+        );
+    }
+}
+
+/// Prepares the run directory: refuses another run's directory, writes the
+/// config; returns the `[train]` of the config it replaces, if any.
+fn prepare_run_dir(
+    cfg: &RunConfig,
+    opts: &TrainOptions,
+) -> Result<Option<TrainSection>, TrainError> {
     let dir = &opts.run_dir;
     std::fs::create_dir_all(dir).map_err(|e| TrainError::io(dir, e))?;
     let config_path = dir.join("config.toml");
     let has_checkpoints = !checkpoint::list(dir).is_empty();
-    if let Ok(old) = std::fs::read_to_string(&config_path) {
-        let same = RunConfig::parse(&old, &[]).is_ok_and(|old| {
+    let old = std::fs::read_to_string(&config_path)
+        .ok()
+        .and_then(|text| RunConfig::parse(&text, &[]).ok());
+    if has_checkpoints && !opts.force {
+        let same = old.as_ref().is_some_and(|old| {
             old.model == cfg.model && old.data == cfg.data && old.train.seed == cfg.train.seed
         });
-        if has_checkpoints && !same && !opts.force {
+        if !same && config_path.exists() {
             return Err(TrainError::ForeignRunDir { path: dir.clone() });
         }
     }
@@ -331,7 +363,8 @@ fn prepare_run_dir(cfg: &RunConfig, opts: &TrainOptions) -> Result<(), TrainErro
     }
     let tmp = dir.join(".config.toml.tmp");
     std::fs::write(&tmp, cfg.to_toml()).map_err(|e| TrainError::io(&tmp, e))?;
-    std::fs::rename(&tmp, &config_path).map_err(|e| TrainError::io(&config_path, e))
+    std::fs::rename(&tmp, &config_path).map_err(|e| TrainError::io(&config_path, e))?;
+    Ok(old.map(|old| old.train))
 }
 
 /// The progress bar of the steps (hidden when `show` is false).
