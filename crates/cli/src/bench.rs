@@ -138,12 +138,7 @@ fn bench_loader(args: &BenchArgs, path: &std::path::Path) -> Result<()> {
 
 /// Peak resident set size of this process in bytes (Linux), or 0.
 fn peak_rss_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
+    tvq_train::metrics::peak_rss_bytes().unwrap_or(0)
 }
 
 /// Resets the peak RSS counter so each setting reports its own peak (Linux).

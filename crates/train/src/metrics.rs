@@ -61,6 +61,10 @@ pub struct StepMetrics {
     pub skipped: bool,
     /// Training tokens so far.
     pub tokens: u64,
+    /// The most host memory (resident set) the process has held so far, in
+    /// bytes (absent where the system does not say: Linux only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_rss_bytes: Option<u64>,
     /// The run was asked to stop (on any node) and stops after this step.
     #[serde(skip)]
     pub stop: bool,
@@ -72,11 +76,25 @@ impl StepMetrics {
         let mfu = self
             .mfu
             .map_or(String::new(), |m| format!(" mfu {:.0}%", 100.0 * m));
+        let rss = self.peak_rss_bytes.map_or(String::new(), |b| {
+            format!(" rss {:.2} GiB", b as f64 / (1u64 << 30) as f64)
+        });
         format!(
-            "loss {:.3} bpb {:.3} {:.0} tok/s{mfu}",
+            "loss {:.3} bpb {:.3} {:.0} tok/s{mfu}{rss}",
             self.loss, self.bits_per_byte, self.tokens_per_s
         )
     }
+}
+
+/// The peak resident set size of this process in bytes (`VmHWM` of
+/// `/proc/self/status`; `None` where there is no such file).
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
 }
 
 /// One line of `metrics.jsonl` per evaluation.

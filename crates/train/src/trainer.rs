@@ -460,6 +460,7 @@ impl Trainer {
             loss_scale: self.progress.loss_scale.map(|_| scale),
             skipped,
             tokens: self.progress.tokens,
+            peak_rss_bytes: crate::metrics::peak_rss_bytes(),
             stop: stop || (self.collective.is_none() && self.interrupted()),
         })
     }

@@ -35,7 +35,8 @@ fn resume(config: &Path, run: &Path) -> Output {
     out
 }
 
-/// Every line of `metrics.jsonl`, without the timing (which no two runs share).
+/// Every line of `metrics.jsonl`, without the timing and the memory (which
+/// no two runs share).
 fn rows(run: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(run.join("metrics.jsonl"))
         .unwrap()
@@ -45,6 +46,11 @@ fn rows(run: &Path) -> Vec<serde_json::Value> {
             let row = v.as_object_mut().unwrap();
             row.remove("tokens_per_s");
             row.remove("mfu");
+            // Memory is a fact of the process, and present in every row.
+            let rss = row.remove("peak_rss_bytes");
+            if row["kind"] == "train" {
+                assert!(rss.and_then(|r| r.as_u64()).is_some_and(|r| r > 1 << 20));
+            }
             v
         })
         .collect()

@@ -91,8 +91,8 @@ pub(crate) fn verify(dir: &Path) -> Result<u32, TrainError> {
                 return Err(bad(
                     dir,
                     format!(
-                        "checkpoint format {} is newer than this tvq reads ({FORMAT}); \
-                         upgrade tvq to resume it",
+                        "checkpoint format {} is not one this tvq reads (1 and {FORMAT}); \
+                         a newer tvq may read it",
                         m.format
                     ),
                 ));
