@@ -6,7 +6,7 @@
 //!
 //! ```json
 //! {"format": 2, "checksum": "xxh3-64",
-//!  "files": {"model.safetensors": {"bytes": 132357, "xxh3": "5fc71074180863d2"}, ...}}
+//!  "files": {"model.safetensors": {"bytes": 133820, "xxh3": "d06ce165a7be2137"}, ...}}
 //! ```
 //!
 //! Format 1 (burn records) was a bare map of the files, each with its
