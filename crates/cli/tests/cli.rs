@@ -1249,6 +1249,46 @@ fn wsd_and_constant_runs_extend_on_resume_and_a_cosine_one_warns() {
     }
 }
 
+/// `tvq bench --checkpoint DIR` saves, verifies and copies a real
+/// checkpoint of the configured model, reports every figure, and leaves
+/// nothing behind in DIR.
+#[test]
+fn bench_times_checkpoints_and_cleans_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 2, 2);
+    let scratch = dir.path().join("scratch");
+    std::fs::create_dir_all(&scratch).unwrap();
+    let out = ok(&[
+        "bench",
+        "--config",
+        config.to_str().unwrap(),
+        "--checkpoint",
+        scratch.to_str().unwrap(),
+        "--steps",
+        "2",
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["form"], "checkpoint", "{v}");
+    // Weights and two moments per trained parameter: more than 2x the
+    // weights' bytes of the tiny model (d_model 32).
+    assert!(v["bytes"].as_u64().unwrap() > 100_000, "{v}");
+    for key in [
+        "save_s",
+        "verify_s",
+        "plain_copy_s",
+        "xxh3_gb_per_s",
+        "fnv1a_gb_per_s",
+    ] {
+        assert!(v[key].as_f64().unwrap() > 0.0, "{key}: {v}");
+    }
+    assert_eq!(
+        std::fs::read_dir(&scratch).unwrap().count(),
+        0,
+        "left behind"
+    );
+}
+
 #[test]
 fn bench_times_the_training_step_of_the_configured_model() {
     let dir = tempfile::tempdir().unwrap();
