@@ -124,6 +124,30 @@ fn spawn_train(
         .unwrap()
 }
 
+/// Polls `done` until it holds, failing at once (with the child's stderr
+/// when it was piped) if `child` exits first, or after five minutes: a
+/// condition that may hold only briefly (a checkpoint the next step
+/// prunes) must not be waited for.
+fn wait_for(child: &mut std::process::Child, what: &str, done: impl Fn() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            if let Some(mut stderr) = child.stderr.take() {
+                std::io::Read::read_to_string(&mut stderr, &mut err).unwrap();
+            }
+            panic!("the process exited ({status}) before {what}:\n{err}");
+        }
+        assert!(start.elapsed() < Duration::from_secs(300), "no {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Lines in the run's metrics.jsonl (0 before it exists).
+fn metrics_lines(run: &Path) -> usize {
+    std::fs::read_to_string(run.join("metrics.jsonl")).map_or(0, |m| m.lines().count())
+}
+
 fn checkpoint_list(run: &Path) -> Vec<PathBuf> {
     std::fs::read_dir(run.join("checkpoints"))
         .map_or(vec![], |d| d.map(|e| e.unwrap().path()).collect())
@@ -265,18 +289,9 @@ fn killed_and_resumed_training_equals_uninterrupted_training() {
     let killed = dir.path().join("killed");
     let mut child = spawn_train(config, &killed, std::process::Stdio::null);
     let marker = killed.join(format!("checkpoints/step-{k:08}/manifest.json"));
-    let start = Instant::now();
-    while !marker.exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(300),
-            "no checkpoint at step {k}"
-        );
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "training ended before it could be killed"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for(&mut child, &format!("a checkpoint at step {k}"), || {
+        marker.exists()
+    });
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
     assert!(
@@ -847,15 +862,8 @@ fn bad_input_is_a_one_line_error() {
 
 /// Waits until the run in `run` has logged 3 lines, then sends `child`
 /// SIGINT as a terminal's Ctrl-C would.
-fn interrupt_once_under_way(run: &Path, child: &std::process::Child) {
-    let start = Instant::now();
-    while std::fs::read_to_string(run.join("metrics.jsonl")).map_or(0, |m| m.lines().count()) < 3 {
-        assert!(
-            start.elapsed() < Duration::from_secs(300),
-            "training did not start"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+fn interrupt_once_under_way(run: &Path, child: &mut std::process::Child) {
+    wait_for(child, "3 metrics lines", || metrics_lines(run) >= 3);
     let status = Command::new("kill")
         .args(["-INT", &child.id().to_string()])
         .status()
@@ -891,8 +899,8 @@ fn ctrl_c_writes_a_checkpoint_and_exits_cleanly() {
     let dir = tempfile::tempdir().unwrap();
     let config = tiny_config(dir.path(), 100_000, 100_000);
     let run = dir.path().join("run");
-    let child = spawn_train(config.to_str().unwrap(), &run, std::process::Stdio::piped);
-    interrupt_once_under_way(&run, &child);
+    let mut child = spawn_train(config.to_str().unwrap(), &run, std::process::Stdio::piped);
+    interrupt_once_under_way(&run, &mut child);
     assert_stopped_cleanly(&child.wait_with_output().unwrap(), "tvq train");
     assert_checkpoint_at_last_step(&run);
 }
@@ -1480,19 +1488,11 @@ fn two_processes_train_like_one_and_resume_after_one_dies() {
     let mut other = node(1, false);
     // Kill node 1 once node 0 has written checkpoint K.
     let marker = nodes.join(format!("checkpoints/step-{k:08}/manifest.json"));
-    let start = Instant::now();
-    while !marker.exists() {
-        assert!(
-            start.elapsed() < Duration::from_secs(300),
-            "no checkpoint at step {k}"
-        );
-        assert!(
-            writer.try_wait().unwrap().is_none(),
-            "node 0 ended before node 1 could be killed:\n{}",
-            String::from_utf8_lossy(&writer.wait_with_output().unwrap().stderr)
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for(
+        &mut writer,
+        &format!("node 0's checkpoint at step {k}"),
+        || marker.exists(),
+    );
     other.kill().unwrap(); // SIGKILL
     other.wait().unwrap();
     let killed_at = Instant::now();
@@ -1573,9 +1573,9 @@ fn ctrl_c_on_node_0_stops_both_nodes_after_one_step_with_a_checkpoint() {
     let run = dir.path().join("run");
     let coordinator = format!("127.0.0.1:{}", free_ports(6));
     let extra = ["--set", "train.micro_batches=1"].map(String::from);
-    let writer = spawn_node(config, &run, &coordinator, 0, &extra);
+    let mut writer = spawn_node(config, &run, &coordinator, 0, &extra);
     let other = spawn_node(config, &run, &coordinator, 1, &extra);
-    interrupt_once_under_way(&run, &writer);
+    interrupt_once_under_way(&run, &mut writer);
     for (rank, child) in [(0, writer), (1, other)] {
         assert_stopped_cleanly(&child.wait_with_output().unwrap(), &format!("node {rank}"));
     }

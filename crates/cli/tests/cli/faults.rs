@@ -233,8 +233,6 @@ fn repeated_kills_and_resumes_end_as_an_uninterrupted_run() {
     let config = tiny_config(dir.path(), TOTAL, EVERY);
     let reference = Reference::of(&config, dir.path());
     let run = dir.path().join("killed");
-    let lines =
-        || std::fs::read_to_string(run.join("metrics.jsonl")).map_or(0, |m| m.lines().count());
     for (i, after_lines) in [1, 4, 8].into_iter().enumerate() {
         let mut cmd = Command::new(TVQ);
         cmd.args(["train", "--config", config.to_str().unwrap()])
@@ -245,15 +243,9 @@ fn repeated_kills_and_resumes_end_as_an_uninterrupted_run() {
             cmd.arg("--resume");
         }
         let mut child = cmd.spawn().unwrap();
-        let start = Instant::now();
-        while lines() < after_lines {
-            assert!(start.elapsed() < Duration::from_secs(300), "no progress");
-            assert!(
-                child.try_wait().unwrap().is_none(),
-                "the run ended before the kill after {after_lines} lines"
-            );
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        wait_for(&mut child, &format!("{after_lines} metrics lines"), || {
+            metrics_lines(&run) >= after_lines
+        });
         child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();
         assert_no_partial_checkpoint(&run, "after a kill");
@@ -396,11 +388,12 @@ fn a_second_writer_is_refused_and_readers_see_complete_checkpoints() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let start = Instant::now();
-    while !run.join("checkpoints/step-00000001/manifest.json").exists() {
-        assert!(start.elapsed() < Duration::from_secs(300), "no checkpoint");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    // Any complete checkpoint: each one lives a single step.
+    wait_for(&mut first, "a checkpoint", || {
+        checkpoint_list(&run)
+            .iter()
+            .any(|c| c.join("manifest.json").exists())
+    });
     let holder = format!("pid {}", first.id());
     let run_arg = run.to_str().unwrap();
     let port = free_ports(4).to_string();
@@ -462,7 +455,7 @@ fn a_second_writer_is_refused_and_readers_see_complete_checkpoints() {
         first.try_wait().unwrap().is_none(),
         "the first run ended too soon"
     );
-    super::interrupt_once_under_way(&run, &first);
+    super::interrupt_once_under_way(&run, &mut first);
     let status = first.wait().unwrap();
     assert!(status.success());
     let steps: Vec<u64> = rows(&run)
