@@ -1621,3 +1621,5 @@ fn nodes_that_never_meet_or_disagree_fail_with_one_line() {
 /// The fault suite: injected faults, second writers, damaged files, strangers.
 #[path = "cli/faults.rs"]
 mod faults;
+#[path = "cli/logs.rs"]
+mod logs;

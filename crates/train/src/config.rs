@@ -25,9 +25,12 @@ pub struct RunConfig {
     /// `[train]`: optimization.
     #[serde(default)]
     pub train: TrainSection,
-    /// `[eval]`: periodic and final evaluation.
+    /// `[eval]`: periodic and final evaluation, samples while training.
     #[serde(default)]
     pub eval: EvalSection,
+    /// `[log]`: what the run writes besides `metrics.jsonl`.
+    #[serde(default)]
+    pub log: LogSection,
 }
 
 /// `[train]`.
@@ -225,6 +228,35 @@ pub struct EvalSection {
     pub batch_size: usize,
     /// Tokens per evaluation segment (a multiple of `block_len`).
     pub update_len: usize,
+    /// Draw a sample every this many steps (0: never), into `samples.jsonl`
+    /// and TensorBoard; as `tvq sample` would from that step's checkpoint.
+    pub sample_every: u64,
+    /// The text each sample continues (empty: a fresh document).
+    pub sample_prompt: String,
+    /// Tokens per sample (it ends earlier at an end of document).
+    pub sample_tokens: usize,
+    /// Softmax temperature of the samples (0: greedy).
+    pub sample_temperature: f64,
+    /// Nucleus of the samples: draw among the most likely tokens holding
+    /// this much probability.
+    pub sample_top_p: f64,
+    /// Seed of the samples' draws (the same at every step, so that samples
+    /// differ only by what the model learnt).
+    pub sample_seed: u64,
+}
+
+/// `[log]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogSection {
+    /// Write TensorBoard event files into the run directory's `tb/`.
+    pub tensorboard: bool,
+}
+
+impl Default for LogSection {
+    fn default() -> Self {
+        Self { tensorboard: true }
+    }
 }
 
 impl Default for EvalSection {
@@ -234,6 +266,12 @@ impl Default for EvalSection {
             segments: 8,
             batch_size: 8,
             update_len: 512,
+            sample_every: 0,
+            sample_prompt: String::new(),
+            sample_tokens: 256,
+            sample_temperature: 1.0,
+            sample_top_p: 0.9,
+            sample_seed: 0,
         }
     }
 }
@@ -402,6 +440,15 @@ impl RunConfig {
                     m.block_len
                 ),
             ));
+        }
+        if e.sample_every > 0 && e.sample_tokens == 0 {
+            return Err(invalid("eval.sample_tokens", "must be at least 1"));
+        }
+        if e.sample_temperature.is_nan() || e.sample_temperature < 0.0 {
+            return Err(invalid("eval.sample_temperature", "must not be negative"));
+        }
+        if !(e.sample_top_p > 0.0 && e.sample_top_p <= 1.0) {
+            return Err(invalid("eval.sample_top_p", "must be in (0, 1]"));
         }
         if m.vocab_size != 0 {
             return Err(invalid(

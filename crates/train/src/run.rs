@@ -12,16 +12,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::DispatchDevice;
 use indicatif::ProgressBar;
-use tvq_data::{Corpus, Split, TrainBatches};
+use tvq_data::{Corpus, Split, TrainBatches, Vocab};
 
 use crate::checkpoint;
 use crate::collective::{ClusterSpec, Collective};
-use crate::config::{RunConfig, Schedule, TrainSection};
+use crate::config::{EvalSection, RunConfig, Schedule, TrainSection};
 use crate::error::TrainError;
 use crate::evaluate::{EvalOptions, EvalReport, evaluate};
 use crate::lock::RunLock;
-use crate::metrics::{EvalLine, MetricsLog, progress_bar};
+use crate::metrics::{EvalLine, MetricsLog, SampleLine, progress_bar};
 use crate::plot;
+use crate::sample::{SampleOptions, sample};
 use crate::trainer::{Trainer, check_devices};
 
 /// How `train` is run.
@@ -111,9 +112,11 @@ pub fn train(
             &opts.run_dir,
             resumed_at,
             resumed_at == total,
+            cfg.log.tensorboard,
         )?),
         _ => None,
     };
+    let prompt = corpus.vocab.encode(&cfg.eval.sample_prompt)?;
     let layout = cfg.data.train_layout(cfg.train.seed);
     let mut loader =
         TrainBatches::new(train_split, layout, trainer.progress().cursor)?.with_rows(node_rows)?;
@@ -150,6 +153,14 @@ pub fn train(
             }
             bar.println(format!("step {}: validation {}", m.step, report.summary()));
         }
+        if let Some(log) = &mut log
+            && cfg.eval.sample_every > 0
+            && m.step.is_multiple_of(cfg.eval.sample_every)
+        {
+            let sample = draw_sample(&trainer, &corpus.vocab, &prompt, &cfg.eval, m.step)?;
+            bar.println(format!("step {}: sample {:?}", m.step, sample.text));
+            log.append_sample(&sample)?;
+        }
         if m.step.is_multiple_of(cfg.train.checkpoint_every) || m.step == total {
             trainer.save(&opts.run_dir)?;
         }
@@ -166,6 +177,37 @@ pub fn train(
         &opts.run_dir,
         |t| validate(t, None, opts.progress),
     )
+}
+
+/// A sample of the model as it is after `step` (`eval.sample_every`),
+/// drawn as `tvq sample` draws: the prompt read in block form, then the
+/// recurrent form, from the sample's own seeded stream, so that the run
+/// itself is untouched.
+fn draw_sample(
+    trainer: &Trainer,
+    vocab: &Vocab,
+    prompt: &[u32],
+    eval: &EvalSection,
+    step: u64,
+) -> Result<SampleLine, TrainError> {
+    let opts = SampleOptions {
+        max_tokens: eval.sample_tokens,
+        temperature: eval.sample_temperature,
+        top_p: eval.sample_top_p,
+        seed: eval.sample_seed,
+        progress: false,
+    };
+    let eos = vocab.eos();
+    let tokens = sample(&trainer.inference_model(), prompt, eos, opts, |t| t != eos)?;
+    let end = tokens
+        .iter()
+        .position(|&t| t == eos)
+        .unwrap_or(tokens.len());
+    Ok(SampleLine {
+        step,
+        prompt: eval.sample_prompt.clone(),
+        text: vocab.decode(&tokens[..end])?,
+    })
 }
 
 /// Ends a run after its loop: the last checkpoint (written unless the loop
@@ -360,6 +402,8 @@ fn prepare_run_dir(
         }
         let _ = std::fs::remove_dir_all(dir.join("checkpoints"));
         let _ = std::fs::remove_file(dir.join("metrics.jsonl"));
+        let _ = std::fs::remove_file(dir.join("samples.jsonl"));
+        let _ = std::fs::remove_dir_all(dir.join("tb"));
     }
     let tmp = dir.join(".config.toml.tmp");
     std::fs::write(&tmp, cfg.to_toml()).map_err(|e| TrainError::io(&tmp, e))?;

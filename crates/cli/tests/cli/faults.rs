@@ -127,6 +127,7 @@ impl Reference {
             "{what}: metrics rows differ from the uninterrupted run's"
         );
         assert_eq!(checkpoint_names(run), self.checkpoints, "{what}");
+        super::logs::assert_tensorboard_matches_logs(run, what);
         assert!(
             final_weights(run, TOTAL) == self.weights,
             "{what}: final weights differ"

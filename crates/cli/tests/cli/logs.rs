@@ -1,0 +1,257 @@
+//! What a run logs besides its checkpoints: TensorBoard event files that
+//! hold exactly the rows of `metrics.jsonl` and `samples.jsonl`, however
+//! the run was interrupted, and samples drawn while training that change
+//! nothing in the run.
+
+use super::*;
+use tvq_train::metrics::tensorboard::{Content, What, read_events};
+
+/// TensorBoard's content: scalars `(step, tag, value)` and texts `(step,
+/// text)`.
+type Board = (Vec<(u64, String, f32)>, Vec<(u64, String)>);
+
+/// A run's TensorBoard content, in file order, read with tvq's reader from
+/// its one event file.
+fn tensorboard_of(run: &Path) -> Board {
+    let files: Vec<PathBuf> = std::fs::read_dir(run.join("tb"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1, "one event file and nothing else: {files:?}");
+    assert!(files[0].to_string_lossy().contains("tfevents"));
+    let (mut scalars, mut texts) = (vec![], vec![]);
+    for event in read_events(&files[0]).unwrap() {
+        let Some(What::Summary(summary)) = event.what else {
+            continue;
+        };
+        let step = event.step as u64;
+        for value in summary.value {
+            match value.content {
+                Some(Content::SimpleValue(x)) => scalars.push((step, value.tag, x)),
+                Some(Content::Tensor(t)) => {
+                    texts.push((step, String::from_utf8(t.string_val[0].clone()).unwrap()))
+                }
+                None => panic!("a value without content"),
+            }
+        }
+    }
+    (scalars, texts)
+}
+
+/// The lines of a run's JSON-lines file (none when it does not exist).
+fn json_lines(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// What TensorBoard should hold for a run: every number of every
+/// `metrics.jsonl` row as `KIND/FIELD` in `f32`, and every sample of
+/// `samples.jsonl` (prompt and continuation, indented as Markdown code).
+fn expected_tensorboard(run: &Path) -> Board {
+    let mut scalars = vec![];
+    for row in json_lines(&run.join("metrics.jsonl")) {
+        let step = row["step"].as_u64().unwrap();
+        let kind = row["kind"].as_str().unwrap();
+        for (field, value) in row.as_object().unwrap() {
+            if let (true, Some(x)) = (field != "step", value.as_f64()) {
+                scalars.push((step, format!("{kind}/{field}"), x as f32));
+            }
+        }
+    }
+    let texts = json_lines(&run.join("samples.jsonl"))
+        .iter()
+        .map(|s| {
+            let text = format!(
+                "{}{}",
+                s["prompt"].as_str().unwrap(),
+                s["text"].as_str().unwrap()
+            );
+            let markdown = text.lines().map(|l| format!("    {l}\n")).collect();
+            (s["step"].as_u64().unwrap(), markdown)
+        })
+        .collect();
+    (scalars, texts)
+}
+
+/// The run's event file holds exactly its metrics and samples: no step
+/// lost, none twice (the fault suite checks this after every fault).
+pub(super) fn assert_tensorboard_matches_logs(run: &Path, what: &str) {
+    let (scalars, texts) = tensorboard_of(run);
+    let (want_scalars, want_texts) = expected_tensorboard(run);
+    assert!(!want_scalars.is_empty(), "{what}: no metrics");
+    assert!(
+        scalars == want_scalars,
+        "{what}: TensorBoard's scalars differ from metrics.jsonl"
+    );
+    assert_eq!(texts, want_texts, "{what}: TensorBoard's samples");
+}
+
+/// Reads the run's event files with Python's `tensorboard` package, the
+/// reader TensorBoard itself uses, and checks every scalar and text against
+/// the JSON logs. Skipped, with a `SKIPPED` line, where the package is not
+/// installed (`pip install tensorboard`).
+fn assert_python_tensorboard_reads(run: &Path) {
+    let has_it = Command::new("python3")
+        .args(["-c", "import tensorboard"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_it {
+        eprintln!(
+            "SKIPPED: Python's tensorboard is not installed; its reading of the event files is not checked"
+        );
+        return;
+    }
+    let out = Command::new("python3")
+        .arg(crate_dir().join("tests/read_tensorboard.py"))
+        .arg(run.join("tb"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let read: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (want_scalars, want_texts) = expected_tensorboard(run);
+    let mut scalars: Vec<(u64, String, f32)> = vec![];
+    for (tag, points) in read["scalars"].as_object().unwrap() {
+        for p in points.as_array().unwrap() {
+            let step = p[0].as_u64().unwrap();
+            let value = p[1].as_f64().unwrap();
+            // serde_json reads Python's shortest repr to within an f64 ulp;
+            // rounded to f32 it is the f32 TensorBoard holds.
+            scalars.push((step, tag.clone(), value as f32));
+        }
+    }
+    let mut want = want_scalars;
+    let order = |a: &(u64, String, f32), b: &(u64, String, f32)| (&a.1, a.0).cmp(&(&b.1, b.0));
+    want.sort_by(order);
+    scalars.sort_by(order);
+    assert!(
+        scalars == want,
+        "Python's tensorboard reads other scalars than metrics.jsonl"
+    );
+    let texts: Vec<(u64, String)> = read["texts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| (t[0].as_u64().unwrap(), t[1].as_str().unwrap().to_string()))
+        .collect();
+    assert_eq!(
+        texts, want_texts,
+        "Python's tensorboard reads other samples"
+    );
+}
+
+/// Samples every 2 steps (with a prompt) leave every metrics row and the
+/// final weights bit for bit as a run without them; a run stopped and
+/// resumed draws the same samples; each sample is what `tvq sample` draws
+/// from that step's checkpoint; TensorBoard (tvq's reader and Python's)
+/// holds exactly the logged rows and samples.
+#[test]
+fn samples_while_training_change_nothing_and_tensorboard_holds_every_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 6, 2);
+    let config = config.to_str().unwrap();
+    let sampling = [
+        "--set",
+        "eval.sample_every=2",
+        "--set",
+        "eval.sample_prompt='And God said'",
+        "--set",
+        "eval.sample_tokens=24",
+        "--set",
+        "eval.sample_seed=7",
+    ];
+    let train = |run: &Path, extra: &[&str]| {
+        let args = [
+            &[
+                "train",
+                "--config",
+                config,
+                "--run-dir",
+                run.to_str().unwrap(),
+                "--quiet",
+            ][..],
+            extra,
+        ]
+        .concat();
+        ok(&args);
+    };
+    let plain = dir.path().join("plain");
+    train(&plain, &["--set", "log.tensorboard=false"]);
+    assert!(
+        !plain.join("tb").exists(),
+        "log.tensorboard = false writes none"
+    );
+    assert!(!plain.join("samples.jsonl").exists());
+    let sampled = dir.path().join("sampled");
+    train(&sampled, &sampling);
+    let resumed = dir.path().join("resumed");
+    train(&resumed, &[&sampling[..], &["--max-steps", "3"]].concat());
+    train(&resumed, &[&sampling[..], &["--resume"]].concat());
+
+    let without_timing = |run: &Path| -> Vec<serde_json::Value> {
+        let mut rows = json_lines(&run.join("metrics.jsonl"));
+        for row in &mut rows {
+            let row = row.as_object_mut().unwrap();
+            for timing in ["tokens_per_s", "mfu", "peak_rss_bytes"] {
+                row.remove(timing);
+            }
+        }
+        rows
+    };
+    // `--max-steps 3` ended a run: its final evaluation at step 3 stays.
+    let mut resumed_rows = without_timing(&resumed);
+    let early_final = resumed_rows
+        .iter()
+        .position(|r| r["kind"] == "final_eval" && r["step"] == 3)
+        .expect("a final evaluation at step 3");
+    resumed_rows.remove(early_final);
+    assert!(
+        resumed_rows == without_timing(&plain),
+        "the resumed run's metrics"
+    );
+    for run in [&sampled, &resumed] {
+        assert!(
+            run == &resumed || without_timing(run) == without_timing(&plain),
+            "{}: sampling changed the metrics",
+            run.display()
+        );
+        assert!(final_weights(run, 6) == final_weights(&plain, 6));
+        assert_tensorboard_matches_logs(run, &run.display().to_string());
+    }
+    let samples = json_lines(&sampled.join("samples.jsonl"));
+    assert_eq!(samples, json_lines(&resumed.join("samples.jsonl")));
+    let steps: Vec<u64> = samples
+        .iter()
+        .map(|s| s["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, [2, 4, 6]);
+    assert!(samples.iter().all(|s| s["prompt"] == "And God said"));
+    assert_ne!(samples[0]["text"], samples[2]["text"], "the model learnt");
+
+    // The same draw as `tvq sample` from the checkpoint of that step.
+    let checkpoint = sampled.join("checkpoints/step-00000006");
+    let printed = ok(&[
+        "sample",
+        "--checkpoint",
+        checkpoint.to_str().unwrap(),
+        "--prompt",
+        "And God said",
+        "--no-echo",
+        "--max-tokens",
+        "24",
+        "--seed",
+        "7",
+    ]);
+    assert_eq!(
+        printed,
+        format!("{}\n", samples[2]["text"].as_str().unwrap())
+    );
+
+    assert_python_tensorboard_reads(&resumed);
+}
