@@ -98,6 +98,11 @@ pub struct BenchArgs {
     /// core.
     #[arg(long, value_name = "DIR")]
     checkpoint: Option<std::path::PathBuf>,
+    /// Write a Chrome/Perfetto trace of every timed step's phases (forward, backward, recomputation, all-reduce, optimizer, EMA,
+    /// checkpoint, evaluation) on each thread to FILE (open it in
+    /// ui.perfetto.dev or chrome://tracing).
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<std::path::PathBuf>,
 }
 
 /// Tokens per second of training-batch production (the model is not run).
@@ -522,6 +527,7 @@ fn bench_training(args: &BenchArgs, on: &Measuring, form: AttentionForm, t: usiz
         Trainer::new(&cfg, train, std::slice::from_ref(device), 1.0).context("benchmark model")?;
     let batch = pattern_batch(args.batch, t, args.vocab_size);
     let mut step = || -> Result<()> {
+        let _step = tracing::debug_span!("step").entered();
         if args.optimizer {
             trainer.step(&batch, TrainCursor::default())?;
         } else {

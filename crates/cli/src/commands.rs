@@ -94,6 +94,12 @@ pub struct TrainArgs {
     /// (nodes x workers x micro-batches): the carried states start afresh.
     #[arg(long)]
     reshard: bool,
+    /// Write a Chrome/Perfetto trace of every step's phases (data,
+    /// forward, backward, recomputation, all-reduce, optimizer, EMA,
+    /// checkpoint, evaluation) on each thread to FILE (open it in
+    /// ui.perfetto.dev or chrome://tracing).
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
 }
 
 impl TrainArgs {

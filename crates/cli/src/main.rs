@@ -103,9 +103,14 @@ pub fn at_least(min: u64) -> clap::builder::RangedU64ValueParser<usize> {
     clap::builder::RangedU64ValueParser::new().range(min..)
 }
 
-fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
+/// Logs to stderr and, with `trace`, tvq's spans to a Chrome trace in it
+/// (flushed when the returned guard drops). The phase spans are at debug
+/// level: without a trace no layer wants them, so they cost next to nothing.
+fn init_tracing(trace: Option<std::fs::File>) -> Option<tracing_chrome::FlushGuard> {
+    use tracing_subscriber::prelude::*;
+    let logs = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
                 // burn's collective engine logs every connection at info,
                 // cubecl each autotuned shape and its whole adapter.
@@ -113,11 +118,47 @@ fn main() {
                  cubecl_runtime=warn,cubecl_wgpu=warn,cubecl_cuda=warn"
                     .into()
             }),
-        )
-        .with_writer(std::io::stderr)
+        );
+    let (chrome, guard) = match trace {
+        Some(file) => {
+            let (layer, guard) = tracing_chrome::ChromeLayerBuilder::new()
+                .writer(std::io::BufWriter::new(file))
+                .include_args(true)
+                .build();
+            let tvq = tracing_subscriber::filter::Targets::new()
+                .with_target("tvq_train", tracing::Level::DEBUG)
+                .with_target("tvq_cli", tracing::Level::DEBUG);
+            (Some(layer.with_filter(tvq)), Some(guard))
+        }
+        None => (None, None),
+    };
+    tracing_subscriber::registry()
+        .with(logs)
+        .with(chrome)
         .init();
-    quiet_engine_panics();
+    guard
+}
+
+fn main() {
     let cli = Cli::parse();
+    let trace = match &cli.command {
+        Command::Train(args) => args.trace.clone(),
+        Command::Bench(args) => args.trace.clone(),
+        _ => None,
+    };
+    let trace = match trace.map(|p| std::fs::File::create(&p).map_err(|e| (p, e))) {
+        Some(Err((path, e))) => {
+            eprintln!(
+                "error: cannot create the trace file {}: {e}",
+                path.display()
+            );
+            std::process::exit(1);
+        }
+        Some(Ok(file)) => Some(file),
+        None => None,
+    };
+    let guard = init_tracing(trace);
+    quiet_engine_panics();
     let result = match cli.command {
         Command::Train(args) => commands::run_train(args),
         Command::Eval(args) => commands::run_eval(args),
@@ -128,6 +169,7 @@ fn main() {
         Command::Bench(args) => bench::run(args),
         Command::Tokenizer(cmd) => tokenizer::run(cmd),
     };
+    drop(guard); // the trace is complete before the process exits
     if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);

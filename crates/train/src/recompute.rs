@@ -45,6 +45,7 @@ pub(crate) fn passes(
     plan: &ShardPlan,
 ) -> Result<ShardResult, TrainError> {
     let valid = Some(valid);
+    let forward = tracing::debug_span!("forward").entered();
     // 1: forward without a graph (no parameter asks for a gradient), keeping
     // each sublayer's input; the last sublayer keeps its graph instead, as
     // its backward pass comes first (recomputing it would save nothing).
@@ -75,6 +76,8 @@ pub(crate) fn passes(
         states.push(out.state);
     }
 
+    drop(forward);
+    let _backward = tracing::debug_span!("backward").entered();
     // 2: the head and the loss through the last sublayer, every other
     // sublayer's commitment a constant (each adds its own term's gradient
     // below).
@@ -89,7 +92,9 @@ pub(crate) fn passes(
     let layers = state.sublayers.into_iter().zip(masks.sublayers);
     for (i, ((s, m), x)) in layers.zip(kept).enumerate().rev() {
         let x = x.require_grad();
+        let recompute = tracing::debug_span!("recompute", sublayer = i).entered();
         let out = model.sublayer_forward(i, x.clone(), s, valid.clone(), m, false)?;
+        drop(recompute);
         let objective =
             (out.h * g).sum() + plan.commitment_objective(out.commitment, valid.clone());
         g = backward(model, objective, &x, &mut grads);

@@ -136,8 +136,10 @@ pub fn train(
     trainer.watch_interrupt(opts.interrupt.clone());
     let alone = opts.cluster.is_none();
     while trainer.progress().step < total && !(alone && opts.interrupt.load(Ordering::SeqCst)) {
-        let batch = loader.next().expect("training batches never end");
-        let m = trainer.step(&batch, loader.cursor())?;
+        let batch = tracing::debug_span!("data")
+            .in_scope(|| loader.next().expect("training batches never end"));
+        let step_span = tracing::debug_span!("step", step = trainer.progress().step + 1);
+        let m = step_span.in_scope(|| trainer.step(&batch, loader.cursor()))?;
         if let Some(log) = &mut log {
             log.append(&m)?;
         }
@@ -146,7 +148,8 @@ pub fn train(
         // Every node validates (the nodes stay in step; it is cheap next to
         // waiting), node 0 records it.
         if cfg.eval.every > 0 && m.step.is_multiple_of(cfg.eval.every) {
-            let report = validate(&trainer, Some(cfg.eval.segments), false)?;
+            let report = tracing::debug_span!("evaluation")
+                .in_scope(|| validate(&trainer, Some(cfg.eval.segments), false))?;
             trainer.record_validation(report.loss);
             if let Some(log) = &mut log {
                 log.append(&EvalLine::new("eval", m.step, &report))?;
@@ -157,12 +160,13 @@ pub fn train(
             && cfg.eval.sample_every > 0
             && m.step.is_multiple_of(cfg.eval.sample_every)
         {
-            let sample = draw_sample(&trainer, &corpus.vocab, &prompt, &cfg.eval, m.step)?;
+            let sample = tracing::debug_span!("sample")
+                .in_scope(|| draw_sample(&trainer, &corpus.vocab, &prompt, &cfg.eval, m.step))?;
             bar.println(format!("step {}: sample {:?}", m.step, sample.text));
             log.append_sample(&sample)?;
         }
         if m.step.is_multiple_of(cfg.train.checkpoint_every) || m.step == total {
-            trainer.save(&opts.run_dir)?;
+            tracing::debug_span!("checkpoint").in_scope(|| trainer.save(&opts.run_dir))?;
         }
         if m.stop {
             break;

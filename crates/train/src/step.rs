@@ -176,6 +176,7 @@ fn run_shard(
     plan: ShardPlan,
     home: &DispatchDevice,
 ) -> Result<ShardResult, TrainError> {
+    let _shard = tracing::debug_span!("shard", i).entered();
     let device = fork.embedding.weight.device();
     let BatchTensors {
         inputs,
@@ -196,10 +197,13 @@ fn run_shard(
             crate::recompute::passes(fork, inputs, targets, valid, state, masks, &plan)?
         }
         ActivationCheckpointing::None | ActivationCheckpointing::Selective => {
+            let forward = tracing::debug_span!("forward").entered();
             let out = fork.forward_with_masks(inputs, state, Some(valid.clone()), masks)?;
             let loss = Loss::new(&out, targets, Some(valid));
+            drop(forward);
             // The step minimises the mean over shards of each shard's mean token loss.
-            let grads = GradientsParams::from_grads(plan.objective(&loss).backward(), fork);
+            let grads = tracing::debug_span!("backward")
+                .in_scope(|| GradientsParams::from_grads(plan.objective(&loss).backward(), fork));
             ShardResult {
                 ce: loss.ce.into_scalar().elem(),
                 commitment: loss.commitment.into_scalar().elem(),

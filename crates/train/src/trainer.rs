@@ -382,6 +382,7 @@ impl Trainer {
         let mut stop = false;
         if let Some(c) = &self.collective {
             let local = [tokens as f32, self.interrupted() as u8 as f32];
+            let _all_reduce = tracing::debug_span!("all_reduce").entered();
             let (summed, extra) = g.all_reduce(self.model(), &local, c)?;
             (g, tokens, stop) = (summed, extra[0] as u64, extra[1] > 0.0);
         }
@@ -410,6 +411,7 @@ impl Trainer {
             });
         }
         let model = self.model.take().expect("the model is in place");
+        let optimizer = tracing::debug_span!("optimizer").entered();
         let scale = self.progress.loss_scale.map_or(1.0, |s| s.scale);
         let grad_norm = clip_global_norm(&model, &mut grads, t.grad_clip, scale);
         let lr = learning_rate(t, step);
@@ -427,6 +429,8 @@ impl Trainer {
             model
         } else {
             let model = self.optim.step(lr, model, grads);
+            drop(optimizer);
+            let _ema = tracing::debug_span!("ema").entered();
             model.update_codebooks(&stats, t.codebook_decay)
         });
 

@@ -255,3 +255,83 @@ fn samples_while_training_change_nothing_and_tensorboard_holds_every_row() {
 
     assert_python_tensorboard_reads(&resumed);
 }
+
+/// `--trace` writes a Chrome trace with every phase of every step, the
+/// recomputation of `activation_checkpointing = "full"` inside the backward
+/// pass, each worker's shards on its own thread, and every span closed.
+#[test]
+fn a_trace_shows_every_phase_of_every_step_on_each_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 4, 2);
+    let trace = dir.path().join("trace.json");
+    ok(&[
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--run-dir",
+        dir.path().join("run").to_str().unwrap(),
+        "--quiet",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--set",
+        "train.workers=2",
+        "--set",
+        "train.activation_checkpointing='full'",
+        "--set",
+        "model.n_layer=2",
+    ]);
+    let events: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let count = |name: &str| {
+        events
+            .iter()
+            .filter(|e| e["name"] == name && e["ph"] == "B")
+            .count()
+    };
+    // 4 steps of 4 shards (2 workers x 2 micro-batches); 2 layers of 2
+    // sublayers each, of which the backward pass recomputes all but the
+    // last; a periodic evaluation at step 3; checkpoints at steps 2 and 4.
+    for (phase, n) in [
+        ("data", 4),
+        ("step", 4),
+        ("shard", 16),
+        ("forward", 16),
+        ("backward", 16),
+        ("recompute", 16 * 3),
+        ("optimizer", 4),
+        ("ema", 4),
+        ("checkpoint", 2),
+        ("evaluation", 1),
+    ] {
+        assert_eq!(count(phase), n, "{phase} spans");
+    }
+    // Spans open and close in order on each thread.
+    let mut open: std::collections::HashMap<u64, Vec<&str>> = Default::default();
+    for e in events.iter().filter(|e| e["ph"] == "B" || e["ph"] == "E") {
+        let stack = open.entry(e["tid"].as_u64().unwrap()).or_default();
+        let name = e["name"].as_str().unwrap();
+        match e["ph"].as_str() {
+            Some("B") => stack.push(name),
+            _ => assert_eq!(stack.pop(), Some(name), "spans nest"),
+        }
+    }
+    assert!(open.values().all(Vec::is_empty), "every span closed");
+    // Within each step, its 4 shards run on 2 threads (one per worker).
+    let times = |name: &str, ph: &str| -> Vec<f64> {
+        events
+            .iter()
+            .filter(|e| e["name"] == name && e["ph"] == ph)
+            .map(|e| e["ts"].as_f64().unwrap())
+            .collect()
+    };
+    let steps = times("step", "B").into_iter().zip(times("step", "E"));
+    for (begin, end) in steps {
+        let threads: std::collections::HashSet<u64> = events
+            .iter()
+            .filter(|e| e["name"] == "shard" && e["ph"] == "B")
+            .filter(|e| (begin..end).contains(&e["ts"].as_f64().unwrap()))
+            .map(|e| e["tid"].as_u64().unwrap())
+            .collect();
+        assert_eq!(threads.len(), 2, "one thread per worker");
+    }
+}
