@@ -127,7 +127,7 @@ fn init_tracing(trace: Option<std::fs::File>) -> Option<tracing_chrome::FlushGua
                 .build();
             let tvq = tracing_subscriber::filter::Targets::new()
                 .with_target("tvq_train", tracing::Level::DEBUG)
-                .with_target("tvq_cli", tracing::Level::DEBUG);
+                .with_target("tvq", tracing::Level::DEBUG);
             (Some(layer.with_filter(tvq)), Some(guard))
         }
         None => (None, None),

@@ -1,4 +1,5 @@
-//! The run configuration: TOML with `[model]`, `[data]`, `[train]` and `[eval]`.
+//! The run configuration: TOML with `[model]`, `[data]`, `[train]`, `[eval]`
+//! and `[log]`.
 //!
 //! Every section rejects unknown keys; [`RunConfig::validate`] checks the
 //! values and names the offending key. `key.path=value` overrides (the CLI's

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::DispatchDevice;
 use indicatif::ProgressBar;
-use tvq_data::{Corpus, Split, TrainBatches, Vocab};
+use tvq_data::{Corpus, Split, TokenSplit, TrainBatches, Vocab};
 
 use crate::checkpoint;
 use crate::collective::{ClusterSpec, Collective};
@@ -81,9 +81,76 @@ pub fn train(
         _ => None,
     };
     let corpus = Corpus::open(&cfg.data)?;
-    let (train_split, valid_split) = (corpus.split(Split::Train), corpus.split(Split::Validation));
+    let train_split = corpus.split(Split::Train);
+    let mut trainer = set_up_trainer(cfg, devices, opts, &corpus, (rank, nodes))?;
+    let total = opts
+        .max_steps
+        .map_or(cfg.train.steps, |m| m.min(cfg.train.steps));
+    let resumed_at = trainer.progress().step;
+    let mut log = match rank {
+        0 => Some(MetricsLog::open(
+            &opts.run_dir,
+            resumed_at,
+            resumed_at == total,
+            cfg.log.tensorboard,
+        )?),
+        _ => None,
+    };
+    let periodic = Periodic {
+        cfg,
+        valid_split: corpus.split(Split::Validation),
+        vocab: &corpus.vocab,
+        prompt: corpus.vocab.encode(&cfg.eval.sample_prompt)?,
+        run_dir: &opts.run_dir,
+        total,
+    };
+    let layout = cfg.data.train_layout(cfg.train.seed);
+    let mut loader =
+        TrainBatches::new(train_split, layout, trainer.progress().cursor)?.with_rows(node_rows)?;
+    let bar = step_bar(opts.progress, total, trainer.progress().step);
+
+    // Alone, an interrupt stops before the next step; over several nodes it
+    // travels with the next step's sum, so that every node stops after it.
+    trainer.watch_interrupt(opts.interrupt.clone());
+    let alone = opts.cluster.is_none();
+    while trainer.progress().step < total && !(alone && opts.interrupt.load(Ordering::SeqCst)) {
+        let batch = tracing::debug_span!("data")
+            .in_scope(|| loader.next().expect("training batches never end"));
+        let step_span = tracing::debug_span!("step", step = trainer.progress().step + 1);
+        let m = step_span.in_scope(|| trainer.step(&batch, loader.cursor()))?;
+        if let Some(log) = &mut log {
+            log.append(&m)?;
+        }
+        bar.set_position(m.step);
+        bar.set_message(m.summary());
+        periodic.after_step(&mut trainer, m.step, log.as_mut(), &bar)?;
+        if m.stop {
+            break;
+        }
+    }
+
+    finish(
+        &mut trainer,
+        log.as_mut(),
+        &bar,
+        total,
+        &opts.run_dir,
+        |t| periodic.validate(t, None, opts.progress),
+    )
+}
+
+/// The trainer of the run, ready for its next step: built for the model of
+/// the corpus's vocabulary, the run directory prepared (node 0), resumed
+/// with `--resume`, and joined to the other nodes.
+fn set_up_trainer(
+    cfg: &RunConfig,
+    devices: &[DispatchDevice],
+    opts: &TrainOptions,
+    corpus: &Corpus,
+    (rank, nodes): (usize, usize),
+) -> Result<Trainer, TrainError> {
     let model = cfg.model_config(corpus.vocab.size());
-    let bytes_per_token = train_split.bytes_per_token();
+    let bytes_per_token = corpus.split(Split::Train).bytes_per_token();
     let trainer = Trainer::new(&model, &cfg.train, devices, bytes_per_token)?.on_node(rank, nodes);
     tracing::info!(
         "products in {}, activation checkpointing {}",
@@ -103,84 +170,81 @@ pub fn train(
         trainer.join(Collective::join(spec, &devices[0])?, fingerprint(cfg))?;
         tracing::info!("node {rank} of {nodes}: joined at {}", spec.coordinator);
     }
-    let total = opts
-        .max_steps
-        .map_or(cfg.train.steps, |m| m.min(cfg.train.steps));
-    let resumed_at = trainer.progress().step;
-    let mut log = match rank {
-        0 => Some(MetricsLog::open(
-            &opts.run_dir,
-            resumed_at,
-            resumed_at == total,
-            cfg.log.tensorboard,
-        )?),
-        _ => None,
-    };
-    let prompt = corpus.vocab.encode(&cfg.eval.sample_prompt)?;
-    let layout = cfg.data.train_layout(cfg.train.seed);
-    let mut loader =
-        TrainBatches::new(train_split, layout, trainer.progress().cursor)?.with_rows(node_rows)?;
-    let bar = step_bar(opts.progress, total, trainer.progress().step);
-    let validate = |trainer: &Trainer, max_segments, progress| {
+    Ok(trainer)
+}
+
+/// What a run does between steps, as its config says: validations,
+/// samples and checkpoints.
+struct Periodic<'a> {
+    cfg: &'a RunConfig,
+    valid_split: TokenSplit,
+    vocab: &'a Vocab,
+    /// `eval.sample_prompt`, encoded.
+    prompt: Vec<u32>,
+    run_dir: &'a Path,
+    /// The last step of this call to [`train`].
+    total: u64,
+}
+
+impl Periodic<'_> {
+    /// Validation on the first `max_segments` batches (`None`: the whole
+    /// split), on every device of the run.
+    fn validate(
+        &self,
+        trainer: &Trainer,
+        max_segments: Option<usize>,
+        progress: bool,
+    ) -> Result<EvalReport, TrainError> {
         let opts = EvalOptions {
             max_segments,
             progress,
-            workers: cfg.train.workers,
+            workers: self.cfg.train.workers,
             ..EvalOptions::default()
         };
-        evaluate(&trainer.inference_models(), &valid_split, &cfg.eval, &opts)
-    };
-
-    // Alone, an interrupt stops before the next step; over several nodes it
-    // travels with the next step's sum, so that every node stops after it.
-    trainer.watch_interrupt(opts.interrupt.clone());
-    let alone = opts.cluster.is_none();
-    while trainer.progress().step < total && !(alone && opts.interrupt.load(Ordering::SeqCst)) {
-        let batch = tracing::debug_span!("data")
-            .in_scope(|| loader.next().expect("training batches never end"));
-        let step_span = tracing::debug_span!("step", step = trainer.progress().step + 1);
-        let m = step_span.in_scope(|| trainer.step(&batch, loader.cursor()))?;
-        if let Some(log) = &mut log {
-            log.append(&m)?;
-        }
-        bar.set_position(m.step);
-        bar.set_message(m.summary());
-        // Every node validates (the nodes stay in step; it is cheap next to
-        // waiting), node 0 records it.
-        if cfg.eval.every > 0 && m.step.is_multiple_of(cfg.eval.every) {
-            let report = tracing::debug_span!("evaluation")
-                .in_scope(|| validate(&trainer, Some(cfg.eval.segments), false))?;
-            trainer.record_validation(report.loss);
-            if let Some(log) = &mut log {
-                log.append(&EvalLine::new("eval", m.step, &report))?;
-            }
-            bar.println(format!("step {}: validation {}", m.step, report.summary()));
-        }
-        if let Some(log) = &mut log
-            && cfg.eval.sample_every > 0
-            && m.step.is_multiple_of(cfg.eval.sample_every)
-        {
-            let sample = tracing::debug_span!("sample")
-                .in_scope(|| draw_sample(&trainer, &corpus.vocab, &prompt, &cfg.eval, m.step))?;
-            bar.println(format!("step {}: sample {:?}", m.step, sample.text));
-            log.append_sample(&sample)?;
-        }
-        if m.step.is_multiple_of(cfg.train.checkpoint_every) || m.step == total {
-            tracing::debug_span!("checkpoint").in_scope(|| trainer.save(&opts.run_dir))?;
-        }
-        if m.stop {
-            break;
-        }
+        evaluate(
+            &trainer.inference_models(),
+            &self.valid_split,
+            &self.cfg.eval,
+            &opts,
+        )
     }
 
-    finish(
-        &mut trainer,
-        log.as_mut(),
-        &bar,
-        total,
-        &opts.run_dir,
-        |t| validate(t, None, opts.progress),
-    )
+    /// After `step`: validates, samples and writes a checkpoint where it
+    /// is due. Every node validates (the nodes stay in step; it is cheap
+    /// next to waiting) and saves (node 0 writes); node 0, the one with the
+    /// `log`, records and samples.
+    fn after_step(
+        &self,
+        trainer: &mut Trainer,
+        step: u64,
+        mut log: Option<&mut MetricsLog>,
+        bar: &ProgressBar,
+    ) -> Result<(), TrainError> {
+        let (eval, due) = (&self.cfg.eval, |every: u64| {
+            every > 0 && step.is_multiple_of(every)
+        });
+        if due(eval.every) {
+            let report = tracing::debug_span!("evaluation")
+                .in_scope(|| self.validate(trainer, Some(eval.segments), false))?;
+            trainer.record_validation(report.loss);
+            if let Some(log) = &mut log {
+                log.append(&EvalLine::new("eval", step, &report))?;
+            }
+            bar.println(format!("step {step}: validation {}", report.summary()));
+        }
+        if let Some(log) = &mut log
+            && due(eval.sample_every)
+        {
+            let sample = tracing::debug_span!("sample")
+                .in_scope(|| draw_sample(trainer, self.vocab, &self.prompt, eval, step))?;
+            bar.println(format!("step {step}: sample {:?}", sample.text));
+            log.append_sample(&sample)?;
+        }
+        if due(self.cfg.train.checkpoint_every) || step == self.total {
+            tracing::debug_span!("checkpoint").in_scope(|| trainer.save(self.run_dir))?;
+        }
+        Ok(())
+    }
 }
 
 /// A sample of the model as it is after `step` (`eval.sample_every`),

@@ -21,10 +21,11 @@ use std::time::Instant;
 
 use burn::DispatchDevice;
 use burn::module::AutodiffModule;
+use burn::optim::GradientsParams;
 use burn::prelude::*;
 use tvq_data::{Batch, TrainCursor};
 use tvq_model::device::{check_precision, device_name};
-use tvq_model::{ModelState, Precision, TransformerVqConfig};
+use tvq_model::{CodebookStats, ModelState, Precision, TransformerVqConfig};
 
 use crate::checkpoint::{self, TrainerState};
 use crate::collective::Collective;
@@ -377,73 +378,20 @@ impl Trainer {
     pub fn step(&mut self, batch: &Batch, cursor: TrainCursor) -> Result<StepMetrics, TrainError> {
         let started = Instant::now();
         let step = self.progress.step + 1;
-        let mut g = self.gradients(batch)?;
-        let mut tokens = batch.valid.iter().filter(|&&v| v).count() as u64;
-        let mut stop = false;
-        if let Some(c) = &self.collective {
-            let local = [tokens as f32, self.interrupted() as u8 as f32];
-            let _all_reduce = tracing::debug_span!("all_reduce").entered();
-            let (summed, extra) = g.all_reduce(self.model(), &local, c)?;
-            (g, tokens, stop) = (summed, extra[0] as u64, extra[1] > 0.0);
-        }
-        let StepGradients {
-            mut grads,
-            ce_sum,
-            commitment_sum,
-            stats,
-            ..
-        } = g;
+        let (g, tokens, stop) = self.summed_gradients(batch)?;
         let n = self.total_shards() as f64;
-        let (ce, commitment) = (ce_sum as f64 / n, commitment_sum as f64 / n);
-        let t = &self.settings;
-        let mut loss = ce + t.commit_weight * commitment;
-        if crate::fault::inject(crate::fault::Point::Loss).is_err() {
-            loss = f64::NAN;
-        }
-        if !loss.is_finite() {
-            return Err(TrainError::NonFinite {
-                step,
-                loss,
-                checkpoint: self
-                    .last_checkpoint
-                    .as_ref()
-                    .map_or("(none yet)".into(), |p| p.display().to_string()),
-            });
-        }
-        let model = self.model.take().expect("the model is in place");
-        let optimizer = tracing::debug_span!("optimizer").entered();
+        let (ce, commitment) = (g.ce_sum as f64 / n, g.commitment_sum as f64 / n);
+        let loss = self.finite_loss(step, ce + self.settings.commit_weight * commitment)?;
         let scale = self.progress.loss_scale.map_or(1.0, |s| s.scale);
-        let grad_norm = clip_global_norm(&model, &mut grads, t.grad_clip, scale);
-        let lr = learning_rate(t, step);
-        // Under loss scaling, gradients that overflowed skip the update
-        // (weights and codebooks) and lower the scale.
-        let skipped = self.progress.loss_scale.is_some() && !grad_norm.is_finite();
-        if let Some(s) = &mut self.progress.loss_scale {
-            s.update(!skipped);
-        }
-        self.model = Some(if skipped {
-            let lowered = self.progress.loss_scale.map_or(1.0, |s| s.scale);
-            tracing::warn!(
-                "step {step}: the f16 gradients overflowed; the step is skipped and the loss scale is now {lowered}"
-            );
-            model
-        } else {
-            let model = self.optim.step(lr, model, grads);
-            drop(optimizer);
-            let _ema = tracing::debug_span!("ema").entered();
-            model.update_codebooks(&stats, t.codebook_decay)
-        });
-
+        let lr = learning_rate(&self.settings, step);
+        let (grad_norm, skipped) = self.update(step, lr, g.grads, &g.stats, scale);
         self.progress.step = step;
         self.progress.cursor = cursor;
         self.progress.tokens += tokens;
-        let codebooks: Vec<_> = stats.iter().map(|s| s.metrics()).collect();
+        let codebooks: Vec<_> = g.stats.iter().map(|s| s.metrics()).collect();
         let bits_per_token = ce / std::f64::consts::LN_2;
         let tokens_per_s = tokens as f64 / started.elapsed().as_secs_f64();
-        let peak = self
-            .peak_flops
-            .map(|p| p * (self.devices.len() * self.nodes) as f64);
-        let flops = training_flops_per_token(&self.model_config, batch.len);
+        let t = &self.settings;
         Ok(StepMetrics {
             kind: "train",
             step,
@@ -458,7 +406,7 @@ impl Trainer {
             code_perplexity: mean(codebooks.iter().map(|c| c.perplexity)),
             quantization_error: mean(codebooks.iter().map(|c| c.relative_error)),
             tokens_per_s,
-            mfu: peak.map(|p| tokens_per_s * flops / p),
+            mfu: self.mfu(tokens_per_s, batch.len),
             precision: t.precision,
             activation_checkpointing: t.activation_checkpointing,
             loss_scale: self.progress.loss_scale.map(|_| scale),
@@ -467,6 +415,85 @@ impl Trainer {
             peak_rss_bytes: crate::metrics::peak_rss_bytes(),
             stop: stop || (self.collective.is_none() && self.interrupted()),
         })
+    }
+
+    /// This node's gradients of `batch`, summed over the nodes when there
+    /// are several, with the tokens they hold and whether any node was
+    /// asked to stop.
+    fn summed_gradients(
+        &mut self,
+        batch: &Batch,
+    ) -> Result<(StepGradients, u64, bool), TrainError> {
+        let g = self.gradients(batch)?;
+        let tokens = batch.valid.iter().filter(|&&v| v).count() as u64;
+        let Some(c) = &self.collective else {
+            return Ok((g, tokens, false));
+        };
+        let _all_reduce = tracing::debug_span!("all_reduce").entered();
+        let local = [tokens as f32, self.interrupted() as u8 as f32];
+        let (summed, extra) = g.all_reduce(self.model(), &local, c)?;
+        Ok((summed, extra[0] as u64, extra[1] > 0.0))
+    }
+
+    /// `loss`, or the error that stops the run when it is not a finite
+    /// number (the weights unchanged, the last checkpoint named).
+    fn finite_loss(&self, step: u64, mut loss: f64) -> Result<f64, TrainError> {
+        if crate::fault::inject(crate::fault::Point::Loss).is_err() {
+            loss = f64::NAN;
+        }
+        if loss.is_finite() {
+            return Ok(loss);
+        }
+        Err(TrainError::NonFinite {
+            step,
+            loss,
+            checkpoint: self
+                .last_checkpoint
+                .as_ref()
+                .map_or("(none yet)".into(), |p| p.display().to_string()),
+        })
+    }
+
+    /// Clips the gradients (of an objective multiplied by `scale`), takes
+    /// the AdamW step at `lr` and the EMA update of the codebooks; returns
+    /// the gradient norm and whether the step was skipped: under loss
+    /// scaling, gradients that overflowed leave the weights and codebooks
+    /// alone and lower the scale.
+    fn update(
+        &mut self,
+        step: u64,
+        lr: f64,
+        mut grads: GradientsParams,
+        stats: &[CodebookStats<B>],
+        scale: f64,
+    ) -> (f64, bool) {
+        let model = self.model.take().expect("the model is in place");
+        let optimizer = tracing::debug_span!("optimizer").entered();
+        let grad_norm = clip_global_norm(&model, &mut grads, self.settings.grad_clip, scale);
+        let skipped = self.progress.loss_scale.is_some() && !grad_norm.is_finite();
+        if let Some(s) = &mut self.progress.loss_scale {
+            s.update(!skipped);
+        }
+        if skipped {
+            let lowered = self.progress.loss_scale.map_or(1.0, |s| s.scale);
+            tracing::warn!(
+                "step {step}: the f16 gradients overflowed; the step is skipped and the loss scale is now {lowered}"
+            );
+            self.model = Some(model);
+            return (grad_norm, true);
+        }
+        let model = self.optim.step(lr, model, grads);
+        drop(optimizer);
+        let _ema = tracing::debug_span!("ema").entered();
+        self.model = Some(model.update_codebooks(stats, self.settings.codebook_decay));
+        (grad_norm, false)
+    }
+
+    /// Model FLOPs utilisation at `tokens_per_s` on segments of `len`
+    /// tokens, against the peak of every device of the run.
+    fn mfu(&self, tokens_per_s: f64, len: usize) -> Option<f64> {
+        let peak = self.peak_flops? * (self.devices.len() * self.nodes) as f64;
+        Some(tokens_per_s * training_flops_per_token(&self.model_config, len) / peak)
     }
 
     /// Writes a checkpoint of the current step into `run_dir` (atomically),
@@ -1148,6 +1175,68 @@ mod tests {
                 scale,
                 (precision == Precision::F16).then_some(LossScale::INITIAL)
             );
+        }
+    }
+
+    /// The products really run in the precision asked for: the gradients
+    /// of one step differ from `f32`'s in `f16` (11 significant bits) and
+    /// more in `bf16` (8 bits), each within a few percent.
+    #[test]
+    fn half_precision_gradients_differ_from_f32_bf16_more_than_f16() {
+        let gradients = |precision| {
+            let settings = TrainSection {
+                precision,
+                ..TrainSection::default()
+            };
+            let device = DeviceSpec::Cpu.init().unwrap().0;
+            let mut t = Trainer::new(&tiny(), &settings, &[device], 1.0).unwrap();
+            // f16's objective is multiplied by its loss scale.
+            let scale = t.progress.loss_scale.map_or(1.0, |s| s.scale) as f32;
+            let grads = step_outcome(&mut t, &batch(2, 8, true)).1;
+            grads
+                .into_iter()
+                .map(|g| g.into_iter().map(|x| x / scale).collect::<Vec<_>>())
+                .collect::<Vec<_>>()
+        };
+        let f32s = gradients(Precision::F32);
+        let scale = f32s.iter().flatten().fold(0f32, |m, g| m.max(g.abs()));
+        // The largest difference from f32, relative to the largest gradient.
+        let error = |precision| {
+            let grads = gradients(precision);
+            let worst = grads
+                .iter()
+                .flatten()
+                .zip(f32s.iter().flatten())
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            worst / scale
+        };
+        let (f16, bf16) = (error(Precision::F16), error(Precision::Bf16));
+        assert!(f16 > 0.0, "f16 products equal f32's: not in f16");
+        assert!(
+            bf16 > f16,
+            "bf16 ({bf16}) should differ more than f16 ({f16})"
+        );
+        assert!(bf16 < 0.05, "bf16 gradients off by {bf16} of the largest");
+    }
+
+    /// A loss scale that overflows `f16` (largest value 65,504) but not
+    /// `f32` skips the `f16` step and not the `f32` one: the overflow
+    /// comes from the half-precision products themselves.
+    #[test]
+    fn a_loss_scale_that_overflows_only_f16_skips_only_the_f16_step() {
+        for (precision, skipped) in [(Precision::F16, true), (Precision::F32, false)] {
+            let settings = TrainSection {
+                precision,
+                ..TrainSection::default()
+            };
+            let device = DeviceSpec::Cpu.init().unwrap().0;
+            let mut t = Trainer::new(&tiny(), &settings, &[device], 1.0).unwrap();
+            t.progress.loss_scale = Some(LossScale {
+                scale: 1e6,
+                good_steps: 0,
+            });
+            let m = t.step(&batch(2, 8, true), TrainCursor::default()).unwrap();
+            assert_eq!(m.skipped, skipped, "{precision}: {m:?}");
         }
     }
 

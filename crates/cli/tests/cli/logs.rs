@@ -256,6 +256,19 @@ fn samples_while_training_change_nothing_and_tensorboard_holds_every_row() {
     assert_python_tensorboard_reads(&resumed);
 }
 
+/// The events of a Chrome trace file.
+fn trace_events(trace: &Path) -> Vec<serde_json::Value> {
+    serde_json::from_str(&std::fs::read_to_string(trace).unwrap()).unwrap()
+}
+
+/// How many spans named `name` a trace opens.
+fn span_count(events: &[serde_json::Value], name: &str) -> usize {
+    events
+        .iter()
+        .filter(|e| e["name"] == name && e["ph"] == "B")
+        .count()
+}
+
 /// `--trace` writes a Chrome trace with every phase of every step, the
 /// recomputation of `activation_checkpointing = "full"` inside the backward
 /// pass, each worker's shards on its own thread, and every span closed.
@@ -280,14 +293,8 @@ fn a_trace_shows_every_phase_of_every_step_on_each_worker() {
         "--set",
         "model.n_layer=2",
     ]);
-    let events: Vec<serde_json::Value> =
-        serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
-    let count = |name: &str| {
-        events
-            .iter()
-            .filter(|e| e["name"] == name && e["ph"] == "B")
-            .count()
-    };
+    let events = trace_events(&trace);
+    let count = |name: &str| span_count(&events, name);
     // 4 steps of 4 shards (2 workers x 2 micro-batches); 2 layers of 2
     // sublayers each, of which the backward pass recomputes all but the
     // last; a periodic evaluation at step 3; checkpoints at steps 2 and 4.
@@ -334,4 +341,81 @@ fn a_trace_shows_every_phase_of_every_step_on_each_worker() {
             .collect();
         assert_eq!(threads.len(), 2, "one thread per worker");
     }
+    // Without checkpointing nothing is recomputed.
+    let plain = dir.path().join("plain.json");
+    ok(&[
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--run-dir",
+        dir.path().join("plain").to_str().unwrap(),
+        "--quiet",
+        "--trace",
+        plain.to_str().unwrap(),
+        "--set",
+        "model.n_layer=2",
+    ]);
+    let events = trace_events(&plain);
+    assert_eq!(span_count(&events, "backward"), 8);
+    assert_eq!(span_count(&events, "recompute"), 0);
+}
+
+/// A run with `bf16` products and `full` activation checkpointing trains
+/// (its rows say so, and its losses are not the `f32` run's), stops and
+/// resumes exactly, and evaluates.
+#[test]
+fn a_bf16_run_with_full_checkpointing_trains_resumes_and_evaluates() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 4, 2);
+    let config = config.to_str().unwrap();
+    let modes = [
+        "--set",
+        "train.precision='bf16'",
+        "--set",
+        "train.activation_checkpointing='full'",
+    ];
+    let train = |run: &Path, extra: &[&str]| {
+        let args = [
+            &[
+                "train",
+                "--config",
+                config,
+                "--run-dir",
+                run.to_str().unwrap(),
+                "--quiet",
+            ][..],
+            extra,
+        ]
+        .concat();
+        ok(&args);
+    };
+    let (straight, resumed, f32_run) = (
+        dir.path().join("straight"),
+        dir.path().join("resumed"),
+        dir.path().join("f32"),
+    );
+    train(&straight, &modes);
+    train(&resumed, &[&modes[..], &["--max-steps", "2"]].concat());
+    train(&resumed, &[&modes[..], &["--resume"]].concat());
+    train(&f32_run, &[]);
+    let rows = json_lines(&straight.join("metrics.jsonl"));
+    let train_rows: Vec<_> = rows.iter().filter(|r| r["kind"] == "train").collect();
+    assert_eq!(train_rows.len(), 4);
+    assert!(
+        train_rows
+            .iter()
+            .all(|r| r["precision"] == "bf16" && r["activation_checkpointing"] == "full")
+    );
+    assert_ne!(losses(&straight), losses(&f32_run), "bf16 products");
+    assert_eq!(losses(&resumed), losses(&straight), "resumed exactly");
+    assert!(final_weights(&resumed, 4) == final_weights(&straight, 4));
+    let report: serde_json::Value = serde_json::from_str(&ok(&[
+        "eval",
+        "--checkpoint",
+        straight.to_str().unwrap(),
+        "--json",
+    ]))
+    .unwrap();
+    assert_eq!(report["complete"], true);
+    assert!(report["bits_per_byte"].as_f64().unwrap().is_finite());
 }
