@@ -1621,5 +1621,7 @@ fn nodes_that_never_meet_or_disagree_fail_with_one_line() {
 /// The fault suite: injected faults, second writers, damaged files, strangers.
 #[path = "cli/faults.rs"]
 mod faults;
+#[path = "cli/layering.rs"]
+mod layering;
 #[path = "cli/logs.rs"]
 mod logs;

@@ -24,6 +24,7 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
+use crate::config::DataConfig;
 use crate::corpus::TokenSplit;
 use crate::error::DataError;
 use crate::hash::{SplitMix64, splitmix64};
@@ -60,6 +61,19 @@ pub struct TrainLayout {
     /// Reset the state at every new sequence (the official layout); when
     /// false the state resets only at the start of an epoch.
     pub reset_each_sequence: bool,
+}
+
+impl DataConfig {
+    /// The layout of training batches, with the data order drawn from `seed`.
+    pub fn train_layout(&self, seed: u64) -> TrainLayout {
+        TrainLayout {
+            batch: self.batch_size,
+            update_len: self.update_len,
+            sequence_len: self.sequence_len,
+            seed,
+            reset_each_sequence: self.reset_each_sequence,
+        }
+    }
 }
 
 /// Position of a [`TrainBatches`] iterator; restoring it continues with

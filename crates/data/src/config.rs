@@ -5,8 +5,19 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::batch::TrainLayout;
-use crate::corpus::CorpusKind;
+/// What kind of corpus a path holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CorpusKind {
+    /// enwik8, raw (`enwik8`) or zipped (`enwik8.zip`), byte-level; bytes
+    /// [0, 90M) train, [90M, 95M) validation, [95M, 100M) test.
+    Enwik8,
+    /// A text file, or a directory of `.txt` files (name order, recursively;
+    /// an end-of-document token after each), split 90/5/5 by bytes.
+    Text,
+    /// PG-19's layout: `train/`, `validation/`, `test/` of `<id>.txt` books.
+    Pg19,
+}
 
 /// Where a corpus is, how to read it, and the layout of training batches.
 /// Missing keys take the defaults below; unknown keys are an error.
@@ -65,17 +76,6 @@ impl DataConfig {
             update_len: defaults::update_len(),
             sequence_len: defaults::update_len(),
             reset_each_sequence: defaults::yes(),
-        }
-    }
-
-    /// The layout of training batches, with the data order drawn from `seed`.
-    pub fn train_layout(&self, seed: u64) -> TrainLayout {
-        TrainLayout {
-            batch: self.batch_size,
-            update_len: self.update_len,
-            sequence_len: self.sequence_len,
-            seed,
-            reset_each_sequence: self.reset_each_sequence,
         }
     }
 }

@@ -16,7 +16,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 
 use crate::cache::{CacheWriter, MappedTokens, open_cache};
-use crate::config::DataConfig;
+use crate::config::{CorpusKind, DataConfig};
 use crate::error::DataError;
 use crate::vocab::Vocab;
 
@@ -25,20 +25,6 @@ const ENWIK8_LEN: u64 = 100_000_000;
 const ENWIK8_BOUNDS: [u64; 2] = [90_000_000, 95_000_000];
 /// Books tokenized together (the tokenizer parallelises over them).
 const DOCS_PER_CHUNK: usize = 32;
-
-/// What kind of corpus a path holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CorpusKind {
-    /// enwik8, raw (`enwik8`) or zipped (`enwik8.zip`), byte-level; bytes
-    /// [0, 90M) train, [90M, 95M) validation, [95M, 100M) test.
-    Enwik8,
-    /// A text file, or a directory of `.txt` files (name order, recursively;
-    /// an end-of-document token after each), split 90/5/5 by bytes.
-    Text,
-    /// PG-19's layout: `train/`, `validation/`, `test/` of `<id>.txt` books.
-    Pg19,
-}
 
 /// A split of a corpus.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

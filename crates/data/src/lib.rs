@@ -24,8 +24,8 @@ mod tokenizer;
 pub mod vocab;
 
 pub use batch::{Batch, EvalBatches, TrainBatches, TrainCursor, TrainLayout};
-pub use config::DataConfig;
-pub use corpus::{Corpus, CorpusKind, Split, TextStats, TokenSplit, text_files};
+pub use config::{CorpusKind, DataConfig};
+pub use corpus::{Corpus, Split, TextStats, TokenSplit, text_files};
 pub use error::DataError;
 pub use tokenizer::{SPECIAL_TOKENS, TokenizerKind, train_tokenizer};
 pub use vocab::Vocab;

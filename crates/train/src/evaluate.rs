@@ -10,8 +10,8 @@ use tvq_model::{Loss, ModelState, TransformerVq};
 use crate::batch::BatchTensors;
 use crate::config::EvalSection;
 use crate::error::TrainError;
-use crate::metrics::progress_bar;
 use crate::optim::B;
+use crate::progress::progress_bar;
 use crate::workers::map_in_workers;
 
 /// Results of evaluating a split (or its first segments).
@@ -255,7 +255,7 @@ pub fn evaluate(
     opts: &EvalOptions,
 ) -> Result<EvalReport, TrainError> {
     let devices: Vec<_> = models.iter().map(|m| m.embedding.weight.device()).collect();
-    crate::trainer::check_device_list(&devices)?;
+    crate::workers::check_device_list(&devices)?;
     let (batch, update_len) = (eval.batch_size, eval.update_len);
     if let Some(every) = opts.reset_every
         && (every == 0 || !every.is_multiple_of(update_len))

@@ -30,7 +30,7 @@ use tvq_model::{DropoutMasks, Loss, ModelState};
 
 use crate::error::TrainError;
 use crate::optim::{B, Model};
-use crate::step::{ShardPlan, ShardResult};
+use crate::shard::{ShardPlan, ShardResult};
 
 /// The forward and backward passes of one shard (`inputs`, `targets` and
 /// `valid` `[B, T]`) from `state` with dropout `masks`, recomputing each

@@ -20,8 +20,9 @@ use crate::config::{EvalSection, RunConfig, Schedule, TrainSection};
 use crate::error::TrainError;
 use crate::evaluate::{EvalOptions, EvalReport, evaluate};
 use crate::lock::RunLock;
-use crate::metrics::{EvalLine, MetricsLog, SampleLine, progress_bar};
+use crate::metrics::{EvalLine, MetricsLog, SampleLine};
 use crate::plot;
+use crate::progress::progress_bar;
 use crate::sample::{SampleOptions, sample};
 use crate::trainer::{Trainer, check_devices};
 

@@ -8,8 +8,8 @@ use tvq_data::hash::{SplitMix64, splitmix64};
 use tvq_model::{ModelError, ModelState, TransformerVq};
 
 use crate::error::TrainError;
-use crate::metrics::progress_bar;
 use crate::optim::B;
+use crate::progress::progress_bar;
 
 /// How to draw tokens.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -24,7 +24,7 @@ use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
 use burn::prelude::*;
 use tvq_data::{Batch, TrainCursor};
-use tvq_model::device::{check_precision, device_name};
+use tvq_model::device::check_precision;
 use tvq_model::{CodebookStats, ModelState, Precision, TransformerVqConfig};
 
 use crate::checkpoint::{self, TrainerState};
@@ -38,6 +38,7 @@ use crate::step::{
     Shard, ShardPlan, StepGradients, autodiff_device, compute_gradients, cpu_autodiff, fork_onto,
     seeded_draw,
 };
+use crate::workers::check_device_list;
 
 /// The seed of step `step`'s dropout draws: they depend on (seed, step)
 /// only, so a resumed run draws what an uninterrupted one would.
@@ -548,31 +549,6 @@ pub(crate) fn check_devices(devices: &[DispatchDevice], workers: usize) -> Resul
     Ok(())
 }
 
-/// Checks a `--device` list: at least one, none twice, all of one backend
-/// (rows are shared out equally, so a CPU next to a GPU would make the GPU
-/// wait; and the mix is not tested).
-pub(crate) fn check_device_list(devices: &[DispatchDevice]) -> Result<(), TrainError> {
-    let Some(first) = devices.first() else {
-        return Err(TrainError::Devices("names no device".into()));
-    };
-    for (i, d) in devices.iter().enumerate() {
-        if devices[..i].contains(d) {
-            return Err(TrainError::Devices(format!(
-                "names {} twice",
-                device_name(d)
-            )));
-        }
-        if std::mem::discriminant(d) != std::mem::discriminant(first) {
-            return Err(TrainError::Devices(format!(
-                "mixes backends ({} and {}): list devices of one kind, e.g. cuda:0,cuda:1",
-                device_name(first),
-                device_name(d)
-            )));
-        }
-    }
-    Ok(())
-}
-
 /// A hash of every weight's bits, in module order.
 fn weights_hash(model: &Model) -> u64 {
     use burn::module::{ModuleVisitor, Param};
@@ -640,7 +616,7 @@ fn gather_states(
 mod tests {
     use super::*;
     use crate::gpu_under_test::{gpu_under_test, two_wgpu_devices};
-    use tvq_model::device::DeviceSpec;
+    use tvq_model::device::{DeviceSpec, device_name};
 
     fn tiny() -> TransformerVqConfig {
         TransformerVqConfig::new(11)

@@ -4,7 +4,13 @@
 //! (silu gates, softmax `exp`, copies) on the calling thread only, so one
 //! forward/backward pass keeps about 1.2 of 2 cores busy. Rows of a batch
 //! are independent streams, so shards of rows can run at once. Results come
-//! back in shard order whatever the threads' timing.
+//! back in shard order whatever the threads' timing. Workers may also be
+//! spread over several devices of one backend (`check_device_list`).
+
+use burn::DispatchDevice;
+use tvq_model::device::device_name;
+
+use crate::error::TrainError;
 
 /// Maps `f` over `items` on `workers` threads and returns the results in
 /// item order. Worker `w` calls `setup(w)` once, then takes items `w`,
@@ -53,6 +59,31 @@ where
     });
     done.sort_by_key(|(i, _)| *i);
     done.into_iter().map(|(_, r)| r).collect()
+}
+
+/// Checks a `--device` list: at least one, none twice, all of one backend
+/// (rows are shared out equally, so a CPU next to a GPU would make the GPU
+/// wait; and the mix is not tested).
+pub(crate) fn check_device_list(devices: &[DispatchDevice]) -> Result<(), TrainError> {
+    let Some(first) = devices.first() else {
+        return Err(TrainError::Devices("names no device".into()));
+    };
+    for (i, d) in devices.iter().enumerate() {
+        if devices[..i].contains(d) {
+            return Err(TrainError::Devices(format!(
+                "names {} twice",
+                device_name(d)
+            )));
+        }
+        if std::mem::discriminant(d) != std::mem::discriminant(first) {
+            return Err(TrainError::Devices(format!(
+                "mixes backends ({} and {}): list devices of one kind, e.g. cuda:0,cuda:1",
+                device_name(first),
+                device_name(d)
+            )));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

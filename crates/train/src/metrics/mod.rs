@@ -1,12 +1,11 @@
 //! What a run logs: `metrics.jsonl`, one JSON line per training step and
 //! per evaluation; `samples.jsonl`, the samples drawn while training; the
-//! same in TensorBoard event files ([`tensorboard`]); the progress bars.
+//! same in TensorBoard event files ([`tensorboard`]).
 
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use tvq_model::Precision;
@@ -326,22 +325,6 @@ impl JsonLines {
             .and_then(|()| file.flush())
             .map_err(|e| TrainError::io(&self.path, e))
     }
-}
-
-/// A progress bar of `len` units drawn with indicatif's `template` (which
-/// places `{bar:30}`), or a hidden one when `show` is false.
-pub(crate) fn progress_bar(show: bool, len: u64, template: &str) -> ProgressBar {
-    let bar = if show {
-        ProgressBar::new(len)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_style(
-        ProgressStyle::with_template(template)
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
-    bar
 }
 
 #[cfg(test)]
