@@ -283,18 +283,21 @@ pub fn run(args: BenchArgs) -> Result<()> {
         );
     }
     let (device, info) = args.device.init()?;
+    let precisions = given_or(&args.precision, train.precision);
     if args.peak {
-        let flops = mfu::measure_matmul_peak(&device);
-        if args.json {
-            println!(
-                "{}",
-                json!({"form": "peak", "flops_per_s": flops, "device": info})
-            );
-        } else {
-            println!(
-                "device: {info}; f32 matrix products: {:.1} GFLOP/s",
-                flops / 1e9
-            );
+        for &precision in &precisions {
+            let flops = mfu::measure_matmul_peak(&device, precision);
+            if args.json {
+                println!(
+                    "{}",
+                    json!({"form": "peak", "precision": precision, "flops_per_s": flops, "device": info})
+                );
+            } else {
+                println!(
+                    "device: {info}; {precision} matrix products: {:.1} GFLOP/s",
+                    flops / 1e9
+                );
+            }
         }
         return Ok(());
     }
@@ -304,7 +307,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if let Some(dir) = &args.checkpoint {
         return bench_checkpoint(&args, &model, &train, &device, dir);
     }
-    let peak = mfu::device_peak(&device, args.peak_tflops).map(|(p, _)| p);
+    // Each precision is measured against the peak of its own products.
+    let peaks: Vec<Option<f64>> = precisions
+        .iter()
+        .map(|&p| mfu::device_peak(&device, p, args.peak_tflops).map(|(peak, _)| peak))
+        .collect();
     let forms = args
         .form
         .iter()
@@ -322,19 +329,20 @@ pub fn run(args: BenchArgs) -> Result<()> {
             model.n_code,
             model.block_len
         );
-        if let Some(p) = peak {
-            println!("mfu against {:.1} GFLOP/s", p / 1e9);
+        for (precision, peak) in precisions.iter().zip(&peaks) {
+            if let Some(p) = peak {
+                println!("mfu of {precision} against {:.1} GFLOP/s", p / 1e9);
+            }
         }
         println!(
             "{:<10} {:>8} {:>9} {:>9} {:>14} {:>6} {:>14}",
             "form", "seq_len", "precision", "ckpt", "tokens/s", "mfu", "peak RSS MiB"
         );
     }
-    let precisions = given_or(&args.precision, train.precision);
     let modes = given_or(&args.checkpointing, train.activation_checkpointing);
     for &form in &forms {
         for &t in &args.seq_len {
-            for &precision in &precisions {
+            for (&precision, &peak) in precisions.iter().zip(&peaks) {
                 for &activation_checkpointing in &modes {
                     let train = TrainSection {
                         precision,

@@ -1608,11 +1608,14 @@ fn nodes_that_never_meet_or_disagree_fail_with_one_line() {
     );
     assert!(started.elapsed() < Duration::from_secs(3 + 10));
 
-    // Node 1 runs another learning rate.
+    // Node 1 runs another learning rate. Both start, so the nodes meet
+    // however loaded the machine: a longer timeout than above, which only
+    // a node that never comes would use up.
     let coordinator = format!("127.0.0.1:{}", free_ports(6));
-    let mut other = base.to_vec();
+    let patient = ["--set", "train.micro_batches=1", "--peer-timeout", "60"].map(String::from);
+    let mut other = patient.to_vec();
     other.extend(["--set", "train.lr=1e-3"].map(String::from));
-    let writer = spawn_node(config, &run, &coordinator, 0, &base);
+    let writer = spawn_node(config, &run, &coordinator, 0, &patient);
     let node1 = spawn_node(config, &run, &coordinator, 1, &other);
     one_line_error(writer, "differ in their config");
     one_line_error(node1, "differ in their config");

@@ -10,8 +10,8 @@ use std::time::Instant;
 use burn::prelude::*;
 use burn::tensor::backend::DeviceOps;
 use burn::{Dispatch, DispatchDevice};
-use tvq_model::TransformerVqConfig;
 use tvq_model::device::{cuda_device_name, wgpu_adapter};
+use tvq_model::{Precision, TransformerVqConfig};
 
 /// Model FLOPs of one training token in a segment of `seq_len` tokens:
 /// the forward pass and the backward pass, which costs twice as much.
@@ -19,41 +19,52 @@ pub fn training_flops_per_token(model: &TransformerVqConfig, seq_len: usize) -> 
     3.0 * model.forward_flops_per_token(seq_len)
 }
 
-/// Dense `f32` peaks (FLOP/s, without tensor cores) of GPUs by a part of
-/// their name, the more specific names first: the vendors' data sheets.
-const KNOWN_GPUS: &[(&str, f64)] = &[
-    ("H100 PCIe", 51.2e12),
-    ("H100 NVL", 60.0e12),
-    ("H100", 66.9e12),
-    ("H200", 66.9e12),
-    ("A100", 19.5e12),
-    ("L40S", 91.6e12),
-    ("L40", 90.5e12),
-    ("L4", 30.3e12),
-    ("A10", 31.2e12),
-    ("RTX 4090", 82.6e12),
-    ("V100", 15.7e12),
-    ("T4", 8.1e12),
+/// Dense peaks (FLOP/s) of GPUs by a part of their name, the more specific
+/// names first, from the vendors' data sheets: `f32` products without
+/// tensor cores, and 16-bit products (bf16, f16; f16 only on V100 and T4)
+/// on tensor cores with `f32` accumulation, without sparsity.
+const KNOWN_GPUS: &[(&str, f64, f64)] = &[
+    ("H100 PCIe", 51.2e12, 756.0e12),
+    ("H100 NVL", 60.0e12, 835.0e12),
+    ("H100", 66.9e12, 989.4e12),
+    ("H200", 66.9e12, 989.4e12),
+    ("A100", 19.5e12, 312.0e12),
+    ("L40S", 91.6e12, 362.1e12),
+    ("L40", 90.5e12, 181.0e12),
+    ("L4", 30.3e12, 121.0e12),
+    ("A10", 31.2e12, 125.0e12),
+    ("RTX 4090", 82.6e12, 165.2e12),
+    ("V100", 15.7e12, 125.0e12),
+    ("T4", 8.1e12, 65.0e12),
 ];
 
-/// The `f32` peak of a GPU named `name` (as its driver reports it), if known.
-pub fn known_gpu_peak(name: &str) -> Option<f64> {
+/// The peak of a GPU named `name` (as its driver reports it) for products
+/// in `precision`, if known: its `f32` peak, or its 16-bit tensor-core peak
+/// for `bf16` and `f16`.
+pub fn known_gpu_peak(name: &str, precision: Precision) -> Option<f64> {
     KNOWN_GPUS
         .iter()
-        .find(|(part, _)| name.contains(part))
-        .map(|&(_, peak)| peak)
+        .find(|(part, ..)| name.contains(part))
+        .map(|&(_, f32_peak, half_peak)| match precision {
+            Precision::F32 => f32_peak,
+            Precision::Bf16 | Precision::F16 => half_peak,
+        })
 }
 
-/// Measures the `f32` matrix-product rate of `device` (FLOP/s): products
-/// of two 1024 x 1024 matrices for half a second, the fastest one counting.
+/// Measures the matrix-product rate of `device` in `precision` (FLOP/s):
+/// products of two 1024 x 1024 matrices of that type for half a second, the
+/// fastest one counting.
 /// The first products of a process run slower (threads starting, fresh
 /// pages, the clock rising), so a shorter probe reads low by up to 2x on
 /// the development machine. On the CPU this is the peak MFU is measured
 /// against (tvq's own backend at its best, not a data sheet's figure).
-pub fn measure_matmul_peak(device: &DispatchDevice) -> f64 {
+pub fn measure_matmul_peak(device: &DispatchDevice, precision: Precision) -> f64 {
     const N: usize = 1024;
-    let a = Tensor::<Dispatch, 2>::random([N, N], burn::tensor::Distribution::Default, device);
-    let b = Tensor::<Dispatch, 2>::random([N, N], burn::tensor::Distribution::Default, device);
+    let random = || {
+        Tensor::<Dispatch, 2>::random([N, N], burn::tensor::Distribution::Default, device)
+            .cast(precision.dtype())
+    };
+    let (a, b) = (random(), random());
     let probe = Instant::now();
     let mut best = f64::INFINITY;
     while probe.elapsed().as_secs_f64() < 0.5 {
@@ -64,23 +75,32 @@ pub fn measure_matmul_peak(device: &DispatchDevice) -> f64 {
     2.0 * (N * N * N) as f64 / best
 }
 
-/// The peak one device of a run is measured against, and where it came
-/// from: `override_tflops` if given, else the probe on the CPU and the
-/// table for a GPU by the name its driver gives; `None` for an unknown GPU.
-pub fn device_peak(device: &DispatchDevice, override_tflops: Option<f64>) -> Option<(f64, String)> {
+/// The peak one device of a run is measured against when its products run
+/// in `precision`, and where it came from: `override_tflops` if given, else
+/// the probe on the CPU (in that type) and the table for a GPU by the name
+/// its driver gives; `None` for an unknown GPU.
+pub fn device_peak(
+    device: &DispatchDevice,
+    precision: Precision,
+    override_tflops: Option<f64>,
+) -> Option<(f64, String)> {
     if let Some(t) = override_tflops {
         return Some((t * 1e12, "--peak-tflops".into()));
     }
     let name = match device.inner() {
         DispatchDevice::Flex(_) => {
-            let measured = measure_matmul_peak(device.inner());
-            return Some((measured, "measured f32 matrix products".into()));
+            let measured = measure_matmul_peak(device.inner(), precision);
+            return Some((measured, format!("measured {precision} matrix products")));
         }
         DispatchDevice::Cuda(d) => cuda_device_name(d.index),
         DispatchDevice::Wgpu(d) => wgpu_adapter(d),
         _ => None,
     }?;
-    known_gpu_peak(&name).map(|p| (p, format!("the data-sheet f32 peak of {name}")))
+    let kind = match precision {
+        Precision::F32 => "f32",
+        Precision::Bf16 | Precision::F16 => "16-bit tensor-core",
+    };
+    known_gpu_peak(&name, precision).map(|p| (p, format!("the data-sheet {kind} peak of {name}")))
 }
 
 #[cfg(test)]
@@ -89,22 +109,36 @@ mod tests {
 
     #[test]
     fn known_gpus_are_found_by_name_most_specific_first() {
-        assert_eq!(known_gpu_peak("NVIDIA H100 80GB HBM3"), Some(66.9e12));
-        assert_eq!(known_gpu_peak("NVIDIA H100 PCIe"), Some(51.2e12));
-        assert_eq!(known_gpu_peak("NVIDIA A100-SXM4-80GB"), Some(19.5e12));
-        assert_eq!(known_gpu_peak("NVIDIA L40"), Some(90.5e12));
-        assert_eq!(known_gpu_peak("NVIDIA L4"), Some(30.3e12));
-        assert_eq!(known_gpu_peak("llvmpipe (LLVM 15.0.6, 256 bits)"), None);
+        let f32_peak = |name| known_gpu_peak(name, Precision::F32);
+        assert_eq!(f32_peak("NVIDIA H100 80GB HBM3"), Some(66.9e12));
+        assert_eq!(f32_peak("NVIDIA H100 PCIe"), Some(51.2e12));
+        assert_eq!(f32_peak("NVIDIA A100-SXM4-80GB"), Some(19.5e12));
+        assert_eq!(f32_peak("NVIDIA L40"), Some(90.5e12));
+        assert_eq!(f32_peak("NVIDIA L4"), Some(30.3e12));
+        assert_eq!(f32_peak("llvmpipe (LLVM 15.0.6, 256 bits)"), None);
+        // 16-bit products are measured against the tensor cores' peak.
+        for half in [Precision::Bf16, Precision::F16] {
+            assert_eq!(
+                known_gpu_peak("NVIDIA H100 80GB HBM3", half),
+                Some(989.4e12)
+            );
+            assert_eq!(
+                known_gpu_peak("NVIDIA A100-SXM4-80GB", half),
+                Some(312.0e12)
+            );
+        }
     }
 
     #[test]
-    fn the_cpu_probe_measures_a_plausible_rate_and_a_given_peak_wins() {
+    fn the_cpu_probe_measures_a_plausible_rate_in_each_type_and_a_given_peak_wins() {
         let cpu = DispatchDevice::Flex(Default::default());
-        let (peak, source) = device_peak(&cpu, None).unwrap();
-        // Between a slow core without SIMD and a large server.
-        assert!(peak > 1e9 && peak < 1e14, "{peak}");
-        assert!(source.contains("measured"));
-        let (given, _) = device_peak(&cpu, Some(2.5)).unwrap();
+        for precision in Precision::ALL {
+            let (peak, source) = device_peak(&cpu, precision, None).unwrap();
+            // Between a slow core without SIMD and a large server.
+            assert!(peak > 1e8 && peak < 1e14, "{precision}: {peak}");
+            assert_eq!(source, format!("measured {precision} matrix products"));
+        }
+        let (given, _) = device_peak(&cpu, Precision::Bf16, Some(2.5)).unwrap();
         assert_eq!(given, 2.5e12);
     }
 }

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use burn::DispatchDevice;
 use indicatif::ProgressBar;
 use tvq_data::{Corpus, Split, TokenSplit, TrainBatches, Vocab};
+use tvq_model::Precision;
 
 use crate::checkpoint;
 use crate::collective::{ClusterSpec, Collective};
@@ -158,7 +159,8 @@ fn set_up_trainer(
         cfg.train.precision,
         cfg.train.activation_checkpointing
     );
-    let mut trainer = trainer.with_peak_flops(peak_flops(&devices[0], opts.peak_tflops));
+    let peak = peak_flops(&devices[0], cfg.train.precision, opts.peak_tflops);
+    let mut trainer = trainer.with_peak_flops(peak);
     let previous = match rank {
         0 => prepare_run_dir(cfg, opts)?,
         _ => None,
@@ -401,8 +403,12 @@ fn lock_run_dir(run_dir: &Path) -> Result<RunLock, TrainError> {
 
 /// The peak FLOP/s of one device that the MFU is reported against
 /// ([`crate::mfu::device_peak`]), said in the log.
-fn peak_flops(device: &DispatchDevice, override_tflops: Option<f64>) -> Option<f64> {
-    match crate::mfu::device_peak(device, override_tflops) {
+fn peak_flops(
+    device: &DispatchDevice,
+    precision: Precision,
+    override_tflops: Option<f64>,
+) -> Option<f64> {
+    match crate::mfu::device_peak(device, precision, override_tflops) {
         Some((peak, source)) => {
             tracing::info!(
                 "MFU against {:.3} TFLOP/s per device ({source})",

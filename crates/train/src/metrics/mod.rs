@@ -204,7 +204,7 @@ impl MetricsLog {
 /// The step of a metrics row and its numbers as TensorBoard scalars,
 /// tagged `KIND/FIELD`; fields that are not numbers (the precision, lists
 /// of buckets) are left out.
-pub fn scalars_of(row: &serde_json::Value) -> (u64, Vec<(String, f64)>) {
+fn scalars_of(row: &serde_json::Value) -> (u64, Vec<(String, f64)>) {
     let kind = row["kind"].as_str().unwrap_or("metrics");
     let scalars = row
         .as_object()
@@ -218,7 +218,7 @@ pub fn scalars_of(row: &serde_json::Value) -> (u64, Vec<(String, f64)>) {
 
 /// TensorBoard's text entry of a sample: the prompt and its continuation
 /// as a Markdown code block, so that line breaks show.
-pub fn sample_markdown(sample: &SampleLine) -> String {
+fn sample_markdown(sample: &SampleLine) -> String {
     format!("{}{}", sample.prompt, sample.text)
         .lines()
         .map(|l| format!("    {l}\n"))
