@@ -101,7 +101,17 @@ fn fails(args: &[&str], needle: &str) {
     );
 }
 
-/// Checkpoint directories of a run.
+/// `tvq train --quiet` on `config` into `run` with `extra` arguments; it
+/// must succeed. Returns what it printed.
+fn train_quietly(config: &str, run: &Path, extra: &[&str]) -> String {
+    let run = run.to_str().unwrap();
+    ok(&[
+        &["train", "--config", config, "--run-dir", run, "--quiet"][..],
+        extra,
+    ]
+    .concat())
+}
+
 /// `tvq train --quiet` on `config` into `run` in the background, its stdout
 /// and stderr made by `stdio`.
 fn spawn_train(

@@ -172,19 +172,7 @@ fn samples_while_training_change_nothing_and_tensorboard_holds_every_row() {
         "eval.sample_seed=7",
     ];
     let train = |run: &Path, extra: &[&str]| {
-        let args = [
-            &[
-                "train",
-                "--config",
-                config,
-                "--run-dir",
-                run.to_str().unwrap(),
-                "--quiet",
-            ][..],
-            extra,
-        ]
-        .concat();
-        ok(&args);
+        train_quietly(config, run, extra);
     };
     let plain = dir.path().join("plain");
     train(&plain, &["--set", "log.tensorboard=false"]);
@@ -282,22 +270,20 @@ fn a_trace_shows_every_phase_of_every_step_on_each_worker() {
     let dir = tempfile::tempdir().unwrap();
     let config = tiny_config(dir.path(), 4, 2);
     let trace = dir.path().join("trace.json");
-    ok(&[
-        "train",
-        "--config",
+    train_quietly(
         config.to_str().unwrap(),
-        "--run-dir",
-        dir.path().join("run").to_str().unwrap(),
-        "--quiet",
-        "--trace",
-        trace.to_str().unwrap(),
-        "--set",
-        "train.workers=2",
-        "--set",
-        "train.activation_checkpointing='full'",
-        "--set",
-        "model.n_layer=2",
-    ]);
+        &dir.path().join("run"),
+        &[
+            "--trace",
+            trace.to_str().unwrap(),
+            "--set",
+            "train.workers=2",
+            "--set",
+            "train.activation_checkpointing='full'",
+            "--set",
+            "model.n_layer=2",
+        ],
+    );
     let events = trace_events(&trace);
     let count = |name: &str| span_count(&events, name);
     // 4 steps of 4 shards (2 workers x 2 micro-batches); 2 layers of 2
@@ -348,18 +334,16 @@ fn a_trace_shows_every_phase_of_every_step_on_each_worker() {
     }
     // Without checkpointing nothing is recomputed.
     let plain = dir.path().join("plain.json");
-    ok(&[
-        "train",
-        "--config",
+    train_quietly(
         config.to_str().unwrap(),
-        "--run-dir",
-        dir.path().join("plain").to_str().unwrap(),
-        "--quiet",
-        "--trace",
-        plain.to_str().unwrap(),
-        "--set",
-        "model.n_layer=2",
-    ]);
+        &dir.path().join("plain"),
+        &[
+            "--trace",
+            plain.to_str().unwrap(),
+            "--set",
+            "model.n_layer=2",
+        ],
+    );
     let events = trace_events(&plain);
     assert_eq!(span_count(&events, "backward"), 8);
     assert_eq!(span_count(&events, "recompute"), 0);
@@ -380,19 +364,7 @@ fn a_bf16_run_with_full_checkpointing_trains_resumes_and_evaluates() {
         "train.activation_checkpointing='full'",
     ];
     let train = |run: &Path, extra: &[&str]| {
-        let args = [
-            &[
-                "train",
-                "--config",
-                config,
-                "--run-dir",
-                run.to_str().unwrap(),
-                "--quiet",
-            ][..],
-            extra,
-        ]
-        .concat();
-        ok(&args);
+        train_quietly(config, run, extra);
     };
     let (straight, resumed, f32_run) = (
         dir.path().join("straight"),
