@@ -37,7 +37,7 @@ fn resume(config: &Path, run: &Path) -> Output {
 
 /// Every line of `metrics.jsonl`, without the timing and the memory (which
 /// no two runs share).
-fn rows(run: &Path) -> Vec<serde_json::Value> {
+pub(super) fn rows(run: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(run.join("metrics.jsonl"))
         .unwrap()
         .lines()

@@ -187,16 +187,7 @@ fn samples_while_training_change_nothing_and_tensorboard_holds_every_row() {
     train(&resumed, &[&sampling[..], &["--max-steps", "3"]].concat());
     train(&resumed, &[&sampling[..], &["--resume"]].concat());
 
-    let without_timing = |run: &Path| -> Vec<serde_json::Value> {
-        let mut rows = json_lines(&run.join("metrics.jsonl"));
-        for row in &mut rows {
-            let row = row.as_object_mut().unwrap();
-            for timing in ["tokens_per_s", "mfu", "peak_rss_bytes"] {
-                row.remove(timing);
-            }
-        }
-        rows
-    };
+    let without_timing = super::faults::rows;
     // `--max-steps 3` ended a run: its final evaluation at step 3 stays.
     let mut resumed_rows = without_timing(&resumed);
     let early_final = resumed_rows
