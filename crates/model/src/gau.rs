@@ -3,17 +3,17 @@
 use burn::module::Module;
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
-use burn::tensor::FloatDType;
 use burn::tensor::activation::silu;
 
 use crate::attention::{self, AttentionInput, AttentionState};
 use crate::bias::PositionBias;
-use crate::config::{AttentionForm, CacheGrad, TransformerVqConfig};
+use crate::compute::Compute;
+use crate::config::{AttentionForm, TransformerVqConfig};
 use crate::dropout::{self, SublayerDropout, SublayerMasks};
 use crate::error::ModelError;
 use crate::layout::{merge_heads, split_heads};
 use crate::norm::{RmsNorm, rms_normalize};
-use crate::precision::{Precision, product_in, to_f32};
+use crate::precision::{Precision, to_f32};
 use crate::quantizer::{CodebookStats, VectorQuantizer};
 
 /// A linear map `x W` without bias, `W ~ N(0, 1/fan_in)`, `[d_in, d_out]`.
@@ -56,28 +56,13 @@ pub struct Gau<B: Backend> {
     pub block_len: usize,
     /// How the sublayer computes (from the config or set later, not
     /// learned). One field for all such settings: each field of a module,
-    /// even a skipped one, takes a place in burn's binary record, so a new
-    /// one would make older checkpoints unreadable.
+    /// even a skipped one, takes a place in burn's binary record (format-1
+    /// checkpoints), so a new one would make them unreadable.
     #[module(skip)]
-    pub settings: SublayerSettings,
+    pub compute: Compute,
     /// VQ attention or the quadratic baseline.
     #[module(skip)]
     pub form: AttentionForm,
-}
-
-/// How a sublayer computes. Not parameters: a loaded model's can be changed
-/// ([`crate::TransformerVq::set_cache_limit`],
-/// [`crate::TransformerVq::set_precision`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct SublayerSettings {
-    /// Gradient through the caches within a segment.
-    pub cache_grad: CacheGrad,
-    /// Most keys the compressed cache weighs
-    /// ([`TransformerVqConfig::cache_limit`]).
-    pub cache_limit: Option<usize>,
-    /// Type of the block-parallel form's matrix products; the recurrent
-    /// form always computes in `f32`.
-    pub precision: Precision,
 }
 
 /// What a GAU sublayer returns for one segment.
@@ -125,7 +110,7 @@ impl<B: Backend> Gau<B> {
             d_k: k,
             d_v: v,
             block_len: cfg.block_len,
-            settings: SublayerSettings {
+            compute: Compute {
                 cache_grad: cfg.cache_grad,
                 cache_limit: cfg.cache_limit,
                 precision: Precision::F32,
@@ -134,11 +119,11 @@ impl<B: Backend> Gau<B> {
         }
     }
 
-    /// The projections of `x` `[B, T, D]`, their products in `dt`.
-    fn project(&self, x: Tensor<B, 3>, dt: FloatDType) -> Projected<B> {
+    /// The projections of `x` `[B, T, D]`, their products in `cx`'s type.
+    fn project(&self, x: Tensor<B, 3>, cx: Compute) -> Projected<B> {
         let (h, k, v) = (self.n_head, self.d_k, self.d_v);
         let scale = (k as f64).powf(-0.25); // twice applied: the 1/sqrt(K) of attention
-        let x = self.input_norm.forward(x).cast(dt); // statistics in f32, then the compute type
+        let x = cx.cast(self.input_norm.forward(x)); // statistics in f32, then the compute type
         // The rotary form without a position channel sharpens its scores
         // through the query (`Rotary::LOGIT_SCALE`); with one, the channel's
         // unnormalised features give the scores their range.
@@ -150,17 +135,17 @@ impl<B: Backend> Gau<B> {
         let channel = self.rotary_channel();
         let heads = |x: Tensor<B, 3>| to_f32(split_heads(x, h));
         let q = if channel == 0 {
-            let [q] = column_blocks(&x, self.q_proj.weight.val(), [hk], dt);
+            let [q] = column_blocks(&x, self.q_proj.weight.val(), [hk], cx);
             rms_normalize(heads(q)) * q_scale
         } else {
             // The position channel is not normalised: its size is how much
             // the query cares about distance.
-            let [content, pos] = column_blocks(&x, self.q_proj.weight.val(), [hk, h * channel], dt);
+            let [content, pos] = column_blocks(&x, self.q_proj.weight.val(), [hk, h * channel], cx);
             let content = rms_normalize(heads(content)) * q_scale; // [B, H, T, K]
             let pos = heads(pos) * scale; // [B, H, T, P]
             with_channel(content, pos)
         };
-        let [k_raw, v_raw, g_raw] = column_blocks(&x, self.kvg_proj.weight.val(), [hk, hv, hv], dt);
+        let [k_raw, v_raw, g_raw] = column_blocks(&x, self.kvg_proj.weight.val(), [hk, hv, hv], cx);
         Projected {
             q,
             k: rms_normalize(heads(k_raw)) * scale,
@@ -170,17 +155,17 @@ impl<B: Backend> Gau<B> {
     }
 
     /// `[B, T, D]` (`f32`) from the attention output `o` `[B, H, T, V]`
-    /// and the gate, the output product in `dt`.
+    /// and the gate, the output product in `cx`'s type.
     fn finish(
         &self,
         o: Tensor<B, 4>,
         gate: Tensor<B, 3>,
         residual_mask: Option<Tensor<B, 3>>,
-        dt: FloatDType,
+        cx: Compute,
     ) -> Tensor<B, 3> {
-        let o = merge_heads(o).cast(dt) * gate; // [B, T, H V]
+        let o = cx.cast(merge_heads(o)) * gate; // [B, T, H V]
         let w = self.out_proj.weight.val().unsqueeze::<3>(); // [1, H V, D]
-        dropout::apply(to_f32(product_in(o, w, dt)), residual_mask)
+        dropout::apply(cx.product_f32(o, w), residual_mask)
     }
 
     /// The windowed rotary position, when it is this sublayer's position term.
@@ -252,8 +237,8 @@ impl<B: Backend> Gau<B> {
     ) -> Result<GauOutput<B>, ModelError> {
         let [b, t, _] = x.dims();
         let device = x.device();
-        let dt = self.settings.precision.dtype();
-        let p = self.project(x, dt);
+        let cx = self.compute;
+        let p = self.project(x, cx);
         let (q, bias) = self.bias.apply(p.q, self.block_len, masks.sinusoid.take());
         if self.form == AttentionForm::Quadratic {
             if state.pos != 0 || state.prev.is_some() {
@@ -266,11 +251,10 @@ impl<B: Backend> Gau<B> {
                 p.v,
                 self.block_len,
                 self.rotary(),
-                self.settings.cache_limit,
-                dt,
+                cx,
             );
             return Ok(GauOutput {
-                out: self.finish(o, p.gate, masks.residual.take(), dt),
+                out: self.finish(o, p.gate, masks.residual.take(), cx),
                 commitment: Tensor::zeros([b, t], &device),
                 stats: None,
                 codes: None,
@@ -287,24 +271,16 @@ impl<B: Backend> Gau<B> {
             v: p.v,
             codebook: self.keys_with_channel(self.quantizer.codebook()),
             rotary: self.rotary(),
-            cache_limit: self.settings.cache_limit,
-            precision: self.settings.precision,
         };
         let (o, state, groups) = if with_groups {
-            let a = attention::block_attention_with_groups(
-                input,
-                state,
-                self.block_len,
-                self.settings.cache_grad,
-            )?;
+            let a = attention::block_attention_with_groups(input, state, self.block_len, cx)?;
             (a.out, a.state, a.groups)
         } else {
-            let (o, state) =
-                attention::block_attention(input, state, self.block_len, self.settings.cache_grad)?;
+            let (o, state) = attention::block_attention(input, state, self.block_len, cx)?;
             (o, state, None)
         };
         Ok(GauOutput {
-            out: self.finish(o, p.gate, masks.residual.take(), dt),
+            out: self.finish(o, p.gate, masks.residual.take(), cx),
             commitment: vq.commitment,
             stats: Some(vq.stats),
             codes: Some(vq.codes),
@@ -324,8 +300,8 @@ impl<B: Backend> Gau<B> {
         if self.form == AttentionForm::Quadratic {
             return Err(ModelError::QuadraticIsStateless);
         }
-        let f32 = FloatDType::F32;
-        let p = self.project(x, f32);
+        let cx = self.compute.in_f32();
+        let p = self.project(x, cx);
         let (q, bias) = self.bias.apply(p.q, self.block_len, masks.sinusoid.take());
         let vq = self.quantizer.quantize(p.k, None);
         let input = AttentionInput {
@@ -336,16 +312,14 @@ impl<B: Backend> Gau<B> {
             v: p.v,
             codebook: self.keys_with_channel(self.quantizer.codebook()),
             rotary: self.rotary(),
-            cache_limit: self.settings.cache_limit,
-            precision: Precision::F32,
         };
-        let (o, state) = attention::step_attention(input, state, self.block_len)?;
-        Ok((self.finish(o, p.gate, masks.residual.take(), f32), state))
+        let (o, state) = attention::step_attention(input, state, self.block_len, cx)?;
+        Ok((self.finish(o, p.gate, masks.residual.take(), cx), state))
     }
 }
 
 /// `x W` `[B, T, sum(widths)]` for `x` `[B, T, D]`, as one tensor per block
-/// of `widths` columns, the products in `dt`. One matmul per column block of the weight, rather
+/// of `widths` columns, the products in `cx`'s type. One matmul per column block of the weight, rather
 /// than slicing the product: slices of the last axis are strided views, and
 /// every elementwise op (and the slice's backward) on them is far slower
 /// than on contiguous tensors. For one token (the recurrent form) the
@@ -355,22 +329,18 @@ fn column_blocks<B: Backend, const N: usize>(
     x: &Tensor<B, 3>,
     w: Tensor<B, 2>,
     widths: [usize; N],
-    dt: FloatDType,
+    cx: Compute,
 ) -> [Tensor<B, 3>; N] {
     let [b, t, _] = x.dims();
     let d = w.dims()[0];
-    let product = (t == 1).then(|| product_in(x.clone(), w.clone().unsqueeze::<3>(), dt));
+    let product = (t == 1).then(|| cx.product(x.clone(), w.clone().unsqueeze::<3>()));
     let mut start = 0;
     widths.map(|n| {
         let cols = start..start + n;
         start += n;
         match &product {
             Some(p) => p.clone().slice([0..b, 0..1, cols]),
-            None => product_in(
-                x.clone(),
-                w.clone().slice([0..d, cols]).unsqueeze::<3>(),
-                dt,
-            ),
+            None => cx.product(x.clone(), w.clone().slice([0..d, cols]).unsqueeze::<3>()),
         }
     })
 }

@@ -11,6 +11,7 @@
 
 pub mod attention;
 pub mod bias;
+pub mod compute;
 pub mod config;
 pub mod device;
 pub mod dropout;
@@ -21,14 +22,17 @@ pub mod loss;
 pub mod model;
 pub mod norm;
 pub mod official;
+pub mod pass;
 pub mod precision;
 pub mod quantizer;
 
 pub use attention::AttentionState;
+pub use compute::Compute;
 pub use config::{AttentionForm, CacheGrad, RelativeBias, TransformerVqConfig};
 pub use dropout::DropoutMasks;
 pub use error::{ConfigError, ModelError};
 pub use loss::{Loss, token_nll};
 pub use model::{ModelOutput, ModelState, SublayerOutput, TransformerVq};
+pub use pass::{Graph, Pass, PassOutput, Recomputable};
 pub use precision::Precision;
 pub use quantizer::{CodebookMetrics, CodebookStats};

@@ -11,6 +11,7 @@ use crate::dropout::{self, DropoutMasks, SublayerMasks};
 use crate::error::ModelError;
 use crate::gau::Gau;
 use crate::norm::RmsNorm;
+use crate::pass::Pass;
 use crate::precision::Precision;
 use crate::quantizer::CodebookStats;
 
@@ -213,7 +214,7 @@ impl<B: Backend> TransformerVq<B> {
     /// `f32` until set.
     pub fn set_precision(&mut self, precision: Precision) {
         for g in &mut self.sublayers {
-            g.settings.precision = precision;
+            g.compute.precision = precision;
         }
     }
 
@@ -221,7 +222,7 @@ impl<B: Backend> TransformerVq<B> {
     pub fn precision(&self) -> Precision {
         self.sublayers
             .first()
-            .map_or(Precision::F32, |g| g.settings.precision)
+            .map_or(Precision::F32, |g| g.compute.precision)
     }
 
     /// Sets every sublayer's cache limit
@@ -230,7 +231,7 @@ impl<B: Backend> TransformerVq<B> {
     /// one. It is not a weight: the model computes as if configured so.
     pub fn set_cache_limit(&mut self, limit: Option<usize>) {
         for g in &mut self.sublayers {
-            g.settings.cache_limit = limit;
+            g.compute.cache_limit = limit;
         }
     }
 
@@ -240,26 +241,6 @@ impl<B: Backend> TransformerVq<B> {
                 "{} sublayer states for {} sublayers",
                 state.sublayers.len(),
                 self.sublayers.len()
-            )));
-        }
-        Ok(())
-    }
-
-    fn check_masks(&self, masks: &DropoutMasks<B>, [b, t]: [usize; 2]) -> Result<(), ModelError> {
-        if masks.sublayers.len() != self.sublayers.len() {
-            return Err(ModelError::MaskMismatch(format!(
-                "masks for {} sublayers, the model has {}",
-                masks.sublayers.len(),
-                self.sublayers.len()
-            )));
-        }
-        let fits = |m: &SublayerMasks<B>| {
-            m.residual.as_ref().is_none_or(|r| r.dims()[..2] == [b, t])
-                && m.layer.as_ref().is_none_or(|l| l.dims()[0] == b)
-        };
-        if !masks.sublayers.iter().all(fits) {
-            return Err(ModelError::MaskMismatch(format!(
-                "masks drawn for another batch or length than the input [{b}, {t}]"
             )));
         }
         Ok(())
@@ -313,7 +294,11 @@ impl<B: Backend> TransformerVq<B> {
         valid: Option<Tensor<B, 2, Bool>>,
     ) -> Result<ModelOutput<B>, ModelError> {
         let masks = self.dropout_masks(tokens.dims());
-        self.forward_impl(tokens, state, valid, masks, true)
+        let pass = Pass {
+            with_groups: true,
+            ..Pass::new(masks.sublayers, valid)
+        };
+        self.forward_pass(tokens, state, pass)
     }
 
     /// [`Self::forward`] with dropout masks drawn beforehand by
@@ -325,7 +310,7 @@ impl<B: Backend> TransformerVq<B> {
         valid: Option<Tensor<B, 2, Bool>>,
         masks: DropoutMasks<B>,
     ) -> Result<ModelOutput<B>, ModelError> {
-        self.forward_impl(tokens, state, valid, masks, false)
+        self.forward_pass(tokens, state, Pass::new(masks.sublayers, valid))
     }
 
     /// The block-parallel forward of a segment `tokens` `[B, T]` from
@@ -364,29 +349,20 @@ impl<B: Backend> TransformerVq<B> {
     pub fn forward_sublayers(
         &self,
         range: std::ops::Range<usize>,
-        mut h: Tensor<B, 3>,
+        h: Tensor<B, 3>,
         states: Vec<AttentionState<B>>,
     ) -> Result<(Tensor<B, 3>, Vec<AttentionState<B>>), ModelError> {
-        if range.start > range.end
-            || range.end > self.sublayers.len()
-            || states.len() != range.len()
-        {
-            return Err(ModelError::StateMismatch(format!(
-                "{} states for sublayers {range:?} of {}",
-                states.len(),
-                self.sublayers.len()
-            )));
-        }
         let [b, t, _] = h.dims();
         let device = self.embedding.weight.device();
-        let mut out_states = Vec::with_capacity(states.len());
-        for (i, s) in range.zip(states) {
-            let m = self.sublayers[i].dropout_masks(self.layer_drop, [b, t], &device);
-            let out = self.sublayer_forward(i, h, s, None, m, false)?;
-            h = out.h;
-            out_states.push(out.state);
-        }
-        Ok((h, out_states))
+        let masks = match self.sublayers.get(range.clone()) {
+            Some(gaus) => gaus
+                .iter()
+                .map(|g| g.dropout_masks(self.layer_drop, [b, t], &device))
+                .collect(),
+            None => vec![], // refused by the pass's check
+        };
+        let out = self.run_sublayers(range, h, states, Pass::new(masks, None))?;
+        Ok((out.h, out.states))
     }
 
     /// The logits `[B, 1, vocab]` of the last position of the final hidden
@@ -428,41 +404,26 @@ impl<B: Backend> TransformerVq<B> {
         })
     }
 
-    /// The sublayers, then the logits of every position.
-    fn forward_impl(
+    /// The embedding, the sublayers as `pass` says, then the logits of
+    /// every position.
+    pub fn forward_pass(
         &self,
         tokens: Tensor<B, 2, Int>,
         state: ModelState<B>,
-        valid: Option<Tensor<B, 2, Bool>>,
-        masks: DropoutMasks<B>,
-        with_groups: bool,
+        pass: Pass<B>,
     ) -> Result<ModelOutput<B>, ModelError> {
         self.check_state(&state)?;
-        let [b, t] = tokens.dims();
-        let mut h = self.embed(tokens)?; // [B, T, D]
-        self.check_masks(&masks, [b, t])?;
-        let mut commitment = Tensor::zeros([b, t], &h.device());
-        let mut stats = Vec::with_capacity(self.sublayers.len());
-        let mut codes = Vec::with_capacity(self.sublayers.len());
-        let mut attention = vec![];
-        let mut states = Vec::with_capacity(self.sublayers.len());
-        let layers = state.sublayers.into_iter().zip(masks.sublayers);
-        for (i, (s, m)) in layers.enumerate() {
-            let out = self.sublayer_forward(i, h, s, valid.clone(), m, with_groups)?;
-            h = out.h;
-            commitment = commitment + out.commitment;
-            stats.extend(out.stats);
-            codes.extend(out.codes);
-            attention.extend(out.groups);
-            states.push(out.state);
-        }
+        let h = self.embed(tokens)?; // [B, T, D]
+        let out = self.run_sublayers(0..self.sublayers.len(), h, state.sublayers, pass)?;
         Ok(ModelOutput {
-            logits: self.head(h),
-            commitment,
-            stats,
-            codes,
-            attention,
-            state: ModelState { sublayers: states },
+            logits: self.head(out.h),
+            commitment: out.commitment,
+            stats: out.stats,
+            codes: out.codes,
+            attention: out.attention,
+            state: ModelState {
+                sublayers: out.states,
+            },
         })
     }
 

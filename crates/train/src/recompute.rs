@@ -1,6 +1,7 @@
 //! Full activation checkpointing: per-sublayer recomputation.
 //!
-//! The forward pass runs without an autodiff graph and keeps only each
+//! The forward pass (the model's one sublayer loop under
+//! [`tvq_model::Graph::LastSublayer`]) runs without an autodiff graph and keeps only each
 //! sublayer's input `h_i` `[B, T, D]`. The backward pass then walks the
 //! sublayers from the last to the first: sublayer `i` runs again from `h_i`
 //! (a leaf that asks for its gradient) with the same dropout masks and
@@ -23,10 +24,9 @@
 //! residual path and the recomputed graph in another order (tested in
 //! [`crate::trainer`]).
 
-use burn::module::Module;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
-use tvq_model::{DropoutMasks, Loss, ModelState};
+use tvq_model::{DropoutMasks, Graph, Loss, ModelState, Pass, Recomputable};
 
 use crate::error::TrainError;
 use crate::optim::{B, Model};
@@ -46,35 +46,21 @@ pub(crate) fn passes(
 ) -> Result<ShardResult, TrainError> {
     let valid = Some(valid);
     let forward = tracing::debug_span!("forward").entered();
-    // 1: forward without a graph (no parameter asks for a gradient), keeping
-    // each sublayer's input; the last sublayer keeps its graph instead, as
-    // its backward pass comes first (recomputing it would save nothing).
-    let frozen = model.clone().no_grad();
-    let mut h = frozen.embed(inputs.clone())?; // [B, T, D]
-    let mut commitment: Tensor<B, 2> = Tensor::zeros(inputs.dims(), &h.device()); // [B, T]
-    let n = state.sublayers.len();
-    let (mut kept, mut stats, mut states) = (
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-        Vec::with_capacity(n),
-    );
-    let mut last = None; // the last sublayer's input (a leaf) and commitment
-    let layers = state.sublayers.iter().cloned().zip(masks.sublayers.clone());
-    for (i, (s, m)) in layers.enumerate() {
-        let out = if i + 1 < n {
-            kept.push(h.clone());
-            frozen.sublayer_forward(i, h, s, valid.clone(), m, false)?
-        } else {
-            let x = h.require_grad();
-            let out = model.sublayer_forward(i, x.clone(), s, valid.clone(), m, false)?;
-            last = Some((x, out.commitment.clone()));
-            out
-        };
-        h = out.h;
-        commitment = commitment + out.commitment.detach();
-        stats.extend(out.stats);
-        states.push(out.state);
-    }
+    // 1: forward keeping only each sublayer's input, and the last
+    // sublayer's graph, as its backward pass comes first (recomputing it
+    // would save nothing).
+    let h = model.embed(inputs.clone())?; // [B, T, D]
+    let n = model.sublayers.len();
+    let pass = Pass {
+        graph: Graph::LastSublayer,
+        ..Pass::new(masks.sublayers.clone(), valid.clone())
+    };
+    let out = model.run_sublayers(0..n, h, state.sublayers.clone(), pass)?;
+    let Recomputable {
+        inputs: kept,
+        last_input: x,
+        last_commitment,
+    } = out.recomputable.expect("a model has sublayers");
 
     drop(forward);
     let _backward = tracing::debug_span!("backward").entered();
@@ -82,8 +68,7 @@ pub(crate) fn passes(
     // sublayer's commitment a constant (each adds its own term's gradient
     // below).
     let mut grads = GradientsAccumulator::<Model>::new();
-    let (x, last_commitment) = last.expect("a model has sublayers");
-    let loss = Loss::from_parts(model.head(h), commitment, targets, valid.clone());
+    let loss = Loss::from_parts(model.head(out.h), out.commitment, targets, valid.clone());
     let objective =
         plan.objective(&loss) + plan.commitment_objective(last_commitment, valid.clone());
     let mut g = backward(model, objective, &x, &mut grads); // [B, T, D]
@@ -111,8 +96,10 @@ pub(crate) fn passes(
         grads: grads.grads(),
         ce: loss.ce.into_scalar().elem(),
         commitment: loss.commitment.into_scalar().elem(),
-        stats,
-        state: ModelState { sublayers: states },
+        stats: out.stats,
+        state: ModelState {
+            sublayers: out.states,
+        },
     })
 }
 

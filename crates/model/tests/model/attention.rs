@@ -1,14 +1,13 @@
 //! The block-parallel and recurrent forms against the quadratic oracle.
 
 use burn::prelude::*;
-use burn::tensor::FloatDType;
-use tvq_model::CacheGrad;
 use tvq_model::attention::{
     AttentionInput, AttentionState, Rotary, block_attention, block_attention_with_groups,
     rotary_scores, step_attention,
 };
 use tvq_model::precision::Precision;
 use tvq_model::quantizer::VectorQuantizer;
+use tvq_model::{CacheGrad, Compute};
 
 use crate::common::*;
 
@@ -198,13 +197,20 @@ impl Problem {
             v: cut(&self.v),
             codebook: self.quantizer.codebook(),
             rotary: self.rotary,
+        }
+    }
+
+    /// How the problem computes under `cache_grad`: in `f32`, with its cache limit.
+    fn cx(&self, cache_grad: CacheGrad) -> Compute {
+        Compute {
+            cache_grad,
             cache_limit: self.cache_limit,
             precision: Precision::F32,
         }
     }
 
     fn oracle(&self, l: usize, mode: CacheGrad) -> Tensor<B, 4> {
-        oracle_attention(self.input(0..self.q.dims()[2]), l, mode)
+        oracle_attention(self.input(0..self.q.dims()[2]), l, self.cx(mode))
     }
 }
 
@@ -216,8 +222,13 @@ fn block_form_matches_oracle_forward_and_gradients() {
     for (n, sh) in SHAPES.iter().enumerate() {
         for mode in MODES {
             let p = Problem::new(*sh, 10 + n as u64, &device);
-            let (out, _) =
-                block_attention(p.input(0..sh.t), AttentionState::default(), sh.l, mode).unwrap();
+            let (out, _) = block_attention(
+                p.input(0..sh.t),
+                AttentionState::default(),
+                sh.l,
+                p.cx(mode),
+            )
+            .unwrap();
             let want = p.oracle(sh.l, mode);
             let ctx = format!("{sh:?} {mode:?}");
             assert_close(out.clone(), want.clone(), 1e-5, &format!("output, {ctx}"));
@@ -249,7 +260,7 @@ fn carried_state_gives_the_same_output_as_one_segment() {
             p.input(0..sh.t),
             AttentionState::default(),
             sh.l,
-            CacheGrad::Window,
+            p.cx(CacheGrad::Window),
         )
         .unwrap();
         assert_close(
@@ -264,11 +275,12 @@ fn carried_state_gives_the_same_output_as_one_segment() {
                 p.input(0..cut),
                 AttentionState::default(),
                 sh.l,
-                CacheGrad::Window,
+                p.cx(CacheGrad::Window),
             )
             .unwrap();
             assert_eq!(st.pos, cut);
-            let (b, st) = block_attention(p.input(cut..sh.t), st, sh.l, CacheGrad::Window).unwrap();
+            let (b, st) =
+                block_attention(p.input(cut..sh.t), st, sh.l, p.cx(CacheGrad::Window)).unwrap();
             assert_eq!(st.pos, sh.t);
             assert_close(
                 Tensor::cat(vec![a, b], 2),
@@ -280,9 +292,13 @@ fn carried_state_gives_the_same_output_as_one_segment() {
         let mut state = AttentionState::default();
         let mut parts = vec![];
         for start in (0..sh.t).step_by(sh.l) {
-            let (o, s) =
-                block_attention(p.input(start..start + sh.l), state, sh.l, CacheGrad::Window)
-                    .unwrap();
+            let (o, s) = block_attention(
+                p.input(start..start + sh.l),
+                state,
+                sh.l,
+                p.cx(CacheGrad::Window),
+            )
+            .unwrap();
             parts.push(o);
             state = s;
         }
@@ -304,13 +320,14 @@ fn recurrent_form_matches_block_form() {
             p.input(0..sh.t),
             AttentionState::default(),
             sh.l,
-            CacheGrad::Window,
+            p.cx(CacheGrad::Window),
         )
         .unwrap();
         let mut state = AttentionState::default();
         let mut outs = vec![];
         for i in 0..sh.t {
-            let (o, s) = step_attention(p.input(i..i + 1), state, sh.l).unwrap();
+            let (o, s) =
+                step_attention(p.input(i..i + 1), state, sh.l, p.cx(CacheGrad::Window)).unwrap();
             outs.push(o);
             state = s;
         }
@@ -354,7 +371,7 @@ fn block_form_continues_after_recurrent_steps() {
         p.input(0..sh.t),
         AttentionState::default(),
         sh.l,
-        CacheGrad::Window,
+        p.cx(CacheGrad::Window),
     )
     .unwrap();
     let mut state = AttentionState::default();
@@ -363,15 +380,22 @@ fn block_form_continues_after_recurrent_steps() {
         // Mid-block, the block form must refuse the state.
         if i > 0 {
             assert!(
-                block_attention(p.input(i..i + sh.l), state.clone(), sh.l, CacheGrad::Window)
-                    .is_err()
+                block_attention(
+                    p.input(i..i + sh.l),
+                    state.clone(),
+                    sh.l,
+                    p.cx(CacheGrad::Window)
+                )
+                .is_err()
             );
         }
-        let (o, s) = step_attention(p.input(i..i + 1), state, sh.l).unwrap();
+        let (o, s) =
+            step_attention(p.input(i..i + 1), state, sh.l, p.cx(CacheGrad::Window)).unwrap();
         outs.push(o);
         state = s;
     }
-    let (rest, _) = block_attention(p.input(sh.l..sh.t), state, sh.l, CacheGrad::Window).unwrap();
+    let (rest, _) =
+        block_attention(p.input(sh.l..sh.t), state, sh.l, p.cx(CacheGrad::Window)).unwrap();
     outs.push(rest);
     assert_close(Tensor::cat(outs, 2), whole, 1e-5, "steps then blocks");
 }
@@ -392,8 +416,13 @@ fn block_grad_norms(mode: CacheGrad, rotary: bool) -> (Vec<f32>, Vec<f32>) {
     };
     let device = cpu_ad();
     let p = Problem::new(sh, 50, &device);
-    let (out, _) =
-        block_attention(p.input(0..sh.t), AttentionState::default(), sh.l, mode).unwrap();
+    let (out, _) = block_attention(
+        p.input(0..sh.t),
+        AttentionState::default(),
+        sh.l,
+        p.cx(mode),
+    )
+    .unwrap();
     let last = out.slice([0..sh.b, 0..sh.h, sh.t - sh.l..sh.t, 0..sh.v]);
     let w = randn(last.dims(), &device);
     let grads = (last * w).sum().backward();
@@ -537,7 +566,12 @@ fn rotary_scores_are_the_clipped_rotation_pair_by_pair() {
         let rot = Rotary::new(l).with_channel(channel);
         let q = randn([1, 1, t, k], &device);
         let kk = randn([1, 1, t, k], &device);
-        let got = to_vec(rotary_scores(rot, q.clone(), kk.clone(), FloatDType::F32));
+        let got = to_vec(rotary_scores(
+            rot,
+            q.clone(),
+            kk.clone(),
+            Compute::default(),
+        ));
         let (q, kk) = (to_vec(q), to_vec(kk));
         let half = k / 2;
         let content = half - channel / 2;
@@ -584,7 +618,11 @@ fn oracle_groups(p: &Problem, sh: Shape) -> (Vec<f32>, Vec<f32>) {
         .reshape([1, 1, sh.t, sh.t])
         .expand([sh.b, sh.h, sh.t, sh.t]);
     // Attention to the identity's rows: the weights themselves, [B, H, T, T].
-    let weights = oracle_attention(AttentionInput { v: eye, ..input }, sh.l, CacheGrad::Window);
+    let weights = oracle_attention(
+        AttentionInput { v: eye, ..input },
+        sh.l,
+        p.cx(CacheGrad::Window),
+    );
     let a: Vec<f32> = weights.into_data().to_vec().unwrap();
     let (mut share, mut entropy) = (vec![], vec![]);
     for row in a.chunks(sh.t) {
@@ -616,7 +654,7 @@ fn attention_groups_match_the_oracle_weights_in_one_segment_and_carried() {
             p.input(0..sh.t),
             AttentionState::default(),
             sh.l,
-            CacheGrad::Window,
+            p.cx(CacheGrad::Window),
         )
         .unwrap();
         parts.push((0, whole));
@@ -625,12 +663,16 @@ fn attention_groups_match_the_oracle_weights_in_one_segment_and_carried() {
                 p.input(0..cut),
                 AttentionState::default(),
                 sh.l,
-                CacheGrad::Window,
+                p.cx(CacheGrad::Window),
             )
             .unwrap();
-            let rest =
-                block_attention_with_groups(p.input(cut..sh.t), state, sh.l, CacheGrad::Window)
-                    .unwrap();
+            let rest = block_attention_with_groups(
+                p.input(cut..sh.t),
+                state,
+                sh.l,
+                p.cx(CacheGrad::Window),
+            )
+            .unwrap();
             parts.push((cut, rest));
         }
         for (start, a) in parts {

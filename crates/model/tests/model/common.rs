@@ -3,10 +3,9 @@
 use burn::backend::flex::FlexDevice;
 use burn::prelude::*;
 use burn::tensor::Distribution;
-use burn::tensor::FloatDType;
 use burn::{Dispatch, DispatchDevice};
-use tvq_model::CacheGrad;
 use tvq_model::attention::{AttentionInput, rotary_scores};
+use tvq_model::{CacheGrad, Compute};
 
 pub type B = Dispatch;
 
@@ -57,20 +56,16 @@ pub fn assert_close<const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>, tol: f32, 
 /// `bias` is `[B or 1, H, T or 1, L + 1]`, indexed by distance. Under a
 /// cache limit, the keys before the query's previous block (the `N` the
 /// compressed cache holds) each score `ln(limit / N)` less when `N > limit`.
-pub fn oracle_attention(
-    input: AttentionInput<B>,
-    block_len: usize,
-    mode: CacheGrad,
-) -> Tensor<B, 4> {
+pub fn oracle_attention(input: AttentionInput<B>, block_len: usize, cx: Compute) -> Tensor<B, 4> {
     let AttentionInput {
         q,
         bias,
         k_hat,
         v,
         rotary,
-        cache_limit,
         ..
     } = input;
+    let (mode, cache_limit) = (cx.cache_grad, cx.cache_limit);
     let [b, h, t, _] = q.dims();
     let l = block_len;
     let device = q.device();
@@ -122,7 +117,7 @@ pub fn oracle_attention(
         + Tensor::<B, 2>::from_data(TensorData::new(limit, [t, t]), &device).reshape([1, 1, t, t]);
 
     let content = |k: Tensor<B, 4>| match rotary {
-        Some(rot) => rotary_scores(rot, q.clone(), k, FloatDType::F32),
+        Some(rot) => rotary_scores(rot, q.clone(), k, Compute::default()),
         None => q.clone().matmul(k.swap_dims(2, 3)),
     };
     let scores_flow = content(k_hat.clone());

@@ -1,0 +1,304 @@
+//! The block-parallel form: every block of a segment at once.
+
+use burn::prelude::*;
+
+use super::scores::{attend, attention_groups, cache_scores, window_scores_and_cache_query};
+use super::state::{AttentionState, CachedBlock, CompressedCache, empty_block};
+use super::{AttentionGroups, AttentionInput};
+use crate::compute::Compute;
+use crate::config::CacheGrad;
+use crate::error::ModelError;
+use crate::precision::to_f32;
+use crate::quantizer::code_totals;
+
+/// Keys, values and codes of a segment cut into its `R` blocks.
+struct Blocks<B: Backend> {
+    /// `[B, H, R, L, K]`.
+    k_hat: Tensor<B, 5>,
+    /// `[B, H, R, L, V]`.
+    v: Tensor<B, 5>,
+    /// `[B, H, R, L]`.
+    codes: Tensor<B, 4, Int>,
+}
+
+fn expect_dims(what: &str, got: &[usize], want: &[usize]) -> Result<(), ModelError> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(ModelError::StateMismatch(format!(
+            "{what} is {got:?}, expected {want:?}"
+        )))
+    }
+}
+
+/// Step 2: the previous block of every block: the carried one for block 0,
+/// block `r - 1` for block `r`. Under `CacheGrad::None` the window's
+/// previous blocks carry no gradient.
+fn previous_blocks<B: Backend>(
+    carried: CachedBlock<B>,
+    blocks: &Blocks<B>,
+    cache_grad: CacheGrad,
+) -> Blocks<B> {
+    let [b, h, r, l, _] = blocks.k_hat.dims();
+    let no_grad = cache_grad == CacheGrad::None;
+    let shift = |carried: Tensor<B, 4>, x: Tensor<B, 5>| -> Tensor<B, 5> {
+        let x = if no_grad { x.detach() } else { x };
+        // The carried block is f32; the segment's values may be narrower.
+        let head = carried.cast(x.dtype()).unsqueeze_dim::<5>(2); // [B, H, 1, L, W]
+        if r == 1 {
+            return head;
+        }
+        let width = x.dims()[4];
+        Tensor::cat(
+            vec![head, x.slice([0..b, 0..h, 0..r - 1, 0..l, 0..width])],
+            2,
+        )
+    };
+    let head = carried.codes.unsqueeze_dim::<4>(2); // [B, H, 1, L]
+    let codes = if r == 1 {
+        head
+    } else {
+        let earlier = blocks.codes.clone().slice([0..b, 0..h, 0..r - 1, 0..l]);
+        Tensor::cat(vec![head, earlier], 2)
+    };
+    Blocks {
+        k_hat: shift(carried.k_hat, blocks.k_hat.clone()),
+        v: shift(carried.v, blocks.v.clone()),
+        codes,
+    }
+}
+
+/// Step 4: the compressed cache each block's queries see. Block `r`'s cache
+/// holds the carried cache plus the previous blocks of blocks `0..r-1`,
+/// i.e. everything up to block `r - 2`: an exclusive cumulative sum of
+/// per-block code totals. Returns the per-block counts `[B, H, R, S]` and
+/// means `[B, H, R, S, V]`, and the carried cache with every block's
+/// previous block folded in (the state after the segment, detached).
+fn block_caches<B: Backend>(
+    carried: CompressedCache<B>,
+    prev: &Blocks<B>,
+    s: usize,
+    cache_grad: CacheGrad,
+) -> (Tensor<B, 4>, Tensor<B, 5>, CompressedCache<B>) {
+    let [b, h, r, l, dv] = prev.v.dims();
+    // Counts and means in f32 whatever the compute type: they sum many keys.
+    let values = match cache_grad {
+        CacheGrad::Full => to_f32(prev.v.clone()),
+        CacheGrad::None | CacheGrad::Window => to_f32(prev.v.clone().detach()),
+    };
+    let (counts, sums) = code_totals(
+        prev.codes.clone().reshape([b * h * r, l]),
+        None,
+        values.reshape([b * h * r, l, dv]),
+        s,
+    );
+    let counts = counts.reshape([b, h, r, s]); // [B, H, R, S]
+    let sums = sums.reshape([b, h, r, s, dv]); // [B, H, R, S, V]
+    let counts_before = counts.clone().cumsum(2) - counts.clone();
+    let sums_before = sums.clone().cumsum(2) - sums.clone();
+    let (cache_counts, cache_means) = carried.merge(counts_before, sums_before);
+    let after = carried.absorb(
+        counts.detach().sum_dim(2).reshape([b, h, s]),
+        sums.detach().sum_dim(2).reshape([b, h, s, dv]),
+    );
+    (cache_counts, cache_means, after)
+}
+
+/// What a segment starts from: the carried previous block (empty slots
+/// when there is none yet) and compressed cache, checked against the
+/// segment's sizes.
+struct Carried<B: Backend> {
+    has_prev: bool,
+    prev: CachedBlock<B>,
+    cache: CompressedCache<B>,
+}
+
+impl<B: Backend> Carried<B> {
+    /// `dims` = `[B, H, L, K, V, S]`.
+    fn unpack(
+        state: AttentionState<B>,
+        dims: [usize; 6],
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        let [b, h, l, dk, dv, s] = dims;
+        if !state.pos.is_multiple_of(l) || state.current.is_some() {
+            return Err(ModelError::StateNotBlockAligned {
+                pos: state.pos,
+                block_len: l,
+            });
+        }
+        let has_prev = state.prev.is_some();
+        let prev = state
+            .prev
+            .unwrap_or_else(|| empty_block(b, h, l, dk, dv, s, device));
+        expect_dims("previous-block k_hat", &prev.k_hat.dims(), &[b, h, l, dk])?;
+        expect_dims("previous-block v", &prev.v.dims(), &[b, h, l, dv])?;
+        let cache = state
+            .cache
+            .unwrap_or_else(|| CompressedCache::empty(b, h, s, dv, device));
+        expect_dims("cache counts", &cache.counts.dims(), &[b, h, s])?;
+        expect_dims("cache means", &cache.means.dims(), &[b, h, s, dv])?;
+        Ok(Self {
+            has_prev,
+            prev,
+            cache,
+        })
+    }
+}
+
+/// Block 0 of a fresh stream has no previous block: its previous-block
+/// scores `[B, H, R, L, L]` become `-inf`.
+fn mask_first_previous<B: Backend>(scores: Tensor<B, 5>) -> Tensor<B, 5> {
+    let [b, h, r, l, _] = scores.dims();
+    let first: Vec<bool> = (0..r).map(|blk| blk == 0).collect();
+    let first = Tensor::<B, 1, Bool>::from_data(TensorData::new(first, [r]), &scores.device())
+        .reshape([1, 1, r, 1, 1])
+        .expand([b, h, r, l, l]);
+    scores.mask_fill(first, f32::NEG_INFINITY)
+}
+
+/// Step 6: the state after a segment: its last block becomes the previous
+/// block; `cache` already holds every block's previous block. Detached.
+fn state_after<B: Backend>(
+    pos: usize,
+    blocks: Blocks<B>,
+    cache: CompressedCache<B>,
+) -> AttentionState<B> {
+    let [b, h, r, l, dk] = blocks.k_hat.dims();
+    let dv = blocks.v.dims()[4];
+    // States are f32 whatever the compute type, so that they resume in any.
+    let last = |x: Tensor<B, 5>, width: usize| {
+        to_f32(x.slice([0..b, 0..h, r - 1..r, 0..l, 0..width]))
+            .reshape([b, h, l, width])
+            .detach()
+    };
+    AttentionState {
+        pos,
+        prev: Some(CachedBlock {
+            k_hat: last(blocks.k_hat, dk),
+            v: last(blocks.v, dv),
+            codes: blocks
+                .codes
+                .slice([0..b, 0..h, r - 1..r, 0..l])
+                .reshape([b, h, l]),
+        }),
+        cache: Some(cache.detach()),
+        current: None,
+    }
+}
+
+/// Block-parallel VQ attention over one segment of `T = R L` tokens that
+/// starts at a block boundary, in the steps of docs/architecture.md.
+/// Returns the output `[B, H, T, V]` and the detached state after the
+/// segment. No loop over blocks: every block's scores come from batched
+/// matmuls, and every block's compressed cache from a cumulative sum.
+pub fn block_attention<B: Backend>(
+    input: AttentionInput<B>,
+    state: AttentionState<B>,
+    block_len: usize,
+    cx: Compute,
+) -> Result<(Tensor<B, 4>, AttentionState<B>), ModelError> {
+    let out = block_attention_impl(input, state, block_len, cx, false)?;
+    Ok((out.out, out.state))
+}
+
+/// What [`block_attention_with_groups`] returns.
+#[derive(Debug)]
+pub struct BlockAttention<B: Backend> {
+    /// The output, `[B, H, T, V]`.
+    pub out: Tensor<B, 4>,
+    /// The detached state after the segment.
+    pub state: AttentionState<B>,
+    /// Where the attention went (present when asked for).
+    pub groups: Option<AttentionGroups<B>>,
+}
+
+/// [`block_attention`], also returning where the attention went
+/// ([`AttentionGroups`]), at the cost of a second pass over the scores.
+pub fn block_attention_with_groups<B: Backend>(
+    input: AttentionInput<B>,
+    state: AttentionState<B>,
+    block_len: usize,
+    cx: Compute,
+) -> Result<BlockAttention<B>, ModelError> {
+    block_attention_impl(input, state, block_len, cx, true)
+}
+
+fn block_attention_impl<B: Backend>(
+    input: AttentionInput<B>,
+    state: AttentionState<B>,
+    block_len: usize,
+    cx: Compute,
+    with_groups: bool,
+) -> Result<BlockAttention<B>, ModelError> {
+    let AttentionInput {
+        q,
+        bias,
+        k_hat,
+        codes,
+        v,
+        codebook,
+        rotary,
+    } = input;
+    let [b, h, t, dk] = q.dims();
+    let (dv, s, l) = (v.dims()[3], codebook.dims()[1], block_len);
+    if t == 0 || !t.is_multiple_of(l) {
+        return Err(ModelError::SegmentNotBlockAligned {
+            len: t,
+            block_len: l,
+        });
+    }
+    let (r, pos) = (t / l, state.pos);
+    let carried = Carried::unpack(state, [b, h, l, dk, dv, s], &q.device())?;
+
+    // 1: blocks.
+    let q = q.reshape([b, h, r, l, dk]);
+    let blocks = Blocks {
+        k_hat: k_hat.reshape([b, h, r, l, dk]),
+        v: v.reshape([b, h, r, l, dv]),
+        codes: codes.reshape([b, h, r, l]),
+    };
+    // 2: previous blocks.
+    let prev = previous_blocks(carried.prev, &blocks, cx.cache_grad);
+    // 3: window scores, present block (causal) and previous block, [B, H, R, L, L].
+    let (present_scores, mut prev_scores, q) = window_scores_and_cache_query(
+        q,
+        blocks.k_hat.clone(),
+        prev.k_hat.clone(),
+        bias,
+        0..l,
+        rotary,
+        cx,
+    );
+    if !carried.has_prev {
+        prev_scores = mask_first_previous(prev_scores);
+    }
+    // 4: compressed cache by cumulative sum, [B, H, R, S] and [B, H, R, S, V].
+    let (cache_counts, cache_means, cache_after) =
+        block_caches(carried.cache, &prev, s, cx.cache_grad);
+    let cache_scores = cache_scores(q, codebook, cache_counts.clone(), cx); // [B, H, R, L, S]
+    let groups = with_groups.then(|| {
+        attention_groups(
+            present_scores.clone(),
+            prev_scores.clone(),
+            cache_scores.clone(),
+            cache_counts,
+        )
+    });
+    // 5: one softmax over the three groups.
+    let out = attend(
+        [
+            (present_scores, blocks.v.clone()),
+            (prev_scores, prev.v),
+            (cache_scores, cache_means),
+        ],
+        cx,
+    );
+    // 6: state out.
+    let out = out.reshape([b, h, t, dv]);
+    Ok(BlockAttention {
+        out,
+        state: state_after(pos + t, blocks, cache_after),
+        groups,
+    })
+}

@@ -1,0 +1,287 @@
+//! Scores of the three groups of keys a query sees (present block,
+//! previous block, compressed cache) and the one softmax over them: what
+//! the block-parallel and recurrent forms share.
+
+use burn::prelude::*;
+
+use super::rotary::Rotary;
+use crate::compute::Compute;
+
+/// The present and previous blocks' scores `[B, H, R, n, L]` for queries
+/// `q` `[B, H, R, n, K]` at block offsets `rows`, against keys
+/// `present` and `previous` `[B, H, R, L, K]`, and the query the compressed
+/// cache sees (`q` itself, or `R(L)^T q` under [`Rotary`]).
+pub(super) fn window_scores_and_cache_query<B: Backend>(
+    q: Tensor<B, 5>,
+    present: Tensor<B, 5>,
+    previous: Tensor<B, 5>,
+    bias: Tensor<B, 4>,
+    rows: std::ops::Range<usize>,
+    rotary: Option<Rotary>,
+    cx: Compute,
+) -> (Tensor<B, 5>, Tensor<B, 5>, Tensor<B, 5>) {
+    let Some(rot) = rotary else {
+        let present = window_scores(
+            q.clone(),
+            present,
+            bias.clone(),
+            WindowBlock::Present,
+            rows.clone(),
+            cx,
+        );
+        let previous = window_scores(q.clone(), previous, bias, WindowBlock::Previous, rows, cx);
+        return (present, previous, q);
+    };
+    let l = present.dims()[3];
+    let offsets: Vec<f64> = (0..l).map(|j| j as f64).collect();
+    let at = |shift: usize| -> Vec<f64> { rows.clone().map(|i| (i + shift) as f64).collect() };
+    let q_far = rot.rotate(q.clone(), &vec![l as f64; rows.len()]);
+    let present = window_scores(
+        rot.rotate(q.clone(), &at(0)),
+        rot.rotate(present, &offsets),
+        bias.clone(),
+        WindowBlock::Present,
+        rows.clone(),
+        cx,
+    );
+    let near = window_scores(
+        rot.rotate(q, &at(l)),
+        rot.rotate(previous.clone(), &offsets),
+        bias.clone(),
+        WindowBlock::Previous,
+        rows.clone(),
+        cx,
+    );
+    let far = window_scores(
+        q_far.clone(),
+        previous,
+        bias,
+        WindowBlock::Previous,
+        rows.clone(),
+        cx,
+    );
+    // Key j of the previous block is at distance L + i - j >= L when j <= i.
+    let n = rows.len();
+    let beyond: Vec<bool> = rows.flat_map(|i| (0..l).map(move |j| j <= i)).collect();
+    let beyond = Tensor::<B, 1, Bool>::from_data(TensorData::new(beyond, [n * l]), &q_far.device())
+        .reshape([1, 1, 1, n, l])
+        .expand(far.dims());
+    (present, near.mask_where(beyond, far), q_far)
+}
+
+/// One of the two blocks a query attends key by key. For a query at offset
+/// `i` of its block, key `j` of the previous block is at distance `L + i - j`
+/// and key `j` of the present block at `i - j` (a future key when negative).
+#[derive(Clone, Copy, Debug)]
+enum WindowBlock {
+    Previous,
+    Present,
+}
+
+/// For queries at block offsets `rows` against the `L` keys of `block`:
+/// the distances clamped to `0..=L`, and which pairs get no bias (distance
+/// outside `0..=L`; in the present block exactly the future keys).
+/// Row-major over `(i, j)`.
+fn window_distances(
+    block: WindowBlock,
+    rows: std::ops::Range<usize>,
+    l: usize,
+) -> (Vec<i64>, Vec<bool>) {
+    let offset = match block {
+        WindowBlock::Previous => l as i64,
+        WindowBlock::Present => 0,
+    };
+    let n = rows.len() * l;
+    let (mut distance, mut no_bias) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for i in rows {
+        for j in 0..l {
+            let d = offset + i as i64 - j as i64;
+            distance.push(d.clamp(0, l as i64));
+            no_bias.push(!(0..=l as i64).contains(&d));
+        }
+    }
+    (distance, no_bias)
+}
+
+/// Scores of queries `q` `[B, H, R, n, K]` at block offsets `rows` against
+/// the keys `k` `[B, H, R, L, K]` of one window block, with the relative bias
+/// from the per-distance table `bias` `[B or 1, H, R * n or 1, L + 1]`, and
+/// future keys at `-inf`. Returns `[B, H, R, n, L]` in `f32`, the product
+/// in the compute type.
+fn window_scores<B: Backend>(
+    q: Tensor<B, 5>,
+    k: Tensor<B, 5>,
+    bias: Tensor<B, 4>,
+    block: WindowBlock,
+    rows: std::ops::Range<usize>,
+    cx: Compute,
+) -> Tensor<B, 5> {
+    let [b, h, r, n, _] = q.dims();
+    let l = k.dims()[3];
+    let [bb, _, tb, _] = bias.dims();
+    let device = q.device();
+    let (distance, no_bias) = window_distances(block, rows, l);
+    let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(distance, [n * l]), &device);
+    let no_bias = Tensor::<B, 1, Bool>::from_data(TensorData::new(no_bias, [n * l]), &device);
+    // Pairs without a bias get 0, except future keys, which get -inf: the
+    // causal mask rides on the bias add instead of costing a pass of its own.
+    let fill = match block {
+        WindowBlock::Previous => 0.0,
+        WindowBlock::Present => f32::NEG_INFINITY,
+    };
+    let scores = cx.product_f32(q, k.swap_dims(3, 4)); // [B, H, R, n, L]
+    if tb == 1 {
+        // One table for all queries (Toeplitz): pick by distance. Added as
+        // rows of n L so the backend sees one shared row when H = 1.
+        let table = bias
+            .reshape([bb, h, l + 1])
+            .select(2, idx)
+            .mask_fill(no_bias.reshape([1, 1, n * l]).expand([bb, h, n * l]), fill)
+            .reshape([bb, h, 1, n * l]);
+        (scores.reshape([b, h, r, n * l]) + table).reshape([b, h, r, n, l])
+    } else {
+        // A table per query (XL): gather each query's distances.
+        let shape = [bb, h, r, n, l];
+        let idx = idx.reshape([1, 1, 1, n, l]).expand(shape);
+        let table = bias
+            .reshape([bb, h, r, n, l + 1])
+            .gather(4, idx)
+            .mask_fill(no_bias.reshape([1, 1, 1, n, l]).expand(shape), fill);
+        scores + table
+    }
+}
+
+/// Scores of the compressed cache for each block's queries, from its
+/// counts `[B, H, R, S]`: `[B, H, R, n, S]`, `q . C_s + ln n_s` (`-inf`
+/// where `n_s = 0`), plus [`cache_limit_bias`] of the `N` keys cached; in
+/// `f32`, the product in the compute type.
+pub(super) fn cache_scores<B: Backend>(
+    q: Tensor<B, 5>,
+    codebook: Tensor<B, 3>,
+    counts: Tensor<B, 4>,
+    cx: Compute,
+) -> Tensor<B, 5> {
+    let c_t = codebook
+        .swap_dims(1, 2)
+        .unsqueeze_dim::<4>(1)
+        .unsqueeze_dim::<5>(0); // [1, H, 1, K, S]
+    let scores = cx.product_f32(q, c_t); // [B, H, R, n, S]
+    // ln 0 = -inf masks the empty codes; counts carry no gradient.
+    let mut log_n = counts.clone().log(); // [B, H, R, S]
+    if let Some(limit) = cx.cache_limit {
+        let cached = counts.sum_dim(3); // [B, H, R, 1]: N, the same for every head
+        log_n = log_n - (cached / limit as f64).clamp_min(1.0).log();
+    }
+    scores + log_n.unsqueeze_dim::<5>(3) // [B, H, R, 1, S]
+}
+
+/// The score added to every key of the compressed cache when it holds
+/// `cached` keys: `-ln(max(1, cached / limit))`. Past `limit` keys the
+/// cache's keys together weigh what `limit` of them would, so the cache's
+/// share of the attention stops growing with the stream: models whose
+/// window terms were set for the cache sizes of their training sequences
+/// otherwise lose the window to the cache in far longer streams
+/// (docs/learning.md). `None`: every key weighs in full, the paper's cache.
+pub fn cache_limit_bias(cached: usize, limit: Option<usize>) -> f64 {
+    match limit {
+        Some(limit) if cached > limit => -(cached as f64 / limit as f64).ln(),
+        _ => 0.0,
+    }
+}
+
+/// One softmax over several groups of keys, then the weighted values: each
+/// group is scores `[.., n, N_g]` (`f32`) with values `[.., N_g, V]`.
+/// Returns `[.., n, V]` in `f32`: the maximum, the exponentials and their
+/// sums in `f32`, only the products with the values in the compute type.
+///
+/// The groups (previous block, present block, compressed cache) are
+/// normalised together without concatenating them: a concatenation, and the
+/// slices of its gradient, cost more than the softmax itself. The row maximum
+/// only keeps `exp` in range and cancels in the quotient, so it carries no
+/// gradient. Every query sees at least itself, so the maximum is finite.
+pub(super) fn attend<B: Backend, const G: usize>(
+    groups: [(Tensor<B, 5>, Tensor<B, 5>); G],
+    cx: Compute,
+) -> Tensor<B, 5> {
+    let max = groups
+        .iter()
+        .map(|(scores, _)| scores.clone().max_dim(4))
+        .reduce(|a, b| a.max_pair(b))
+        .expect("at least one group")
+        .detach(); // [.., n, 1]
+    let mut total: Option<(Tensor<B, 5>, Tensor<B, 5>)> = None; // (sum p v, sum p)
+    for (scores, values) in groups {
+        let p = (scores - max.clone()).exp(); // [.., n, N_g], unnormalised
+        let o = cx.product_f32(p.clone(), values); // [.., n, V]
+        let z = p.sum_dim(4); // [.., n, 1]
+        total = Some(match total {
+            Some((acc_o, acc_z)) => (acc_o + o, acc_z + z),
+            None => (o, z),
+        });
+    }
+    let (o, z) = total.expect("at least one group");
+    o / z
+}
+
+/// Where each query's attention goes, by group of keys: present block,
+/// previous block, compressed cache (in that order along the last axis).
+/// A diagnostic (`tvq eval --attention`), computed only when asked for.
+#[derive(Clone, Debug)]
+pub struct AttentionGroups<B: Backend> {
+    /// Share of the attention weight on each group, `[B, H, T, 3]`; the
+    /// three sum to 1 for every query.
+    pub share: Tensor<B, 4>,
+    /// Each group's part of the attention entropy over keys, nats,
+    /// `[B, H, T, 3]`: `-sum a_j ln a_j` over the group's keys, a cached code
+    /// standing for its `n_s` keys, each with an equal part of the code's
+    /// weight (as in the quadratic form on quantized keys). The entropy of a
+    /// query's attention is the sum over the groups.
+    pub entropy: Tensor<B, 4>,
+}
+
+/// [`AttentionGroups`] from the three groups' scores as [`attend`] sees
+/// them: present and previous block `[B, H, R, L, L]`, cache `[B, H, R, L, S]`
+/// (which include `ln n_s`), with the cache's counts `[B, H, R, S]`.
+pub(super) fn attention_groups<B: Backend>(
+    present: Tensor<B, 5>,
+    previous: Tensor<B, 5>,
+    cache: Tensor<B, 5>,
+    cache_counts: Tensor<B, 4>,
+) -> AttentionGroups<B> {
+    let [b, h, r, l, _] = present.dims();
+    // A key's own log weight (up to the normaliser): its score, less ln n_s
+    // for a code that stands for n_s keys. Masked keys (score -inf) get a
+    // finite stand-in so that 0 * it stays 0.
+    let log_n = cache_counts.clamp_min(1.0).log().unsqueeze_dim::<5>(3); // [B, H, R, 1, S]
+    let groups = [
+        (present.detach(), None),
+        (previous.detach(), None),
+        (cache.detach(), Some(log_n)),
+    ];
+    let max = groups
+        .iter()
+        .map(|(scores, _)| scores.clone().max_dim(4))
+        .reduce(|a, b| a.max_pair(b))
+        .expect("three groups"); // [B, H, R, L, 1]
+    let (mut mass, mut weighted) = (vec![], vec![]);
+    for (scores, log_n) in groups {
+        let shifted = scores - max.clone(); // [.., L, N_g]
+        let p = shifted.clone().exp();
+        let own = match log_n {
+            Some(log_n) => shifted - log_n,
+            None => shifted,
+        }
+        .clamp_min(-1e4);
+        mass.push(p.clone().sum_dim(4)); // [.., L, 1]
+        weighted.push((p * own).sum_dim(4)); // [.., L, 1]
+    }
+    let mass = Tensor::cat(mass, 4); // [B, H, R, L, 3]
+    let z = mass.clone().sum_dim(4); // [B, H, R, L, 1]
+    let share = mass / z.clone();
+    // a_j = p_j / Z, so -sum a_j ln a_j = share ln Z - (sum p_j own_j) / Z.
+    let entropy = share.clone() * z.clone().log() - Tensor::cat(weighted, 4) / z;
+    AttentionGroups {
+        share: share.reshape([b, h, r * l, 3]),
+        entropy: entropy.reshape([b, h, r * l, 3]),
+    }
+}
