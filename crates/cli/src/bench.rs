@@ -143,7 +143,7 @@ fn bench_loader(args: &BenchArgs, path: &std::path::Path) -> Result<()> {
 
 /// Peak resident set size of this process in bytes (Linux), or 0.
 fn peak_rss_bytes() -> u64 {
-    tvq_train::metrics::peak_rss_bytes().unwrap_or(0)
+    tvq_train::run::metrics::peak_rss_bytes().unwrap_or(0)
 }
 
 /// Resets the peak RSS counter so each setting reports its own peak (Linux).
@@ -263,6 +263,61 @@ fn bench_generate(
     Ok(())
 }
 
+/// `--peak`: the measured matrix-product peak of each precision.
+fn print_peaks(
+    args: &BenchArgs,
+    device: &burn::DispatchDevice,
+    info: &str,
+    precisions: &[Precision],
+) {
+    for &precision in precisions {
+        let flops = mfu::measure_matmul_peak(device, precision);
+        if args.json {
+            println!(
+                "{}",
+                json!({"form": "peak", "precision": precision, "flops_per_s": flops, "device": info})
+            );
+        } else {
+            println!(
+                "device: {info}; {precision} matrix products: {:.1} GFLOP/s",
+                flops / 1e9
+            );
+        }
+    }
+}
+
+/// The table's heading: the device, the model, the peaks the MFU is
+/// measured against, the columns.
+fn print_header(
+    args: &BenchArgs,
+    info: &str,
+    model: &TransformerVqConfig,
+    train: &TrainSection,
+    precisions: &[Precision],
+    peaks: &[Option<f64>],
+) {
+    println!(
+        "device: {info}; batch {} on {} workers, d_model {}, d_k {}, d_v {}, {} layers, S {}, L {}",
+        args.batch,
+        train.workers,
+        model.d_model,
+        model.d_k,
+        model.d_v,
+        model.n_layer,
+        model.n_code,
+        model.block_len
+    );
+    for (precision, peak) in precisions.iter().zip(peaks) {
+        if let Some(p) = peak {
+            println!("mfu of {precision} against {:.1} GFLOP/s", p / 1e9);
+        }
+    }
+    println!(
+        "{:<10} {:>8} {:>9} {:>9} {:>14} {:>6} {:>14}",
+        "form", "seq_len", "precision", "ckpt", "tokens/s", "mfu", "peak RSS MiB"
+    );
+}
+
 /// Runs the benchmark and prints the results.
 pub fn run(args: BenchArgs) -> Result<()> {
     if let Some(path) = &args.loader {
@@ -285,20 +340,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let (device, info) = args.device.init()?;
     let precisions = given_or(&args.precision, train.precision);
     if args.peak {
-        for &precision in &precisions {
-            let flops = mfu::measure_matmul_peak(&device, precision);
-            if args.json {
-                println!(
-                    "{}",
-                    json!({"form": "peak", "precision": precision, "flops_per_s": flops, "device": info})
-                );
-            } else {
-                println!(
-                    "device: {info}; {precision} matrix products: {:.1} GFLOP/s",
-                    flops / 1e9
-                );
-            }
-        }
+        print_peaks(&args, &device, &info, &precisions);
         return Ok(());
     }
     if args.generate {
@@ -318,26 +360,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .map(|f| parse_form(f))
         .collect::<Result<Vec<_>>>()?;
     if !args.json {
-        println!(
-            "device: {info}; batch {} on {} workers, d_model {}, d_k {}, d_v {}, {} layers, S {}, L {}",
-            args.batch,
-            train.workers,
-            model.d_model,
-            model.d_k,
-            model.d_v,
-            model.n_layer,
-            model.n_code,
-            model.block_len
-        );
-        for (precision, peak) in precisions.iter().zip(&peaks) {
-            if let Some(p) = peak {
-                println!("mfu of {precision} against {:.1} GFLOP/s", p / 1e9);
-            }
-        }
-        println!(
-            "{:<10} {:>8} {:>9} {:>9} {:>14} {:>6} {:>14}",
-            "form", "seq_len", "precision", "ckpt", "tokens/s", "mfu", "peak RSS MiB"
-        );
+        print_header(&args, &info, &model, &train, &precisions, &peaks);
     }
     let modes = given_or(&args.checkpointing, train.activation_checkpointing);
     for &form in &forms {
@@ -409,7 +432,7 @@ fn bench_checkpoint(
         .with_context(|| format!("creating {}", scratch.0.display()))?;
     let cfg = model.clone().with_vocab_size(args.vocab_size as usize);
     let mut trainer =
-        Trainer::new(&cfg, train, std::slice::from_ref(device), 1.0).context("benchmark model")?;
+        Trainer::new(&cfg, train, std::slice::from_ref(device)).context("benchmark model")?;
     // One real step, so that every parameter has its AdamW moments.
     let batch = pattern_batch(train.shards(), cfg.block_len, args.vocab_size);
     trainer.step(&batch, TrainCursor::default())?;
@@ -532,7 +555,7 @@ fn bench_training(args: &BenchArgs, on: &Measuring, form: AttentionForm, t: usiz
         .with_vocab_size(args.vocab_size as usize)
         .with_attention(form);
     let mut trainer =
-        Trainer::new(&cfg, train, std::slice::from_ref(device), 1.0).context("benchmark model")?;
+        Trainer::new(&cfg, train, std::slice::from_ref(device)).context("benchmark model")?;
     let batch = pattern_batch(args.batch, t, args.vocab_size);
     let mut step = || -> Result<()> {
         let _step = tracing::debug_span!("step").entered();

@@ -11,13 +11,13 @@ use clap::{Args, ValueEnum};
 use tvq_data::{Corpus, Split, Vocab};
 use tvq_model::AttentionForm;
 use tvq_model::device::DeviceSpec;
-use tvq_train::collective::ClusterSpec;
-use tvq_train::export::{ExportInfo, export, load_export};
-use tvq_train::optim::{B, Model};
-use tvq_train::step::fork_onto;
+use tvq_train::inference::export::{ExportInfo, export};
+use tvq_train::inference::load::load_for_inference;
+use tvq_train::parallel::collective::ClusterSpec;
+use tvq_train::placement::{Model, fork_onto};
 use tvq_train::{
-    AttentionShare, EvalOptions, PositionBucket, RunConfig, SampleOptions, TrainOptions,
-    checkpoint, evaluate, sample, sample::sample_prompts, train,
+    AttentionShare, EvalOptions, PositionBucket, RunConfig, SampleOptions, TrainOptions, evaluate,
+    inference::sample::sample_prompts, sample, train,
 };
 
 /// Options of `tvq train`.
@@ -401,14 +401,6 @@ impl Drop for SilencedStdout {
     }
 }
 
-/// A model ready for inference and where it came from.
-struct Loaded {
-    model: Model,
-    config: Option<RunConfig>,
-    vocab: Vocab,
-    step: u64,
-}
-
 /// The `--cache-limit` flag of `tvq eval` and `tvq sample`.
 #[derive(Args, Debug)]
 struct CacheLimit {
@@ -427,82 +419,6 @@ impl CacheLimit {
             model.set_cache_limit((n > 0).then_some(n));
         }
     }
-}
-
-/// Loads a checkpoint directory, a run directory's latest checkpoint, or an export.
-fn load_for_inference(
-    path: &Path,
-    config: Option<&Path>,
-    device: &DispatchDevice,
-) -> Result<Loaded> {
-    let explicit = config.map(|c| RunConfig::load(c, &[])).transpose()?;
-    if path.extension().is_some_and(|e| e == "safetensors") {
-        let (info, model) = load_export(path, device)?;
-        let vocab = match &info.tokenizer {
-            Some(t) => Vocab::load_tokenizer(t)?,
-            None => Vocab::Bytes,
-        };
-        return Ok(Loaded {
-            model,
-            config: explicit,
-            vocab,
-            step: info.step,
-        });
-    }
-    if path.join("manifest.json").is_file() {
-        return load_checkpoint(path, explicit, device);
-    }
-    if !path.join("checkpoints").is_dir() {
-        bail!(
-            "{} is neither a checkpoint, a run directory nor a .safetensors export",
-            path.display()
-        );
-    }
-    // A run being trained deletes old checkpoints (keep_checkpoints), maybe
-    // the one being read here, once it has written a newer one: then the
-    // newest is looked for again.
-    let mut attempts = 0;
-    loop {
-        attempts += 1;
-        let dir = checkpoint::latest_valid(path)
-            .with_context(|| format!("{} has no valid checkpoint", path.display()))?;
-        match load_checkpoint(&dir, explicit.clone(), device) {
-            Err(_) if !dir.exists() && attempts < 100 => continue,
-            loaded => return loaded,
-        }
-    }
-}
-
-/// Loads the checkpoint directory `dir` for inference, with the config of
-/// its run unless `explicit`.
-fn load_checkpoint(
-    dir: &Path,
-    explicit: Option<RunConfig>,
-    device: &DispatchDevice,
-) -> Result<Loaded> {
-    let run_dir = dir
-        .parent()
-        .and_then(Path::parent)
-        .context("a checkpoint lives in <run>/checkpoints/")?;
-    let cfg = match explicit {
-        Some(c) => c,
-        None => RunConfig::load(&run_dir.join("config.toml"), &[])
-            .with_context(|| format!("reading the run's config in {}", run_dir.display()))?,
-    };
-    let vocab = match &cfg.data.tokenizer {
-        Some(t) => Vocab::load_tokenizer(t)?,
-        None => Vocab::Bytes,
-    };
-    let model = cfg.model_config(vocab.size()).init::<B>(device)?;
-    let model = checkpoint::load_model(dir, model, device)?;
-    let trainer: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("trainer.json"))?)?;
-    Ok(Loaded {
-        model,
-        config: Some(cfg),
-        vocab,
-        step: trainer["step"].as_u64().unwrap_or(0),
-    })
 }
 
 /// Runs `tvq eval`.
@@ -549,7 +465,7 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
         let png = path.with_extension("png");
         let title = format!("{} split, step {}", report.split, loaded.step);
-        tvq_train::plot::plot_by_position(buckets, &png, &title)?;
+        tvq_train::run::plot::plot_by_position(buckets, &png, &title)?;
         if !args.json {
             println!("loss by position: {} and {}", path.display(), png.display());
         }
@@ -621,15 +537,7 @@ pub fn run_sample(args: SampleArgs) -> Result<()> {
             args.temperature
         );
     }
-    let mut texts = args.prompt.clone();
-    for file in &args.prompt_file {
-        let text = std::fs::read_to_string(file)
-            .with_context(|| format!("cannot read prompt file {}", file.display()))?;
-        texts.push(text);
-    }
-    if texts.is_empty() {
-        texts.push(String::new());
-    }
+    let texts = prompt_texts(&args)?;
     let device = init_device(args.device)?;
     let mut loaded = load_for_inference(&args.checkpoint, None, &device)?;
     args.cache_limit.apply(&mut loaded.model);
@@ -662,21 +570,7 @@ pub fn run_sample(args: SampleArgs) -> Result<()> {
             opts,
             |_, _, t| t != eos,
         )?;
-        for (p, (text, samples)) in echoed.iter().zip(&samples).enumerate() {
-            for (i, tokens) in samples.iter().enumerate() {
-                let end = tokens
-                    .iter()
-                    .position(|&t| t == eos)
-                    .unwrap_or(tokens.len());
-                let continued = vocab.decode(&tokens[..end])?;
-                let which = match prompts.len() {
-                    1 => format!("sample {}", i + 1),
-                    _ => format!("prompt {}, sample {}", p + 1, i + 1),
-                };
-                writeln!(out, "--- {which} ---\n{text}{continued}")?;
-            }
-        }
-        return Ok(());
+        return print_samples(&mut out, vocab, &echoed, &samples);
     }
     let (text, prompt) = (echoed[0], &prompts[0]);
     write!(out, "{text}")?;
@@ -711,6 +605,47 @@ pub fn run_sample(args: SampleArgs) -> Result<()> {
     Ok(())
 }
 
+/// The prompts of `tvq sample`: every `--prompt`, then every
+/// `--prompt-file`'s text; one empty prompt when none is given.
+fn prompt_texts(args: &SampleArgs) -> Result<Vec<String>> {
+    let mut texts = args.prompt.clone();
+    for file in &args.prompt_file {
+        let text = std::fs::read_to_string(file)
+            .with_context(|| format!("cannot read prompt file {}", file.display()))?;
+        texts.push(text);
+    }
+    if texts.is_empty() {
+        texts.push(String::new());
+    }
+    Ok(texts)
+}
+
+/// Prints every sample of every prompt (`samples[p][i]`, cut at the end of
+/// text) after its echoed prompt, under a heading naming it.
+fn print_samples(
+    out: &mut impl Write,
+    vocab: &Vocab,
+    echoed: &[&str],
+    samples: &[Vec<Vec<u32>>],
+) -> Result<()> {
+    let eos = vocab.eos();
+    for (p, (text, samples)) in echoed.iter().zip(samples).enumerate() {
+        for (i, tokens) in samples.iter().enumerate() {
+            let end = tokens
+                .iter()
+                .position(|&t| t == eos)
+                .unwrap_or(tokens.len());
+            let continued = vocab.decode(&tokens[..end])?;
+            let which = match echoed.len() {
+                1 => format!("sample {}", i + 1),
+                _ => format!("prompt {}, sample {}", p + 1, i + 1),
+            };
+            writeln!(out, "--- {which} ---\n{text}{continued}")?;
+        }
+    }
+    Ok(())
+}
+
 /// Runs `tvq export`.
 pub fn run_export(args: ExportArgs) -> Result<()> {
     let device = DeviceSpec::Cpu.init()?.0;
@@ -729,7 +664,7 @@ pub fn run_export(args: ExportArgs) -> Result<()> {
     println!(
         "wrote {} and {}",
         args.out.display(),
-        tvq_train::export::info_path(&args.out).display()
+        tvq_train::inference::export::info_path(&args.out).display()
     );
     Ok(())
 }
@@ -741,8 +676,11 @@ pub fn run_import(args: ImportArgs) -> Result<()> {
         Some(t) => Vocab::load_tokenizer(t)?,
         None => Vocab::Bytes,
     };
-    let (model_cfg, model) =
-        tvq_train::export::import_official(&args.official_config, &args.weights, &device)?;
+    let (model_cfg, model) = tvq_train::inference::export::import_official(
+        &args.official_config,
+        &args.weights,
+        &device,
+    )?;
     if model_cfg.vocab_size != vocab.size() {
         bail!(
             "the official model has {} tokens, the {} vocabulary {}{}",
@@ -766,7 +704,7 @@ pub fn run_import(args: ImportArgs) -> Result<()> {
     println!(
         "wrote {} and {}",
         args.out.display(),
-        tvq_train::export::info_path(&args.out).display()
+        tvq_train::inference::export::info_path(&args.out).display()
     );
     Ok(())
 }
@@ -776,12 +714,12 @@ pub fn run_plot(args: PlotArgs) -> Result<()> {
     let out = match (args.out, args.run_dir.as_slice()) {
         (out, [one]) => {
             let out = out.unwrap_or_else(|| one.join("loss.png"));
-            tvq_train::plot::plot_run(one, &out)?;
+            tvq_train::run::plot::plot_run(one, &out)?;
             out
         }
         (Some(out), several) => {
             let dirs: Vec<&Path> = several.iter().map(PathBuf::as_path).collect();
-            tvq_train::plot::plot_runs(&dirs, &out)?;
+            tvq_train::run::plot::plot_runs(&dirs, &out)?;
             out
         }
         (None, _) => bail!("--out is needed to compare several runs (where should the chart go?)"),

@@ -67,7 +67,7 @@ enum Command {
 fn quiet_engine_panics() {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        use tvq_train::collective::{COORDINATOR_THREAD, ENGINE_THREAD};
+        use tvq_train::parallel::collective::{COORDINATOR_THREAD, ENGINE_THREAD};
         let engine = std::thread::current().name().is_some_and(|n| {
             n.starts_with("tokio") || n.starts_with(COORDINATOR_THREAD) || n == ENGINE_THREAD
         });

@@ -958,11 +958,11 @@ fn an_imported_official_checkpoint_reproduces_the_official_log_probs() {
     // The export loads back and scores the fixture's text as the official
     // code did.
     let device = tvq_model::device::DeviceSpec::Cpu.init().unwrap().0;
-    let (info, model) = tvq_train::export::load_export(&out, &device).unwrap();
+    let (info, model) = tvq_train::inference::export::load_export(&out, &device).unwrap();
     assert_eq!((info.vocab.as_str(), info.step), ("bytes+3", 0));
     let (shape, inputs) = fixture_tensor(&weights, "inputs");
     let inputs: Vec<i64> = inputs.iter().map(|&x| x as i64).collect();
-    let inputs = Tensor::<tvq_train::optim::B, 2, Int>::from_data(
+    let inputs = Tensor::<tvq_train::placement::B, 2, Int>::from_data(
         TensorData::new(inputs, [shape[0], shape[1]]),
         &device,
     );
@@ -1422,6 +1422,20 @@ fn spawn_node(
     rank: usize,
     extra: &[String],
 ) -> std::process::Child {
+    node_command(config, run, coordinator, rank, extra)
+        .spawn()
+        .unwrap()
+}
+
+/// The command of node `rank` of a two-node run ([`spawn_node`]), its
+/// output piped, to add to before it starts.
+fn node_command(
+    config: &str,
+    run: &Path,
+    coordinator: &str,
+    rank: usize,
+    extra: &[String],
+) -> Command {
     let rank = rank.to_string();
     let args = [
         "train",
@@ -1437,13 +1451,12 @@ fn spawn_node(
         "--coordinator",
         coordinator,
     ];
-    Command::new(TVQ)
-        .args(args)
+    let mut cmd = Command::new(TVQ);
+    cmd.args(args)
         .args(extra)
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap()
+        .stderr(std::process::Stdio::piped());
+    cmd
 }
 
 #[test]

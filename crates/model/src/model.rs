@@ -1,6 +1,8 @@
 //! The Transformer-VQ language model: embedding, `N` layers of two GAU
 //! sublayers, optional final norm, output projection.
 
+use std::ops::Range;
+
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
@@ -11,7 +13,7 @@ use crate::dropout::{self, DropoutMasks, SublayerMasks};
 use crate::error::ModelError;
 use crate::gau::Gau;
 use crate::norm::RmsNorm;
-use crate::pass::Pass;
+use crate::pass::{Graph, Pass, PassOutput, Recomputable};
 use crate::precision::Precision;
 use crate::quantizer::CodebookStats;
 
@@ -363,6 +365,72 @@ impl<B: Backend> TransformerVq<B> {
         };
         let out = self.run_sublayers(range, h, states, Pass::new(masks, None))?;
         Ok((out.h, out.states))
+    }
+
+    /// The block-parallel form of sublayers `range` over hidden states `h`
+    /// `[B, T, D]` (`T` a multiple of `L`) from their `states` (one per
+    /// sublayer of `range`), as `pass` describes: the one loop over the
+    /// sublayers.
+    pub fn run_sublayers(
+        &self,
+        range: Range<usize>,
+        mut h: Tensor<B, 3>,
+        states: Vec<AttentionState<B>>,
+        pass: Pass<B>,
+    ) -> Result<PassOutput<B>, ModelError> {
+        let [b, t, _] = h.dims();
+        pass.check(&range, &states, self.sublayers.len(), [b, t])?;
+        let n = range.len();
+        // Without a graph: the same parameters, none asking for a gradient,
+        // on an input that brings none into the pass.
+        let frozen = (pass.graph == Graph::LastSublayer).then(|| {
+            h = h.clone().detach();
+            self.clone().no_grad()
+        });
+        let mut commitment = Tensor::zeros([b, t], &h.device());
+        let mut out = PassOutput {
+            h: h.clone(),
+            commitment: commitment.clone(),
+            stats: Vec::with_capacity(n),
+            codes: Vec::with_capacity(n),
+            attention: vec![],
+            states: Vec::with_capacity(n),
+            recomputable: None,
+        };
+        let mut inputs = Vec::with_capacity(n);
+        let last = range.end.saturating_sub(1);
+        for ((i, s), m) in range.zip(states).zip(pass.masks) {
+            let (valid, groups) = (pass.valid.clone(), pass.with_groups);
+            let sublayer = match &frozen {
+                Some(frozen) if i < last => {
+                    inputs.push(h.clone());
+                    frozen.sublayer_forward(i, h, s, valid, m, groups)?
+                }
+                Some(_) => {
+                    let x = h.require_grad();
+                    let sublayer = self.sublayer_forward(i, x.clone(), s, valid, m, groups)?;
+                    out.recomputable = Some(Recomputable {
+                        inputs: std::mem::take(&mut inputs),
+                        last_input: x,
+                        last_commitment: sublayer.commitment.clone(),
+                    });
+                    sublayer
+                }
+                None => self.sublayer_forward(i, h, s, valid, m, groups)?,
+            };
+            h = sublayer.h;
+            commitment = match pass.graph {
+                Graph::Whole => commitment + sublayer.commitment,
+                Graph::LastSublayer => commitment + sublayer.commitment.detach(),
+            };
+            out.stats.extend(sublayer.stats);
+            out.codes.extend(sublayer.codes);
+            out.attention.extend(sublayer.groups);
+            out.states.push(sublayer.state);
+        }
+        out.h = h;
+        out.commitment = commitment;
+        Ok(out)
     }
 
     /// The logits `[B, 1, vocab]` of the last position of the final hidden

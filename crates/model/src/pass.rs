@@ -1,9 +1,9 @@
-//! The one loop over the sublayers, and the description of a pass through
-//! it.
+//! The description of a pass through the sublayers.
 //!
 //! Training, evaluation, reading a prompt (a whole model or a pipeline
 //! stage's sublayers) and the forward pass of full activation
-//! checkpointing all run [`TransformerVq::run_sublayers`]; they differ
+//! checkpointing all run the model's one loop over its sublayers,
+//! [`crate::TransformerVq::run_sublayers`]; they differ
 //! only in the [`Pass`] they give it: which tokens count, which dropout
 //! masks, whether to report where the attention went, and what to keep of
 //! the autodiff graph ([`Graph`]). The loop checks the carried state and the
@@ -11,13 +11,11 @@
 
 use std::ops::Range;
 
-use burn::module::Module;
 use burn::prelude::*;
 
 use crate::attention::{AttentionGroups, AttentionState};
 use crate::dropout::SublayerMasks;
 use crate::error::ModelError;
-use crate::model::TransformerVq;
 use crate::quantizer::CodebookStats;
 
 /// What a pass keeps of the autodiff graph.
@@ -60,6 +58,41 @@ impl<B: Backend> Pass<B> {
             graph: Graph::Whole,
         }
     }
+
+    /// Checks this pass over sublayers `range` of a model of `n` from
+    /// `states`, for `[b, t]` tokens.
+    pub fn check(
+        &self,
+        range: &Range<usize>,
+        states: &[AttentionState<B>],
+        n: usize,
+        [b, t]: [usize; 2],
+    ) -> Result<(), ModelError> {
+        let masks = &self.masks;
+        if range.start > range.end || range.end > n || states.len() != range.len() {
+            return Err(ModelError::StateMismatch(format!(
+                "{} sublayer states for sublayers {range:?} of {n}",
+                states.len()
+            )));
+        }
+        if masks.len() != range.len() {
+            return Err(ModelError::MaskMismatch(format!(
+                "masks for {} sublayers, the pass runs {}",
+                masks.len(),
+                range.len()
+            )));
+        }
+        let fits = |m: &SublayerMasks<B>| {
+            m.residual.as_ref().is_none_or(|r| r.dims()[..2] == [b, t])
+                && m.layer.as_ref().is_none_or(|l| l.dims()[0] == b)
+        };
+        if !masks.iter().all(fits) {
+            return Err(ModelError::MaskMismatch(format!(
+                "masks drawn for another batch or length than the input [{b}, {t}]"
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// What the sublayers of a pass leave for the recomputing backward pass
@@ -94,107 +127,4 @@ pub struct PassOutput<B: Backend> {
     pub states: Vec<AttentionState<B>>,
     /// Under [`Graph::LastSublayer`], what the backward pass recomputes from.
     pub recomputable: Option<Recomputable<B>>,
-}
-
-impl<B: Backend> TransformerVq<B> {
-    /// The block-parallel form of sublayers `range` over hidden states `h`
-    /// `[B, T, D]` (`T` a multiple of `L`) from their `states` (one per
-    /// sublayer of `range`), as `pass` describes: the one loop over the
-    /// sublayers.
-    pub fn run_sublayers(
-        &self,
-        range: Range<usize>,
-        mut h: Tensor<B, 3>,
-        states: Vec<AttentionState<B>>,
-        pass: Pass<B>,
-    ) -> Result<PassOutput<B>, ModelError> {
-        let [b, t, _] = h.dims();
-        self.check_pass(&range, &states, &pass.masks, [b, t])?;
-        let n = range.len();
-        // Without a graph: the same parameters, none asking for a gradient,
-        // on an input that brings none into the pass.
-        let frozen = (pass.graph == Graph::LastSublayer).then(|| {
-            h = h.clone().detach();
-            self.clone().no_grad()
-        });
-        let mut commitment = Tensor::zeros([b, t], &h.device());
-        let mut out = PassOutput {
-            h: h.clone(),
-            commitment: commitment.clone(),
-            stats: Vec::with_capacity(n),
-            codes: Vec::with_capacity(n),
-            attention: vec![],
-            states: Vec::with_capacity(n),
-            recomputable: None,
-        };
-        let mut inputs = Vec::with_capacity(n);
-        let last = range.end.saturating_sub(1);
-        for ((i, s), m) in range.zip(states).zip(pass.masks) {
-            let (valid, groups) = (pass.valid.clone(), pass.with_groups);
-            let sublayer = match &frozen {
-                Some(frozen) if i < last => {
-                    inputs.push(h.clone());
-                    frozen.sublayer_forward(i, h, s, valid, m, groups)?
-                }
-                Some(_) => {
-                    let x = h.require_grad();
-                    let sublayer = self.sublayer_forward(i, x.clone(), s, valid, m, groups)?;
-                    out.recomputable = Some(Recomputable {
-                        inputs: std::mem::take(&mut inputs),
-                        last_input: x,
-                        last_commitment: sublayer.commitment.clone(),
-                    });
-                    sublayer
-                }
-                None => self.sublayer_forward(i, h, s, valid, m, groups)?,
-            };
-            h = sublayer.h;
-            commitment = match pass.graph {
-                Graph::Whole => commitment + sublayer.commitment,
-                Graph::LastSublayer => commitment + sublayer.commitment.detach(),
-            };
-            out.stats.extend(sublayer.stats);
-            out.codes.extend(sublayer.codes);
-            out.attention.extend(sublayer.groups);
-            out.states.push(sublayer.state);
-        }
-        out.h = h;
-        out.commitment = commitment;
-        Ok(out)
-    }
-
-    /// Checks a pass over `range` from `states` with `masks` for `[b, t]`
-    /// tokens against the model.
-    fn check_pass(
-        &self,
-        range: &Range<usize>,
-        states: &[AttentionState<B>],
-        masks: &[SublayerMasks<B>],
-        [b, t]: [usize; 2],
-    ) -> Result<(), ModelError> {
-        let n = self.sublayers.len();
-        if range.start > range.end || range.end > n || states.len() != range.len() {
-            return Err(ModelError::StateMismatch(format!(
-                "{} sublayer states for sublayers {range:?} of {n}",
-                states.len()
-            )));
-        }
-        if masks.len() != range.len() {
-            return Err(ModelError::MaskMismatch(format!(
-                "masks for {} sublayers, the pass runs {}",
-                masks.len(),
-                range.len()
-            )));
-        }
-        let fits = |m: &SublayerMasks<B>| {
-            m.residual.as_ref().is_none_or(|r| r.dims()[..2] == [b, t])
-                && m.layer.as_ref().is_none_or(|l| l.dims()[0] == b)
-        };
-        if !masks.iter().all(fits) {
-            return Err(ModelError::MaskMismatch(format!(
-                "masks drawn for another batch or length than the input [{b}, {t}]"
-            )));
-        }
-        Ok(())
-    }
 }

@@ -6,7 +6,7 @@ use burn::DispatchDevice;
 use burn::prelude::*;
 use tvq_data::Batch;
 
-use crate::optim::B;
+use crate::placement::B;
 
 /// Rows of a [`Batch`] as tensors, `[R, T]` each.
 pub struct BatchTensors {

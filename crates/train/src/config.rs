@@ -181,6 +181,58 @@ impl std::str::FromStr for ActivationCheckpointing {
 }
 
 impl TrainSection {
+    /// Checks `[train]`'s own values.
+    fn validate(&self) -> Result<(), TrainError> {
+        let t = self;
+        if !(t.lr.is_finite() && t.lr > 0.0) {
+            return Err(invalid("train.lr", "must be a positive number"));
+        }
+        if !(0.0..=1.0).contains(&t.lr_floor) {
+            return Err(invalid("train.lr_floor", "must be in [0, 1]"));
+        }
+        if !(0.0..=1.0).contains(&t.decay_fraction) {
+            return Err(invalid("train.decay_fraction", "must be in [0, 1]"));
+        }
+        if t.decay_steps.is_some() && t.schedule != Schedule::Cosine {
+            return Err(invalid(
+                "train.decay_steps",
+                "sets where the cosine ends; schedule \"wsd\" decays over the last \
+                 train.decay_fraction of train.steps, \"constant\" never",
+            ));
+        }
+        for (key, v) in [
+            ("train.beta1", t.beta1),
+            ("train.beta2", t.beta2),
+            ("train.codebook_decay", t.codebook_decay),
+        ] {
+            if !(0.0..1.0).contains(&v) {
+                return Err(invalid(key, "must be in [0, 1)"));
+            }
+        }
+        if !(t.toeplitz_lr_scale.is_finite() && t.toeplitz_lr_scale > 0.0) {
+            return Err(invalid(
+                "train.toeplitz_lr_scale",
+                "must be a positive number",
+            ));
+        }
+        if t.grad_clip < 0.0 || t.weight_decay < 0.0 || t.commit_weight < 0.0 {
+            return Err(invalid(
+                "train",
+                "grad_clip, weight_decay and commit_weight must not be negative",
+            ));
+        }
+        if t.steps == 0 {
+            return Err(invalid("train.steps", "must be at least 1"));
+        }
+        if t.checkpoint_every == 0 {
+            return Err(invalid("train.checkpoint_every", "must be at least 1"));
+        }
+        if t.keep_checkpoints == 0 {
+            return Err(invalid("train.keep_checkpoints", "must be at least 1"));
+        }
+        Ok(())
+    }
+
     /// Shards each batch is cut into: `workers x micro_batches`.
     pub fn shards(&self) -> usize {
         self.workers * self.micro_batches
@@ -346,7 +398,22 @@ impl RunConfig {
 
     /// Checks the values (the model's own checks run when it is built).
     pub fn validate(&self) -> Result<(), TrainError> {
-        let (m, d, t, e) = (&self.model, &self.data, &self.train, &self.eval);
+        self.validate_layout()?;
+        self.train.validate()?;
+        self.validate_eval()?;
+        if self.model.vocab_size != 0 {
+            return Err(invalid(
+                "model.vocab_size",
+                "is set by the corpus's vocabulary: remove it from [model]",
+            ));
+        }
+        Ok(self.model_config(2).validate()?)
+    }
+
+    /// Checks how batches and segments are cut: into blocks, sequences,
+    /// micro-batches and shards.
+    fn validate_layout(&self) -> Result<(), TrainError> {
+        let (m, d, t) = (&self.model, &self.data, &self.train);
         if d.batch_size == 0 {
             return Err(invalid("data.batch_size", "must be at least 1"));
         }
@@ -384,52 +451,12 @@ impl RunConfig {
                 ),
             ));
         }
-        if !(t.lr.is_finite() && t.lr > 0.0) {
-            return Err(invalid("train.lr", "must be a positive number"));
-        }
-        if !(0.0..=1.0).contains(&t.lr_floor) {
-            return Err(invalid("train.lr_floor", "must be in [0, 1]"));
-        }
-        if !(0.0..=1.0).contains(&t.decay_fraction) {
-            return Err(invalid("train.decay_fraction", "must be in [0, 1]"));
-        }
-        if t.decay_steps.is_some() && t.schedule != Schedule::Cosine {
-            return Err(invalid(
-                "train.decay_steps",
-                "sets where the cosine ends; schedule \"wsd\" decays over the last \
-                 train.decay_fraction of train.steps, \"constant\" never",
-            ));
-        }
-        for (key, v) in [
-            ("train.beta1", t.beta1),
-            ("train.beta2", t.beta2),
-            ("train.codebook_decay", t.codebook_decay),
-        ] {
-            if !(0.0..1.0).contains(&v) {
-                return Err(invalid(key, "must be in [0, 1)"));
-            }
-        }
-        if !(t.toeplitz_lr_scale.is_finite() && t.toeplitz_lr_scale > 0.0) {
-            return Err(invalid(
-                "train.toeplitz_lr_scale",
-                "must be a positive number",
-            ));
-        }
-        if t.grad_clip < 0.0 || t.weight_decay < 0.0 || t.commit_weight < 0.0 {
-            return Err(invalid(
-                "train",
-                "grad_clip, weight_decay and commit_weight must not be negative",
-            ));
-        }
-        if t.steps == 0 {
-            return Err(invalid("train.steps", "must be at least 1"));
-        }
-        if t.checkpoint_every == 0 {
-            return Err(invalid("train.checkpoint_every", "must be at least 1"));
-        }
-        if t.keep_checkpoints == 0 {
-            return Err(invalid("train.keep_checkpoints", "must be at least 1"));
-        }
+        Ok(())
+    }
+
+    /// Checks `[eval]`.
+    fn validate_eval(&self) -> Result<(), TrainError> {
+        let (m, e) = (&self.model, &self.eval);
         if e.batch_size == 0
             || e.update_len == 0
             || !e.update_len.is_multiple_of(m.block_len.max(1))
@@ -451,13 +478,7 @@ impl RunConfig {
         if !(e.sample_top_p > 0.0 && e.sample_top_p <= 1.0) {
             return Err(invalid("eval.sample_top_p", "must be in (0, 1]"));
         }
-        if m.vocab_size != 0 {
-            return Err(invalid(
-                "model.vocab_size",
-                "is set by the corpus's vocabulary: remove it from [model]",
-            ));
-        }
-        Ok(self.model_config(2).validate()?)
+        Ok(())
     }
 
     /// The model config for a vocabulary of `vocab_size` ids.

@@ -91,6 +91,11 @@ pub enum TrainError {
         /// The last checkpoint.
         checkpoint: String,
     },
+    /// A path given for inference holds no model.
+    #[error(
+        "{0} is neither a checkpoint, a run directory with a valid checkpoint nor a .safetensors export"
+    )]
+    NoModel(PathBuf),
 }
 
 /// A model config error names its key as it appears in the run config.

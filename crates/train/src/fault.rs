@@ -5,7 +5,8 @@
 //! reaches `POINT`, `ACTION` happens there:
 //!
 //! - `error`: the write fails with an I/O error (at [`Point::Loss`], the
-//!   step's loss becomes NaN instead);
+//!   step's loss becomes NaN instead; at [`Point::Sum`], a foreign vector
+//!   joins the sum, as a stranger on the network would add one);
 //! - `kill`: the process ends at once with SIGKILL, as `kill -9` would end
 //!   it (no destructor runs, nothing is flushed).
 //!
@@ -35,16 +36,19 @@ pub enum Point {
     MetricsAppend,
     /// A step's loss computed, the optimizer not yet stepped: `loss`.
     Loss,
+    /// A collective sum received from the engine, not yet checked: `sum`.
+    Sum,
 }
 
 impl Point {
-    const ALL: [Point; 6] = [
+    const ALL: [Point; 7] = [
         Point::CheckpointData,
         Point::CheckpointManifest,
         Point::CheckpointRename,
         Point::CheckpointPrune,
         Point::MetricsAppend,
         Point::Loss,
+        Point::Sum,
     ];
 
     /// The point's name in `TVQ_FAULT`.
@@ -56,6 +60,7 @@ impl Point {
             Point::CheckpointPrune => "checkpoint-prune",
             Point::MetricsAppend => "metrics-append",
             Point::Loss => "loss",
+            Point::Sum => "sum",
         }
     }
 }

@@ -7,32 +7,24 @@
 
 pub mod batch;
 pub mod checkpoint;
-pub mod collective;
 pub mod config;
 pub mod error;
-pub mod evaluate;
-pub mod export;
 mod fault;
 #[cfg(test)]
 mod gpu_under_test;
-pub mod lock;
-pub mod metrics;
+pub mod inference;
 pub mod mfu;
-pub mod optim;
-pub mod plot;
+pub mod parallel;
+pub mod placement;
 mod progress;
-pub mod recompute;
 pub mod run;
-pub mod sample;
-pub mod shard;
 pub mod step;
 pub mod trainer;
-pub mod workers;
 
 pub use config::RunConfig;
 pub use error::TrainError;
-pub use evaluate::{AttentionShare, EvalOptions, EvalReport, PositionBucket, evaluate};
-pub use metrics::StepMetrics;
+pub use inference::evaluate::{AttentionShare, EvalOptions, EvalReport, PositionBucket, evaluate};
+pub use inference::sample::{SampleOptions, sample};
+pub use run::metrics::StepMetrics;
 pub use run::{TrainOptions, TrainSummary, train};
-pub use sample::{SampleOptions, sample};
 pub use trainer::Trainer;

@@ -3,7 +3,7 @@
 //!
 //! One step: every row of the batch advances one segment. The rows are cut
 //! into shards (`workers x micro_batches`), each run from its carried state
-//! with its gradients summed ([`crate::step`]); then the gradients are
+//! with its gradients summed ([`crate::step::gradients`]); then the gradients are
 //! clipped by their global norm, AdamW steps, and the codebooks move one EMA
 //! step with the statistics of every shard. The state each shard leaves
 //! behind is detached and carried into the next step, unless the batch
@@ -17,7 +17,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use burn::DispatchDevice;
 use burn::module::AutodiffModule;
@@ -25,20 +25,18 @@ use burn::optim::GradientsParams;
 use burn::prelude::*;
 use tvq_data::{Batch, TrainCursor};
 use tvq_model::device::check_precision;
-use tvq_model::{CodebookStats, ModelState, Precision, TransformerVqConfig};
+use tvq_model::{CodebookMetrics, CodebookStats, ModelState, Precision, TransformerVqConfig};
 
 use crate::checkpoint::{self, TrainerState};
-use crate::collective::Collective;
 use crate::config::TrainSection;
 use crate::error::TrainError;
-use crate::metrics::StepMetrics;
-use crate::mfu::training_flops_per_token;
-use crate::optim::{B, LossScale, Model, Optimizers, clip_global_norm, learning_rate};
-use crate::step::{
-    Shard, ShardPlan, StepGradients, autodiff_device, compute_gradients, cpu_autodiff, fork_onto,
-    seeded_draw,
-};
-use crate::workers::check_device_list;
+use crate::parallel::collective::Collective;
+use crate::parallel::workers::check_device_list;
+use crate::placement::{B, Model};
+use crate::placement::{autodiff_device, cpu_autodiff, fork_onto, seeded_draw};
+use crate::step::gradients::{StepGradients, compute_gradients};
+use crate::step::optim::{LossScale, Optimizers, clip_global_norm, learning_rate};
+use crate::step::shard::{Shard, ShardPlan};
 
 /// The seed of step `step`'s dropout draws: they depend on (seed, step)
 /// only, so a resumed run draws what an uninterrupted one would.
@@ -46,9 +44,36 @@ fn step_seed(seed: u64, step: u64) -> u64 {
     seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ step.wrapping_mul(0xBF58_476D_1CE4_E5B9)
 }
 
-fn mean(values: impl Iterator<Item = f64>) -> f64 {
-    let (sum, n) = values.fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
-    if n == 0 { 0.0 } else { sum / n as f64 }
+/// What one optimizer step did, as the trainer sees it. The run's metrics
+/// ([`crate::run::metrics::StepMetrics`]) add what follows from the run:
+/// bits per byte, throughput, MFU, memory.
+#[derive(Clone, Debug)]
+pub struct StepOutcome {
+    /// Optimizer step (1-based).
+    pub step: u64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Cross-entropy + commit_weight * commitment (what was minimised).
+    pub loss: f64,
+    /// Cross-entropy, nats per token.
+    pub ce: f64,
+    /// Commitment loss (summed over sublayers).
+    pub commitment: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Each sublayer's codebook metrics of this step.
+    pub codebooks: Vec<CodebookMetrics>,
+    /// Tokens this step trained on, over every node.
+    pub tokens: u64,
+    /// Wall time of the step.
+    pub elapsed: Duration,
+    /// The loss scale the objective was multiplied by (`f16` only).
+    pub loss_scale: Option<f64>,
+    /// The gradients overflowed under loss scaling: weights and codebooks
+    /// were left as they were.
+    pub skipped: bool,
+    /// An interrupt was seen (on any node) before or during the step.
+    pub interrupted: bool,
 }
 
 /// Everything a run holds in memory between steps.
@@ -68,7 +93,6 @@ pub struct Trainer {
     /// One carried state per shard of this node, in shard order.
     states: Vec<ModelState<B>>,
     progress: TrainerState,
-    bytes_per_token: f64,
     last_checkpoint: Option<PathBuf>,
     /// This node's rank and the number of nodes (0 and 1 alone).
     rank: usize,
@@ -77,10 +101,6 @@ pub struct Trainer {
     collective: Option<Collective>,
     /// Set to ask the run to stop ([`Self::watch_interrupt`]).
     interrupt: Option<Arc<AtomicBool>>,
-    /// The model's shapes, for its FLOPs per token.
-    model_config: TransformerVqConfig,
-    /// Peak FLOP/s of one device, for the MFU ([`Self::with_peak_flops`]).
-    peak_flops: Option<f64>,
 }
 
 impl Trainer {
@@ -93,13 +113,10 @@ impl Trainer {
     /// on the CPU and moved to the device, so that they are the same on
     /// every backend. A device that cannot compute in `train.precision` is
     /// an error here, before anything runs.
-    /// `bytes_per_token` converts bits per token to bits per byte in the
-    /// metrics.
     pub fn new(
         model: &TransformerVqConfig,
         settings: &TrainSection,
         devices: &[DispatchDevice],
-        bytes_per_token: f64,
     ) -> Result<Self, TrainError> {
         check_devices(devices, settings.workers)?;
         for d in devices {
@@ -137,23 +154,12 @@ impl Trainer {
                 loss_scale: loss_scale_for(settings.precision, None),
                 ..TrainerState::default()
             },
-            bytes_per_token,
             last_checkpoint: None,
             rank: 0,
             nodes: 1,
             collective: None,
             interrupt: None,
-            model_config: model.clone(),
-            peak_flops: None,
         })
-    }
-
-    /// Reports the model FLOPs utilisation of every step
-    /// ([`StepMetrics::mfu`]) against `per_device` FLOP/s on each device of
-    /// every node (`None`: not reported).
-    pub fn with_peak_flops(mut self, per_device: Option<f64>) -> Self {
-        self.peak_flops = per_device;
-        self
     }
 
     /// Makes this trainer node `rank` of `nodes`: it runs shards
@@ -283,7 +289,7 @@ impl Trainer {
         Ok(())
     }
 
-    /// Makes every step report [`StepMetrics::stop`] once `flag` is set
+    /// Makes every step report [`StepOutcome::interrupted`] once `flag` is set
     /// (on this node or, in a run over several, on any node: the request
     /// travels with the step's sum, so all nodes stop after the same step).
     pub fn watch_interrupt(&mut self, flag: Arc<AtomicBool>) {
@@ -376,7 +382,7 @@ impl Trainer {
     /// One optimizer step on `batch`; `cursor` is where the data continues
     /// after it (saved with the next checkpoint). A loss that is not a
     /// finite number stops the run before the weights change.
-    pub fn step(&mut self, batch: &Batch, cursor: TrainCursor) -> Result<StepMetrics, TrainError> {
+    pub fn step(&mut self, batch: &Batch, cursor: TrainCursor) -> Result<StepOutcome, TrainError> {
         let started = Instant::now();
         let step = self.progress.step + 1;
         let (g, tokens, stop) = self.summed_gradients(batch)?;
@@ -389,32 +395,19 @@ impl Trainer {
         self.progress.step = step;
         self.progress.cursor = cursor;
         self.progress.tokens += tokens;
-        let codebooks: Vec<_> = g.stats.iter().map(|s| s.metrics()).collect();
-        let bits_per_token = ce / std::f64::consts::LN_2;
-        let tokens_per_s = tokens as f64 / started.elapsed().as_secs_f64();
-        let t = &self.settings;
-        Ok(StepMetrics {
-            kind: "train",
+        Ok(StepOutcome {
             step,
             lr,
             loss,
             ce,
-            bits_per_token,
-            bits_per_byte: bits_per_token / self.bytes_per_token,
             commitment,
             grad_norm,
-            codebook_usage: mean(codebooks.iter().map(|c| c.usage)),
-            code_perplexity: mean(codebooks.iter().map(|c| c.perplexity)),
-            quantization_error: mean(codebooks.iter().map(|c| c.relative_error)),
-            tokens_per_s,
-            mfu: self.mfu(tokens_per_s, batch.len),
-            precision: t.precision,
-            activation_checkpointing: t.activation_checkpointing,
+            codebooks: g.stats.iter().map(|s| s.metrics()).collect(),
+            tokens,
+            elapsed: started.elapsed(),
             loss_scale: self.progress.loss_scale.map(|_| scale),
             skipped,
-            tokens: self.progress.tokens,
-            peak_rss_bytes: crate::metrics::peak_rss_bytes(),
-            stop: stop || (self.collective.is_none() && self.interrupted()),
+            interrupted: stop || (self.collective.is_none() && self.interrupted()),
         })
     }
 
@@ -490,13 +483,6 @@ impl Trainer {
         (grad_norm, false)
     }
 
-    /// Model FLOPs utilisation at `tokens_per_s` on segments of `len`
-    /// tokens, against the peak of every device of the run.
-    fn mfu(&self, tokens_per_s: f64, len: usize) -> Option<f64> {
-        let peak = self.peak_flops? * (self.devices.len() * self.nodes) as f64;
-        Some(tokens_per_s * training_flops_per_token(&self.model_config, len) / peak)
-    }
-
     /// Writes a checkpoint of the current step into `run_dir` (atomically),
     /// then deletes all but the `train.keep_checkpoints` newest and the best.
     /// Over several nodes every node calls it: node 0 gathers the carried
@@ -555,7 +541,7 @@ fn weights_hash(model: &Model) -> u64 {
     struct Hash(Vec<u8>);
     impl ModuleVisitor<B> for Hash {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-            let values = crate::step::host_values(&p.val());
+            let values = crate::placement::host_values(&p.val());
             let h = tvq_data::hash::fnv1a(
                 &values
                     .iter()
@@ -650,7 +636,7 @@ mod tests {
             ..TrainSection::default()
         };
         let device = DeviceSpec::Cpu.init().unwrap().0;
-        Trainer::new(&tiny(), &settings, &[device], 1.0).unwrap()
+        Trainer::new(&tiny(), &settings, &[device]).unwrap()
     }
 
     fn weights(t: &Trainer) -> Vec<f32> {
@@ -715,7 +701,7 @@ mod tests {
         struct Values(Vec<Vec<f32>>);
         impl ModuleVisitor<B> for Values {
             fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-                self.0.push(crate::step::host_values(&p.val()));
+                self.0.push(crate::placement::host_values(&p.val()));
             }
         }
         let mut values = Values(vec![]);
@@ -759,7 +745,7 @@ mod tests {
     #[test]
     fn evaluation_on_two_devices_scores_like_one() {
         use crate::config::EvalSection;
-        use crate::evaluate::{EvalOptions, evaluate};
+        use crate::inference::evaluate::{EvalOptions, evaluate};
         use tvq_data::Split;
         let Some([a, b]) = two_wgpu_devices() else {
             return;
@@ -786,7 +772,7 @@ mod tests {
             ..EvalOptions::default()
         };
         let score = |devices: &[DispatchDevice]| {
-            let t = Trainer::new(&model, &settings, devices, 1.0).unwrap();
+            let t = Trainer::new(&model, &settings, devices).unwrap();
             let models = t.inference_models();
             assert_eq!(models.len(), devices.len(), "one copy per device");
             for (m, d) in models.iter().zip(devices) {
@@ -821,7 +807,7 @@ mod tests {
             ..tiny()
         };
         let run = |devices: &[DispatchDevice]| {
-            let mut t = Trainer::new(&model, &settings, devices, 1.0).unwrap();
+            let mut t = Trainer::new(&model, &settings, devices).unwrap();
             let losses = three_steps(&mut t);
             // Each shard's carried state stays on the device it ran on.
             let device_of = |shard: usize| {
@@ -859,7 +845,7 @@ mod tests {
     #[test]
     fn a_run_computes_the_same_on_the_gpu_as_on_the_cpu() {
         use crate::config::EvalSection;
-        use crate::evaluate::{EvalOptions, evaluate};
+        use crate::inference::evaluate::{EvalOptions, evaluate};
         use tvq_data::Split;
         let Some(gpu) = gpu_under_test() else {
             return;
@@ -884,7 +870,7 @@ mod tests {
             ..EvalSection::default()
         };
         let run = |device: DispatchDevice| {
-            let mut t = Trainer::new(&model, &settings, &[device], 1.0).unwrap();
+            let mut t = Trainer::new(&model, &settings, &[device]).unwrap();
             let initial = weights_hash(t.model());
             let losses = three_steps(&mut t);
             let trained = every_parameter(t.model());
@@ -955,7 +941,7 @@ mod tests {
                 ..TrainSection::default()
             };
             let device = DeviceSpec::Cpu.init().unwrap().0;
-            let mut t = Trainer::new(&tiny(), &settings, &[device], 1.0).unwrap();
+            let mut t = Trainer::new(&tiny(), &settings, &[device]).unwrap();
             let before = table(&t);
             t.step(&batch(2, 8, true), TrainCursor::default()).unwrap();
             let after = table(&t);
@@ -999,7 +985,7 @@ mod tests {
     ) -> (Vec<f32>, Vec<Vec<f32>>, Vec<f32>, Vec<f32>) {
         let mut g = t.gradients(batch).unwrap();
         let mut flat = vec![];
-        let shapes = crate::step::flatten_grads(t.model(), &mut g.grads, &mut flat);
+        let shapes = crate::step::gradients::flatten_grads(t.model(), &mut g.grads, &mut flat);
         let mut rest = &flat[..];
         let grads = shapes
             .into_iter()
@@ -1014,10 +1000,10 @@ mod tests {
             .stats
             .iter()
             .flat_map(|s| {
-                let mut v = crate::step::host_values(&s.counts);
-                v.extend(crate::step::host_values(&s.sums));
-                v.extend(crate::step::host_values(&s.sq_error));
-                v.extend(crate::step::host_values(&s.sq_norm));
+                let mut v = crate::placement::host_values(&s.counts);
+                v.extend(crate::placement::host_values(&s.sums));
+                v.extend(crate::placement::host_values(&s.sq_error));
+                v.extend(crate::placement::host_values(&s.sq_norm));
                 v
             })
             .collect();
@@ -1032,7 +1018,7 @@ mod tests {
     /// Every number of carried `states`: positions, previous blocks (codes
     /// as floats) and compressed caches.
     fn state_values(states: &[ModelState<B>]) -> Vec<f32> {
-        use crate::step::host_values;
+        use crate::placement::host_values;
         let mut v = vec![];
         for s in states.iter().flat_map(|s| &s.sublayers) {
             v.push(s.pos as f32);
@@ -1087,7 +1073,7 @@ mod tests {
                     ..TrainSection::default()
                 };
                 let device = DeviceSpec::Cpu.init().unwrap().0;
-                let mut t = Trainer::new(&model, &settings, &[device], 1.0).unwrap();
+                let mut t = Trainer::new(&model, &settings, &[device]).unwrap();
                 // The passes of one segment (the model is not updated),
                 // then those of the next from the carried state.
                 t.gradients(&batch(2, 8, true)).unwrap();
@@ -1135,17 +1121,14 @@ mod tests {
                 ..TrainSection::default()
             };
             let device = DeviceSpec::Cpu.init().unwrap().0;
-            let mut t = Trainer::new(&tiny(), &settings, &[device], 1.0).unwrap();
-            let losses: Vec<StepMetrics> = (0..6)
+            let mut t = Trainer::new(&tiny(), &settings, &[device]).unwrap();
+            let losses: Vec<StepOutcome> = (0..6)
                 .map(|_| t.step(&batch(2, 8, true), TrainCursor::default()).unwrap())
                 .collect();
             let (first, last) = (losses[0].loss, losses[5].loss);
             assert!(last < 0.9 * first, "{precision}: {first} -> {last}");
-            assert!(
-                losses
-                    .iter()
-                    .all(|m| m.precision == precision && !m.skipped)
-            );
+            assert!(losses.iter().all(|m| !m.skipped));
+            assert_eq!(t.model().precision(), precision);
             let scale = losses[0].loss_scale;
             assert_eq!(
                 scale,
@@ -1165,7 +1148,7 @@ mod tests {
                 ..TrainSection::default()
             };
             let device = DeviceSpec::Cpu.init().unwrap().0;
-            let mut t = Trainer::new(&tiny(), &settings, &[device], 1.0).unwrap();
+            let mut t = Trainer::new(&tiny(), &settings, &[device]).unwrap();
             // f16's objective is multiplied by its loss scale.
             let scale = t.progress.loss_scale.map_or(1.0, |s| s.scale) as f32;
             let grads = step_outcome(&mut t, &batch(2, 8, true)).1;
@@ -1206,7 +1189,7 @@ mod tests {
                 ..TrainSection::default()
             };
             let device = DeviceSpec::Cpu.init().unwrap().0;
-            let mut t = Trainer::new(&tiny(), &settings, &[device], 1.0).unwrap();
+            let mut t = Trainer::new(&tiny(), &settings, &[device]).unwrap();
             t.progress.loss_scale = Some(LossScale {
                 scale: 1e6,
                 good_steps: 0,
@@ -1225,7 +1208,7 @@ mod tests {
             ..TrainSection::default()
         };
         let device = DeviceSpec::Cpu.init().unwrap().0;
-        let mut t = Trainer::new(&tiny(), &settings, &[device], 1.0).unwrap();
+        let mut t = Trainer::new(&tiny(), &settings, &[device]).unwrap();
         // Gradients times 1e38 overflow f32.
         t.progress.loss_scale = Some(LossScale {
             scale: 1e38,
@@ -1263,7 +1246,7 @@ mod tests {
                 warmup_steps: 0,
                 ..TrainSection::default()
             };
-            Trainer::new(&tiny(), &settings, std::slice::from_ref(&device), 1.0).unwrap()
+            Trainer::new(&tiny(), &settings, std::slice::from_ref(&device)).unwrap()
         };
         let mut path: Option<PathBuf> = None;
         for (from, to) in [
@@ -1291,7 +1274,7 @@ mod tests {
                 _ => assert_eq!(scale, None),
             }
             let m = b.step(&batch(2, 8, false), TrainCursor::default()).unwrap();
-            assert!(m.loss.is_finite() && m.precision == to);
+            assert!(m.loss.is_finite());
             path = Some(saved);
         }
     }
@@ -1305,7 +1288,7 @@ mod tests {
         };
         // Refused before any adapter is touched.
         let wgpu = DispatchDevice::Wgpu(WgpuDevice::DefaultDevice);
-        let Err(err) = Trainer::new(&tiny(), &settings, &[wgpu], 1.0) else {
+        let Err(err) = Trainer::new(&tiny(), &settings, &[wgpu]) else {
             panic!("bf16 on wgpu was accepted");
         };
         let err = err.to_string();

@@ -58,7 +58,7 @@ fn peak_of_the_passes(mode: ActivationCheckpointing) -> usize {
         ..TrainSection::default()
     };
     let device = DeviceSpec::Cpu.init().unwrap().0;
-    let mut trainer = Trainer::new(&model, &settings, &[device], 1.0).unwrap();
+    let mut trainer = Trainer::new(&model, &settings, &[device]).unwrap();
     let (rows, len) = (2, 512);
     let tokens: Vec<u32> = (0..(rows * len) as u32)
         .map(|i| (i * 31 + 7) % 259)

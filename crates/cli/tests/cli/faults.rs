@@ -571,6 +571,69 @@ fn engine_stranger(coordinator: u16, own_port: u16, stop: &std::sync::atomic::At
     }
 }
 
+/// A foreign vector in a sum, deterministically: `TVQ_FAULT=sum:error@3`
+/// adds one to the third sum each node receives (what a stranger in the
+/// ring does), so the sum check must refuse it on both nodes: one error
+/// line each naming it, no checkpoint of the step, and a resumed run that
+/// ends exactly as the uninterrupted one. (The strangers test below sends
+/// real foreign processes, whose timing decides whether they get in.)
+#[test]
+fn a_sum_with_a_foreign_vector_is_refused_and_never_stepped_with() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), TOTAL, EVERY);
+    let reference = Reference::of(&config, dir.path());
+    let run = dir.path().join("nodes");
+    let extra: Vec<String> = [
+        "--peer-timeout",
+        "60",
+        "--set",
+        KEEP,
+        "--set",
+        "train.micro_batches=1",
+    ]
+    .map(String::from)
+    .to_vec();
+    let node = |rank: usize, fault: Option<&str>, resume: bool, at: &str| {
+        let mut extra = extra.clone();
+        if resume {
+            extra.push("--resume".into());
+        }
+        let mut cmd = node_command(config.to_str().unwrap(), &run, at, rank, &extra);
+        if let Some(f) = fault {
+            cmd.env("TVQ_FAULT", f);
+        }
+        cmd.spawn().unwrap()
+    };
+    let at = format!("127.0.0.1:{}", free_ports(6));
+    let nodes = [0, 1].map(|rank| node(rank, Some("sum:error@3"), false, &at));
+    for (rank, child) in nodes.into_iter().enumerate() {
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "node {rank} stepped with a foreign sum:\n{err}"
+        );
+        let errors: Vec<_> = err.lines().filter(|l| l.starts_with("error")).collect();
+        assert_eq!(errors.len(), 1, "node {rank}: one error line:\n{err}");
+        assert!(err.contains("does not add up"), "node {rank}:\n{err}");
+    }
+    assert_no_partial_checkpoint(&run, "a foreign sum");
+    let at = format!("127.0.0.1:{}", free_ports(6));
+    for (rank, child) in [0, 1]
+        .map(|rank| node(rank, None, true, &at))
+        .into_iter()
+        .enumerate()
+    {
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "resumed node {rank}:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    reference.assert_matches(&run, "a foreign sum refused");
+}
+
 /// Strangers at every port of a two-node run (coordinator, both nodes'
 /// tensor services): malformed bytes, a bare HTTP request, garbage and
 /// foreign engine messages, and a process that registers as a node and

@@ -1,16 +1,19 @@
 //! The modules of each crate form no import cycle: module `a` that names
-//! `crate::b` (outside comments and test code) depends on `b`, and no chain
-//! of such dependencies leads back to where it started, so each module can
-//! be read after the ones it uses.
+//! `crate::b` or `super::b` (outside comments and test code) depends on
+//! `b`, a module of any depth (`crate::run::metrics` is a module of its
+//! own), and no chain of such dependencies leads back to where it started,
+//! so each module can be read after the ones it uses. Folders count as
+//! modules too: `a::b` naming `c::d` also makes `a` depend on `c`, so no
+//! two folders import each other either.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::*;
 
-/// The top-level module of each source file of `src` (`lib`/`main` left
-/// out) and the modules of the crate it names.
-fn dependencies(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
-    let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+/// The module path of each source file of `src` (`a/b.rs` and
+/// `a/b/mod.rs` are `a::b`; `lib`/`main` left out).
+fn modules(src: &Path) -> BTreeMap<String, PathBuf> {
+    let mut found = BTreeMap::new();
     let mut files = vec![src.to_path_buf()];
     while let Some(path) = files.pop() {
         if path.is_dir() {
@@ -20,45 +23,102 @@ fn dependencies(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
         if path.extension().is_none_or(|e| e != "rs") {
             continue;
         }
-        let rel = path.strip_prefix(src).unwrap();
-        let first = rel
+        let rel = path.strip_prefix(src).unwrap().with_extension("");
+        let mut parts: Vec<String> = rel
             .components()
-            .next()
-            .unwrap()
-            .as_os_str()
-            .to_string_lossy();
-        let module = first.trim_end_matches(".rs").to_string();
-        if module == "lib" || module == "main" {
-            continue;
+            .map(|c| c.as_os_str().to_string_lossy().into_owned())
+            .collect();
+        if parts.last().is_some_and(|p| p == "mod") {
+            parts.pop();
         }
-        let text = std::fs::read_to_string(&path).unwrap();
+        let module = parts.join("::");
+        if module != "lib" && module != "main" {
+            found.insert(module, path);
+        }
+    }
+    found
+}
+
+/// The paths a line names through `crate::` or `super::`, made absolute
+/// for code in `module` (`crate::{a::x, b}` names both).
+fn named_paths(line: &str, module: &str) -> Vec<String> {
+    let mut paths = vec![];
+    for (root, resolve) in [("crate::", None), ("super::", Some(()))] {
+        for (i, _) in line.match_indices(root) {
+            if resolve.is_none() && line[..i].ends_with("super::") {
+                continue;
+            }
+            let rest = &line[i + root.len()..];
+            let prefix = match resolve {
+                // The parent of the file's module: `super` of `a::b` is `a`.
+                Some(()) => module.rsplit_once("::").map_or("", |(p, _)| p).to_string(),
+                None => String::new(),
+            };
+            let join = |p: &str| {
+                if prefix.is_empty() {
+                    p.to_string()
+                } else {
+                    format!("{prefix}::{p}")
+                }
+            };
+            match rest.strip_prefix('{') {
+                Some(list) => {
+                    let list = list.split('}').next().unwrap_or("");
+                    paths.extend(list.split(',').map(|p| join(p.trim())));
+                }
+                None => {
+                    let end = rest
+                        .find(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':'))
+                        .unwrap_or(rest.len());
+                    paths.push(join(&rest[..end]));
+                }
+            }
+        }
+    }
+    paths
+}
+
+/// Each module of `src` and the other modules it names (outside comments
+/// and test code): a path names the longest module that begins it, and a
+/// module's own ancestors are left out (a child reads its parent's items).
+fn dependencies(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let all = modules(src);
+    let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (module, path) in &all {
+        let text = std::fs::read_to_string(path).unwrap();
         let code = text.split("#[cfg(test)]").next().unwrap();
         let used = edges.entry(module.clone()).or_default();
         for line in code.lines().filter(|l| !l.trim_start().starts_with("//")) {
-            for (i, _) in line.match_indices("crate::") {
-                let rest = &line[i + "crate::".len()..];
-                // `crate::a::...` and `crate::{a::x, b}` both name modules.
-                let names: Vec<&str> = match rest.strip_prefix('{') {
-                    Some(list) => list
-                        .split(',')
-                        .map(|p| p.trim().split("::").next().unwrap_or(""))
-                        .collect(),
-                    None => vec![
-                        rest.split(|c: char| !c.is_alphanumeric() && c != '_')
-                            .next()
-                            .unwrap(),
-                    ],
-                };
-                for name in names {
-                    let name = name.trim_matches(|c: char| !c.is_alphanumeric() && c != '_');
-                    if !name.is_empty() && name != module && name != "self" {
-                        used.insert(name.to_string());
+            for named in named_paths(line, module) {
+                let mut target = named.as_str();
+                while !all.contains_key(target) {
+                    match target.rsplit_once("::") {
+                        Some((parent, _)) => target = parent,
+                        None => break,
                     }
+                }
+                let ancestor = module.starts_with(&format!("{target}::"));
+                if all.contains_key(target) && target != module && !ancestor {
+                    used.insert(target.to_string());
                 }
             }
         }
     }
     edges
+}
+
+/// The dependencies between the top-level modules (folders and files of
+/// `src`) that the dependencies of their modules make.
+fn folder_dependencies(
+    edges: &BTreeMap<String, BTreeSet<String>>,
+) -> BTreeMap<String, BTreeSet<String>> {
+    let top = |m: &str| m.split("::").next().unwrap().to_string();
+    let mut folders: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (from, to) in edges {
+        let used = folders.entry(top(from)).or_default();
+        used.extend(to.iter().map(|t| top(t)).filter(|t| *t != top(from)));
+    }
+    folders
 }
 
 /// A cycle through the dependencies, if any, as the modules along it.
@@ -101,12 +161,30 @@ fn no_module_of_any_crate_imports_one_that_imports_it_back() {
     made_up.insert("c".to_string(), BTreeSet::from(["a".to_string()]));
     assert_eq!(find_cycle(&made_up).unwrap(), ["a", "b", "c", "a"]);
 
+    // It sees modules of any depth, through `crate::` and `super::` paths.
+    let model = dependencies(&repo().join("crates/model/src"));
+    assert!(model["attention::block"].contains("attention::scores"));
+    assert!(model["gau"].contains("attention"));
+    let train = dependencies(&repo().join("crates/train/src"));
+    assert!(train["trainer"].contains("step::gradients"));
+    assert!(
+        !train["run"].contains("run::metrics"),
+        "its own children are not edges back"
+    );
+
     for krate in ["model", "data", "train", "cli"] {
         let src = repo().join("crates").join(krate).join("src");
         let edges = dependencies(&src);
         assert!(edges.len() >= 3, "{krate}: modules found");
+        let folders = folder_dependencies(&edges);
         if let Some(cycle) = find_cycle(&edges) {
             panic!("crates/{krate}: an import cycle: {}", cycle.join(" -> "));
+        }
+        if let Some(cycle) = find_cycle(&folders) {
+            panic!(
+                "crates/{krate}: folders import each other: {}",
+                cycle.join(" -> ")
+            );
         }
     }
 }

@@ -5,7 +5,7 @@
 
 use super::*;
 use std::io::Write;
-use tvq_train::metrics::tensorboard::{Content, What, read_events};
+use tvq_train::run::metrics::tensorboard::{Content, What, read_events};
 
 /// TensorBoard's content: scalars `(step, tag, value)` and texts `(step,
 /// text)`.

@@ -55,17 +55,10 @@ pub fn step_attention<B: Backend>(
     let device = q.device();
     let i = state.pos % l;
 
-    // Write this token into slot i of the current block.
     let current = state
         .current
-        .unwrap_or_else(|| empty_block(b, h, l, dk, dv, s, &device));
-    let current = CachedBlock {
-        k_hat: current
-            .k_hat
-            .slice_assign([0..b, 0..h, i..i + 1, 0..dk], k_hat),
-        v: current.v.slice_assign([0..b, 0..h, i..i + 1, 0..dv], v),
-        codes: current.codes.slice_assign([0..b, 0..h, i..i + 1], codes),
-    };
+        .unwrap_or_else(|| empty_block(b, h, l, dk, dv, s, &device))
+        .with_slot(i, k_hat, v, codes);
     let has_prev = state.prev.is_some();
     let prev = state
         .prev
@@ -101,25 +94,39 @@ pub fn step_attention<B: Backend>(
     )
     .reshape([b, h, 1, dv]);
 
-    // At the end of a block the previous block leaves the window.
-    let new_state = if i + 1 == l {
-        AttentionState {
-            pos: state.pos + 1,
-            prev: Some(current),
-            cache: Some(if has_prev {
-                fold_into_cache(cache, &prev, s)
-            } else {
-                cache
-            }),
-            current: None,
-        }
-    } else {
-        AttentionState {
-            pos: state.pos + 1,
-            prev: has_prev.then_some(prev),
+    let prev = has_prev.then_some(prev);
+    Ok((
+        out,
+        state_after_token(state.pos + 1, l, current, prev, cache),
+    ))
+}
+
+/// The state after the token at stream position `pos - 1`, now in
+/// `current`: at the end of a block the previous block leaves the window
+/// for the compressed cache, and the current one takes its place.
+fn state_after_token<B: Backend>(
+    pos: usize,
+    l: usize,
+    current: CachedBlock<B>,
+    prev: Option<CachedBlock<B>>,
+    cache: CompressedCache<B>,
+) -> AttentionState<B> {
+    if !pos.is_multiple_of(l) {
+        return AttentionState {
+            pos,
+            prev,
             cache: Some(cache),
             current: Some(current),
-        }
-    };
-    Ok((out, new_state))
+        };
+    }
+    let s = cache.counts.dims()[2];
+    AttentionState {
+        pos,
+        prev: Some(current),
+        cache: Some(match prev {
+            Some(prev) => fold_into_cache(cache, &prev, s),
+            None => cache,
+        }),
+        current: None,
+    }
 }

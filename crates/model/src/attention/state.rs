@@ -69,6 +69,26 @@ impl<B: Backend> CachedBlock<B> {
         }
     }
 
+    /// The block with slot `i` holding one token's `k_hat` `[B, H, 1, K]`,
+    /// `v` `[B, H, 1, V]` and `codes` `[B, H, 1]`.
+    pub(super) fn with_slot(
+        self,
+        i: usize,
+        k_hat: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        codes: Tensor<B, 3, Int>,
+    ) -> Self {
+        let [b, h, _, dk] = self.k_hat.dims();
+        let dv = self.v.dims()[3];
+        Self {
+            k_hat: self
+                .k_hat
+                .slice_assign([0..b, 0..h, i..i + 1, 0..dk], k_hat),
+            v: self.v.slice_assign([0..b, 0..h, i..i + 1, 0..dv], v),
+            codes: self.codes.slice_assign([0..b, 0..h, i..i + 1], codes),
+        }
+    }
+
     fn repeat_rows(self, n: usize) -> Self {
         Self {
             k_hat: self.k_hat.repeat_dim(0, n),

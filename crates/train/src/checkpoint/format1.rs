@@ -13,7 +13,8 @@ use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
 
 use super::bad;
 use crate::error::TrainError;
-use crate::optim::{Model, Optimizers};
+use crate::placement::Model;
+use crate::step::optim::Optimizers;
 
 type Rec = BinFileRecorder<FullPrecisionSettings>;
 
@@ -59,7 +60,7 @@ pub(crate) fn write(
     dir: &Path,
     model: &Model,
     optim: &Optimizers,
-    states: &[tvq_model::ModelState<crate::optim::B>],
+    states: &[tvq_model::ModelState<crate::placement::B>],
     trainer: &super::TrainerState,
 ) {
     use tvq_data::hash::fnv1a;

@@ -28,7 +28,8 @@ use tvq_model::ModelState;
 
 use crate::error::TrainError;
 use crate::fault::{self, Point};
-use crate::optim::{B, LossScale, Model, Optimizers};
+use crate::placement::{B, Model};
+use crate::step::optim::{LossScale, Optimizers};
 
 mod format1;
 mod manifest;
@@ -202,7 +203,7 @@ fn set_aside(dir: &Path, prefix: &str) -> std::io::Result<PathBuf> {
 /// failed: temporary checkpoint directories and files. A checkpoint that
 /// was being replaced goes back into place if its replacement never got
 /// there. Call only while holding the run directory's lock
-/// ([`crate::lock::RunLock`]); returns how many entries were cleared.
+/// ([`crate::run::lock::RunLock`]); returns how many entries were cleared.
 pub fn remove_leftovers(run_dir: &Path) -> usize {
     let mut cleared = 0;
     let dir = run_dir.join("checkpoints");

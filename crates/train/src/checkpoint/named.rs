@@ -20,7 +20,8 @@ use safetensors::SafeTensors;
 use super::bad;
 use super::tensor_file::{F32Tensor, f32_values};
 use crate::error::TrainError;
-use crate::optim::{Adam, B, Model, Optimizers};
+use crate::placement::{B, Model};
+use crate::step::optim::{Adam, Optimizers};
 
 /// Walks the model's float parameters with their dotted module paths.
 struct Paths<F> {

@@ -18,7 +18,7 @@ use tvq_model::attention::{AttentionState, CachedBlock, CompressedCache};
 use super::bad;
 use super::tensor_file::{self, F32Tensor, f32_values};
 use crate::error::TrainError;
-use crate::optim::B;
+use crate::placement::B;
 
 /// The carried `states` as safetensors bytes (the same states, the same
 /// bytes).

@@ -15,7 +15,7 @@
 //! forward pass through every sublayer but the last, whose graph is kept:
 //! its backward pass comes first). The recomputed graph is itself kept
 //! under burn's balanced checkpointing (the devices of `full` are those of
-//! `selective`, [`crate::step::autodiff_device`]), which takes a third off
+//! `selective`, [`crate::placement::autodiff_device`]), which takes a third off
 //! the one sublayer's activations.
 //!
 //! The forward pass computes the same numbers as without recomputation, bit
@@ -29,8 +29,8 @@ use burn::prelude::*;
 use tvq_model::{DropoutMasks, Graph, Loss, ModelState, Pass, Recomputable};
 
 use crate::error::TrainError;
-use crate::optim::{B, Model};
-use crate::shard::{ShardPlan, ShardResult};
+use crate::placement::{B, Model};
+use crate::step::shard::{ShardPlan, ShardResult};
 
 /// The forward and backward passes of one shard (`inputs`, `targets` and
 /// `valid` `[B, T]`) from `state` with dropout `masks`, recomputing each

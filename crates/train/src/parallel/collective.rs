@@ -309,6 +309,12 @@ impl Collective {
             .to_vec::<f32>()
             .map_err(|e| TrainError::Peer(format!("{what}: unreadable sum: {e:?}")))?;
         summed.truncate(checked);
+        if crate::fault::inject(crate::fault::Point::Sum).is_err() {
+            // What a stranger's vector in the ring does to the sum.
+            for (j, v) in summed[..n].iter_mut().enumerate() {
+                *v += 1e-3 * (j as f32 * 0.37).sin();
+            }
+        }
         if !check.adds_up(&summed, self.spec.nodes) {
             return Err(TrainError::Peer(format!(
                 "node {}: the sum while {what} does not add up: a process that is not a node of this \

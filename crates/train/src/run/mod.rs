@@ -6,6 +6,10 @@
 //! checkpoints, plots) and runs the final evaluation. It holds the run
 //! directory's lock while it runs, so no second writer can start there.
 
+pub mod lock;
+pub mod metrics;
+pub mod plot;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,16 +19,16 @@ use indicatif::ProgressBar;
 use tvq_data::{Corpus, Split, TokenSplit, TrainBatches, Vocab};
 use tvq_model::Precision;
 
+use self::lock::RunLock;
+use self::metrics::{EvalLine, MetricsLog, RunFacts, SampleLine, StepMetrics};
 use crate::checkpoint;
-use crate::collective::{ClusterSpec, Collective};
 use crate::config::{EvalSection, RunConfig, Schedule, TrainSection};
 use crate::error::TrainError;
-use crate::evaluate::{EvalOptions, EvalReport, evaluate};
-use crate::lock::RunLock;
-use crate::metrics::{EvalLine, MetricsLog, SampleLine};
-use crate::plot;
+use crate::inference::evaluate::{EvalOptions, EvalReport, evaluate};
+use crate::inference::sample::{SampleOptions, sample};
+use crate::mfu::training_flops_per_token;
+use crate::parallel::collective::{ClusterSpec, Collective};
 use crate::progress::progress_bar;
-use crate::sample::{SampleOptions, sample};
 use crate::trainer::{Trainer, check_devices};
 
 /// How `train` is run.
@@ -84,7 +88,7 @@ pub fn train(
     };
     let corpus = Corpus::open(&cfg.data)?;
     let train_split = corpus.split(Split::Train);
-    let mut trainer = set_up_trainer(cfg, devices, opts, &corpus, (rank, nodes))?;
+    let (mut trainer, facts) = set_up_trainer(cfg, devices, opts, &corpus, (rank, nodes))?;
     let total = opts
         .max_steps
         .map_or(cfg.train.steps, |m| m.min(cfg.train.steps));
@@ -119,14 +123,15 @@ pub fn train(
         let batch = tracing::debug_span!("data")
             .in_scope(|| loader.next().expect("training batches never end"));
         let step_span = tracing::debug_span!("step", step = trainer.progress().step + 1);
-        let m = step_span.in_scope(|| trainer.step(&batch, loader.cursor()))?;
+        let outcome = step_span.in_scope(|| trainer.step(&batch, loader.cursor()))?;
+        let m = StepMetrics::new(&outcome, &facts, trainer.progress().tokens);
         if let Some(log) = &mut log {
             log.append(&m)?;
         }
         bar.set_position(m.step);
         bar.set_message(m.summary());
         periodic.after_step(&mut trainer, m.step, log.as_mut(), &bar)?;
-        if m.stop {
+        if outcome.interrupted {
             break;
         }
     }
@@ -143,24 +148,30 @@ pub fn train(
 
 /// The trainer of the run, ready for its next step: built for the model of
 /// the corpus's vocabulary, the run directory prepared (node 0), resumed
-/// with `--resume`, and joined to the other nodes.
+/// with `--resume`, and joined to the other nodes; with what the metrics
+/// of its steps read from the run.
 fn set_up_trainer(
     cfg: &RunConfig,
     devices: &[DispatchDevice],
     opts: &TrainOptions,
     corpus: &Corpus,
     (rank, nodes): (usize, usize),
-) -> Result<Trainer, TrainError> {
+) -> Result<(Trainer, RunFacts), TrainError> {
     let model = cfg.model_config(corpus.vocab.size());
-    let bytes_per_token = corpus.split(Split::Train).bytes_per_token();
-    let trainer = Trainer::new(&model, &cfg.train, devices, bytes_per_token)?.on_node(rank, nodes);
+    let mut trainer = Trainer::new(&model, &cfg.train, devices)?.on_node(rank, nodes);
     tracing::info!(
         "products in {}, activation checkpointing {}",
         cfg.train.precision,
         cfg.train.activation_checkpointing
     );
     let peak = peak_flops(&devices[0], cfg.train.precision, opts.peak_tflops);
-    let mut trainer = trainer.with_peak_flops(peak);
+    let facts = RunFacts {
+        bytes_per_token: corpus.split(Split::Train).bytes_per_token(),
+        flops_per_token: training_flops_per_token(&model, cfg.data.update_len),
+        peak_flops: peak.map(|p| p * (devices.len() * nodes) as f64),
+        precision: cfg.train.precision,
+        activation_checkpointing: cfg.train.activation_checkpointing,
+    };
     let previous = match rank {
         0 => prepare_run_dir(cfg, opts)?,
         _ => None,
@@ -173,7 +184,7 @@ fn set_up_trainer(
         trainer.join(Collective::join(spec, &devices[0])?, fingerprint(cfg))?;
         tracing::info!("node {rank} of {nodes}: joined at {}", spec.coordinator);
     }
-    Ok(trainer)
+    Ok((trainer, facts))
 }
 
 /// What a run does between steps, as its config says: validations,
@@ -427,7 +438,7 @@ fn peak_flops(
 /// steps already done (`done`) had the rates of `old`, the config the run
 /// goes on with is `new`.
 fn warn_if_the_past_schedule_changed(old: &TrainSection, new: &TrainSection, done: u64) {
-    if let Some(step) = crate::optim::schedule_differs(old, new, done) {
+    if let Some(step) = crate::step::optim::schedule_differs(old, new, done) {
         let extendable = match new.schedule {
             Schedule::Cosine => {
                 "a cosine's whole course follows train.steps; \

@@ -14,11 +14,11 @@ use plotters::style::{FontStyle, register_font};
 use serde::Deserialize;
 
 use crate::error::TrainError;
-use crate::evaluate::PositionBucket;
+use crate::inference::evaluate::PositionBucket;
 
 /// DejaVu Sans (see `assets/DejaVuSans-LICENSE.txt`), so text renders the
 /// same on every machine, with no system fonts involved.
-static FONT: &[u8] = include_bytes!("../assets/DejaVuSans.ttf");
+static FONT: &[u8] = include_bytes!("../../assets/DejaVuSans.ttf");
 
 /// Steps in the moving average of the training curve.
 pub const SMOOTHING: usize = 25;

@@ -2,30 +2,26 @@
 //!
 //! The batch's rows are cut into shards, each with its own carried state;
 //! shards are independent until their gradients are summed, so they can run
-//! on several worker threads ([`crate::workers`]) and on several nodes
-//! ([`crate::collective`]): the gradients, codebook statistics and losses
+//! on several worker threads ([`crate::parallel::workers`]) and on several nodes
+//! ([`crate::parallel::collective`]): the gradients, codebook statistics and losses
 //! are sums over shards, and a node's sums are added to the other nodes'
 //! ([`StepGradients::all_reduce`]).
 
-use std::sync::Mutex;
-
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::DispatchDevice;
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
 use burn::tensor::backend::DeviceOps;
-use burn::{CheckpointingStrategy, DispatchDevice};
-use tvq_model::device::to_device_via_host;
 use tvq_model::{CodebookStats, Loss, ModelState};
 
 use crate::batch::BatchTensors;
-use crate::collective::Collective;
 use crate::config::ActivationCheckpointing;
 use crate::error::TrainError;
-use crate::optim::{B, Model};
-use crate::workers::map_in_workers;
+use crate::parallel::collective::Collective;
+use crate::parallel::workers::map_in_workers;
+use crate::placement::{B, Model, cpu_autodiff, fork_onto, host_values, seeded_draw};
 
-pub use crate::shard::{Shard, ShardPlan};
-use crate::shard::{ShardResult, shard_seed};
+use crate::step::shard::{Shard, ShardPlan, ShardResult, shard_seed};
 
 /// What one step's forward and backward passes produce: sums over the
 /// shards computed here (and over every node after [`Self::all_reduce`]).
@@ -43,47 +39,6 @@ pub struct StepGradients {
     /// shard order, on the device the shard ran on; never reduced (each
     /// node carries its own shards).
     pub states: Vec<ModelState<B>>,
-}
-
-/// The CPU device with autodiff, where the trainer draws every random
-/// number (initial weights and dropout masks) whatever device it trains
-/// on, so that a run's numbers depend on its config and seed, not on the
-/// backend's generator.
-pub(crate) fn cpu_autodiff() -> DispatchDevice {
-    DispatchDevice::autodiff(DispatchDevice::Flex(Default::default()))
-}
-
-/// The autodiff device a shard's passes run on over the plain `device`:
-/// burn's balanced checkpointing under `selective` and `full` (whose
-/// recomputed sublayers keep less that way), plain autodiff under `none`.
-/// Every tensor of a pass must come from such a device: burn checks that
-/// the operands of each op share a strategy.
-pub fn autodiff_device(device: &DispatchDevice, mode: ActivationCheckpointing) -> DispatchDevice {
-    let strategy = match mode {
-        ActivationCheckpointing::Selective | ActivationCheckpointing::Full => {
-            CheckpointingStrategy::Balanced
-        }
-        ActivationCheckpointing::None => CheckpointingStrategy::None,
-    };
-    DispatchDevice::autodiff_checkpointed(device.inner().clone(), strategy)
-}
-
-/// `draw()` after seeding `device`'s generator with `seed` (when given).
-/// The backends' generators are shared by the whole process, so seeding and
-/// drawing happen under one process-wide lock: what is drawn depends on the
-/// seed only, whatever other threads (worker threads, trainers built at
-/// once) draw meanwhile.
-pub(crate) fn seeded_draw<R>(
-    device: &DispatchDevice,
-    seed: Option<u64>,
-    draw: impl FnOnce() -> R,
-) -> R {
-    static LOCK: Mutex<()> = Mutex::new(());
-    let _drawing = LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    if let Some(seed) = seed {
-        B::seed(device, seed);
-    }
-    draw()
 }
 
 /// The passes of shard `i` on `fork` (on its worker's device). Gradients
@@ -112,7 +67,7 @@ fn run_shard(
     let state = shard.state.into_device(&device);
     let mut result = match plan.checkpointing {
         ActivationCheckpointing::Full => {
-            crate::recompute::passes(fork, inputs, targets, valid, state, masks, &plan)?
+            crate::step::recompute::passes(fork, inputs, targets, valid, state, masks, &plan)?
         }
         ActivationCheckpointing::None | ActivationCheckpointing::Selective => {
             let forward = tracing::debug_span!("forward").entered();
@@ -142,27 +97,6 @@ fn run_shard(
             .collect();
     }
     Ok(result)
-}
-
-/// `model` forked onto `device` (an autodiff graph of its own, the same
-/// parameter ids), its weights copied through the host when they move
-/// ([`to_device_via_host`]): how a model reaches each device of a run.
-pub fn fork_onto(model: &Model, device: &DispatchDevice) -> Model {
-    struct ViaHost<'a>(&'a DispatchDevice);
-    impl ModuleMapper<B> for ViaHost<'_> {
-        fn map_float<const D: usize>(&mut self, p: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-            p.map(|t| {
-                let trained = t.is_require_grad();
-                let t = to_device_via_host(t.detach(), self.0);
-                if trained { t.require_grad() } else { t }
-            })
-        }
-    }
-    if model.embedding.weight.device() == *device {
-        model.clone().fork(device)
-    } else {
-        model.clone().map(&mut ViaHost(device))
-    }
 }
 
 /// Runs the forward and backward passes of `shards` on one worker thread
@@ -274,11 +208,6 @@ fn unflatten_grads(
     };
     model.visit(&mut v);
     v.grads
-}
-
-/// A tensor's values on the host, as `f32`.
-pub(crate) fn host_values<const D: usize>(t: &Tensor<B, D>) -> Vec<f32> {
-    t.to_data().convert::<f32>().to_vec().expect("f32 data")
 }
 
 fn from_values<const D: usize>(

@@ -20,7 +20,7 @@ use tvq_model::{RelativeBias, TransformerVqConfig};
 
 use crate::checkpoint::{self, tensor_file, tensor_file::f32_values};
 use crate::error::TrainError;
-use crate::optim::{B, Model};
+use crate::placement::{B, Model};
 
 /// The JSON written beside an export.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

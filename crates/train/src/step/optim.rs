@@ -10,20 +10,15 @@
 
 use std::collections::HashSet;
 
-use burn::Dispatch;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer};
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
-use tvq_model::TransformerVq;
 
 use crate::config::{DecayShape, Schedule, TrainSection};
+use crate::placement::{B, Model};
 
-/// The backend of training.
-pub type B = Dispatch;
-/// The model being trained.
-pub type Model = TransformerVq<B>;
 /// One AdamW optimizer over the model.
 pub type Adam = OptimizerAdaptor<AdamW, Model, B>;
 

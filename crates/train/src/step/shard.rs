@@ -1,6 +1,6 @@
 //! One shard of a step: the rows it trains on, how its passes run
 //! ([`ShardPlan`]) and what they give back (`ShardResult`). The plain
-//! passes ([`crate::step`]) and the recomputing ones ([`crate::recompute`])
+//! passes ([`crate::step::gradients`]) and the recomputing ones ([`crate::step::recompute`])
 //! share these.
 
 use std::ops::Range;
@@ -11,7 +11,7 @@ use tvq_data::Batch;
 use tvq_model::{CodebookStats, Loss, ModelState};
 
 use crate::config::ActivationCheckpointing;
-use crate::optim::B;
+use crate::placement::B;
 
 /// One shard of a batch: some of its rows and the state they carry from
 /// the previous segment.
@@ -40,12 +40,12 @@ pub struct ShardPlan {
     /// Weight of the commitment loss.
     pub commit_weight: f64,
     /// Factor on the objective before the backward pass (dynamic loss
-    /// scaling, [`crate::optim::LossScale`]; 1 without): the gradients come
+    /// scaling, [`crate::step::optim::LossScale`]; 1 without): the gradients come
     /// back multiplied by it.
     pub loss_scale: f64,
     /// Whether each sublayer's forward pass runs again in the backward pass
-    /// ([`ActivationCheckpointing::Full`], [`crate::recompute`]); burn's
-    /// balanced checkpointing is the devices' ([`crate::step::autodiff_device`]).
+    /// ([`ActivationCheckpointing::Full`], [`crate::step::recompute`]); burn's
+    /// balanced checkpointing is the devices' ([`crate::placement::autodiff_device`]).
     pub checkpointing: ActivationCheckpointing,
 }
 

@@ -1,14 +1,14 @@
 //! Sampling with the recurrent form: constant work and memory per token.
 
-use std::sync::mpsc::sync_channel;
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 
 use burn::prelude::*;
 use indicatif::ProgressBar;
 use tvq_data::hash::{SplitMix64, splitmix64};
-use tvq_model::{ModelError, ModelState, TransformerVq};
+use tvq_model::{AttentionState, ModelError, ModelState, TransformerVq};
 
 use crate::error::TrainError;
-use crate::optim::B;
+use crate::placement::B;
 use crate::progress::progress_bar;
 
 /// How to draw tokens.
@@ -227,7 +227,7 @@ fn read_blocks(
         let mut groups = Vec::with_capacity(stages);
         for g in 0..stages {
             let range = g * n / stages..(g + 1) * n / stages;
-            let mut own: Vec<_> = states.by_ref().take(range.len()).collect();
+            let own: Vec<_> = states.by_ref().take(range.len()).collect();
             // The last group keeps its output; the others pass it on.
             let (output, next) = if g + 1 < stages {
                 let (tx, rx) = sync_channel(1);
@@ -236,23 +236,7 @@ fn read_blocks(
                 (None, sync_channel(0).1)
             };
             let input = std::mem::replace(&mut input, next);
-            groups.push(scope.spawn(move || {
-                let mut last = None;
-                for h in input {
-                    let (h, s) = model.forward_sublayers(range.clone(), h, own)?;
-                    own = s;
-                    match &output {
-                        // A later group that failed hung up: its error is reported.
-                        Some(tx) => {
-                            if tx.send(h).is_err() {
-                                break;
-                            }
-                        }
-                        None => last = Some(h),
-                    }
-                }
-                Ok::<_, ModelError>((last, own))
-            }));
+            groups.push(scope.spawn(move || read_stage(model, range, own, input, output)));
         }
         let mut fed = Ok(());
         for tokens in chunks {
@@ -281,6 +265,37 @@ fn read_blocks(
         fed?;
         Ok((last, ModelState { sublayers }))
     })
+}
+
+/// What a pipeline stage ends with: the last chunk's hidden states `[rows,
+/// n, D]` (the last stage only) and its sublayers' states.
+type StageEnd = (Option<Tensor<B, 3>>, Vec<AttentionState<B>>);
+
+/// One pipeline stage of [`read_blocks`]: sublayers `range` from their
+/// states `own` over every chunk's hidden states from `input`, each passed
+/// on to `output` (or the last one kept, for the last stage).
+fn read_stage(
+    model: &TransformerVq<B>,
+    range: std::ops::Range<usize>,
+    mut own: Vec<AttentionState<B>>,
+    input: Receiver<Tensor<B, 3>>,
+    output: Option<SyncSender<Tensor<B, 3>>>,
+) -> Result<StageEnd, ModelError> {
+    let mut last = None;
+    for h in input {
+        let (h, s) = model.forward_sublayers(range.clone(), h, own)?;
+        own = s;
+        match &output {
+            // A later group that failed hung up: its error is reported.
+            Some(tx) => {
+                if tx.send(h).is_err() {
+                    break;
+                }
+            }
+            None => last = Some(h),
+        }
+    }
+    Ok((last, own))
 }
 
 /// Reads `prompt` (after the end-of-document token `eos` that starts every
@@ -459,7 +474,7 @@ mod tests {
             .with_n_layer(2)
             .with_block_len(4)
             .with_bias(bias);
-        crate::step::seeded_draw(&device, Some(seed), || cfg.init::<B>(&device)).unwrap()
+        crate::placement::seeded_draw(&device, Some(seed), || cfg.init::<B>(&device)).unwrap()
     }
 
     /// Draws from the whole softmax at temperature 1.
@@ -589,7 +604,7 @@ mod tests {
             return;
         };
         let on_cpu = tiny_model(RelativeBias::Toeplitz, 12);
-        let on_gpu = crate::step::fork_onto(&on_cpu, &gpu);
+        let on_gpu = crate::placement::fork_onto(&on_cpu, &gpu);
         let prompt: Vec<u32> = (0..37).map(|i| (i * 3 + 1) % 13).collect();
         let read = |m| prefill_rows(m, 1, &[&prompt], 16, false).unwrap();
         let ((l_cpu, s_cpu), (l_gpu, s_gpu)) = (read(&on_cpu), read(&on_gpu));

@@ -8,12 +8,13 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use tvq_model::Precision;
+use tvq_model::{CodebookMetrics, Precision};
 
 use crate::config::ActivationCheckpointing;
 use crate::error::TrainError;
-use crate::evaluate::EvalReport;
 use crate::fault::{self, Point};
+use crate::inference::evaluate::EvalReport;
+use crate::trainer::StepOutcome;
 
 pub mod tensorboard;
 
@@ -70,12 +71,61 @@ pub struct StepMetrics {
     /// bytes (absent where the system does not say: Linux only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_rss_bytes: Option<u64>,
-    /// The run was asked to stop (on any node) and stops after this step.
-    #[serde(skip)]
-    pub stop: bool,
+}
+
+/// What a step's metrics read from the run, beside the step's outcome.
+#[derive(Clone, Copy, Debug)]
+pub struct RunFacts {
+    /// Bytes of text per token of the training split (bits per token to
+    /// bits per byte).
+    pub bytes_per_token: f64,
+    /// Model FLOPs of one training token ([`crate::mfu::training_flops_per_token`]).
+    pub flops_per_token: f64,
+    /// Peak FLOP/s of every device of every node together (`None`: unknown,
+    /// no MFU).
+    pub peak_flops: Option<f64>,
+    /// `train.precision`.
+    pub precision: Precision,
+    /// `train.activation_checkpointing`.
+    pub activation_checkpointing: ActivationCheckpointing,
 }
 
 impl StepMetrics {
+    /// The metrics of step `o` in a run of `facts`, with `tokens` trained
+    /// on so far.
+    pub fn new(o: &StepOutcome, facts: &RunFacts, tokens: u64) -> Self {
+        let mean = |f: fn(&CodebookMetrics) -> f64| {
+            let n = o.codebooks.len().max(1) as f64;
+            o.codebooks.iter().map(f).sum::<f64>() / n
+        };
+        let bits_per_token = o.ce / std::f64::consts::LN_2;
+        let tokens_per_s = o.tokens as f64 / o.elapsed.as_secs_f64();
+        Self {
+            kind: "train",
+            step: o.step,
+            lr: o.lr,
+            loss: o.loss,
+            ce: o.ce,
+            bits_per_token,
+            bits_per_byte: bits_per_token / facts.bytes_per_token,
+            commitment: o.commitment,
+            grad_norm: o.grad_norm,
+            codebook_usage: mean(|c| c.usage),
+            code_perplexity: mean(|c| c.perplexity),
+            quantization_error: mean(|c| c.relative_error),
+            tokens_per_s,
+            mfu: facts
+                .peak_flops
+                .map(|peak| tokens_per_s * facts.flops_per_token / peak),
+            precision: facts.precision,
+            activation_checkpointing: facts.activation_checkpointing,
+            loss_scale: o.loss_scale,
+            skipped: o.skipped,
+            tokens,
+            peak_rss_bytes: peak_rss_bytes(),
+        }
+    }
+
     /// A short line for the progress bar.
     pub fn summary(&self) -> String {
         let mfu = self

@@ -10,9 +10,9 @@ use tvq_model::{Loss, ModelState, TransformerVq};
 use crate::batch::BatchTensors;
 use crate::config::EvalSection;
 use crate::error::TrainError;
-use crate::optim::B;
+use crate::parallel::workers::map_in_workers;
+use crate::placement::B;
 use crate::progress::progress_bar;
-use crate::workers::map_in_workers;
 
 /// Results of evaluating a split (or its first segments).
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -255,16 +255,9 @@ pub fn evaluate(
     opts: &EvalOptions,
 ) -> Result<EvalReport, TrainError> {
     let devices: Vec<_> = models.iter().map(|m| m.embedding.weight.device()).collect();
-    crate::workers::check_device_list(&devices)?;
+    crate::parallel::workers::check_device_list(&devices)?;
     let (batch, update_len) = (eval.batch_size, eval.update_len);
-    if let Some(every) = opts.reset_every
-        && (every == 0 || !every.is_multiple_of(update_len))
-    {
-        return Err(TrainError::Config {
-            key: "--reset-every".into(),
-            reason: format!("must be a positive multiple of eval.update_len ({update_len})"),
-        });
-    }
+    check_reset_every(opts.reset_every, update_len)?;
     let batches = EvalBatches::new(split.clone(), batch, update_len)?;
     let total = batches.num_batches();
     let n = opts.max_segments.map_or(total, |m| m.min(total));
@@ -321,7 +314,29 @@ pub fn evaluate(
         bar.inc(1);
     }
     bar.finish_and_clear();
-    let complete = n == total;
+    Ok(report(split, opts, (nll, tokens), n == total, &positions))
+}
+
+/// `--reset-every`, when given, must be a positive multiple of the segment.
+fn check_reset_every(reset_every: Option<usize>, update_len: usize) -> Result<(), TrainError> {
+    match reset_every {
+        Some(every) if every == 0 || !every.is_multiple_of(update_len) => Err(TrainError::Config {
+            key: "--reset-every".into(),
+            reason: format!("must be a positive multiple of eval.update_len ({update_len})"),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The report of `tokens` scored `nll` nats in all, over the whole `split`
+/// (`complete`) or a part of it.
+fn report(
+    split: &TokenSplit,
+    opts: &EvalOptions,
+    (nll, tokens): (f64, u64),
+    complete: bool,
+    positions: &PositionTally,
+) -> EvalReport {
     // Share of the split's bytes (and words) behind the tokens scored.
     let share = match complete {
         true => 1.0,
@@ -329,7 +344,7 @@ pub fn evaluate(
     };
     let ln2 = std::f64::consts::LN_2;
     let loss = nll / tokens.max(1) as f64;
-    Ok(EvalReport {
+    EvalReport {
         split: split.split.to_string(),
         tokens,
         complete,
@@ -346,7 +361,7 @@ pub fn evaluate(
         attention: opts
             .attention
             .then(|| attention_means(&positions.total.attention, positions.total.tokens)),
-    })
+    }
 }
 
 /// What one group of a batch's rows scored.

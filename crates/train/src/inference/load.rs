@@ -1,0 +1,104 @@
+//! The model a path names, ready for inference: a checkpoint directory, a
+//! run directory (its newest valid checkpoint, even while the run trains
+//! and prunes), or a `tvq export` file.
+
+use std::path::Path;
+
+use burn::DispatchDevice;
+use tvq_data::Vocab;
+
+use crate::checkpoint;
+use crate::config::RunConfig;
+use crate::error::TrainError;
+use crate::inference::export::load_export;
+use crate::placement::{B, Model};
+
+/// A model ready for inference and where it came from.
+pub struct Loaded {
+    /// The model, on the device asked for.
+    pub model: Model,
+    /// The run's config (the one given instead, if any; none for an export
+    /// without one).
+    pub config: Option<RunConfig>,
+    /// The vocabulary the model reads.
+    pub vocab: Vocab,
+    /// The optimizer step the weights are from.
+    pub step: u64,
+}
+
+/// Loads `path` onto `device`: a checkpoint directory, a run directory's
+/// newest valid checkpoint, or an export; `config` replaces the run's own.
+pub fn load_for_inference(
+    path: &Path,
+    config: Option<&Path>,
+    device: &DispatchDevice,
+) -> Result<Loaded, TrainError> {
+    let explicit = config.map(|c| RunConfig::load(c, &[])).transpose()?;
+    if path.extension().is_some_and(|e| e == "safetensors") {
+        let (info, model) = load_export(path, device)?;
+        let vocab = match &info.tokenizer {
+            Some(t) => Vocab::load_tokenizer(t)?,
+            None => Vocab::Bytes,
+        };
+        return Ok(Loaded {
+            model,
+            config: explicit,
+            vocab,
+            step: info.step,
+        });
+    }
+    if path.join("manifest.json").is_file() {
+        return load_checkpoint(path, explicit, device);
+    }
+    // A run being trained deletes old checkpoints (keep_checkpoints), maybe
+    // the one being read here, once it has written a newer one: then the
+    // newest is looked for again.
+    for _ in 0..100 {
+        let dir = checkpoint::latest_valid(path)
+            .ok_or_else(|| TrainError::NoModel(path.to_path_buf()))?;
+        match load_checkpoint(&dir, explicit.clone(), device) {
+            Err(_) if !dir.exists() => continue,
+            loaded => return loaded,
+        }
+    }
+    Err(TrainError::NoModel(path.to_path_buf()))
+}
+
+/// Loads the checkpoint directory `dir`, with the config of its run
+/// unless `explicit`.
+fn load_checkpoint(
+    dir: &Path,
+    explicit: Option<RunConfig>,
+    device: &DispatchDevice,
+) -> Result<Loaded, TrainError> {
+    let run_dir = dir
+        .parent()
+        .and_then(Path::parent)
+        .ok_or_else(|| TrainError::Checkpoint {
+            path: dir.to_path_buf(),
+            reason: "a checkpoint lives in <run>/checkpoints/".into(),
+        })?;
+    let cfg = match explicit {
+        Some(c) => c,
+        None => RunConfig::load(&run_dir.join("config.toml"), &[])?,
+    };
+    let vocab = match &cfg.data.tokenizer {
+        Some(t) => Vocab::load_tokenizer(t)?,
+        None => Vocab::Bytes,
+    };
+    let model = cfg.model_config(vocab.size()).init::<B>(device)?;
+    let model = checkpoint::load_model(dir, model, device)?;
+    let path = dir.join("trainer.json");
+    let text = std::fs::read(&path).map_err(|e| TrainError::io(&path, e))?;
+    let trainer: serde_json::Value =
+        serde_json::from_slice(&text).map_err(|e| TrainError::Checkpoint {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+    Ok(Loaded {
+        model,
+        config: Some(cfg),
+        vocab,
+        step: trainer["step"].as_u64().unwrap_or(0),
+    })
+}

@@ -1,0 +1,8 @@
+//! Using a trained model: bits per byte over a split ([`evaluate`]),
+//! generation ([`sample`]), and weights in and out of safetensors
+//! ([`export`]); [`load`] finds the model a path names.
+
+pub mod evaluate;
+pub mod export;
+pub mod load;
+pub mod sample;
