@@ -571,6 +571,18 @@ fn engine_stranger(coordinator: u16, own_port: u16, stop: &std::sync::atomic::At
     }
 }
 
+/// Waits for resumed `nodes` (in rank order); each must succeed.
+fn assert_nodes_succeed(nodes: [std::process::Child; 2]) {
+    for (rank, child) in nodes.into_iter().enumerate() {
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "resumed node {rank}:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 /// A foreign vector in a sum, deterministically: `TVQ_FAULT=sum:error@3`
 /// adds one to the third sum each node receives (what a stranger in the
 /// ring does), so the sum check must refuse it on both nodes: one error
@@ -619,18 +631,7 @@ fn a_sum_with_a_foreign_vector_is_refused_and_never_stepped_with() {
     }
     assert_no_partial_checkpoint(&run, "a foreign sum");
     let at = format!("127.0.0.1:{}", free_ports(6));
-    for (rank, child) in [0, 1]
-        .map(|rank| node(rank, None, true, &at))
-        .into_iter()
-        .enumerate()
-    {
-        let out = child.wait_with_output().unwrap();
-        assert!(
-            out.status.success(),
-            "resumed node {rank}:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    assert_nodes_succeed([0, 1].map(|rank| node(rank, None, true, &at)));
     reference.assert_matches(&run, "a foreign sum refused");
 }
 
@@ -715,15 +716,7 @@ fn strangers_on_the_network_never_panic_hang_or_change_the_weights() {
     assert!(strangers.join().unwrap() > 0, "the strangers came");
     if failed {
         assert_no_partial_checkpoint(&run, "strangers");
-        let resumed = [node(0, true), node(1, true)];
-        for (rank, (_, child)) in resumed.into_iter().enumerate() {
-            let out = child.wait_with_output().unwrap();
-            assert!(
-                out.status.success(),
-                "resumed node {rank}:\n{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
+        assert_nodes_succeed([node(0, true).1, node(1, true).1]);
     }
     reference.assert_matches(&run, "strangers on the network");
 }
