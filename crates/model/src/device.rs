@@ -105,6 +105,20 @@ where
     Tensor::from_data(t.into_data(), device)
 }
 
+/// Runs a probe that may panic (the backends panic where a device or a type
+/// is missing), its panic caught and its message kept off stderr. The
+/// panic hook is process-wide: every swap of it happens under one lock, so
+/// that probes on several threads restore the hook they found.
+fn silently<R>(probe: impl FnOnce() -> R + std::panic::UnwindSafe) -> std::thread::Result<R> {
+    static HOOK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _swapping = HOOK.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let result = std::panic::catch_unwind(probe);
+    std::panic::set_hook(hook);
+    result
+}
+
 /// Whether `device` computes matrix products in `precision`: `Err` with a
 /// one-line reason where it does not, found before training starts (the
 /// backends panic on a type they cannot compile). bf16 is refused on wgpu
@@ -127,11 +141,7 @@ pub fn check_precision(device: &DispatchDevice, precision: Precision) -> Result<
         let product = a.clone().matmul(a).cast(burn::tensor::FloatDType::F32);
         product.into_data().to_vec::<f32>().ok()
     };
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let result = std::panic::catch_unwind(probe);
-    std::panic::set_hook(hook);
-    match result {
+    match silently(probe) {
         Ok(Some(values)) if values.iter().all(|&v| v == 8.0) => Ok(()),
         Ok(_) => Err(format!(
             "{precision} does not run on {name}: a test product came back wrong"
@@ -228,15 +238,12 @@ pub fn wgpu_adapter(device: &WgpuDevice) -> Option<String> {
     if let Some(found) = probed.get(device) {
         return found.clone();
     }
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
-    let found = std::panic::catch_unwind(|| {
+    let found = silently(|| {
         let setup = init_setup::<AutoGraphicsApi>(device, RuntimeOptions::default());
         let info = setup.adapter.get_info();
         format!("{} ({:?}, {:?})", info.name, info.device_type, info.backend)
-    });
-    std::panic::set_hook(hook);
-    let found = found.ok();
+    })
+    .ok();
     probed.insert(device.clone(), found.clone());
     found
 }
