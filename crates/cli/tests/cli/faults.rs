@@ -571,6 +571,26 @@ fn engine_stranger(coordinator: u16, own_port: u16, stop: &std::sync::atomic::At
     }
 }
 
+/// The arguments of a node of the two-node fault tests: one shard per
+/// node, two checkpoints kept, `peer_timeout` seconds for the other node,
+/// resuming when `resume`.
+fn node_args(peer_timeout: &str, resume: bool) -> Vec<String> {
+    let mut args = [
+        "--peer-timeout",
+        peer_timeout,
+        "--set",
+        KEEP,
+        "--set",
+        "train.micro_batches=1",
+    ]
+    .map(String::from)
+    .to_vec();
+    if resume {
+        args.push("--resume".into());
+    }
+    args
+}
+
 /// Waits for resumed `nodes` (in rank order); each must succeed.
 fn assert_nodes_succeed(nodes: [std::process::Child; 2]) {
     for (rank, child) in nodes.into_iter().enumerate() {
@@ -595,21 +615,8 @@ fn a_sum_with_a_foreign_vector_is_refused_and_never_stepped_with() {
     let config = tiny_config(dir.path(), TOTAL, EVERY);
     let reference = Reference::of(&config, dir.path());
     let run = dir.path().join("nodes");
-    let extra: Vec<String> = [
-        "--peer-timeout",
-        "60",
-        "--set",
-        KEEP,
-        "--set",
-        "train.micro_batches=1",
-    ]
-    .map(String::from)
-    .to_vec();
     let node = |rank: usize, fault: Option<&str>, resume: bool, at: &str| {
-        let mut extra = extra.clone();
-        if resume {
-            extra.push("--resume".into());
-        }
+        let extra = node_args("60", resume);
         let mut cmd = node_command(config.to_str().unwrap(), &run, at, rank, &extra);
         if let Some(f) = fault {
             cmd.env("TVQ_FAULT", f);
@@ -660,19 +667,7 @@ fn strangers_on_the_network_never_panic_hang_or_change_the_weights() {
             false => format!("127.0.0.1:{port}"),
             true => resume_at.clone(),
         };
-        let mut extra = [
-            "--peer-timeout",
-            "5",
-            "--set",
-            KEEP,
-            "--set",
-            "train.micro_batches=1",
-        ]
-        .map(String::from)
-        .to_vec();
-        if resume {
-            extra.push("--resume".into());
-        }
+        let extra = node_args("5", resume);
         (
             Instant::now(),
             spawn_node(config.to_str().unwrap(), &run, &coordinator, rank, &extra),
