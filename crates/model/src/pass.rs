@@ -37,7 +37,7 @@ pub enum Graph {
 #[derive(Clone, Debug)]
 pub struct Pass<B: Backend> {
     /// Dropout masks, one per sublayer of the pass, drawn beforehand
-    /// ([`TransformerVq::dropout_masks`]) for the pass's `[B, T]`.
+    /// ([`crate::TransformerVq::dropout_masks`]) for the pass's `[B, T]`.
     pub masks: Vec<SublayerMasks<B>>,
     /// Real tokens `[B, T]`: padding is left out of the codebook statistics.
     pub valid: Option<Tensor<B, 2, Bool>>,

@@ -3,7 +3,7 @@
 //! [`RunConfig`] is the TOML config; [`train`] runs or resumes a run in a run
 //! directory, one [`Trainer::step`] at a time; [`evaluate()`] streams a split
 //! through the model; [`sample()`] generates with the recurrent form;
-//! [`export`] writes safetensors.
+//! [`inference::export`] writes safetensors.
 
 pub mod batch;
 pub mod checkpoint;
