@@ -9,9 +9,9 @@ use clap::Args;
 use serde::Deserialize;
 use serde_json::json;
 use tvq_data::{Batch, TrainCursor};
-use tvq_model::device::DeviceSpec;
 use tvq_model::{AttentionForm, Precision, TransformerVqConfig};
 use tvq_train::config::{ActivationCheckpointing, TrainSection};
+use tvq_train::placement::device::DeviceSpec;
 use tvq_train::{SampleOptions, Trainer, mfu, sample};
 
 type B = Dispatch;

@@ -10,10 +10,10 @@ use burn::DispatchDevice;
 use clap::{Args, ValueEnum};
 use tvq_data::{Corpus, Split, Vocab};
 use tvq_model::AttentionForm;
-use tvq_model::device::DeviceSpec;
 use tvq_train::inference::export::{ExportInfo, export};
 use tvq_train::inference::load::load_for_inference;
 use tvq_train::parallel::collective::ClusterSpec;
+use tvq_train::placement::device::DeviceSpec;
 use tvq_train::placement::{Model, fork_onto};
 use tvq_train::{
     AttentionShare, EvalOptions, PositionBucket, RunConfig, SampleOptions, TrainOptions, evaluate,

@@ -11,7 +11,7 @@ mod tokenizer;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use tvq_model::device::DeviceSpec;
+use tvq_train::placement::device::DeviceSpec;
 
 /// The CPU backend allocates a fresh buffer for nearly every tensor op, many
 /// of them megabytes; glibc returns those to the kernel on free, so each new

@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+use tvq_testkit::{Gpu, wait_for};
+
 const TVQ: &str = env!("CARGO_BIN_EXE_tvq");
 
 /// This crate's directory, read when the test runs: a test binary reused
@@ -134,25 +136,6 @@ fn spawn_train(
         .unwrap()
 }
 
-/// Polls `done` until it holds, failing at once (with the child's stderr
-/// when it was piped) if `child` exits first, or after five minutes: a
-/// condition that may hold only briefly (a checkpoint the next step
-/// prunes) must not be waited for.
-fn wait_for(child: &mut std::process::Child, what: &str, done: impl Fn() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        if let Some(status) = child.try_wait().unwrap() {
-            let mut err = String::new();
-            if let Some(mut stderr) = child.stderr.take() {
-                std::io::Read::read_to_string(&mut stderr, &mut err).unwrap();
-            }
-            panic!("the process exited ({status}) before {what}:\n{err}");
-        }
-        assert!(start.elapsed() < Duration::from_secs(300), "no {what}");
-        std::thread::sleep(Duration::from_millis(2));
-    }
-}
-
 /// Lines in the run's metrics.jsonl (0 before it exists).
 fn metrics_lines(run: &Path) -> usize {
     std::fs::read_to_string(run.join("metrics.jsonl")).map_or(0, |m| m.lines().count())
@@ -216,10 +199,7 @@ fn tensors_of(file: &Path) -> Vec<(String, Vec<u8>)> {
 /// `TVQ_TEST_DEVICE=cuda`.)
 #[test]
 fn the_quick_start_trains_alike_on_wgpu_and_the_cpu() {
-    let gpu = match std::env::var("TVQ_TEST_DEVICE").as_deref() {
-        Ok("cuda") => "cuda",
-        _ => "wgpu",
-    };
+    let gpu = Gpu::under_test();
     let dir = tempfile::tempdir().unwrap();
     tiny_config(dir.path(), 1, 1); // writes the corpus piece
     let corpus = format!("data.path={}", dir.path().join("kjv-small.txt").display());
@@ -243,15 +223,9 @@ fn the_quick_start_trains_alike_on_wgpu_and_the_cpu() {
         let err = String::from_utf8_lossy(&out.stderr).into_owned();
         (out.status.success(), err, run_dir)
     };
-    let (gpu_ok, err, gpu_run) = run(gpu);
-    if !gpu_ok && err.contains("no wgpu adapter") {
-        assert!(
-            std::env::var_os("TVQ_REQUIRE_WGPU").is_none(),
-            "no wgpu adapter, and TVQ_REQUIRE_WGPU is set: {err}"
-        );
-        // Straight to stderr: libtest hides `eprintln!` of a passing test.
-        use std::io::Write;
-        let _ = writeln!(std::io::stderr(), "SKIPPED: no wgpu adapter");
+    let (gpu_ok, err, gpu_run) = run(gpu.name());
+    if !gpu_ok && err.contains("is not available") {
+        gpu.missing("the_quick_start_trains_alike_on_wgpu_and_the_cpu", &err);
         return;
     }
     assert!(gpu_ok, "{err}");
@@ -957,7 +931,10 @@ fn an_imported_official_checkpoint_reproduces_the_official_log_probs() {
 
     // The export loads back and scores the fixture's text as the official
     // code did.
-    let device = tvq_model::device::DeviceSpec::Cpu.init().unwrap().0;
+    let device = tvq_train::placement::device::DeviceSpec::Cpu
+        .init()
+        .unwrap()
+        .0;
     let (info, model) = tvq_train::inference::export::load_export(&out, &device).unwrap();
     assert_eq!((info.vocab.as_str(), info.step), ("bytes+3", 0));
     let (shape, inputs) = fixture_tensor(&weights, "inputs");

@@ -7,7 +7,8 @@
 //! token), carrying a [`ModelState`] between calls.
 //!
 //! Modules are generic over `B: Backend`; the binaries use `burn::Dispatch`
-//! with a device chosen at run time ([`device`]).
+//! with a device chosen at run time (by the training crate); [`device`]
+//! moves tensors between devices.
 
 pub mod attention;
 pub mod bias;

@@ -1,43 +1,41 @@
-//! The GPU devices that the backend tests compare with the CPU: wgpu's
-//! (Mesa's lavapipe in CI, `TVQ_REQUIRE_WGPU=1`), or CUDA's when
-//! `TVQ_TEST_DEVICE=cuda` names it (`scripts/gpu-check.sh`).
-
-use std::io::Write;
+//! The GPU devices that the backend tests compare with the CPU, probed with
+//! this crate's own probes; what their absence means is
+//! [`tvq_testkit::Gpu`]'s to say.
 
 use burn::DispatchDevice;
 use burn::backend::wgpu::WgpuDevice;
-use tvq_model::device::{DeviceSpec, wgpu_adapter};
+use tvq_testkit::Gpu;
+
+use crate::placement::device::{DeviceSpec, wgpu_adapter};
 
 /// Two wgpu devices (the default adapter and the CPU-type one: Mesa's
-/// lavapipe, which CI installs, is both), or `None` after a visible
-/// SKIPPED line where there are none; `TVQ_REQUIRE_WGPU` makes that a
-/// failure.
-pub fn two_wgpu_devices() -> Option<[DispatchDevice; 2]> {
+/// lavapipe, which CI installs, is both), or `None` after [`Gpu::missing`]
+/// where there are none.
+pub fn two_wgpu_devices(test: &str) -> Option<[DispatchDevice; 2]> {
     let pair = [WgpuDevice::DefaultDevice, WgpuDevice::Cpu];
     if pair.iter().all(|d| wgpu_adapter(d).is_some()) {
         return Some(pair.map(DispatchDevice::Wgpu));
     }
-    let message = "two wgpu adapters (default and CPU-type; install Mesa's lavapipe, \
-                   Debian's mesa-vulkan-drivers)";
-    assert!(
-        std::env::var_os("TVQ_REQUIRE_WGPU").is_none(),
-        "no {message}, and TVQ_REQUIRE_WGPU is set"
+    Gpu::Wgpu.missing(
+        test,
+        "two wgpu adapters, the default and a CPU-type one, are needed",
     );
-    // Straight to stderr: libtest hides `eprintln!` of a passing test.
-    let _ = writeln!(std::io::stderr(), "SKIPPED: no {message}");
     None
 }
 
-/// The GPU compared with the CPU: CUDA device 0 when
-/// `TVQ_TEST_DEVICE=cuda` (which must then exist), else wgpu's default
-/// adapter (`None`, with a SKIPPED line, where there is none; see
-/// [`two_wgpu_devices`]).
-pub fn gpu_under_test() -> Option<DispatchDevice> {
-    if std::env::var("TVQ_TEST_DEVICE").as_deref() == Ok("cuda") {
-        let (device, _) = DeviceSpec::Cuda(0)
-            .init()
-            .expect("TVQ_TEST_DEVICE=cuda needs a CUDA GPU");
-        return Some(device);
+/// The GPU compared with the CPU ([`Gpu::under_test`]): CUDA device 0, or
+/// wgpu's default adapter; `None` after [`Gpu::missing`] where there is
+/// none.
+pub fn gpu_under_test(test: &str) -> Option<DispatchDevice> {
+    let gpu = Gpu::under_test();
+    if gpu == Gpu::Wgpu {
+        return two_wgpu_devices(test).map(|[a, _]| a);
     }
-    two_wgpu_devices().map(|[a, _]| a)
+    match DeviceSpec::Cuda(0).init() {
+        Ok((device, _)) => Some(device),
+        Err(e) => {
+            gpu.missing(test, &e.to_string());
+            None
+        }
+    }
 }

@@ -7,10 +7,10 @@
 
 use std::time::Instant;
 
+use crate::placement::device::{cuda_device_name, wgpu_adapter};
 use burn::prelude::*;
 use burn::tensor::backend::DeviceOps;
 use burn::{Dispatch, DispatchDevice};
-use tvq_model::device::{cuda_device_name, wgpu_adapter};
 use tvq_model::{Precision, TransformerVqConfig};
 
 /// Model FLOPs of one training token in a segment of `seq_len` tokens:

@@ -19,12 +19,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::placement::device::check_precision;
 use burn::DispatchDevice;
 use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
 use burn::prelude::*;
 use tvq_data::{Batch, TrainCursor};
-use tvq_model::device::check_precision;
 use tvq_model::{CodebookMetrics, CodebookStats, ModelState, Precision, TransformerVqConfig};
 
 use crate::checkpoint::{self, TrainerState};
@@ -602,17 +602,8 @@ fn gather_states(
 mod tests {
     use super::*;
     use crate::gpu_under_test::{gpu_under_test, two_wgpu_devices};
-    use tvq_model::device::{DeviceSpec, device_name};
-
-    fn tiny() -> TransformerVqConfig {
-        TransformerVqConfig::new(11)
-            .with_d_model(8)
-            .with_d_k(4)
-            .with_d_v(8)
-            .with_n_code(4)
-            .with_n_layer(1)
-            .with_block_len(4)
-    }
+    use crate::placement::device::{DeviceSpec, device_name};
+    use tvq_testkit::tiny_model;
 
     fn batch(rows: usize, len: usize, reset: bool) -> Batch {
         let n = rows * len;
@@ -636,7 +627,7 @@ mod tests {
             ..TrainSection::default()
         };
         let device = DeviceSpec::Cpu.init().unwrap().0;
-        Trainer::new(&tiny(), &settings, &[device]).unwrap()
+        Trainer::new(&tiny_model(11), &settings, &[device]).unwrap()
     }
 
     fn weights(t: &Trainer) -> Vec<f32> {
@@ -747,7 +738,7 @@ mod tests {
         use crate::config::EvalSection;
         use crate::inference::evaluate::{EvalOptions, evaluate};
         use tvq_data::Split;
-        let Some([a, b]) = two_wgpu_devices() else {
+        let Some([a, b]) = two_wgpu_devices("evaluation_on_two_devices_scores_like_one") else {
             return;
         };
         let dir = tempfile::tempdir().unwrap();
@@ -755,7 +746,7 @@ mod tests {
         let split = corpus.split(Split::Validation);
         let model = TransformerVqConfig {
             vocab_size: corpus.vocab.size(),
-            ..tiny()
+            ..tiny_model(11)
         };
         let settings = TrainSection {
             workers: 2,
@@ -793,7 +784,8 @@ mod tests {
 
     #[test]
     fn workers_on_two_devices_train_like_workers_on_one() {
-        let Some([a, b]) = two_wgpu_devices() else {
+        let Some([a, b]) = two_wgpu_devices("workers_on_two_devices_train_like_workers_on_one")
+        else {
             return;
         };
         let settings = TrainSection {
@@ -804,7 +796,7 @@ mod tests {
         };
         let model = TransformerVqConfig {
             dropout_residual: 0.1,
-            ..tiny()
+            ..tiny_model(11)
         };
         let run = |devices: &[DispatchDevice]| {
             let mut t = Trainer::new(&model, &settings, devices).unwrap();
@@ -847,7 +839,7 @@ mod tests {
         use crate::config::EvalSection;
         use crate::inference::evaluate::{EvalOptions, evaluate};
         use tvq_data::Split;
-        let Some(gpu) = gpu_under_test() else {
+        let Some(gpu) = gpu_under_test("a_run_computes_the_same_on_the_gpu_as_on_the_cpu") else {
             return;
         };
         let settings = TrainSection {
@@ -862,7 +854,7 @@ mod tests {
             dropout_residual: 0.2,
             dropout_layer: 0.2,
             vocab_size: corpus.vocab.size(),
-            ..tiny()
+            ..tiny_model(11)
         };
         let eval = EvalSection {
             batch_size: 2,
@@ -941,7 +933,7 @@ mod tests {
                 ..TrainSection::default()
             };
             let device = DeviceSpec::Cpu.init().unwrap().0;
-            let mut t = Trainer::new(&tiny(), &settings, &[device]).unwrap();
+            let mut t = Trainer::new(&tiny_model(11), &settings, &[device]).unwrap();
             let before = table(&t);
             t.step(&batch(2, 8, true), TrainCursor::default()).unwrap();
             let after = table(&t);
@@ -1063,7 +1055,7 @@ mod tests {
                 dropout_residual: 0.2,
                 dropout_layer: 0.2,
                 dropout_sinusoid: 0.2,
-                ..tiny()
+                ..tiny_model(11)
             };
             let run = |mode| {
                 let settings = TrainSection {
@@ -1121,7 +1113,7 @@ mod tests {
                 ..TrainSection::default()
             };
             let device = DeviceSpec::Cpu.init().unwrap().0;
-            let mut t = Trainer::new(&tiny(), &settings, &[device]).unwrap();
+            let mut t = Trainer::new(&tiny_model(11), &settings, &[device]).unwrap();
             let losses: Vec<StepOutcome> = (0..6)
                 .map(|_| t.step(&batch(2, 8, true), TrainCursor::default()).unwrap())
                 .collect();
@@ -1148,7 +1140,7 @@ mod tests {
                 ..TrainSection::default()
             };
             let device = DeviceSpec::Cpu.init().unwrap().0;
-            let mut t = Trainer::new(&tiny(), &settings, &[device]).unwrap();
+            let mut t = Trainer::new(&tiny_model(11), &settings, &[device]).unwrap();
             // f16's objective is multiplied by its loss scale.
             let scale = t.progress.loss_scale.map_or(1.0, |s| s.scale) as f32;
             let grads = step_outcome(&mut t, &batch(2, 8, true)).1;
@@ -1189,7 +1181,7 @@ mod tests {
                 ..TrainSection::default()
             };
             let device = DeviceSpec::Cpu.init().unwrap().0;
-            let mut t = Trainer::new(&tiny(), &settings, &[device]).unwrap();
+            let mut t = Trainer::new(&tiny_model(11), &settings, &[device]).unwrap();
             t.progress.loss_scale = Some(LossScale {
                 scale: 1e6,
                 good_steps: 0,
@@ -1208,7 +1200,7 @@ mod tests {
             ..TrainSection::default()
         };
         let device = DeviceSpec::Cpu.init().unwrap().0;
-        let mut t = Trainer::new(&tiny(), &settings, &[device]).unwrap();
+        let mut t = Trainer::new(&tiny_model(11), &settings, &[device]).unwrap();
         // Gradients times 1e38 overflow f32.
         t.progress.loss_scale = Some(LossScale {
             scale: 1e38,
@@ -1246,7 +1238,7 @@ mod tests {
                 warmup_steps: 0,
                 ..TrainSection::default()
             };
-            Trainer::new(&tiny(), &settings, std::slice::from_ref(&device)).unwrap()
+            Trainer::new(&tiny_model(11), &settings, std::slice::from_ref(&device)).unwrap()
         };
         let mut path: Option<PathBuf> = None;
         for (from, to) in [
@@ -1288,7 +1280,7 @@ mod tests {
         };
         // Refused before any adapter is touched.
         let wgpu = DispatchDevice::Wgpu(WgpuDevice::DefaultDevice);
-        let Err(err) = Trainer::new(&tiny(), &settings, &[wgpu]) else {
+        let Err(err) = Trainer::new(&tiny_model(11), &settings, &[wgpu]) else {
             panic!("bf16 on wgpu was accepted");
         };
         let err = err.to_string();

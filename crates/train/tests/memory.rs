@@ -9,9 +9,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tvq_data::Batch;
 use tvq_model::TransformerVqConfig;
-use tvq_model::device::DeviceSpec;
 use tvq_train::Trainer;
 use tvq_train::config::{ActivationCheckpointing, TrainSection};
+use tvq_train::placement::device::DeviceSpec;
 
 /// The system allocator, counting the bytes held now and the most held.
 struct Counting;

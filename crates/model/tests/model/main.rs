@@ -2,7 +2,6 @@
 
 mod attention;
 mod common;
-mod devices;
 mod network;
 mod parity;
 mod precision;

@@ -9,14 +9,9 @@ use tvq_model::{
 use crate::common::*;
 
 fn config(bias: RelativeBias) -> TransformerVqConfig {
-    TransformerVqConfig::new(37)
-        .with_d_model(16)
-        .with_d_k(8)
-        .with_d_v(12)
+    tvq_testkit::tiny_model(37)
         .with_n_code(6)
-        .with_n_head(2)
         .with_n_layer(2)
-        .with_block_len(4)
         .with_bias(bias)
         // Used by the rotary form only: the position channel is part of
         // what its tests check.

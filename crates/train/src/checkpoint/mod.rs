@@ -396,11 +396,11 @@ pub fn prune(run_dir: &Path, keep: usize, best_step: Option<u64>, step: u64) {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::placement::device::DeviceSpec;
     use burn::module::Module;
     use burn::optim::Optimizer;
     use burn::prelude::*;
     use tvq_model::TransformerVqConfig;
-    use tvq_model::device::DeviceSpec;
 
     fn values<const D: usize>(t: &Tensor<B, D>) -> Vec<f32> {
         t.to_data().convert::<f32>().to_vec().unwrap()
@@ -410,16 +410,10 @@ pub(crate) mod tests {
         t.to_data().convert::<i64>().to_vec().unwrap()
     }
 
-    /// The tiny model of the checkpoint and export tests (vocabulary 7,
-    /// blocks of 2).
+    /// The tiny model of the checkpoint and export tests, with blocks of 2
+    /// so that six tokens leave a compressed cache behind.
     pub(crate) fn tiny_config() -> TransformerVqConfig {
-        TransformerVqConfig::new(7)
-            .with_d_model(8)
-            .with_d_k(4)
-            .with_d_v(6)
-            .with_n_code(3)
-            .with_n_layer(1)
-            .with_block_len(2)
+        tvq_testkit::tiny_model(7).with_block_len(2)
     }
 
     /// A state with a previous block, a compressed cache and a partial

@@ -144,8 +144,8 @@ fn read_float_tensors(path: &Path) -> Result<BTreeMap<String, OfficialTensor>, T
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::placement::device::DeviceSpec;
     use burn::prelude::*;
-    use tvq_model::device::DeviceSpec;
 
     /// A rotary model's export records the channel width its weights have,
     /// also when its config left it to the default; and an export from
@@ -166,8 +166,9 @@ mod tests {
                 .unwrap()
         };
         // (channel in the config, whether the JSON loses the key as an
-        // export written before the channel would, width loaded)
-        for (channel, old, want) in [(None, false, 4), (Some(0), true, 0)] {
+        // export written before the channel would, width loaded: the
+        // default is d_k)
+        for (channel, old, want) in [(None, false, cfg.d_k), (Some(0), true, 0)] {
             let cfg = cfg.clone().with_rotary_channel(channel);
             let model = cfg.init::<B>(&device).unwrap();
             let info = ExportInfo {

@@ -426,8 +426,8 @@ fn sample_group(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tvq_model::device::DeviceSpec;
-    use tvq_model::{RelativeBias, TransformerVqConfig};
+    use crate::placement::device::DeviceSpec;
+    use tvq_model::RelativeBias;
 
     fn one_token(t: u32, device: &burn::DispatchDevice) -> Tensor<B, 2, Int> {
         Tensor::from_data(TensorData::new(vec![t as i64], [1, 1]), device)
@@ -461,19 +461,11 @@ mod tests {
         t.to_data().convert::<f32>().to_vec().unwrap()
     }
 
-    /// A 13-token model with blocks of 4, 2 heads, 2 layers (4 sublayers),
-    /// drawn from `seed`.
+    /// The tiny model with 13 tokens and 2 layers (4 sublayers), drawn
+    /// from `seed`.
     fn tiny_model(bias: RelativeBias, seed: u64) -> TransformerVq<B> {
         let device = DeviceSpec::Cpu.init().unwrap().0;
-        let cfg = TransformerVqConfig::new(13)
-            .with_d_model(16)
-            .with_d_k(8)
-            .with_d_v(12)
-            .with_n_code(5)
-            .with_n_head(2)
-            .with_n_layer(2)
-            .with_block_len(4)
-            .with_bias(bias);
+        let cfg = tvq_testkit::tiny_model(13).with_n_layer(2).with_bias(bias);
         crate::placement::seeded_draw(&device, Some(seed), || cfg.init::<B>(&device)).unwrap()
     }
 
@@ -600,7 +592,9 @@ mod tests {
     /// rounding moves a cumulative probability across its uniform).
     #[test]
     fn prefill_and_sampling_on_the_gpu_equal_the_cpu() {
-        let Some(gpu) = crate::gpu_under_test::gpu_under_test() else {
+        let Some(gpu) =
+            crate::gpu_under_test::gpu_under_test("prefill_and_sampling_on_the_gpu_equal_the_cpu")
+        else {
             return;
         };
         let on_cpu = tiny_model(RelativeBias::Toeplitz, 12);

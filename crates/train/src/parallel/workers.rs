@@ -7,8 +7,8 @@
 //! back in shard order whatever the threads' timing. Workers may also be
 //! spread over several devices of one backend (`check_device_list`).
 
+use crate::placement::device::device_name;
 use burn::DispatchDevice;
-use tvq_model::device::device_name;
 
 use crate::error::TrainError;
 

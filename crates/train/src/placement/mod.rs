@@ -3,6 +3,8 @@
 //! model onto worker devices, random draws on the CPU whatever the device
 //! (so that a run's numbers depend on its seed only), and host copies.
 
+pub mod device;
+
 use std::sync::Mutex;
 
 use burn::module::{Module, ModuleMapper, Param};

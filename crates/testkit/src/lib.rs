@@ -1,0 +1,126 @@
+//! Test support shared by the tests of tvq's crates, and by nothing else
+//! (a dev-dependency only): which GPU the backend tests compare with the
+//! CPU and what a test does when it is missing, the tiny model of the unit
+//! tests, and waiting on a child process.
+//!
+//! It knows nothing of how a device is probed: each crate probes with its
+//! own code (a second copy of the probes in one test binary would set up a
+//! GPU runtime twice), and asks here what the answer means.
+
+use std::io::Write;
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+use tvq_model::TransformerVqConfig;
+
+/// The GPU that the backend tests compare with the CPU: CUDA's when
+/// `TVQ_TEST_DEVICE=cuda` (`scripts/gpu-check.sh`), else wgpu's default
+/// adapter (Mesa's lavapipe in CI).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gpu {
+    /// wgpu's default adapter.
+    Wgpu,
+    /// CUDA device 0.
+    Cuda,
+}
+
+impl Gpu {
+    /// The GPU named by `TVQ_TEST_DEVICE`.
+    pub fn under_test() -> Self {
+        match std::env::var("TVQ_TEST_DEVICE").as_deref() {
+            Ok("cuda") => Self::Cuda,
+            _ => Self::Wgpu,
+        }
+    }
+
+    /// Its name as `tvq --device` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Wgpu => "wgpu",
+            Self::Cuda => "cuda",
+        }
+    }
+
+    /// Whether a test fails, rather than skips, without it: CUDA when it
+    /// was named; wgpu when `TVQ_REQUIRE_WGPU` is set (CI installs a
+    /// software Vulkan driver and sets it, so there the tests run for
+    /// real).
+    pub fn required(self) -> bool {
+        self == Self::Cuda || std::env::var_os("TVQ_REQUIRE_WGPU").is_some()
+    }
+
+    /// The verdict on `test` when the GPU is missing for reason `why`:
+    /// `Ok(line)` to print and skip, `Err(message)` to fail with.
+    pub fn verdict(self, required: bool, test: &str, why: &str) -> Result<String, String> {
+        let name = self.name();
+        if required {
+            Err(format!(
+                "{test}: no {name} GPU ({why}), and it is required \
+                 (TVQ_TEST_DEVICE=cuda, or TVQ_REQUIRE_WGPU)"
+            ))
+        } else {
+            Ok(format!(
+                "SKIPPED {test}: no {name} GPU ({why}; for wgpu install a Vulkan driver, \
+                 e.g. Debian's mesa-vulkan-drivers; TVQ_REQUIRE_WGPU=1 makes this a failure)"
+            ))
+        }
+    }
+
+    /// `test` found no GPU (`why`): panics where the GPU is
+    /// [`required`](Self::required), else prints a visible SKIPPED line and
+    /// returns, and the caller returns too.
+    pub fn missing(self, test: &str, why: &str) {
+        match self.verdict(self.required(), test, why) {
+            // Straight to stderr: libtest hides `eprintln!` of a passing test.
+            Ok(skipped) => drop(writeln!(std::io::stderr(), "{skipped}")),
+            Err(failure) => panic!("{failure}"),
+        }
+    }
+}
+
+/// The tiny model of the unit tests: blocks of 4, 2 heads, one layer (two
+/// sublayers), 5 codes, `d_model` 16; a test that needs another shape says
+/// so with the config's `with_*` setters.
+pub fn tiny_model(vocab_size: usize) -> TransformerVqConfig {
+    TransformerVqConfig::new(vocab_size)
+        .with_d_model(16)
+        .with_d_k(8)
+        .with_d_v(12)
+        .with_n_code(5)
+        .with_n_head(2)
+        .with_n_layer(1)
+        .with_block_len(4)
+}
+
+/// Polls `done` until it holds, failing at once (with the child's stderr
+/// when it was piped) if `child` exits first, or after five minutes: a
+/// condition that may hold only briefly (a checkpoint the next step
+/// prunes) must not be waited for.
+pub fn wait_for(child: &mut Child, what: &str, done: impl Fn() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            if let Some(mut stderr) = child.stderr.take() {
+                std::io::Read::read_to_string(&mut stderr, &mut err).unwrap();
+            }
+            panic!("the process exited ({status}) before {what}:\n{err}");
+        }
+        assert!(start.elapsed() < Duration::from_secs(300), "no {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_gpu_skips_unless_required() {
+        let skipped = Gpu::Wgpu.verdict(false, "t", "no adapter").unwrap();
+        assert!(skipped.starts_with("SKIPPED t:") && skipped.contains("no adapter"));
+        let failure = Gpu::Wgpu.verdict(true, "t", "no adapter").unwrap_err();
+        assert!(failure.contains("no adapter") && failure.contains("required"));
+        assert!(Gpu::Cuda.required(), "a named CUDA GPU is always required");
+    }
+}

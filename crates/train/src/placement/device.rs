@@ -1,0 +1,393 @@
+//! Run-time choice of the compute device: `cpu` (burn's flex backend),
+//! `wgpu[:N]` or `cuda[:N]`, all compiled into one binary through
+//! `burn::Dispatch`, and the process-wide set-up of the GPU runtimes
+//! (where cubecl keeps its autotuning cache).
+//!
+//! burn panics on the first operation on a GPU that is not there, so a GPU
+//! is probed before it is handed out, and its absence is a [`DeviceError`].
+
+use std::fmt;
+use std::str::FromStr;
+
+use burn::backend::cuda::CudaDevice;
+use burn::backend::flex::FlexDevice;
+use burn::backend::wgpu::WgpuDevice;
+use burn::tensor::Tensor;
+use burn::tensor::backend::DeviceOps;
+use burn::{Dispatch, DispatchDevice};
+use thiserror::Error;
+use tvq_model::Precision;
+use tvq_model::device::GPU_FUSION;
+
+/// A device named on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// The CPU (flex backend; AVX-512 matmul where the CPU has it).
+    Cpu,
+    /// A GPU through wgpu (Vulkan, Metal or DX12): the default adapter, or the
+    /// `N`-th discrete GPU.
+    Wgpu(Option<usize>),
+    /// The `N`-th NVIDIA GPU through CUDA.
+    Cuda(usize),
+}
+
+/// Why a device cannot be used.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum DeviceError {
+    /// The name is not one of `cpu`, `wgpu[:N]`, `cuda[:N]`.
+    #[error("unknown device `{0}`: expected cpu, wgpu, wgpu:N, cuda or cuda:N")]
+    Unknown(String),
+    /// No usable CUDA driver or device.
+    #[error("device `{spec}` is not available: {reason}")]
+    Unavailable {
+        /// The device as asked for.
+        spec: String,
+        /// What the probe found.
+        reason: String,
+    },
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Cpu => write!(f, "cpu"),
+            Self::Wgpu(None) => write!(f, "wgpu"),
+            Self::Wgpu(Some(i)) => write!(f, "wgpu:{i}"),
+            Self::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+impl FromStr for DeviceSpec {
+    type Err = DeviceError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let unknown = || DeviceError::Unknown(s.to_string());
+        let (name, index) = match s.split_once(':') {
+            Some((name, i)) => (name, Some(i.parse::<usize>().map_err(|_| unknown())?)),
+            None => (s, None),
+        };
+        match (name, index) {
+            ("cpu", None) => Ok(Self::Cpu),
+            ("wgpu", i) => Ok(Self::Wgpu(i)),
+            ("cuda", i) => Ok(Self::Cuda(i.unwrap_or(0))),
+            _ => Err(unknown()),
+        }
+    }
+}
+
+/// Runs a probe that may panic (the backends panic where a device or a type
+/// is missing), its panic caught and its message kept off stderr. The
+/// panic hook is process-wide: every swap of it happens under one lock, so
+/// that probes on several threads restore the hook they found.
+fn silently<R>(probe: impl FnOnce() -> R + std::panic::UnwindSafe) -> std::thread::Result<R> {
+    static HOOK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _swapping = HOOK.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let result = std::panic::catch_unwind(probe);
+    std::panic::set_hook(hook);
+    result
+}
+
+/// Whether `device` computes matrix products in `precision`: `Err` with a
+/// one-line reason where it does not, found before training starts (the
+/// backends panic on a type they cannot compile). bf16 is refused on wgpu
+/// outright (its WGSL compiler has no bfloat16); otherwise a small product
+/// is tried, its panic caught and silenced.
+pub fn check_precision(device: &DispatchDevice, precision: Precision) -> Result<(), String> {
+    if !precision.is_reduced() {
+        return Ok(());
+    }
+    let name = device_name(device);
+    if precision == Precision::Bf16 && matches!(device.inner(), DispatchDevice::Wgpu(_)) {
+        return Err(format!(
+            "bf16 does not run on {name}: wgpu's WGSL compiler has no bfloat16 \
+             (use --device cuda, or f16 on an adapter with shader f16, or f32)"
+        ));
+    }
+    let plain = device.inner().clone();
+    let probe = move || {
+        let a = Tensor::<Dispatch, 2>::ones([8, 8], &plain).cast(precision.dtype());
+        let product = a.clone().matmul(a).cast(burn::tensor::FloatDType::F32);
+        product.into_data().to_vec::<f32>().ok()
+    };
+    match silently(probe) {
+        Ok(Some(values)) if values.iter().all(|&v| v == 8.0) => Ok(()),
+        Ok(_) => Err(format!(
+            "{precision} does not run on {name}: a test product came back wrong"
+        )),
+        Err(panic) => {
+            let why = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("the backend panicked");
+            let why = why.lines().next().unwrap_or_default();
+            Err(format!("{precision} does not run on {name}: {why}"))
+        }
+    }
+}
+
+/// A device as `--device` names it (`cpu`, `cuda:N`, `wgpu`, `wgpu:N`),
+/// autodiff or not; other wgpu devices by their burn name.
+pub fn device_name(device: &DispatchDevice) -> String {
+    match device.inner() {
+        DispatchDevice::Flex(_) => DeviceSpec::Cpu.to_string(),
+        DispatchDevice::Cuda(d) => DeviceSpec::Cuda(d.index).to_string(),
+        DispatchDevice::Wgpu(WgpuDevice::DefaultDevice) => DeviceSpec::Wgpu(None).to_string(),
+        DispatchDevice::Wgpu(WgpuDevice::DiscreteGpu(i)) => DeviceSpec::Wgpu(Some(*i)).to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// Number of CUDA devices the driver reports; 0 when there is no driver.
+pub fn cuda_device_count() -> usize {
+    // SAFETY: only checks whether the driver library can be loaded.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return 0;
+    }
+    if cudarc::driver::result::init().is_err() {
+        return 0;
+    }
+    cudarc::driver::result::device::get_count().map_or(0, |n| n.max(0) as usize)
+}
+
+/// The name the driver gives CUDA device `index` (e.g. "NVIDIA H100 80GB
+/// HBM3"), where there is a driver and such a device.
+pub fn cuda_device_name(index: usize) -> Option<String> {
+    if index >= cuda_device_count() {
+        return None;
+    }
+    let device = cudarc::driver::result::device::get(index as i32).ok()?;
+    cudarc::driver::result::device::get_name(device).ok()
+}
+
+/// Where cubecl keeps what autotuning measured, so that a shape is tuned
+/// once per machine rather than once per process: `$XDG_CACHE_HOME/tvq/`
+/// or `~/.cache/tvq/` (cubecl's own default is the `target/` directory of
+/// the Rust project around the working directory, which scatters caches
+/// over whatever directory `tvq` runs in). A `cubecl.toml` that names a
+/// cache other than `target`, and cubecl's `CUBECL_*` variables, are obeyed
+/// as cubecl would.
+/// Runs before the first GPU use (cubecl reads its settings once).
+fn configure_gpu_runtime() {
+    use cubecl_runtime::config::cache::CacheConfig;
+    use cubecl_runtime::config::{CubeClRuntimeConfig, RuntimeConfig};
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let mut settings = CubeClRuntimeConfig::storage().lock();
+        if settings.is_some() {
+            return; // already read: too late to change
+        }
+        let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
+        let home = std::env::var_os("XDG_CACHE_HOME")
+            .map(std::path::PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache")));
+        if let (CacheConfig::Target, Some(dir)) = (&config.autotune.cache, home) {
+            config.autotune.cache = CacheConfig::File(dir.join("tvq"));
+        }
+        *settings = Some(std::sync::Arc::new(config));
+    });
+}
+
+/// Initialises the wgpu adapter for `device` and describes it ("name (type,
+/// api)"), or returns `None` when there is none. cubecl panics when no
+/// adapter exists, so the panic is caught and its message silenced. A
+/// device's runtime can be set up once per process (a second set-up
+/// panics too), so each device's answer is remembered.
+pub fn wgpu_adapter(device: &WgpuDevice) -> Option<String> {
+    use burn::backend::wgpu::{RuntimeOptions, graphics::AutoGraphicsApi, init_setup};
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static PROBED: OnceLock<Mutex<HashMap<WgpuDevice, Option<String>>>> = OnceLock::new();
+    configure_gpu_runtime();
+    let mut probed = PROBED
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(found) = probed.get(device) {
+        return found.clone();
+    }
+    let found = silently(|| {
+        let setup = init_setup::<AutoGraphicsApi>(device, RuntimeOptions::default());
+        let info = setup.adapter.get_info();
+        format!("{} ({:?}, {:?})", info.name, info.device_type, info.backend)
+    })
+    .ok();
+    probed.insert(device.clone(), found.clone());
+    found
+}
+
+impl DeviceSpec {
+    /// Probes the device and returns it (plain, without autodiff), with a
+    /// one-line description (a GPU's says "unfused" in a build without
+    /// [`GPU_FUSION`]). Never panics.
+    pub fn init(self) -> Result<(DispatchDevice, String), DeviceError> {
+        let (device, info) = self.probe()?;
+        let unfused = !GPU_FUSION && !matches!(device, DispatchDevice::Flex(_));
+        Ok((
+            device,
+            if unfused {
+                format!("{info} (unfused)")
+            } else {
+                info
+            },
+        ))
+    }
+
+    fn probe(self) -> Result<(DispatchDevice, String), DeviceError> {
+        configure_gpu_runtime();
+        let unavailable = |reason: String| DeviceError::Unavailable {
+            spec: self.to_string(),
+            reason,
+        };
+        match self {
+            Self::Cpu => Ok((DispatchDevice::Flex(FlexDevice), "cpu (flex)".to_string())),
+            Self::Cuda(index) => {
+                let count = cuda_device_count();
+                if index >= count {
+                    return Err(unavailable(if count == 0 {
+                        "no CUDA driver or no CUDA GPU on this machine".to_string()
+                    } else {
+                        format!("only {count} CUDA GPU(s) found")
+                    }));
+                }
+                let name = cuda_device_name(index).unwrap_or_default();
+                Ok((
+                    DispatchDevice::Cuda(CudaDevice { index }),
+                    format!("cuda:{index} {name}").trim_end().to_string(),
+                ))
+            }
+            Self::Wgpu(index) => {
+                let device = match index {
+                    None => WgpuDevice::DefaultDevice,
+                    Some(i) => WgpuDevice::DiscreteGpu(i),
+                };
+                match wgpu_adapter(&device) {
+                    Some(info) => Ok((DispatchDevice::Wgpu(device), format!("wgpu: {info}"))),
+                    None => Err(unavailable(
+                        "no wgpu adapter found (no Vulkan, Metal or DX12 driver?)".to_string(),
+                    )),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::module::Module;
+    use burn::prelude::*;
+    use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+    use tvq_model::RelativeBias;
+
+    use super::*;
+    use crate::placement::B;
+
+    fn cpu() -> DispatchDevice {
+        DispatchDevice::Flex(FlexDevice)
+    }
+
+    #[test]
+    fn device_names_parse_and_bad_ones_are_errors() {
+        assert_eq!("cpu".parse(), Ok(DeviceSpec::Cpu));
+        assert_eq!("wgpu".parse(), Ok(DeviceSpec::Wgpu(None)));
+        assert_eq!("wgpu:1".parse(), Ok(DeviceSpec::Wgpu(Some(1))));
+        assert_eq!("cuda".parse(), Ok(DeviceSpec::Cuda(0)));
+        assert_eq!("cuda:2".parse(), Ok(DeviceSpec::Cuda(2)));
+        for bad in ["gpu", "cuda:x", "cpu:0", "", "cuda:"] {
+            assert_eq!(
+                bad.parse::<DeviceSpec>(),
+                Err(DeviceError::Unknown(bad.to_string())),
+                "{bad}"
+            );
+        }
+        assert_eq!(DeviceSpec::Cuda(3).to_string(), "cuda:3");
+    }
+
+    #[test]
+    fn missing_cuda_is_an_error_not_a_panic() {
+        let n = cuda_device_count();
+        match DeviceSpec::Cuda(n).init() {
+            Err(DeviceError::Unavailable { spec, reason }) => {
+                assert_eq!(spec, format!("cuda:{n}"));
+                assert!(!reason.is_empty());
+            }
+            other => panic!("cuda:{n} with {n} GPUs must be unavailable, got {other:?}"),
+        }
+        if n > 0 {
+            assert!(DeviceSpec::Cuda(0).init().is_ok());
+        }
+    }
+
+    /// The model computes on the GPU under test (wgpu, or CUDA with
+    /// `TVQ_TEST_DEVICE=cuda`) what it computes on the CPU: the same codes,
+    /// and logits and gradients within 1e-4, for both position terms.
+    #[test]
+    fn the_model_computes_on_the_gpu_what_it_computes_on_the_cpu() {
+        let Some(gpu) = crate::gpu_under_test::gpu_under_test(
+            "the_model_computes_on_the_gpu_what_it_computes_on_the_cpu",
+        ) else {
+            return;
+        };
+        let cpu_ad = DispatchDevice::autodiff(cpu());
+        let gpu_ad = DispatchDevice::autodiff(gpu);
+        let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+        let floats = |t: TensorData| t.convert::<f32>().to_vec::<f32>().unwrap();
+        for bias in [RelativeBias::Toeplitz, RelativeBias::Xl] {
+            let cfg = tvq_testkit::tiny_model(29).with_bias(bias);
+            B::seed(&cpu(), 5);
+            let on_cpu = cfg.init::<B>(&cpu_ad).unwrap();
+            let bytes = recorder.record(on_cpu.clone().into_record(), ()).unwrap();
+            let on_gpu = cfg
+                .init::<B>(&gpu_ad)
+                .unwrap()
+                .load_record(recorder.load(bytes, &gpu_ad).unwrap());
+
+            let data: Vec<i64> = (0..2 * 16).map(|i| (i * 7 % 29) as i64).collect();
+            let run = |m: &tvq_model::TransformerVq<B>, device: &DispatchDevice| {
+                let tokens =
+                    Tensor::<B, 2, Int>::from_data(TensorData::new(data.clone(), [2, 16]), device);
+                let out = m.forward(tokens, m.empty_state(), None).unwrap();
+                let loss = out.logits.clone().square().mean() + out.commitment.mean();
+                let grads = loss.backward();
+                let g = m.sublayers[0].kvg_proj.weight.grad(&grads).unwrap();
+                let codes = out.codes[0].clone().into_data().convert::<i64>();
+                (
+                    floats(out.logits.inner().into_data()),
+                    floats(g.into_data()),
+                    codes.to_vec::<i64>().unwrap(),
+                )
+            };
+            let (l_cpu, g_cpu, z_cpu) = run(&on_cpu, &cpu_ad);
+            let (l_gpu, g_gpu, z_gpu) = run(&on_gpu, &gpu_ad);
+            assert_eq!(z_cpu, z_gpu, "{bias:?}: codes");
+            let worst = |a: &[f32], b: &[f32]| {
+                a.iter()
+                    .zip(b)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max)
+            };
+            let (dl, dg) = (worst(&l_cpu, &l_gpu), worst(&g_cpu, &g_gpu));
+            assert!(dl <= 1e-4, "{bias:?}: logits differ by {dl}");
+            assert!(dg <= 1e-4, "{bias:?}: gradients differ by {dg}");
+        }
+    }
+
+    /// bf16 on wgpu is refused with one line before any adapter is touched;
+    /// the CPU computes in every precision.
+    #[test]
+    fn precisions_a_device_cannot_run_are_refused() {
+        let wgpu = DispatchDevice::Wgpu(WgpuDevice::DefaultDevice);
+        let why = check_precision(&wgpu, Precision::Bf16).unwrap_err();
+        assert!(
+            why.starts_with("bf16 does not run on wgpu") && !why.contains('\n'),
+            "{why}"
+        );
+        assert_eq!(check_precision(&wgpu, Precision::F32), Ok(()));
+        for p in Precision::ALL {
+            assert_eq!(check_precision(&cpu(), p), Ok(()), "{p}");
+        }
+    }
+}
