@@ -5,8 +5,10 @@
 # model.bias = toeplitz | xl | rotary and model.cache_grad = window | full
 # at each T. With BASE, the binary of commit BASE (built in a temporary
 # git worktree that shares the target directory, so only tvq's crates
-# rebuild) and the working tree's run alternately, ROUNDS rounds, and the
-# last column is new / base of the summed tokens/s.
+# rebuild) and the working tree's (or commit NEW's, NEW=<commit> in the
+# environment) run alternately, ROUNDS rounds, and the last column is
+# new / base of the summed tokens/s. EXTRA: more `tvq bench` arguments
+# (e.g. EXTRA="--set train.workers=2").
 #
 #   scripts/speed-table.sh [BASE] [ROUNDS] [SEQ_LENS] [MODES]
 #
@@ -23,13 +25,18 @@ SEQ_LENS=${3:-512,2048,8192}
 MODES=${4:-toeplitz:window toeplitz:full xl:window xl:full rotary:window rotary:full}
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/tvq/target}"
 tmp=$(mktemp -d)
+NEW=${NEW:-}
 cleanup() {
-  if [ -n "$BASE" ]; then git worktree remove --force "$tmp/base" 2>/dev/null || true; fi
+  for tree in base new; do git worktree remove --force "$tmp/$tree" 2>/dev/null || true; done
   rm -rf "$tmp"
 }
 trap cleanup EXIT
 
 build() { # DIR OUT: builds tvq from DIR and copies the binary to OUT
+  # Touched so that cargo compiles and copies out this tree's binary: the
+  # trees share one target directory, and a build that finds its own
+  # artifacts fresh leaves target/release/tvq as the other tree built it.
+  touch "$1/crates/cli/src/main.rs"
   (cd "$1" && cargo build --release -p tvq-cli >&2)
   cp "$CARGO_TARGET_DIR/release/tvq" "$2"
 }
@@ -39,13 +46,23 @@ if [ -n "$BASE" ]; then
   build "$tmp/base" "$tmp/tvq-base"
   binaries=(base new)
 fi
-build . "$tmp/tvq-new"
+if [ -n "$NEW" ]; then
+  git worktree add --detach "$tmp/new" "$NEW" >&2
+  build "$tmp/new" "$tmp/tvq-new"
+else
+  build . "$tmp/tvq-new"
+fi
+if [ -n "$BASE" ] && cmp -s "$tmp/tvq-base" "$tmp/tvq-new"; then
+  echo "speed-table: the two binaries are the same file" >&2
+  exit 1
+fi
 
 bench() { # BINARY BIAS CACHE -> one JSON line per T
   local set=()
   [ "$2" != default ] && set+=(--set "model.bias=\"$2\"")
   [ "$3" != default ] && set+=(--set "model.cache_grad=\"$3\"")
-  "$tmp/tvq-$1" bench --form vq --optimizer --json --seq-len "$SEQ_LENS" "${set[@]}"
+  # shellcheck disable=SC2086 # EXTRA is split into arguments on purpose
+  "$tmp/tvq-$1" bench --form vq --optimizer --json --seq-len "$SEQ_LENS" "${set[@]}" ${EXTRA:-}
 }
 
 for r in $(seq "$ROUNDS"); do
