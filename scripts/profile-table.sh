@@ -12,6 +12,9 @@
 #
 #   SEQ_LENS: space-separated (default "512 8192"); MODES: BIAS:CACHE_GRAD
 #   pairs (default: all six); STEPS: timed steps per setting (default 2).
+#
+# Prints one JSON object per setting as it goes, then the table of
+# docs/benchmarks.md ("By op kind") in Markdown on stderr.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SEQ_LENS=${1:-512 8192}
@@ -69,4 +72,16 @@ row = {"mode": mode, "seq_len": int(t), "tokens_per_s": b["tokens_per_s"], "mfu"
 print(json.dumps(row))
 PY
   done
-done
+done | tee "$tmp/rows"
+
+python3 - "$tmp/rows" >&2 <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+kinds = ["page zeroing (kernel)", "matmul", "copy/layout", "elementwise", "exp",
+         "gather/scatter", "reduce", "alloc", "other"]
+print("| T | bias : cache_grad | tokens/s | " + " | ".join(kinds) + " |")
+print("|---|---|---|" + "---|" * len(kinds))
+for r in rows:
+    shares = " | ".join(f"{r[k]:.0f}%" for k in kinds)
+    print(f"| {r['seq_len']:,} | {r['mode'].replace(':', ' : ')} | {r['tokens_per_s']:,.0f} | {shares} |")
+PY
