@@ -577,13 +577,14 @@ fn bench_training(args: &BenchArgs, on: &Measuring, form: AttentionForm, t: usiz
     let tokens_per_s = (args.steps * args.batch * t) as f64 / secs;
     let utilisation = peak.map(|p| tokens_per_s * mfu::training_flops_per_token(&cfg, t) / p);
     let rss = peak_rss_bytes();
+    let gpu = trainer.device_memory_bytes();
     if args.json {
         println!(
             "{}",
             json!({
                 "form": form_name, "seq_len": t, "batch": args.batch,
                 "tokens_per_s": tokens_per_s, "mfu": utilisation, "peak_flops_per_s": peak,
-                "peak_rss_bytes": rss, "device": info,
+                "peak_rss_bytes": rss, "device_memory_bytes": gpu, "device": info,
                 "precision": precision, "activation_checkpointing": mode,
                 "workers": train.workers,
                 "step": if args.optimizer { "full" } else { "forward+backward" },

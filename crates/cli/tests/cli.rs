@@ -244,6 +244,36 @@ fn the_quick_start_trains_alike_on_wgpu_and_the_cpu() {
             })
             .collect()
     };
+    // Every GPU step row says the GPU memory it held, at least the weights
+    // and AdamW moments that live there (the last checkpoint's files hold
+    // them in f32); the CPU has none to say.
+    let held_at_least = std::fs::read_dir(gpu_run.join("checkpoints"))
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .max()
+        .map(|last| ["model.safetensors", "optimizer.safetensors"].map(|f| last.join(f)))
+        .map(|files| {
+            files
+                .iter()
+                .map(|f| f.metadata().unwrap().len())
+                .sum::<u64>()
+        })
+        .unwrap();
+    let memory = |run: &Path| -> Vec<Option<u64>> {
+        std::fs::read_to_string(run.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|v| v["kind"] == "train")
+            .map(|v| v["device_memory_bytes"].as_u64())
+            .collect()
+    };
+    let on_gpu = memory(&gpu_run);
+    assert!(
+        on_gpu.iter().all(|m| m.is_some_and(|b| b >= held_at_least)),
+        "GPU memory {on_gpu:?} against {held_at_least} bytes of weights and moments"
+    );
+    assert!(memory(&cpu_run).iter().all(Option::is_none));
     let (cpu, gpu) = (logged(&cpu_run), logged(&gpu_run));
     assert_eq!(cpu.len(), 11, "10 steps and the final validation: {cpu:?}");
     assert_eq!(cpu.len(), gpu.len());

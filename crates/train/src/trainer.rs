@@ -19,11 +19,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::placement::device::check_precision;
+use crate::placement::device::{check_precision, device_memory_bytes};
 use burn::DispatchDevice;
 use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
 use burn::prelude::*;
+use burn::tensor::StreamId;
 use tvq_data::{Batch, TrainCursor};
 use tvq_model::{CodebookMetrics, CodebookStats, ModelState, Precision, TransformerVqConfig};
 
@@ -31,7 +32,7 @@ use crate::checkpoint::{self, TrainerState};
 use crate::config::TrainSection;
 use crate::error::TrainError;
 use crate::parallel::collective::Collective;
-use crate::parallel::workers::check_device_list;
+use crate::parallel::workers::{check_device_list, worker_stream};
 use crate::placement::{B, Model};
 use crate::placement::{autodiff_device, cpu_autodiff, fork_onto, seeded_draw};
 use crate::step::gradients::{StepGradients, compute_gradients};
@@ -74,6 +75,9 @@ pub struct StepOutcome {
     pub skipped: bool,
     /// An interrupt was seen (on any node) before or during the step.
     pub interrupted: bool,
+    /// GPU memory held after the step, over this node's devices
+    /// ([`Trainer::device_memory_bytes`]; `None` on the CPU).
+    pub device_memory_bytes: Option<u64>,
 }
 
 /// Everything a run holds in memory between steps.
@@ -408,7 +412,18 @@ impl Trainer {
             loss_scale: self.progress.loss_scale.map(|_| scale),
             skipped,
             interrupted: stop || (self.collective.is_none() && self.interrupted()),
+            device_memory_bytes: self.device_memory_bytes(),
         })
+    }
+
+    /// GPU memory this trainer's devices hold, in bytes ([`device_memory_bytes`]
+    /// over the calling thread's stream and its workers'); `None` on the CPU.
+    pub fn device_memory_bytes(&self) -> Option<u64> {
+        let workers = (0..self.settings.workers).map(worker_stream);
+        let streams: Vec<_> = std::iter::once(StreamId::current())
+            .chain(workers)
+            .collect();
+        device_memory_bytes(&self.devices, &streams)
     }
 
     /// This node's gradients of `batch`, summed over the nodes when there

@@ -12,8 +12,8 @@ use std::str::FromStr;
 use burn::backend::cuda::CudaDevice;
 use burn::backend::flex::FlexDevice;
 use burn::backend::wgpu::WgpuDevice;
-use burn::tensor::Tensor;
 use burn::tensor::backend::DeviceOps;
+use burn::tensor::{StreamId, Tensor};
 use burn::{Dispatch, DispatchDevice};
 use thiserror::Error;
 use tvq_model::Precision;
@@ -161,6 +161,54 @@ pub fn cuda_device_name(index: usize) -> Option<String> {
     }
     let device = cudarc::driver::result::device::get(index as i32).ok()?;
     cudarc::driver::result::device::get_name(device).ok()
+}
+
+/// GPU memory held for a run, in bytes, summed over `devices` (`None` when
+/// none is a GPU). On CUDA it is the device's memory that is not free, as
+/// `nvidia-smi` counts it (this process's pools, and any other process's on
+/// the same GPU). wgpu has no such query, so there it is what burn's memory
+/// pools of `streams` (the run's threads' GPU streams) have reserved.
+pub fn device_memory_bytes(devices: &[DispatchDevice], streams: &[StreamId]) -> Option<u64> {
+    let held: Vec<Option<u64>> = devices
+        .iter()
+        .filter_map(|device| match device.inner() {
+            DispatchDevice::Cuda(d) => Some(cuda_memory_in_use(d.index)),
+            DispatchDevice::Wgpu(d) => Some(wgpu_memory_reserved(d, streams)),
+            _ => None,
+        })
+        .collect();
+    // One failed query makes the sum unknown rather than low.
+    (!held.is_empty()).then(|| held.into_iter().sum()).flatten()
+}
+
+/// Total minus free memory of CUDA device `index`, read in its primary
+/// context (the one burn's CUDA runtime uses, so this creates nothing).
+fn cuda_memory_in_use(index: usize) -> Option<u64> {
+    use cudarc::driver::result::{ctx, device, mem_get_info, primary_ctx};
+    let dev = device::get(index as i32).ok()?;
+    // SAFETY: `dev` is a valid device; the context retained here is released
+    // below, and made current only on this thread for the query.
+    unsafe {
+        let context = primary_ctx::retain(dev).ok()?;
+        let info = ctx::set_current(context).and_then(|()| mem_get_info());
+        let _ = primary_ctx::release(dev);
+        info.ok().map(|(free, total)| (total - free) as u64)
+    }
+}
+
+/// What cubecl's memory pools of `streams` on `device` have reserved (each
+/// stream of a cubecl device has a pool of its own).
+fn wgpu_memory_reserved(device: &WgpuDevice, streams: &[StreamId]) -> Option<u64> {
+    use burn::backend::wgpu::WgpuRuntime;
+    use cubecl_runtime::runtime::Runtime;
+    let client = WgpuRuntime::client(device);
+    streams
+        .iter()
+        .map(|stream| {
+            let usage = stream.executes(|| client.memory_usage()).ok()?;
+            Some(usage.bytes_reserved)
+        })
+        .sum()
 }
 
 /// Where cubecl keeps what autotuning measured, so that a shape is tuned
@@ -373,6 +421,40 @@ mod tests {
             assert!(dl <= 1e-4, "{bias:?}: logits differ by {dl}");
             assert!(dg <= 1e-4, "{bias:?}: gradients differ by {dg}");
         }
+    }
+
+    /// The GPU memory of a run grows by at least a tensor's bytes when a
+    /// thread whose stream is counted puts a 64 MiB tensor on the GPU under
+    /// test, and not when no counted stream holds it; a CPU has none to
+    /// report.
+    #[test]
+    fn device_memory_counts_a_tensor_put_on_the_gpu() {
+        assert_eq!(device_memory_bytes(&[cpu()], &[]), None);
+        let Some(gpu) =
+            crate::gpu_under_test::gpu_under_test("device_memory_counts_a_tensor_put_on_the_gpu")
+        else {
+            return;
+        };
+        let devices = [cpu(), gpu.clone()];
+        let mine = [StreamId::current()];
+        let other = std::thread::spawn(StreamId::current).join().unwrap();
+        let both = [mine[0], other];
+        let held = |streams: &[StreamId]| device_memory_bytes(&devices, streams).unwrap();
+        let (before, before_mine) = (held(&both), held(&mine));
+        let n = 16 << 20; // f32s: 64 MiB
+        let tensor =
+            other.executes(|| Tensor::<B, 1>::from_data(TensorData::new(vec![1f32; n], [n]), &gpu));
+        let (after, after_mine) = (held(&both), held(&mine));
+        assert!(
+            after >= before + 4 * n as u64,
+            "{before} bytes, then {after} with a {} byte tensor",
+            4 * n
+        );
+        if !matches!(gpu, DispatchDevice::Cuda(_)) {
+            // wgpu counts the pools of the streams it is given, no others.
+            assert_eq!(after_mine, before_mine);
+        }
+        drop(tensor);
     }
 
     /// bf16 on wgpu is refused with one line before any adapter is touched;

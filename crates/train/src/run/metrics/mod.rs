@@ -71,6 +71,11 @@ pub struct StepMetrics {
     /// bytes (absent where the system does not say: Linux only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_rss_bytes: Option<u64>,
+    /// GPU memory held after the step, in bytes, over this node's devices:
+    /// on CUDA the memory that is not free, on wgpu burn's pool
+    /// ([`crate::placement::device::device_memory_bytes`]; absent on the CPU).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_memory_bytes: Option<u64>,
 }
 
 /// What a step's metrics read from the run, beside the step's outcome.
@@ -123,6 +128,7 @@ impl StepMetrics {
             skipped: o.skipped,
             tokens,
             peak_rss_bytes: peak_rss_bytes(),
+            device_memory_bytes: o.device_memory_bytes,
         }
     }
 
@@ -131,11 +137,15 @@ impl StepMetrics {
         let mfu = self
             .mfu
             .map_or(String::new(), |m| format!(" mfu {:.0}%", 100.0 * m));
-        let rss = self.peak_rss_bytes.map_or(String::new(), |b| {
-            format!(" rss {:.2} GiB", b as f64 / (1u64 << 30) as f64)
-        });
+        let gib = |label: &str, bytes: Option<u64>| {
+            bytes.map_or(String::new(), |b| {
+                format!(" {label} {:.2} GiB", b as f64 / (1u64 << 30) as f64)
+            })
+        };
+        let rss = gib("rss", self.peak_rss_bytes);
+        let gpu = gib("gpu", self.device_memory_bytes);
         format!(
-            "loss {:.3} bpb {:.3} {:.0} tok/s{mfu}{rss}",
+            "loss {:.3} bpb {:.3} {:.0} tok/s{mfu}{rss}{gpu}",
             self.loss, self.bits_per_byte, self.tokens_per_s
         )
     }
