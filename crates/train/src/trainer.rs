@@ -32,7 +32,7 @@ use crate::checkpoint::{self, TrainerState};
 use crate::config::TrainSection;
 use crate::error::TrainError;
 use crate::parallel::collective::Collective;
-use crate::parallel::workers::{check_device_list, worker_stream};
+use crate::parallel::workers::{WORKER_STREAMS, check_device_list};
 use crate::placement::{B, Model};
 use crate::placement::{autodiff_device, cpu_autodiff, fork_onto, seeded_draw};
 use crate::step::gradients::{StepGradients, compute_gradients};
@@ -417,12 +417,11 @@ impl Trainer {
     }
 
     /// GPU memory this trainer's devices hold, in bytes ([`device_memory_bytes`]
-    /// over the calling thread's stream and its workers'); `None` on the CPU.
+    /// over the calling thread's stream and the idle worker streams); `None`
+    /// on the CPU.
     pub fn device_memory_bytes(&self) -> Option<u64> {
-        let workers = (0..self.settings.workers).map(worker_stream);
-        let streams: Vec<_> = std::iter::once(StreamId::current())
-            .chain(workers)
-            .collect();
+        let mut streams = WORKER_STREAMS.idle_streams();
+        streams.push(StreamId::current());
         device_memory_bytes(&self.devices, &streams)
     }
 

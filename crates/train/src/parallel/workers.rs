@@ -7,13 +7,13 @@
 //! back in shard order whatever the threads' timing. Workers may also be
 //! spread over several devices of one backend (`check_device_list`).
 //!
-//! Worker threads live for one call, but each worker index keeps one GPU
-//! stream over the whole run ([`worker_stream`]): burn's GPU runtimes give
-//! every new thread a stream of its own, with a memory pool of its own that
-//! keeps what it reserved, so fresh threads each step grew a wgpu run with
-//! two workers by 137 MiB a step (the quick start, on lavapipe).
+//! Worker threads live for one call, but their GPU streams outlive them
+//! ([`StreamPool`]): burn's GPU runtimes give every new thread a stream of
+//! its own, with a memory pool of its own that keeps what it reserved, so
+//! fresh threads each step grew a wgpu run with two workers by 137 MiB a
+//! step (the quick start, on lavapipe).
 
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 
 use crate::placement::device::device_name;
 use burn::DispatchDevice;
@@ -47,13 +47,15 @@ where
         queues[i % workers].push((i, item));
     }
     let (setup, f) = (&setup, &f);
+    let streams = WORKER_STREAMS.lease(workers);
     let mut done: Vec<(usize, Result<R, E>)> = std::thread::scope(|scope| {
         let handles: Vec<_> = queues
             .into_iter()
+            .zip(streams.iter().copied())
             .enumerate()
-            .map(|(w, queue)| {
+            .map(|(w, (queue, stream))| {
                 scope.spawn(move || {
-                    worker_stream(w).executes(|| {
+                    stream.executes(|| {
                         let ctx = setup(w);
                         queue
                             .into_iter()
@@ -72,23 +74,72 @@ where
     done.into_iter().map(|(_, r)| r).collect()
 }
 
-/// The GPU stream of worker `w` (of any call to [`map_in_workers`]): the
-/// same in every call, and no other thread's. A thread takes its stream
-/// the first time it asks, so a new worker index's comes from a thread
-/// started just to ask (and which does nothing else).
-pub(crate) fn worker_stream(w: usize) -> StreamId {
-    static STREAMS: OnceLock<Mutex<Vec<StreamId>>> = OnceLock::new();
-    let mut streams = STREAMS
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    while streams.len() <= w {
-        let fresh = std::thread::spawn(StreamId::current)
-            .join()
-            .expect("asking for a stream id does not panic");
-        streams.push(fresh);
+/// The GPU streams of the worker threads of every [`map_in_workers`].
+pub(crate) static WORKER_STREAMS: StreamPool = StreamPool::new();
+
+/// GPU streams lent to threads: a call's `n` workers get the same `n`
+/// streams as the call before (taken and given back in order), and calls
+/// at the same time get streams of their own (two threads computing on one
+/// stream at once mix their queued operations).
+pub(crate) struct StreamPool {
+    idle: Mutex<Vec<StreamId>>,
+}
+
+/// Streams lent by a [`StreamPool`], given back when dropped.
+pub(crate) struct StreamLease<'a> {
+    pool: &'a StreamPool,
+    streams: Vec<StreamId>,
+}
+
+impl StreamPool {
+    const fn new() -> Self {
+        Self {
+            idle: Mutex::new(Vec::new()),
+        }
     }
-    streams[w]
+
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<StreamId>> {
+        self.idle
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Lends `n` streams: the last `n` given back, or new ones. A thread
+    /// takes its stream the first time it asks, so a new one comes from a
+    /// thread started just to ask (which computes nothing).
+    pub(crate) fn lease(&self, n: usize) -> StreamLease<'_> {
+        let mut idle = self.idle();
+        let keep = idle.len().saturating_sub(n);
+        let mut streams = idle.split_off(keep);
+        while streams.len() < n {
+            let fresh = std::thread::spawn(StreamId::current)
+                .join()
+                .expect("asking for a stream id does not panic");
+            streams.push(fresh);
+        }
+        StreamLease {
+            pool: self,
+            streams,
+        }
+    }
+
+    /// The streams not lent now.
+    pub(crate) fn idle_streams(&self) -> Vec<StreamId> {
+        self.idle().clone()
+    }
+}
+
+impl std::ops::Deref for StreamLease<'_> {
+    type Target = [StreamId];
+    fn deref(&self) -> &[StreamId] {
+        &self.streams
+    }
+}
+
+impl Drop for StreamLease<'_> {
+    fn drop(&mut self) {
+        self.pool.idle().append(&mut self.streams);
+    }
 }
 
 /// Checks a `--device` list: at least one, none twice, all of one backend
@@ -118,7 +169,7 @@ pub(crate) fn check_device_list(devices: &[DispatchDevice]) -> Result<(), TrainE
 
 #[cfg(test)]
 mod tests {
-    use super::map_in_workers;
+    use super::{StreamPool, WORKER_STREAMS, map_in_workers};
     use burn::tensor::StreamId;
 
     #[test]
@@ -152,25 +203,41 @@ mod tests {
         assert_ne!(threads[0].1, std::thread::current().id());
     }
 
-    /// Each worker computes on the same GPU stream in every call, on none
-    /// that another worker or the caller uses: a new stream per call would
-    /// give each step's threads new memory pools (see the module's note).
+    /// Workers compute on GPU streams of their own, not the caller's, and
+    /// give them back when the call returns.
     #[test]
-    fn each_worker_keeps_its_gpu_stream_from_call_to_call() {
-        let streams = || {
-            map_in_workers(
-                (0..4).collect(),
-                2,
-                |_| StreamId::current(),
-                |ctx, _: u32| Ok::<_, ()>(*ctx),
-            )
-            .unwrap()
-        };
-        let (first, second) = (streams(), streams());
-        assert_eq!(first, second);
-        assert_eq!((first[0], first[1]), (first[2], first[3]));
+    fn workers_compute_on_lent_gpu_streams() {
+        let streams = map_in_workers(
+            (0..4).collect(),
+            2,
+            |_| StreamId::current(),
+            |ctx, _: u32| Ok::<_, ()>(*ctx),
+        )
+        .unwrap();
+        assert_eq!((streams[0], streams[1]), (streams[2], streams[3]));
+        assert_ne!(streams[0], streams[1]);
+        assert!(!streams.contains(&StreamId::current()));
+        let idle = WORKER_STREAMS.idle_streams();
+        assert!(idle.contains(&streams[0]) && idle.contains(&streams[1]));
+    }
+
+    /// A pool lends the same streams, in order, to calls one after the
+    /// other, and other streams to calls at the same time: a new stream per
+    /// call would give each step's threads new memory pools (the module's
+    /// note).
+    #[test]
+    fn a_stream_pool_lends_the_same_streams_again_and_never_twice_at_once() {
+        let pool = StreamPool::new();
+        let first = pool.lease(2).to_vec();
         assert_ne!(first[0], first[1]);
-        assert!(!first.contains(&StreamId::current()));
+        let again = pool.lease(2);
+        assert_eq!(*again, first[..]);
+        let meanwhile = pool.lease(3);
+        assert!(meanwhile.iter().all(|s| !first.contains(s)));
+        drop(meanwhile);
+        drop(again);
+        assert_eq!(pool.idle_streams().len(), 5);
+        assert_eq!(*pool.lease(2), first[..], "the last given back, in order");
     }
 
     #[test]
