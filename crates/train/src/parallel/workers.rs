@@ -8,7 +8,7 @@
 //! spread over several devices of one backend (`check_device_list`).
 //!
 //! Worker threads live for one call, but their GPU streams outlive them
-//! ([`StreamPool`]): burn's GPU runtimes give every new thread a stream of
+//! (`StreamPool`): burn's GPU runtimes give every new thread a stream of
 //! its own, with a memory pool of its own that keeps what it reserved, so
 //! fresh threads each step grew a wgpu run with two workers by 137 MiB a
 //! step (the quick start, on lavapipe).
