@@ -186,11 +186,16 @@ pub fn device_memory_bytes(devices: &[DispatchDevice], streams: &[StreamId]) -> 
 fn cuda_memory_in_use(index: usize) -> Option<u64> {
     use cudarc::driver::result::{ctx, device, mem_get_info, primary_ctx};
     let dev = device::get(index as i32).ok()?;
-    // SAFETY: `dev` is a valid device; the context retained here is released
-    // below, and made current only on this thread for the query.
+    let previous = ctx::get_current().ok()?;
+    // SAFETY: `dev` is a valid device; the context retained here is current
+    // on this thread for the query only (the previous one is restored; burn's
+    // runtime sets its own before each command anyway) and released after.
     unsafe {
         let context = primary_ctx::retain(dev).ok()?;
         let info = ctx::set_current(context).and_then(|()| mem_get_info());
+        if let Some(previous) = previous {
+            let _ = ctx::set_current(previous);
+        }
         let _ = primary_ctx::release(dev);
         info.ok().map(|(free, total)| (total - free) as u64)
     }

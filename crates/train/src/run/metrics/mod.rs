@@ -72,7 +72,7 @@ pub struct StepMetrics {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_rss_bytes: Option<u64>,
     /// GPU memory held after the step, in bytes, over this node's devices:
-    /// on CUDA the memory that is not free, on wgpu burn's pool
+    /// on CUDA the memory that is not free, on wgpu burn's memory pools
     /// ([`crate::placement::device::device_memory_bytes`]; absent on the CPU).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub device_memory_bytes: Option<u64>,
