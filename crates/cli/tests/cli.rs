@@ -141,6 +141,15 @@ fn metrics_lines(run: &Path) -> usize {
     std::fs::read_to_string(run.join("metrics.jsonl")).map_or(0, |m| m.lines().count())
 }
 
+/// The lines of a run's JSON-lines file (none when it does not exist).
+fn json_lines(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 fn checkpoint_list(run: &Path) -> Vec<PathBuf> {
     std::fs::read_dir(run.join("checkpoints"))
         .map_or(vec![], |d| d.map(|e| e.unwrap().path()).collect())
@@ -247,23 +256,17 @@ fn the_quick_start_trains_alike_on_wgpu_and_the_cpu() {
     // Every GPU step row says the GPU memory it held, at least the weights
     // and AdamW moments that live there (the last checkpoint's files hold
     // them in f32); the CPU has none to say.
-    let held_at_least = std::fs::read_dir(gpu_run.join("checkpoints"))
-        .unwrap()
-        .map(|entry| entry.unwrap().path())
+    let held_at_least: u64 = checkpoint_list(&gpu_run)
+        .into_iter()
         .max()
         .map(|last| ["model.safetensors", "optimizer.safetensors"].map(|f| last.join(f)))
-        .map(|files| {
-            files
-                .iter()
-                .map(|f| f.metadata().unwrap().len())
-                .sum::<u64>()
-        })
-        .unwrap();
+        .unwrap()
+        .iter()
+        .map(|f| f.metadata().unwrap().len())
+        .sum();
     let memory = |run: &Path| -> Vec<Option<u64>> {
-        std::fs::read_to_string(run.join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        json_lines(&run.join("metrics.jsonl"))
+            .iter()
             .filter(|v| v["kind"] == "train")
             .map(|v| v["device_memory_bytes"].as_u64())
             .collect()

@@ -39,15 +39,6 @@ fn tensorboard_of(run: &Path) -> Board {
     (scalars, texts)
 }
 
-/// The lines of a run's JSON-lines file (none when it does not exist).
-fn json_lines(path: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
-
 /// What TensorBoard should hold for a run: every number of every
 /// `metrics.jsonl` row as `KIND/FIELD` in `f32`, and every sample of
 /// `samples.jsonl` (prompt and continuation, indented as Markdown code).
