@@ -32,7 +32,7 @@ use crate::checkpoint::{self, TrainerState};
 use crate::config::TrainSection;
 use crate::error::TrainError;
 use crate::parallel::collective::Collective;
-use crate::parallel::workers::{WORKER_STREAMS, check_device_list};
+use crate::parallel::workers::{CREWS, check_device_list};
 use crate::placement::{B, Model};
 use crate::placement::{autodiff_device, cpu_autodiff, fork_onto, seeded_draw};
 use crate::step::gradients::{StepGradients, compute_gradients};
@@ -420,7 +420,7 @@ impl Trainer {
     /// over the calling thread's stream and the idle worker streams); `None`
     /// on the CPU.
     pub fn device_memory_bytes(&self) -> Option<u64> {
-        let mut streams = WORKER_STREAMS.idle_streams();
+        let mut streams = CREWS.idle_streams();
         streams.push(StreamId::current());
         device_memory_bytes(&self.devices, &streams)
     }

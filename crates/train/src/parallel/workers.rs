@@ -7,13 +7,28 @@
 //! back in shard order whatever the threads' timing. Workers may also be
 //! spread over several devices of one backend (`check_device_list`).
 //!
-//! Worker threads live for one call, but their GPU streams outlive them
-//! (`StreamPool`): burn's GPU runtimes give every new thread a stream of
-//! its own, with a memory pool of its own that keeps what it reserved, so
-//! fresh threads each step grew a wgpu run with two workers by 137 MiB a
-//! step (the quick start, on lavapipe).
+//! Workers are the threads of a crew (`Crew`) that lives as long as the
+//! process and is a rayon pool of its own, for two reasons:
+//! - The CPU backend splits its matrix products over the rayon pool of
+//!   the thread that calls them. On plain threads a worker handed them to
+//!   the global pool and slept until they were done, while both cores
+//!   also ran the other worker: a step kept about 1.75 of 2 cores busy. In
+//!   its own crew a worker computes its own products and takes up the
+//!   other worker's chunks when it waits (about 1.9 cores; the speed A/B
+//!   is in docs/benchmarks.md, "Worker threads").
+//! - burn's GPU runtimes give every thread a stream of its own, with a
+//!   memory pool of its own that keeps what it reserved: fresh threads
+//!   each step grew a wgpu run with two workers by 137 MiB a step (the
+//!   quick start, on lavapipe). A crew's threads, and so its streams, stay.
+//!
+//! Each thread of a crew runs exactly one worker (a rayon broadcast, not
+//! spawned tasks): a thread that waits inside a parallel op may run
+//! another task of its pool meanwhile, and were that another worker, it
+//! could wait on a lock its own thread holds (the dropout draw's). So the
+//! only tasks a waiting worker takes up are chunks of its crew mates'
+//! products, and calls at the same time get crews of their own.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use crate::placement::device::device_name;
 use burn::DispatchDevice;
@@ -46,99 +61,113 @@ where
     for (i, item) in items.into_iter().enumerate() {
         queues[i % workers].push((i, item));
     }
-    let (setup, f) = (&setup, &f);
-    let streams = WORKER_STREAMS.lease(workers);
-    let mut done: Vec<(usize, Result<R, E>)> = std::thread::scope(|scope| {
-        let handles: Vec<_> = queues
-            .into_iter()
-            .zip(streams.iter().copied())
-            .enumerate()
-            .map(|(w, (queue, stream))| {
-                scope.spawn(move || {
-                    stream.executes(|| {
-                        let ctx = setup(w);
-                        queue
-                            .into_iter()
-                            .map(|(i, item)| (i, f(&ctx, item)))
-                            .collect::<Vec<_>>()
-                    })
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
-            .collect()
-    });
+    let queues: Vec<Mutex<Vec<(usize, T)>>> = queues.into_iter().map(Mutex::new).collect();
+    let crew = CREWS.lease(workers);
+    let mut done: Vec<(usize, Result<R, E>)> = crew
+        .threads
+        .broadcast(|thread| {
+            let w = thread.index();
+            let queue = std::mem::take(&mut *lock(&queues[w]));
+            let ctx = setup(w);
+            queue
+                .into_iter()
+                .map(|(i, item)| (i, f(&ctx, item)))
+                .collect::<Vec<_>>()
+        })
+        .into_iter()
+        .flatten()
+        .collect();
     done.sort_by_key(|(i, _)| *i);
     done.into_iter().map(|(_, r)| r).collect()
 }
 
-/// The GPU streams of the worker threads of every [`map_in_workers`].
-pub(crate) static WORKER_STREAMS: StreamPool = StreamPool::new();
-
-/// GPU streams lent to threads: a call's `n` workers get the same `n`
-/// streams as the call before (taken and given back in order), and calls
-/// at the same time get streams of their own (two threads computing on one
-/// stream at once mix their queued operations).
-pub(crate) struct StreamPool {
-    idle: Mutex<Vec<StreamId>>,
+/// `mutex` locked, whether or not a thread panicked while holding it.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Streams lent by a [`StreamPool`], given back when dropped.
-pub(crate) struct StreamLease<'a> {
-    pool: &'a StreamPool,
+/// The crews of every [`map_in_workers`].
+pub(crate) static CREWS: Crews = Crews::new();
+
+/// Worker threads: a rayon pool of `n` threads, and the GPU stream each of
+/// them computes on.
+pub(crate) struct Crew {
+    threads: rayon::ThreadPool,
     streams: Vec<StreamId>,
 }
 
-impl StreamPool {
+impl Crew {
+    fn new(n: usize) -> Self {
+        let threads = rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .thread_name(|i| format!("tvq-worker-{i}"))
+            .build()
+            .expect("the OS starts the worker threads");
+        let streams = threads.broadcast(|_| StreamId::current());
+        Self { threads, streams }
+    }
+}
+
+/// Crews lent to calls: a call of `n` workers gets the crew of `n` that
+/// the last such call gave back, or a new one, so calls one after another
+/// run on the same threads and streams, and calls at the same time on
+/// crews of their own.
+pub(crate) struct Crews {
+    idle: Mutex<Vec<Crew>>,
+}
+
+/// A [`Crew`] lent by [`Crews`], given back when dropped.
+pub(crate) struct CrewLease<'a> {
+    crews: &'a Crews,
+    crew: Option<Crew>,
+}
+
+impl Crews {
     const fn new() -> Self {
         Self {
             idle: Mutex::new(Vec::new()),
         }
     }
 
-    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<StreamId>> {
-        self.idle
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// Lends `n` streams: the last `n` given back, or new ones. A thread
-    /// takes its stream the first time it asks, so a new one comes from a
-    /// thread started just to ask (which computes nothing).
-    pub(crate) fn lease(&self, n: usize) -> StreamLease<'_> {
-        let mut idle = self.idle();
-        let keep = idle.len().saturating_sub(n);
-        let mut streams = idle.split_off(keep);
-        while streams.len() < n {
-            let fresh = std::thread::spawn(StreamId::current)
-                .join()
-                .expect("asking for a stream id does not panic");
-            streams.push(fresh);
-        }
-        StreamLease {
-            pool: self,
-            streams,
+    /// Lends a crew of `n` threads.
+    pub(crate) fn lease(&self, n: usize) -> CrewLease<'_> {
+        let mut idle = lock(&self.idle);
+        let crew = match idle.iter().rposition(|c| c.streams.len() == n) {
+            Some(i) => idle.remove(i),
+            None => {
+                drop(idle);
+                Crew::new(n)
+            }
+        };
+        CrewLease {
+            crews: self,
+            crew: Some(crew),
         }
     }
 
-    /// The streams not lent now.
+    /// The streams of the crews not lent now.
     pub(crate) fn idle_streams(&self) -> Vec<StreamId> {
-        self.idle().clone()
+        lock(&self.idle)
+            .iter()
+            .flat_map(|c| c.streams.iter().copied())
+            .collect()
     }
 }
 
-impl std::ops::Deref for StreamLease<'_> {
-    type Target = [StreamId];
-    fn deref(&self) -> &[StreamId] {
-        &self.streams
+impl std::ops::Deref for CrewLease<'_> {
+    type Target = Crew;
+    fn deref(&self) -> &Crew {
+        self.crew
+            .as_ref()
+            .expect("a lease holds its crew until dropped")
     }
 }
 
-impl Drop for StreamLease<'_> {
+impl Drop for CrewLease<'_> {
     fn drop(&mut self) {
-        self.pool.idle().append(&mut self.streams);
+        lock(&self.crews.idle).extend(self.crew.take());
     }
 }
 
@@ -169,7 +198,7 @@ pub(crate) fn check_device_list(devices: &[DispatchDevice]) -> Result<(), TrainE
 
 #[cfg(test)]
 mod tests {
-    use super::{StreamPool, WORKER_STREAMS, map_in_workers};
+    use super::{CREWS, Crews, map_in_workers};
     use burn::tensor::StreamId;
 
     #[test]
@@ -217,27 +246,51 @@ mod tests {
         assert_eq!((streams[0], streams[1]), (streams[2], streams[3]));
         assert_ne!(streams[0], streams[1]);
         assert!(!streams.contains(&StreamId::current()));
-        let idle = WORKER_STREAMS.idle_streams();
+        let idle = CREWS.idle_streams();
         assert!(idle.contains(&streams[0]) && idle.contains(&streams[1]));
     }
 
-    /// A pool lends the same streams, in order, to calls one after the
-    /// other, and other streams to calls at the same time: a new stream per
-    /// call would give each step's threads new memory pools (the module's
-    /// note).
+    /// A worker's parallel ops (the CPU backend's matrix products) run on
+    /// its own crew, whose threads are the workers, not on the global pool
+    /// that a plain thread would hand them to.
     #[test]
-    fn a_stream_pool_lends_the_same_streams_again_and_never_twice_at_once() {
-        let pool = StreamPool::new();
-        let first = pool.lease(2).to_vec();
+    fn workers_split_their_parallel_ops_over_their_own_crew() {
+        let seen = map_in_workers(
+            (0..3).collect(),
+            3,
+            |_| (),
+            |_, _: u32| {
+                let (a, b) = rayon::join(
+                    || (rayon::current_num_threads(), rayon::current_thread_index()),
+                    || std::thread::current().name().map(str::to_owned),
+                );
+                Ok::<_, ()>((a, b))
+            },
+        )
+        .unwrap();
+        for ((threads, index), name) in seen {
+            assert_eq!(threads, 3);
+            assert!(index.is_some());
+            assert!(name.is_some_and(|n| n.starts_with("tvq-worker-")));
+        }
+    }
+
+    /// Crews: the same threads and streams again for calls one after the
+    /// other, others for calls at the same time (a new stream per call
+    /// would give each step's threads new memory pools: the module's note).
+    #[test]
+    fn crews_are_lent_again_and_never_twice_at_once() {
+        let crews = Crews::new();
+        let first = crews.lease(2).streams.clone();
         assert_ne!(first[0], first[1]);
-        let again = pool.lease(2);
-        assert_eq!(*again, first[..]);
-        let meanwhile = pool.lease(3);
-        assert!(meanwhile.iter().all(|s| !first.contains(s)));
+        let again = crews.lease(2);
+        assert_eq!(again.streams, first);
+        let meanwhile = crews.lease(2);
+        assert!(meanwhile.streams.iter().all(|s| !first.contains(s)));
         drop(meanwhile);
         drop(again);
-        assert_eq!(pool.idle_streams().len(), 5);
-        assert_eq!(*pool.lease(2), first[..], "the last given back, in order");
+        assert_eq!(crews.idle_streams().len(), 4);
+        assert_eq!(crews.lease(2).streams, first, "the last given back");
     }
 
     #[test]
