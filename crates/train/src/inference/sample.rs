@@ -1,5 +1,6 @@
 //! Sampling with the recurrent form: constant work and memory per token.
 
+use std::sync::Mutex;
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 
 use burn::prelude::*;
@@ -8,6 +9,7 @@ use tvq_data::hash::{SplitMix64, splitmix64};
 use tvq_model::{AttentionState, ModelError, ModelState, TransformerVq};
 
 use crate::error::TrainError;
+use crate::parallel::workers::{lock, on_crew};
 use crate::placement::B;
 use crate::progress::progress_bar;
 
@@ -197,8 +199,9 @@ fn pipeline_stages(model: &TransformerVq<B>, chunks: usize) -> usize {
 /// form from `state`: the final hidden states of the last chunk `[rows, n,
 /// D]` (none without chunks) and the state after it. With `stages > 1` the
 /// sublayers are cut into that many consecutive groups, each on a thread of
-/// its own that owns their states, and a chunk passes from group to group,
-/// so that while group 2 reads chunk 1, group 1 reads chunk 2. Every group
+/// a worker crew (`parallel::workers`) that owns their states, and a chunk
+/// passes from group to group, so that while group 2 reads chunk 1, group 1
+/// reads chunk 2. Every group
 /// computes what it would in one pass, in the same order: the result is
 /// the one-thread result, bit for bit.
 fn read_blocks(
@@ -220,24 +223,35 @@ fn read_blocks(
         }
         return Ok((last, state));
     }
+    // Each group's sublayers, their states and its two ends, taken by the
+    // crew thread that runs it. Bounded channels: at most one chunk waits
+    // between two groups.
     let mut states = state.sublayers.into_iter();
+    let (feed, mut input) = sync_channel::<Tensor<B, 3>>(1);
+    let mut stage_parts = Vec::with_capacity(stages);
+    for g in 0..stages {
+        let range = g * n / stages..(g + 1) * n / stages;
+        let own: Vec<_> = states.by_ref().take(range.len()).collect();
+        // The last group keeps its output; the others pass it on.
+        let (output, next) = if g + 1 < stages {
+            let (tx, rx) = sync_channel(1);
+            (Some(tx), rx)
+        } else {
+            (None, sync_channel(0).1)
+        };
+        let input = std::mem::replace(&mut input, next);
+        stage_parts.push(Mutex::new(Some((range, own, input, output))));
+    }
     std::thread::scope(|scope| {
-        // Bounded channels: at most one chunk waits between two groups.
-        let (feed, mut input) = sync_channel::<Tensor<B, 3>>(1);
-        let mut groups = Vec::with_capacity(stages);
-        for g in 0..stages {
-            let range = g * n / stages..(g + 1) * n / stages;
-            let own: Vec<_> = states.by_ref().take(range.len()).collect();
-            // The last group keeps its output; the others pass it on.
-            let (output, next) = if g + 1 < stages {
-                let (tx, rx) = sync_channel(1);
-                (Some(tx), rx)
-            } else {
-                (None, sync_channel(0).1)
-            };
-            let input = std::mem::replace(&mut input, next);
-            groups.push(scope.spawn(move || read_stage(model, range, own, input, output)));
-        }
+        // The groups run on a crew, so each computes its own matrix
+        // products (parallel::workers); this thread feeds them meanwhile.
+        let stages_done = scope.spawn(|| {
+            on_crew(stages, |g| {
+                let (range, own, input, output) =
+                    lock(&stage_parts[g]).take().expect("each group runs once");
+                read_stage(model, range, own, input, output)
+            })
+        });
         let mut fed = Ok(());
         for tokens in chunks {
             let len = tokens.dims()[1] as u64;
@@ -254,12 +268,13 @@ fn read_blocks(
             }
         }
         drop(feed);
+        let ends = stages_done
+            .join()
+            .unwrap_or_else(|e| std::panic::resume_unwind(e));
         let mut last = None;
         let mut sublayers = Vec::with_capacity(n);
-        for group in groups {
-            let (h, own) = group
-                .join()
-                .unwrap_or_else(|e| std::panic::resume_unwind(e))?;
+        for end in ends {
+            let (h, own) = end?;
             (last, sublayers) = (h.or(last), [sublayers, own].concat());
         }
         fed?;

@@ -62,33 +62,36 @@ where
         queues[i % workers].push((i, item));
     }
     let queues: Vec<Mutex<Vec<(usize, T)>>> = queues.into_iter().map(Mutex::new).collect();
-    let crew = CREWS.lease(workers);
-    let mut done: Vec<(usize, Result<R, E>)> = crew
-        .threads
-        .broadcast(|thread| {
-            let w = thread.index();
-            let queue = std::mem::take(&mut *lock(&queues[w]));
-            let ctx = setup(w);
-            queue
-                .into_iter()
-                .map(|(i, item)| (i, f(&ctx, item)))
-                .collect::<Vec<_>>()
-        })
-        .into_iter()
-        .flatten()
-        .collect();
+    let mut done: Vec<(usize, Result<R, E>)> = on_crew(workers, |w| {
+        let queue = std::mem::take(&mut *lock(&queues[w]));
+        let ctx = setup(w);
+        queue
+            .into_iter()
+            .map(|(i, item)| (i, f(&ctx, item)))
+            .collect::<Vec<_>>()
+    })
+    .into_iter()
+    .flatten()
+    .collect();
     done.sort_by_key(|(i, _)| *i);
     done.into_iter().map(|(_, r)| r).collect()
 }
 
+/// Runs `f(0)`, ..., `f(n - 1)` at once, each on its own thread of a crew
+/// of `n` (the module's note), and returns their results in that order.
+/// A panic in any of them is resumed here once all have finished.
+pub(crate) fn on_crew<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    CREWS.lease(n).threads.broadcast(|thread| f(thread.index()))
+}
+
 /// `mutex` locked, whether or not a thread panicked while holding it.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// The crews of every [`map_in_workers`].
+/// The crews of every [`on_crew`].
 pub(crate) static CREWS: Crews = Crews::new();
 
 /// Worker threads: a rayon pool of `n` threads, and the GPU stream each of
