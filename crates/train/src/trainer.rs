@@ -81,6 +81,9 @@ pub struct StepOutcome {
 }
 
 /// Everything a run holds in memory between steps.
+///
+/// Step it from one thread: on a GPU its carried states live in the
+/// streams of the worker crew lent to that thread (`parallel::workers`).
 pub struct Trainer {
     settings: TrainSection,
     /// The autodiff device of the model, the optimizer and the sums.
@@ -794,6 +797,46 @@ mod tests {
             one.loss,
             two.loss
         );
+    }
+
+    /// Trainers on several threads at once, each with two workers on one
+    /// GPU, compute what one computes alone. A trainer's carried states
+    /// live in its workers' GPU streams, so a crew must stay with the
+    /// thread it was lent to (`parallel::workers`): trading crews between
+    /// the trainers' steps gave wrong losses and NaN on wgpu.
+    #[test]
+    fn trainers_on_several_threads_compute_what_each_computes_alone() {
+        let test = "trainers_on_several_threads_compute_what_each_computes_alone";
+        let Some(gpu) = gpu_under_test(test) else {
+            return;
+        };
+        let settings = TrainSection {
+            workers: 2,
+            lr: 1e-2,
+            warmup_steps: 0,
+            ..TrainSection::default()
+        };
+        let model = tiny_model(11);
+        let losses = || {
+            let mut t = Trainer::new(&model, &settings, std::slice::from_ref(&gpu)).unwrap();
+            (0..3)
+                .map(|i| {
+                    let step = t.step(&batch(4, 8, i == 0), TrainCursor::default());
+                    step.map_or(f64::NAN, |m| m.loss)
+                })
+                .collect::<Vec<_>>()
+        };
+        let alone = losses();
+        let together: Vec<Vec<f64>> = std::thread::scope(|s| {
+            let threads: Vec<_> = (0..3).map(|_| s.spawn(|| [losses(), losses()])).collect();
+            threads
+                .into_iter()
+                .flat_map(|t| t.join().unwrap())
+                .collect()
+        });
+        for run in together {
+            assert_eq!(run, alone);
+        }
     }
 
     #[test]

@@ -9,7 +9,7 @@ use tvq_data::hash::{SplitMix64, splitmix64};
 use tvq_model::{AttentionState, ModelError, ModelState, TransformerVq};
 
 use crate::error::TrainError;
-use crate::parallel::workers::{lock, on_crew};
+use crate::parallel::workers::{CREWS, lock};
 use crate::placement::B;
 use crate::progress::progress_bar;
 
@@ -242,11 +242,13 @@ fn read_blocks(
         let input = std::mem::replace(&mut input, next);
         stage_parts.push(Mutex::new(Some((range, own, input, output))));
     }
+    // The groups run on a crew, so each computes its own matrix products
+    // (parallel::workers); this thread feeds them meanwhile. The crew is
+    // lent to this thread, which keeps the states the groups end with.
+    let crew = CREWS.lease(stages);
     std::thread::scope(|scope| {
-        // The groups run on a crew, so each computes its own matrix
-        // products (parallel::workers); this thread feeds them meanwhile.
         let stages_done = scope.spawn(|| {
-            on_crew(stages, |g| {
+            crew.run(|g| {
                 let (range, own, input, output) =
                     lock(&stage_parts[g]).take().expect("each group runs once");
                 read_stage(model, range, own, input, output)

@@ -27,8 +27,17 @@
 //! could wait on a lock its own thread holds (the dropout draw's). So the
 //! only tasks a waiting worker takes up are chunks of its crew mates'
 //! products, and calls at the same time get crews of their own.
+//!
+//! A crew belongs to the thread that called for it, for as long as that
+//! thread lives: a trainer's carried states live in its workers' streams'
+//! memory pools, and a GPU runtime (cubecl 0.10) reuses a freed buffer of
+//! a stream's pool for that stream's next allocation even while another
+//! stream's reads of it are still queued. Two trainers on two threads that
+//! traded crews between steps therefore computed wrong numbers (NaN, on
+//! wgpu) where either alone computed the right ones; see
+//! `trainers_on_several_threads_compute_what_each_computes_alone`.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use crate::placement::device::device_name;
 use burn::DispatchDevice;
@@ -62,26 +71,21 @@ where
         queues[i % workers].push((i, item));
     }
     let queues: Vec<Mutex<Vec<(usize, T)>>> = queues.into_iter().map(Mutex::new).collect();
-    let mut done: Vec<(usize, Result<R, E>)> = on_crew(workers, |w| {
-        let queue = std::mem::take(&mut *lock(&queues[w]));
-        let ctx = setup(w);
-        queue
-            .into_iter()
-            .map(|(i, item)| (i, f(&ctx, item)))
-            .collect::<Vec<_>>()
-    })
-    .into_iter()
-    .flatten()
-    .collect();
+    let mut done: Vec<(usize, Result<R, E>)> = CREWS
+        .lease(workers)
+        .run(|w| {
+            let queue = std::mem::take(&mut *lock(&queues[w]));
+            let ctx = setup(w);
+            queue
+                .into_iter()
+                .map(|(i, item)| (i, f(&ctx, item)))
+                .collect::<Vec<_>>()
+        })
+        .into_iter()
+        .flatten()
+        .collect();
     done.sort_by_key(|(i, _)| *i);
     done.into_iter().map(|(_, r)| r).collect()
-}
-
-/// Runs `f(0)`, ..., `f(n - 1)` at once, each on its own thread of a crew
-/// of `n` (the module's note), and returns their results in that order.
-/// A panic in any of them is resumed here once all have finished.
-pub(crate) fn on_crew<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
-    CREWS.lease(n).threads.broadcast(|thread| f(thread.index()))
 }
 
 /// `mutex` locked, whether or not a thread panicked while holding it.
@@ -91,7 +95,7 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// The crews of every [`on_crew`].
+/// The crews of every worker call ([`map_in_workers`], prefill's pipeline).
 pub(crate) static CREWS: Crews = Crews::new();
 
 /// Worker threads: a rayon pool of `n` threads, and the GPU stream each of
@@ -111,20 +115,37 @@ impl Crew {
         let streams = threads.broadcast(|_| StreamId::current());
         Self { threads, streams }
     }
+
+    /// Runs `f(0)`, ..., `f(n - 1)` at once, each on its own thread of the
+    /// crew (the module's note), and returns their results in that order.
+    /// A panic in any of them is resumed here once all have finished.
+    pub(crate) fn run<R: Send>(&self, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+        self.threads.broadcast(|thread| f(thread.index()))
+    }
 }
 
 /// Crews lent to calls: a call of `n` workers gets the crew of `n` that
-/// the last such call gave back, or a new one, so calls one after another
-/// run on the same threads and streams, and calls at the same time on
-/// crews of their own.
+/// its thread was last lent, else one whose thread has ended, else a new
+/// one. So a thread's calls run on the same threads and streams, calls at
+/// the same time on crews of their own, and no thread ever gets a crew
+/// whose last caller lives on (the module's note).
 pub(crate) struct Crews {
-    idle: Mutex<Vec<Crew>>,
+    idle: Mutex<Vec<(Crew, Caller)>>,
+}
+
+/// Who was lent a crew last: alive while its thread is.
+type Caller = Weak<()>;
+
+thread_local! {
+    /// This thread's token; crews lent to it keep a [`Weak`] to it.
+    static CALLER: Arc<()> = Arc::new(());
 }
 
 /// A [`Crew`] lent by [`Crews`], given back when dropped.
 pub(crate) struct CrewLease<'a> {
     crews: &'a Crews,
     crew: Option<Crew>,
+    caller: Caller,
 }
 
 impl Crews {
@@ -134,11 +155,20 @@ impl Crews {
         }
     }
 
-    /// Lends a crew of `n` threads.
+    /// Lends a crew of `n` threads to the calling thread.
     pub(crate) fn lease(&self, n: usize) -> CrewLease<'_> {
+        let caller = CALLER.with(Arc::downgrade);
         let mut idle = lock(&self.idle);
-        let crew = match idle.iter().rposition(|c| c.streams.len() == n) {
-            Some(i) => idle.remove(i),
+        let fits = |c: &Crew| c.streams.len() == n;
+        let mine = idle
+            .iter()
+            .rposition(|(c, last)| fits(c) && last.ptr_eq(&caller));
+        let orphan = || {
+            idle.iter()
+                .rposition(|(c, last)| fits(c) && last.strong_count() == 0)
+        };
+        let crew = match mine.or_else(orphan) {
+            Some(i) => idle.remove(i).0,
             None => {
                 drop(idle);
                 Crew::new(n)
@@ -147,6 +177,7 @@ impl Crews {
         CrewLease {
             crews: self,
             crew: Some(crew),
+            caller,
         }
     }
 
@@ -154,7 +185,7 @@ impl Crews {
     pub(crate) fn idle_streams(&self) -> Vec<StreamId> {
         lock(&self.idle)
             .iter()
-            .flat_map(|c| c.streams.iter().copied())
+            .flat_map(|(c, _)| c.streams.iter().copied())
             .collect()
     }
 }
@@ -170,7 +201,10 @@ impl std::ops::Deref for CrewLease<'_> {
 
 impl Drop for CrewLease<'_> {
     fn drop(&mut self) {
-        lock(&self.crews.idle).extend(self.crew.take());
+        if let Some(crew) = self.crew.take() {
+            let caller = std::mem::take(&mut self.caller);
+            lock(&self.crews.idle).push((crew, caller));
+        }
     }
 }
 
@@ -294,6 +328,28 @@ mod tests {
         drop(again);
         assert_eq!(crews.idle_streams().len(), 4);
         assert_eq!(crews.lease(2).streams, first, "the last given back");
+    }
+
+    /// A crew is lent only to the thread it was last lent to while that
+    /// thread lives, and to any thread once it has ended.
+    #[test]
+    fn a_crew_stays_with_its_thread_while_the_thread_lives() {
+        let crews = Crews::new();
+        let mine = crews.lease(2).streams.clone();
+        let streams_on_a_thread =
+            || std::thread::scope(|s| s.spawn(|| crews.lease(2).streams.clone()).join().unwrap());
+        let other = streams_on_a_thread();
+        assert!(
+            other.iter().all(|s| !mine.contains(s)),
+            "mine is idle but not its"
+        );
+        assert_eq!(
+            streams_on_a_thread(),
+            other,
+            "an ended thread's crew is taken up"
+        );
+        assert_eq!(crews.lease(2).streams, mine);
+        assert_eq!(crews.idle_streams().len(), 4, "two crews in all");
     }
 
     #[test]
