@@ -157,11 +157,8 @@ impl<B: Backend> CompressedCache<B> {
     /// The cache after adding, for each of `R` alternatives, `add_counts`
     /// `[B, H, R, S]` more keys per code whose values sum to `add_sums`
     /// `[B, H, R, S, V]`. Returns counts `[B, H, R, S]` and means
-    /// `[B, H, R, S, V]`. The state keeps means, not sums, so nothing
-    /// grows with the stream: `mu = (mu_c n_c + sums) / n`. The carried
-    /// sums `mu_c n_c` are formed once, without `R`, so each pass over
-    /// `[B, H, R, S, V]` broadcasts its second operand only (a product of
-    /// two broadcast operands takes the CPU backend's slow strided path).
+    /// `[B, H, R, S, V]`. Kept as a running mean,
+    /// `mu = mu_c n_c / n + sums / n`, so nothing grows with the stream.
     /// The block form merges every block's cache at once; the recurrent
     /// form merges one block (`R = 1`).
     pub(super) fn merge(
@@ -169,10 +166,12 @@ impl<B: Backend> CompressedCache<B> {
         add_counts: Tensor<B, 4>,
         add_sums: Tensor<B, 5>,
     ) -> (Tensor<B, 4>, Tensor<B, 5>) {
-        let carried_sums = self.means.clone() * self.counts.clone().unsqueeze_dim::<4>(3); // [B, H, S, V]
-        let total = add_counts + self.counts.clone().unsqueeze_dim::<4>(2); // [B, H, R, S]
-        let denom = total.clone().clamp_min(1.0).unsqueeze_dim::<5>(4); // [B, H, R, S, 1]
-        let means = (add_sums + carried_sums.unsqueeze_dim::<5>(2)) / denom; // [B, H, R, S, V]
+        let n_c = self.counts.clone().unsqueeze_dim::<4>(2); // [B, H, 1, S]
+        let total = n_c.clone() + add_counts; // [B, H, R, S]
+        let denom = total.clone().clamp_min(1.0);
+        let means = self.means.clone().unsqueeze_dim::<5>(2)
+            * (n_c / denom.clone()).unsqueeze_dim::<5>(4)
+            + add_sums / denom.unsqueeze_dim::<5>(4); // [B, H, R, S, V]
         (total, means)
     }
 
