@@ -691,6 +691,17 @@ mod tests {
             .collect()
     }
 
+    /// Two workers and a learning rate high enough, from the first step,
+    /// that three steps move the losses apart when anything differs.
+    fn two_workers_fast_lr() -> TrainSection {
+        TrainSection {
+            workers: 2,
+            lr: 1e-2,
+            warmup_steps: 0,
+            ..TrainSection::default()
+        }
+    }
+
     /// A text corpus in `dir` of `lines` short numbered lines.
     fn line_corpus(dir: &std::path::Path, lines: usize) -> tvq_data::Corpus {
         use tvq_data::{Corpus, CorpusKind, DataConfig};
@@ -810,21 +821,11 @@ mod tests {
         let Some(gpu) = gpu_under_test(test) else {
             return;
         };
-        let settings = TrainSection {
-            workers: 2,
-            lr: 1e-2,
-            warmup_steps: 0,
-            ..TrainSection::default()
-        };
+        let settings = two_workers_fast_lr();
         let model = tiny_model(11);
         let losses = || {
             let mut t = Trainer::new(&model, &settings, std::slice::from_ref(&gpu)).unwrap();
-            (0..3)
-                .map(|i| {
-                    let step = t.step(&batch(4, 8, i == 0), TrainCursor::default());
-                    step.map_or(f64::NAN, |m| m.loss)
-                })
-                .collect::<Vec<_>>()
+            three_steps(&mut t)
         };
         let alone = losses();
         let together: Vec<Vec<f64>> = std::thread::scope(|s| {
@@ -845,12 +846,7 @@ mod tests {
         else {
             return;
         };
-        let settings = TrainSection {
-            workers: 2,
-            lr: 1e-2,
-            warmup_steps: 0,
-            ..TrainSection::default()
-        };
+        let settings = two_workers_fast_lr();
         let model = TransformerVqConfig {
             dropout_residual: 0.1,
             ..tiny_model(11)
