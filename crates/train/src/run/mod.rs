@@ -164,6 +164,9 @@ fn set_up_trainer(
         cfg.train.precision,
         cfg.train.activation_checkpointing
     );
+    if matches!(devices[0], DispatchDevice::Flex(_)) {
+        hint_cpu_micro_batches(cfg, nodes);
+    }
     let peak = peak_flops(&devices[0], cfg.train.precision, opts.peak_tflops);
     let facts = RunFacts {
         bytes_per_token: corpus.split(Split::Train).bytes_per_token(),
@@ -434,6 +437,43 @@ fn peak_flops(
     }
 }
 
+/// Tokens in one pass of a worker above which a CPU step slows down: 4 rows
+/// x 8,192 tokens ran at about 0.7x the tokens/s of passes of 8,192 tokens
+/// (docs/benchmarks.md, "What makes long rows slower").
+const CPU_PASS_TOKENS: usize = 8_192;
+
+/// The `train.micro_batches` that would keep a worker's passes within
+/// [`CPU_PASS_TOKENS`] tokens, splitting `rows_per_pass` rows of `seg_len`
+/// tokens into equal groups, or `None` if they already are within it or
+/// the rows cannot be split finer.
+fn cpu_micro_batches(rows_per_pass: usize, seg_len: usize, micro_batches: usize) -> Option<usize> {
+    if rows_per_pass * seg_len <= CPU_PASS_TOKENS {
+        return None;
+    }
+    let split = (2..=rows_per_pass)
+        .find(|k| {
+            rows_per_pass.is_multiple_of(*k) && rows_per_pass / k * seg_len <= CPU_PASS_TOKENS
+        })
+        .unwrap_or(rows_per_pass);
+    (split > 1).then_some(micro_batches * split)
+}
+
+/// Says in the log when a CPU run's passes hold more tokens than run fast
+/// there, and the `micro_batches` that would not. Not applied by itself:
+/// it changes the sum's rounding and the checkpoint's shards.
+fn hint_cpu_micro_batches(cfg: &RunConfig, nodes: usize) {
+    let shards = nodes * cfg.train.shards();
+    let rows_per_pass = cfg.data.batch_size / shards.max(1);
+    let seg_len = cfg.data.update_len;
+    if let Some(m) = cpu_micro_batches(rows_per_pass, seg_len, cfg.train.micro_batches) {
+        tracing::info!(
+            "hint: each pass of a worker holds {rows_per_pass} rows x {seg_len} tokens; on a CPU, \
+             train.micro_batches = {m} would run them in smaller passes, faster and in less \
+             memory (docs/training.md; a resumed run changes it with --reshard)"
+        );
+    }
+}
+
 /// Warns when a resumed run's learning rate differs from its own past: the
 /// steps already done (`done`) had the rates of `old`, the config the run
 /// goes on with is `new`.
@@ -511,5 +551,30 @@ fn draw_curves(run_dir: &Path) {
     match plot::plot_run(run_dir, &out) {
         Ok(()) => tracing::info!("loss curves: {}", out.display()),
         Err(e) => tracing::warn!("no loss curves: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cpu_micro_batches;
+
+    #[test]
+    fn long_passes_on_the_cpu_are_split_to_at_most_8192_tokens() {
+        // 2 rows of 8,192 per pass: one row per pass.
+        assert_eq!(cpu_micro_batches(2, 8_192, 1), Some(2));
+        // 8 rows of 2,048: passes of 4 rows; on top of 3 micro-batches.
+        assert_eq!(cpu_micro_batches(8, 2_048, 3), Some(6));
+        // 6 rows of 2,048: 3 rows would be 6,144 tokens, so 2 passes.
+        assert_eq!(cpu_micro_batches(6, 2_048, 1), Some(2));
+        // 3 rows of 4,096: only whole rows, one per pass.
+        assert_eq!(cpu_micro_batches(3, 4_096, 1), Some(3));
+    }
+
+    #[test]
+    fn short_passes_and_single_rows_get_no_hint() {
+        assert_eq!(cpu_micro_batches(16, 512, 1), None);
+        assert_eq!(cpu_micro_batches(1, 8_192, 1), None);
+        // One row is as small as a pass gets, however long.
+        assert_eq!(cpu_micro_batches(1, 32_768, 2), None);
     }
 }
