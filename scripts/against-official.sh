@@ -30,7 +30,7 @@ trap 'rm -f "$log"' EXIT
 
 for ((r = 1; r <= ROUNDS; r++)); do
   # shellcheck disable=SC2086 # SEQ_LENS' commas become separate arguments
-  "$PYTHON" scripts/official_step.py "$SRC" ${SEQ_LENS//,/ } 2>/dev/null |
+  "$PYTHON" scripts/official_step.py "$SRC" ${SEQ_LENS//,/ } |
     awk '$1 == "official" {print "official", $2, $3}' | tee -a "$log" >&2
   for mode in $MODES; do
     # shellcheck disable=SC2086 # EXTRA is a list of arguments
