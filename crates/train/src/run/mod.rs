@@ -463,7 +463,7 @@ fn cpu_micro_batches(rows_per_pass: usize, seg_len: usize, micro_batches: usize)
 /// it changes the sum's rounding and the checkpoint's shards.
 fn hint_cpu_micro_batches(cfg: &RunConfig, nodes: usize) {
     let shards = nodes * cfg.train.shards();
-    let rows_per_pass = cfg.data.batch_size / shards.max(1);
+    let rows_per_pass = cfg.data.batch_size / shards;
     let seg_len = cfg.data.update_len;
     if let Some(m) = cpu_micro_batches(rows_per_pass, seg_len, cfg.train.micro_batches) {
         tracing::info!(
