@@ -584,6 +584,7 @@ fn bench_training(args: &BenchArgs, on: &Measuring, form: AttentionForm, t: usiz
             json!({
                 "form": form_name, "seq_len": t, "batch": args.batch,
                 "tokens_per_s": tokens_per_s, "mfu": utilisation, "peak_flops_per_s": peak,
+                "flops_per_token": mfu::training_flops_per_token(&cfg, t),
                 "peak_rss_bytes": rss, "device_memory_bytes": gpu, "device": info,
                 "precision": precision, "activation_checkpointing": mode,
                 "workers": train.workers,

@@ -6,6 +6,7 @@
 #![allow(rustdoc::broken_intra_doc_links, rustdoc::invalid_html_tags)]
 
 mod bench;
+mod check;
 mod commands;
 mod tokenizer;
 
@@ -54,6 +55,11 @@ enum Command {
     /// Measure forward+backward throughput of the GAU stack, VQ attention
     /// against the quadratic baseline, over several sequence lengths.
     Bench(bench::BenchArgs),
+    /// Check a device against the CPU: a small model's forward pass,
+    /// gradients, AdamW and EMA updates, bf16 step, checkpoint and
+    /// generation, each compared within a tolerance; the device's
+    /// matrix-product peaks. Exits non-zero if any check fails.
+    Check(check::CheckArgs),
     /// Tokenizers for tokenized corpora (PG-19, plain text).
     #[command(subcommand)]
     Tokenizer(tokenizer::TokenizerCommand),
@@ -167,6 +173,7 @@ fn main() {
         Command::Import(args) => commands::run_import(args),
         Command::Plot(args) => commands::run_plot(args),
         Command::Bench(args) => bench::run(args),
+        Command::Check(args) => check::run(args),
         Command::Tokenizer(cmd) => tokenizer::run(cmd),
     };
     drop(guard); // the trace is complete before the process exits

@@ -1657,6 +1657,8 @@ fn nodes_that_never_meet_or_disagree_fail_with_one_line() {
 /// The fault suite: injected faults, second writers, damaged files, strangers.
 #[path = "cli/faults.rs"]
 mod faults;
+#[path = "cli/gpu_node.rs"]
+mod gpu_node;
 #[path = "cli/layering.rs"]
 mod layering;
 #[path = "cli/logs.rs"]

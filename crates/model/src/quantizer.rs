@@ -152,9 +152,16 @@ impl<B: Backend> VectorQuantizer<B> {
 
         // |k - C_s|^2 up to the per-row constant |k|^2, as the official code ranks them.
         let kd = k.clone().detach();
-        let cross = kd
+        // As C k^T, then transposed. Computed as k C^T followed by
+        // `* -2 + |C|^2`, the distances of one token (the recurrent form)
+        // came out wrong on wgpu at H = 2, S = 16 (burn 0.21's fused
+        // kernels on lavapipe, each operand right when read alone; `tvq
+        // check` found it). The same dot products either way.
+        let cross = codebook
             .clone()
-            .matmul(codebook.clone().swap_dims(1, 2).unsqueeze_dim(0)); // [B, H, T, S]
+            .unsqueeze_dim::<4>(0)
+            .matmul(kd.clone().swap_dims(2, 3)) // [B, H, S, T]
+            .swap_dims(2, 3); // [B, H, T, S]
         let c_sq = codebook.clone().square().sum_dim(2).reshape([1, h, 1, s]); // [1, H, 1, S]
         let dist = cross * -2.0 + c_sq; // [B, H, T, S]
         let codes = dist.argmin(3).reshape([b, h, t]); // [B, H, T]

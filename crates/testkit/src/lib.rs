@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use tvq_model::TransformerVqConfig;
 
 /// The GPU that the backend tests compare with the CPU: CUDA's when
-/// `TVQ_TEST_DEVICE=cuda` (`scripts/gpu-check.sh`), else wgpu's default
+/// `TVQ_TEST_DEVICE=cuda`, else wgpu's default
 /// adapter (Mesa's lavapipe in CI).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Gpu {

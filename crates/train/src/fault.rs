@@ -6,7 +6,8 @@
 //!
 //! - `error`: the write fails with an I/O error (at [`Point::Loss`], the
 //!   step's loss becomes NaN instead; at [`Point::Sum`], a foreign vector
-//!   joins the sum, as a stranger on the network would add one);
+//!   joins the sum, as a stranger on the network would add one; at
+//!   [`Point::DeviceResult`], `tvq check` sees a wrong device result);
 //! - `kill`: the process ends at once with SIGKILL, as `kill -9` would end
 //!   it (no destructor runs, nothing is flushed).
 //!
@@ -38,10 +39,13 @@ pub enum Point {
     Loss,
     /// A collective sum received from the engine, not yet checked: `sum`.
     Sum,
+    /// A device's result in `tvq check`, about to be compared with the
+    /// CPU's: `device-result` (`error` scales it by 1.01).
+    DeviceResult,
 }
 
 impl Point {
-    const ALL: [Point; 7] = [
+    const ALL: [Point; 8] = [
         Point::CheckpointData,
         Point::CheckpointManifest,
         Point::CheckpointRename,
@@ -49,6 +53,7 @@ impl Point {
         Point::MetricsAppend,
         Point::Loss,
         Point::Sum,
+        Point::DeviceResult,
     ];
 
     /// The point's name in `TVQ_FAULT`.
@@ -61,6 +66,7 @@ impl Point {
             Point::MetricsAppend => "metrics-append",
             Point::Loss => "loss",
             Point::Sum => "sum",
+            Point::DeviceResult => "device-result",
         }
     }
 }

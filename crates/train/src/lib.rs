@@ -6,6 +6,7 @@
 //! [`inference::export`] writes safetensors.
 
 pub mod batch;
+pub mod check;
 pub mod checkpoint;
 pub mod config;
 pub mod error;

@@ -419,6 +419,19 @@ impl Trainer {
         })
     }
 
+    /// The update half of [`Self::step`] with gradients and codebook
+    /// statistics computed elsewhere (on this trainer's model and device):
+    /// clipping, AdamW at the next step's learning rate, the EMA update.
+    /// `tvq check` gives two devices the same gradients this way, so that
+    /// the update itself is compared. Returns the gradient norm.
+    pub(crate) fn apply(&mut self, grads: GradientsParams, stats: &[CodebookStats<B>]) -> f64 {
+        let step = self.progress.step + 1;
+        let lr = learning_rate(&self.settings, step);
+        let (grad_norm, _) = self.update(step, lr, grads, stats, 1.0);
+        self.progress.step = step;
+        grad_norm
+    }
+
     /// GPU memory this trainer's devices hold, in bytes ([`device_memory_bytes`]
     /// over the calling thread's stream and the idle worker streams); `None`
     /// on the CPU.

@@ -210,6 +210,23 @@ fn unflatten_grads(
     v.grads
 }
 
+/// `grads` of `from`'s parameters, and the same values as gradients of
+/// `to`'s (the same architecture, matched parameter by parameter in module
+/// order) on `to`'s device: how `tvq check` gives two devices the same
+/// gradients.
+pub(crate) fn shared_grads(
+    from: &Model,
+    mut grads: GradientsParams,
+    to: &Model,
+) -> [GradientsParams; 2] {
+    let mut flat = vec![];
+    let shapes = flatten_grads(from, &mut grads, &mut flat);
+    [from, to].map(|m| {
+        let device = m.embedding.weight.device();
+        unflatten_grads(m, shapes.clone(), &mut Pieces(&flat), device.inner())
+    })
+}
+
 fn from_values<const D: usize>(
     values: &[f32],
     shape: [usize; D],

@@ -1,0 +1,293 @@
+//! What a GPU node without Rust runs: `tvq check` (on wgpu here, CUDA with
+//! `TVQ_TEST_DEVICE=cuda`), the PyTorch reference against tvq, and the
+//! bundle's `run.sh --device cpu --small` from a directory with no Rust on
+//! the PATH.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use super::{TVQ, repo, tiny_config, tvq};
+use tvq_testkit::Gpu;
+
+/// `tvq check --json` on `device`, with `TVQ_FAULT` set to `fault` if given.
+fn check(device: &str, fault: Option<&str>) -> (Output, Option<serde_json::Value>) {
+    let mut cmd = Command::new(TVQ);
+    cmd.args(["check", "--device", device, "--json"]);
+    if let Some(f) = fault {
+        cmd.env("TVQ_FAULT", f);
+    }
+    let out = cmd.output().expect("tvq runs");
+    let report = serde_json::from_slice(&out.stdout).ok();
+    (out, report)
+}
+
+/// The checks' names with their verdicts, as `(name, passed, skipped)`.
+fn verdicts(report: &serde_json::Value) -> Vec<(String, bool, bool)> {
+    report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let tol = c["tolerance"].as_f64().unwrap();
+            let worst = c["worst"].as_f64();
+            let skipped = c["worst"].is_null();
+            (
+                c["name"].as_str().unwrap().to_string(),
+                skipped || worst.is_some_and(|w| w <= tol),
+                skipped,
+            )
+        })
+        .collect()
+}
+
+/// Every check passes on the GPU (wgpu: Mesa's lavapipe in CI; bf16 is
+/// skipped there, wgpu has none), and a device result made wrong on
+/// purpose (the gradients scaled by 1.01, then the generated tokens) fails
+/// the check that compares it, and the command.
+#[test]
+fn tvq_check_passes_on_the_gpu_and_fails_on_a_wrong_device_result() {
+    let gpu = Gpu::under_test();
+    let (out, report) = check(gpu.name(), None);
+    let err = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() && err.contains("is not available") {
+        gpu.missing(
+            "tvq_check_passes_on_the_gpu_and_fails_on_a_wrong_device_result",
+            &err,
+        );
+        return;
+    }
+    assert!(out.status.success(), "{err}");
+    let report = report.expect("one JSON object");
+    assert_eq!(report["passed"], true);
+    let all = verdicts(&report);
+    assert!(all.len() >= 10, "{all:?}");
+    let ran = all.iter().filter(|(_, _, skipped)| !skipped).count();
+    assert!(ran >= 9, "most checks run: {all:?}");
+    assert_eq!(report["peaks"].as_array().unwrap().len(), 2);
+    assert!(report["peaks"][0]["flops_per_s"].as_f64().unwrap() > 0.0);
+
+    // The 4th comparison is the gradients'; the tokens' is the 9th when
+    // bf16's two are skipped (wgpu), the 11th when they run (CUDA).
+    let tokens = if all.iter().any(|(n, _, s)| n.contains("bf16") && *s) {
+        9
+    } else {
+        11
+    };
+    for (nth, wrong) in [
+        (4, "gradients of one step"),
+        (tokens, "16 generated tokens"),
+    ] {
+        let (out, report) = check(gpu.name(), Some(&format!("device-result:error@{nth}")));
+        assert!(!out.status.success(), "a wrong {wrong} must fail");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("1 of") && err.contains("checks failed"),
+            "{err}"
+        );
+        let failed: Vec<_> = verdicts(&report.unwrap())
+            .into_iter()
+            .filter(|(_, passed, _)| !passed)
+            .map(|(name, ..)| name)
+            .collect();
+        assert_eq!(failed.len(), 1, "{failed:?}");
+        assert!(failed[0].starts_with(wrong), "{failed:?}");
+    }
+}
+
+/// On the CPU every check compares the CPU with itself: all pass, and the
+/// table says so.
+#[test]
+fn tvq_check_on_the_cpu_is_a_trivial_pass() {
+    let out = tvq(&["check", "--device", "cpu"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("| check | largest relative difference"),
+        "{text}"
+    );
+    assert!(!text.contains("FAIL"), "{text}");
+    assert!(text.contains("f32 matrix products"), "{text}");
+}
+
+/// The Python with PyTorch the tests use: `TVQ_PYTHON`, else `python3`;
+/// `None` (after a SKIPPED line, or a failure under `TVQ_REQUIRE_TORCH`)
+/// where it has no torch.
+fn python_with_torch(test: &str) -> Option<PathBuf> {
+    let python = std::env::var_os("TVQ_PYTHON").map_or("python3".into(), PathBuf::from);
+    let has_torch = Command::new(&python)
+        .args(["-c", "import torch"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if has_torch {
+        return Some(python);
+    }
+    let why = format!("{} has no torch (pip install torch)", python.display());
+    assert!(
+        std::env::var_os("TVQ_REQUIRE_TORCH").is_none(),
+        "{test}: {why}, and TVQ_REQUIRE_TORCH is set"
+    );
+    // Straight to stderr: the harness hides a passing test's eprintln!.
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+    None
+}
+
+/// `scripts/torch_reference.py`, written from docs/architecture.md, scores
+/// a trained tiny model's export on the corpus's validation split as
+/// `tvq eval` does, within 1e-4 relative, with the Toeplitz bias and with
+/// the XL bias under a cache limit that binds (the whole split streams
+/// through the carried state: previous block and compressed cache).
+#[test]
+fn the_torch_reference_scores_an_export_as_tvq_does() {
+    let test = "the_torch_reference_scores_an_export_as_tvq_does";
+    let Some(python) = python_with_torch(test) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 4, 4);
+    let corpus = dir.path().join("kjv-small.txt");
+    for (name, sets) in [
+        ("toeplitz", vec![]),
+        ("xl", vec!["model.bias=\"xl\"", "model.cache_limit=40"]),
+    ] {
+        let run = dir.path().join(name);
+        let mut args = vec!["train", "--config", config.to_str().unwrap(), "--quiet"];
+        args.extend(["--run-dir", run.to_str().unwrap()]);
+        for s in &sets {
+            args.extend(["--set", s]);
+        }
+        super::ok(&args);
+        let export = dir.path().join(format!("{name}.safetensors"));
+        super::ok(&[
+            "export",
+            "--checkpoint",
+            run.to_str().unwrap(),
+            "--out",
+            export.to_str().unwrap(),
+        ]);
+        let tvq_eval = super::ok(&[
+            "eval",
+            "--checkpoint",
+            export.to_str().unwrap(),
+            "--config",
+            run.join("config.toml").to_str().unwrap(),
+            "--json",
+        ]);
+        let tvq_loss = serde_json::from_str::<serde_json::Value>(&tvq_eval).unwrap()["loss"]
+            .as_f64()
+            .unwrap();
+        let out = Command::new(&python)
+            .arg(repo().join("scripts/torch_reference.py"))
+            .args(["eval", "--export", export.to_str().unwrap()])
+            .args(["--text", corpus.to_str().unwrap()])
+            .args(["--batch-size", "4", "--update-len", "64"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let torch: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let torch_loss = torch["loss"].as_f64().unwrap();
+        assert!(
+            (torch_loss - tvq_loss).abs() <= 1e-4 * tvq_loss,
+            "{name}: PyTorch {torch_loss}, tvq {tvq_loss}"
+        );
+    }
+}
+
+/// The bundle as `scripts/gpu-bundle.sh` makes it, from this build's
+/// binary, unpacked and run with `--device cpu --small` where no Rust is
+/// on the PATH: every part passes (PyTorch's where torch is installed).
+#[test]
+fn the_bundle_runs_every_part_small_on_the_cpu_without_rust() {
+    let test = "the_bundle_runs_every_part_small_on_the_cpu_without_rust";
+    let python = python_with_torch(test);
+    let dir = tempfile::tempdir().unwrap();
+    let made = Command::new(repo().join("scripts/gpu-bundle.sh"))
+        .arg(dir.path())
+        .env("TVQ_BIN", TVQ)
+        .env("TVQ_BUNDLE_XZ", "-0")
+        .output()
+        .unwrap();
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let bundle = dir.path().join("tvq-gpu");
+    let size = std::fs::metadata(dir.path().join("tvq-gpu.tar"))
+        .unwrap()
+        .len();
+    assert!(size <= 32 << 20, "the bundle is {size} bytes");
+    assert!(
+        !bundle.join("bin/tvq").exists(),
+        "the binary ships compressed"
+    );
+    // No cargo or rustc: the system's directories, and torch's Python first.
+    let mut path = vec![PathBuf::from("/usr/bin"), PathBuf::from("/bin")];
+    if let Some(p) = python.as_ref().and_then(|p| p.parent()) {
+        path.insert(0, p.to_path_buf());
+    }
+    let out = Command::new(bundle.join("run.sh"))
+        .args(["--device", "cpu", "--small"])
+        .env("PATH", std::env::join_paths(&path).unwrap())
+        .env_remove("CARGO_TARGET_DIR")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let results = read_results(&bundle.join("results/results.jsonl"));
+    let status = |part: &str| {
+        results
+            .iter()
+            .find(|r| r["form"] == "part" && r["part"] == part)
+            .map(|r| r["status"].as_str().unwrap().to_string())
+    };
+    for part in ["check", "train", "generate", "quickstart"] {
+        assert_eq!(status(part).as_deref(), Some("passed"), "{part}: {stderr}");
+    }
+    let torch = if python.is_some() {
+        "passed"
+    } else {
+        "skipped"
+    };
+    assert_eq!(status("torch").as_deref(), Some(torch), "{stderr}");
+    // Figures of each part reached the results and the table.
+    assert!(
+        results
+            .iter()
+            .any(|r| r["form"] == "vq" && r["tokens_per_s"].as_f64().is_some())
+    );
+    assert!(results.iter().any(|r| r["form"] == "generate"));
+    assert!(results.iter().any(|r| r["form"] == "quickstart"));
+    if python.is_some() {
+        for implementation in ["eager", "compiled", "sdpa"] {
+            assert!(
+                results
+                    .iter()
+                    .any(|r| r["impl"] == implementation && r["tokens_per_s"].as_f64().is_some()),
+                "PyTorch {implementation}: {results:?}"
+            );
+        }
+    }
+    let summary = std::fs::read_to_string(bundle.join("results/summary.md")).unwrap();
+    assert!(summary.contains("| tvq step"), "{summary}");
+    assert!(summary.contains("tvq check on cpu"), "{summary}");
+}
+
+fn read_results(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect()
+}

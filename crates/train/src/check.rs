@@ -1,0 +1,483 @@
+//! `tvq check`: a self-test of one device against the CPU, for a new
+//! machine, driver or GPU.
+//!
+//! A small seeded model computes each part of training and inference on the
+//! device and on the CPU from the same weights and inputs, and every pair of
+//! results is compared: the largest difference, relative to the CPU
+//! result's largest magnitude, against a tolerance that `f32` (or `bf16`)
+//! rounding in another summation order stays far inside and a wrong kernel
+//! does not. On the CPU itself every check compares the CPU with itself: a
+//! trivial pass.
+//!
+//! `TVQ_FAULT=device-result:error@N` scales the device's values of the
+//! `N`-th comparison by 1.01 (`crate::fault`): how the tests show that a
+//! wrong device result fails the check.
+
+use std::path::{Path, PathBuf};
+
+use burn::DispatchDevice;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::prelude::*;
+use tvq_data::{Batch, TrainCursor};
+use tvq_model::{Loss, ModelState, Precision, RelativeBias, TransformerVq, TransformerVqConfig};
+
+use crate::config::TrainSection;
+use crate::error::TrainError;
+use crate::fault::{Point, inject};
+use crate::inference::sample::{SampleOptions, sample};
+use crate::placement::device::{check_precision, device_name};
+use crate::placement::{B, Model, fork_onto, host_values, seeded_draw};
+use crate::step::gradients::{flatten_grads, shared_grads};
+use crate::trainer::Trainer;
+
+/// One comparison of the device with the CPU.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Check {
+    /// What was computed, e.g. `gradients`.
+    pub name: String,
+    /// The largest difference between the device's values and the CPU's,
+    /// relative to the CPU's largest magnitude (for generated tokens: the
+    /// share of tokens that differ); `None` when skipped.
+    pub worst: Option<f64>,
+    /// The largest `worst` that passes.
+    pub tolerance: f64,
+    /// Why the check did not run (the device cannot compute it), if so.
+    pub skipped: Option<String>,
+}
+
+impl Check {
+    /// Whether the check passed; a skipped check passes, a NaN fails.
+    pub fn passed(&self) -> bool {
+        self.worst.is_none_or(|w| w <= self.tolerance)
+    }
+
+    /// `PASS`, `FAIL` or `skip`.
+    pub fn verdict(&self) -> &'static str {
+        match (self.worst, self.passed()) {
+            (None, _) => "skip",
+            (_, true) => "PASS",
+            (_, false) => "FAIL",
+        }
+    }
+}
+
+/// The measured matrix-product rate of the device in one precision.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Peak {
+    /// The products' type.
+    pub precision: Precision,
+    /// FLOP/s of the fastest 1024 x 1024 product
+    /// ([`crate::mfu::measure_matmul_peak`]); `None` where the device
+    /// cannot compute in that type.
+    pub flops_per_s: Option<f64>,
+}
+
+/// What [`check_device`] found.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CheckReport {
+    /// The device checked, as the backend names it.
+    pub device: String,
+    /// Every comparison, in the order run.
+    pub checks: Vec<Check>,
+    /// The device's matrix-product peaks, f32 and bf16.
+    pub peaks: Vec<Peak>,
+}
+
+impl CheckReport {
+    /// Whether every check passed.
+    pub fn passed(&self) -> bool {
+        self.checks.iter().all(Check::passed)
+    }
+}
+
+/// The checked model: two layers (four sublayers), blocks of 8, 16 codes,
+/// dropout on (its masks are drawn on the CPU, so both sides use the same).
+fn model_config(bias: RelativeBias) -> TransformerVqConfig {
+    TransformerVqConfig {
+        d_model: 64,
+        d_k: 16,
+        d_v: 32,
+        n_code: 16,
+        n_head: 2,
+        n_layer: 2,
+        block_len: 8,
+        bias,
+        dropout_residual: 0.1,
+        ..TransformerVqConfig::new(VOCAB)
+    }
+}
+
+const VOCAB: usize = 48;
+const SEED: u64 = 7;
+/// Rows and tokens of a segment: four blocks, so the later blocks attend
+/// to a compressed cache.
+const ROWS: usize = 2;
+const LEN: usize = 32;
+
+/// The training settings of the check: a large learning rate, no warm-up,
+/// so that one step moves every weight visibly.
+fn settings(precision: Precision) -> TrainSection {
+    TrainSection {
+        lr: 1e-2,
+        warmup_steps: 0,
+        precision,
+        seed: SEED,
+        ..TrainSection::default()
+    }
+}
+
+/// Segment `i` of a fixed token stream, `ROWS x LEN`.
+fn segment(i: usize, reset: bool) -> Batch {
+    let token = |n: usize| ((n * 7 + n / 5 + 3) % VOCAB) as u32;
+    let start = i * LEN;
+    let ids = |shift: usize| {
+        (0..ROWS)
+            .flat_map(|r| (0..LEN).map(move |t| token(r * 1000 + start + t + shift)))
+            .collect::<Vec<u32>>()
+    };
+    Batch {
+        batch: ROWS,
+        len: LEN,
+        inputs: ids(0),
+        targets: ids(1),
+        valid: vec![true; ROWS * LEN],
+        reset,
+    }
+}
+
+/// The largest difference of `device` from `cpu`, relative to `cpu`'s
+/// largest magnitude; infinite when the lengths differ, NaN when any value
+/// is (so the check fails).
+pub fn relative_difference(device: &[f32], cpu: &[f32]) -> f64 {
+    if device.len() != cpu.len() {
+        return f64::INFINITY;
+    }
+    let scale = cpu.iter().fold(0f64, |m, &c| m.max(c.abs() as f64));
+    let mut worst = 0f64;
+    for (&d, &c) in device.iter().zip(cpu) {
+        let diff = (d as f64 - c as f64).abs();
+        if diff.is_nan() {
+            return f64::NAN;
+        }
+        worst = worst.max(diff);
+    }
+    worst / scale.max(f64::MIN_POSITIVE)
+}
+
+/// The device's values as compared: scaled by 1.01 where `TVQ_FAULT` asks
+/// for a wrong device result here.
+fn as_reported(mut values: Vec<f32>) -> Vec<f32> {
+    if inject(Point::DeviceResult).is_err() {
+        values.iter_mut().for_each(|v| *v *= 1.01);
+    }
+    values
+}
+
+/// A comparison that ran.
+fn compared(name: &str, device: Vec<f32>, cpu: &[f32], tolerance: f64) -> Check {
+    Check {
+        name: name.into(),
+        worst: Some(relative_difference(&as_reported(device), cpu)),
+        tolerance,
+        skipped: None,
+    }
+}
+
+/// Every parameter's values in module order, trained (`true`) or not
+/// (the codebooks' EMA sums and counts, `false`).
+fn parameters(model: &Model) -> Vec<(bool, Vec<f32>)> {
+    struct Values(Vec<(bool, Vec<f32>)>);
+    impl ModuleVisitor<B> for Values {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            let t = p.val();
+            self.0.push((t.is_require_grad(), host_values(&t)));
+        }
+    }
+    let mut v = Values(vec![]);
+    model.visit(&mut v);
+    v.0
+}
+
+/// The trained (`true`) or codebook (`false`) parameters, concatenated.
+fn flat(params: &[(bool, Vec<f32>)], trained: bool) -> Vec<f32> {
+    params
+        .iter()
+        .filter(|(t, _)| *t == trained)
+        .flat_map(|(_, v)| v.iter().copied())
+        .collect()
+}
+
+/// Removes a directory when dropped (the checkpoint check's scratch).
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs every check of `device` against the CPU, writing a checkpoint under
+/// `scratch` (a directory of its own there, removed after).
+pub fn check_device(device: &DispatchDevice, scratch: &Path) -> Result<CheckReport, TrainError> {
+    let cpu = DispatchDevice::Flex(Default::default());
+    let mut checks = vec![];
+    for bias in [
+        RelativeBias::Toeplitz,
+        RelativeBias::Xl,
+        RelativeBias::Rotary,
+    ] {
+        checks.push(forward(device, &cpu, bias)?);
+    }
+    checks.extend(training_step(device, &cpu, scratch)?);
+    checks.extend(reduced_precision(device, &cpu, Precision::Bf16)?);
+    checks.push(generation(device, &cpu)?);
+    let peaks = [Precision::F32, Precision::Bf16]
+        .into_iter()
+        .map(|precision| Peak {
+            precision,
+            flops_per_s: check_precision(device, precision)
+                .ok()
+                .map(|()| crate::mfu::measure_matmul_peak(device, precision)),
+        })
+        .collect();
+    Ok(CheckReport {
+        device: device_name(device),
+        checks,
+        peaks,
+    })
+}
+
+/// The logits and the loss of two segments (the second from the state the
+/// first left), with the bias `bias`.
+fn forward(
+    device: &DispatchDevice,
+    cpu: &DispatchDevice,
+    bias: RelativeBias,
+) -> Result<Check, TrainError> {
+    let cfg = model_config(bias);
+    let on_cpu: TransformerVq<B> = seeded_draw(cpu, Some(SEED), || cfg.init::<B>(cpu))?;
+    let on_device = fork_onto(&on_cpu, device);
+    let run = |model: &Model| -> Result<Vec<f32>, TrainError> {
+        let d = model.embedding.weight.device();
+        let mut state = ModelState::new(cfg.n_sublayers());
+        let mut values = vec![];
+        for i in 0..2 {
+            let b = segment(i, i == 0);
+            let t = crate::batch::BatchTensors::rows(&b, 0..ROWS, &d);
+            let out = model.forward(t.inputs, state, None)?;
+            let loss = Loss::new(&out, t.targets, None);
+            values.extend(host_values(&out.logits));
+            values.extend(host_values(&loss.ce));
+            state = out.state;
+        }
+        Ok(values)
+    };
+    let name = format!("forward: logits and loss ({bias:?} bias)").to_lowercase();
+    Ok(compared(&name, run(&on_device)?, &run(&on_cpu)?, 1e-4))
+}
+
+/// One training step in `f32`: the gradients of each side; the AdamW step
+/// and the EMA codebook update, both sides from the CPU's gradients and
+/// codebook statistics (so that only the update itself is compared); a
+/// checkpoint of the device's trainer loaded on the CPU.
+fn training_step(
+    device: &DispatchDevice,
+    cpu: &DispatchDevice,
+    scratch: &Path,
+) -> Result<Vec<Check>, TrainError> {
+    let cfg = model_config(RelativeBias::Toeplitz);
+    let settings = settings(Precision::F32);
+    let mut on_device = Trainer::new(&cfg, &settings, std::slice::from_ref(device))?;
+    let mut on_cpu = Trainer::new(&cfg, &settings, std::slice::from_ref(cpu))?;
+    let batch = segment(0, true);
+    let grads_of = |t: &mut Trainer| -> Result<_, TrainError> {
+        let mut g = t.gradients(&batch)?;
+        let mut values = vec![];
+        flatten_grads(t.model(), &mut g.grads, &mut values);
+        Ok(values)
+    };
+    let gradients = compared(
+        "gradients of one step",
+        grads_of(&mut on_device)?,
+        &grads_of(&mut on_cpu)?,
+        1e-3,
+    );
+    let before = flat(&parameters(on_cpu.model()), true);
+    let g = on_cpu.gradients(&batch)?;
+    let [cpu_grads, device_grads] = shared_grads(on_cpu.model(), g.grads, on_device.model());
+    let home = on_device.model().embedding.weight.device();
+    let stats: Vec<_> = g
+        .stats
+        .iter()
+        .map(|s| s.clone().into_device(&home))
+        .collect();
+    on_device.apply(device_grads, &stats);
+    on_cpu.apply(cpu_grads, &g.stats);
+    let (after_device, after_cpu) = (parameters(on_device.model()), parameters(on_cpu.model()));
+    // The update itself, so that the tolerance is relative to a step.
+    let update = |after: &[(bool, Vec<f32>)]| -> Vec<f32> {
+        flat(after, true)
+            .iter()
+            .zip(&before)
+            .map(|(a, b)| a - b)
+            .collect()
+    };
+    let adamw = compared(
+        "AdamW step (the CPU's gradients)",
+        update(&after_device),
+        &update(&after_cpu),
+        1e-4,
+    );
+    let ema = compared(
+        "EMA codebook update",
+        flat(&after_device, false),
+        &flat(&after_cpu, false),
+        1e-5,
+    );
+    // Saved from the device, loaded on the CPU: the same numbers.
+    let scratch = Scratch(scratch.join(format!("tvq-check-{}", std::process::id())));
+    let dir = on_device.save(&scratch.0)?;
+    let mut loaded = Trainer::new(&cfg, &settings, std::slice::from_ref(cpu))?;
+    loaded.resume(&dir, false)?;
+    let every = |m: &Model| -> Vec<f32> {
+        parameters(m)
+            .into_iter()
+            .flat_map(|(_, v)| v.into_iter())
+            .collect()
+    };
+    let checkpoint = compared(
+        "checkpoint saved on the device, loaded on the CPU",
+        every(loaded.model()),
+        &every(on_device.model()),
+        0.0,
+    );
+    // And the next step from the loaded checkpoint computes on the CPU
+    // what the device computes.
+    let next = segment(1, false);
+    let loss_of = |t: &mut Trainer| -> Result<Vec<f32>, TrainError> {
+        Ok(vec![t.step(&next, TrainCursor::default())?.loss as f32])
+    };
+    let resumed = compared(
+        "the step after it, on each side",
+        loss_of(&mut on_device)?,
+        &loss_of(&mut loaded)?,
+        1e-4,
+    );
+    Ok(vec![gradients, adamw, ema, checkpoint, resumed])
+}
+
+/// The loss and gradients of one step with products in `precision`; skipped
+/// where the device cannot compute in it. The tolerance allows for one
+/// rounding of a `bf16` product (`2^-8` relative) spreading through the
+/// step, not for a product done in the wrong type.
+fn reduced_precision(
+    device: &DispatchDevice,
+    cpu: &DispatchDevice,
+    precision: Precision,
+) -> Result<Vec<Check>, TrainError> {
+    let names = [
+        format!("{precision} step: loss"),
+        format!("{precision} step: gradients"),
+    ];
+    if let Err(reason) = check_precision(device, precision) {
+        return Ok(names
+            .into_iter()
+            .map(|name| Check {
+                name,
+                worst: None,
+                tolerance: 0.0,
+                skipped: Some(reason.clone()),
+            })
+            .collect());
+    }
+    let cfg = model_config(RelativeBias::Toeplitz);
+    let batch = segment(0, true);
+    let run = |d: &DispatchDevice| -> Result<(Vec<f32>, Vec<f32>), TrainError> {
+        let mut t = Trainer::new(&cfg, &settings(precision), std::slice::from_ref(d))?;
+        let mut g = t.gradients(&batch)?;
+        let mut values = vec![];
+        flatten_grads(t.model(), &mut g.grads, &mut values);
+        Ok((vec![g.ce_sum], values))
+    };
+    let ((loss_d, grads_d), (loss_c, grads_c)) = (run(device)?, run(cpu)?);
+    let [loss_name, grads_name] = names;
+    Ok(vec![
+        compared(&loss_name, loss_d, &loss_c, 1e-2),
+        compared(&grads_name, grads_d, &grads_c, 5e-2),
+    ])
+}
+
+/// 16 tokens drawn greedily after a prompt of two blocks and a half (block
+/// prefill, then the recurrent form): the share of tokens that differ.
+fn generation(device: &DispatchDevice, cpu: &DispatchDevice) -> Result<Check, TrainError> {
+    let cfg = model_config(RelativeBias::Toeplitz);
+    let on_cpu: TransformerVq<B> = seeded_draw(cpu, Some(SEED), || cfg.init::<B>(cpu))?;
+    let on_device = fork_onto(&on_cpu, device);
+    let prompt: Vec<u32> = segment(0, true).inputs[..20].to_vec();
+    let opts = SampleOptions {
+        max_tokens: 16,
+        temperature: 0.0,
+        top_p: 1.0,
+        seed: SEED,
+        progress: false,
+    };
+    let draw = |m: &Model| sample(m, &prompt, 1, opts, |_| true);
+    let (d, c) = (
+        as_reported(tokens_as_f32(draw(&on_device)?)),
+        tokens_as_f32(draw(&on_cpu)?),
+    );
+    let differing = if d.len() == c.len() {
+        d.iter().zip(&c).filter(|(a, b)| a != b).count() as f64 / c.len().max(1) as f64
+    } else {
+        1.0
+    };
+    Ok(Check {
+        name: "16 generated tokens (prefill, recurrent)".into(),
+        worst: Some(differing),
+        tolerance: 0.0,
+        skipped: None,
+    })
+}
+
+fn tokens_as_f32(tokens: Vec<u32>) -> Vec<f32> {
+    tokens.into_iter().map(|t| t as f32).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relative_difference_is_against_the_largest_cpu_magnitude() {
+        assert_eq!(relative_difference(&[1.0, 2.0], &[1.0, 2.0]), 0.0);
+        assert!((relative_difference(&[1.0, 4.1], &[1.0, 4.0]) - 0.025).abs() < 1e-6);
+        assert_eq!(relative_difference(&[1.0], &[1.0, 2.0]), f64::INFINITY);
+        assert!(relative_difference(&[f32::NAN], &[1.0]).is_nan());
+        let nan = Check {
+            name: "x".into(),
+            worst: Some(f64::NAN),
+            tolerance: 1.0,
+            skipped: None,
+        };
+        assert!(!nan.passed(), "a NaN never passes");
+    }
+
+    /// On the CPU every comparison is of the CPU with itself: all pass, at
+    /// zero difference.
+    #[test]
+    fn the_cpu_checks_as_itself() {
+        let cpu = DispatchDevice::Flex(Default::default());
+        let dir = tempfile::tempdir().unwrap();
+        let report = check_device(&cpu, dir.path()).unwrap();
+        assert!(report.passed(), "{report:#?}");
+        assert!(report.checks.len() >= 10);
+        for c in &report.checks {
+            assert_eq!(c.worst, Some(0.0), "{}", c.name);
+        }
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            0,
+            "the scratch checkpoint is removed"
+        );
+    }
+}

@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# tvq on a GPU node without Rust: one command, every part under its own time
+# limit. Made by scripts/gpu-bundle.sh; run from the unpacked bundle:
+#
+#   ./run.sh                      # CUDA: tvq check, training, generation, quick start
+#   ./run.sh --device cpu --small # every part end to end on the CPU, small
+#
+# Options: --device cuda|cpu (default cuda), --small (small sizes),
+# --out DIR (default ./results), --layers N (layers of the enwik8-width
+# model, default 4). Nothing here builds or downloads anything.
+#
+# Writes every figure to OUT/results.jsonl, each part's output to
+# OUT/logs/PART.log, and the summary table to OUT/summary.md. A part that
+# fails or runs past its limit prints one line and the others go on; the
+# exit status is non-zero if any part failed.
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+device=cuda small=0 out="$here/results" layers=4
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --device) device="$2"; shift 2 ;;
+    --small) small=1; shift ;;
+    --out) out="$2"; shift 2 ;;
+    --layers) layers="$2"; shift 2 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+case "$device" in cuda|cpu) ;; *) echo "run.sh: --device is cuda or cpu, not $device" >&2; exit 2 ;; esac
+mkdir -p "$out/logs"
+results="$out/results.jsonl"
+: > "$results"
+started=$(date +%s)
+
+# --- the binary: unpacked once, next to this script --------------------------
+tvq="$here/bin/tvq"
+if [ ! -x "$tvq" ]; then
+  mkdir -p "$here/bin"
+  if command -v xz >/dev/null; then
+    xz -dc "$here/tvq.xz" > "$tvq.part"
+  else
+    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+      "$here/tvq.xz" "$tvq.part"
+  fi || { echo "run.sh: cannot unpack tvq.xz (needs xz or python3)" >&2; exit 1; }
+  chmod +x "$tvq.part" && mv "$tvq.part" "$tvq"
+fi
+
+# --- CUDA: the driver from the system, NVRTC and headers from the system or
+# from the installed PyTorch's wheels ------------------------------------------
+python="$(command -v python3 || true)"
+if [ "$device" = cuda ]; then
+  found="$("$python" "$here/scripts/find_cuda.py" "$here/cuda" 2>&1)" || {
+    echo "run.sh: $found" >&2; exit 1; }
+  # find_cuda.py prints: the one-line summary, then LD_LIBRARY_PATH dirs, then CUDA_PATH.
+  echo "run.sh: $(echo "$found" | sed -n 1p)"
+  export LD_LIBRARY_PATH="$(echo "$found" | sed -n 2p)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export CUDA_PATH="$(echo "$found" | sed -n 3p)"
+fi
+echo "{\"form\": \"node\", \"device\": \"$device\", \"small\": $small, \"host\": \"$(hostname)\", \"tvq\": \"$("$tvq" --version)\"}" >> "$results"
+if command -v nvidia-smi >/dev/null && [ "$device" = cuda ]; then
+  gpu="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
+  echo "run.sh: $gpu"
+  echo "{\"form\": \"gpu\", \"nvidia_smi\": \"$gpu\"}" >> "$results"
+fi
+
+failed=0
+# part NAME SECONDS COMMAND...: runs COMMAND under a time limit, its output
+# to OUT/logs/NAME.log and its JSON lines (those starting with {) to the results.
+part() {
+  local name="$1" limit="$2"; shift 2
+  local log="$out/logs/$name.log" t0=$(date +%s) status
+  echo "run.sh: $name (limit ${limit} s)"
+  timeout --kill-after=10 "$limit" "$@" > "$log" 2>&1
+  status=$?
+  grep '^{' "$log" | sed "s/^{/{\"part\": \"$name\", /" >> "$results" || true
+  if [ $status -ne 0 ]; then
+    failed=$((failed + 1))
+    local why="exit $status"
+    [ $status -eq 124 ] && why="over its ${limit} s limit"
+    echo "run.sh: part $name FAILED ($why): $(grep -v '^{' "$log" | tail -1 | cut -c1-200)" >&2
+    echo "{\"form\": \"part\", \"part\": \"$name\", \"status\": \"failed\", \"why\": \"$why\"}" >> "$results"
+  else
+    echo "{\"form\": \"part\", \"part\": \"$name\", \"status\": \"passed\", \"seconds\": $(( $(date +%s) - t0 ))}" >> "$results"
+  fi
+}
+
+# Limits (seconds) sized for one H100 within 8 minutes in all; the small
+# CPU run's from the 2-core development machine.
+if [ $small = 1 ]; then
+  seq_lens=512,1024 long_lens=2048 bench_set=(--set model.d_model=64 --set model.d_k=16
+    --set model.d_v=64 --set model.n_code=16 --set model.block_len=64 --set model.n_layer=1)
+  gen_lens=256,1024 qs_steps=4
+  limit_check=120 limit_train=120 limit_long=60 limit_torch=400 limit_generate=60 limit_qs=180
+else
+  seq_lens=8192,32768 long_lens=131072 bench_set=(--config "$here/configs/enwik8.toml"
+    --set "model.n_layer=$layers" --set model.dropout_residual=0 --set model.dropout_layer=0
+    --set model.dropout_sinusoid=0)
+  gen_lens=1024,8192,65536 qs_steps=200
+  limit_check=60 limit_train=90 limit_long=60 limit_torch=150 limit_generate=45 limit_qs=60
+fi
+
+# 1. The device against the CPU (and its measured peaks, the MFU's yardstick).
+part check "$limit_check" "$tvq" check --device "$device" --json
+
+# 2. tvq's training step (forward, backward, clipping, AdamW, EMA), f32 and
+# bf16, one row per step; the longest segments recompute each sublayer in
+# the backward pass (activation checkpointing "full"), as they would not
+# fit otherwise.
+precisions=f32,bf16
+[ "$device" = cpu ] && precisions=f32
+train=("$tvq" bench --device "$device" --json --optimizer --batch 1 --form vq
+  --precision "$precisions" --steps 2 "${bench_set[@]}")
+part train "$limit_train" "${train[@]}" --seq-len "$seq_lens"
+part train-long "$limit_long" "${train[@]}" --seq-len "$long_lens" --checkpointing full
+
+# 3. The same model in PyTorch (eager, compiled) and the quadratic SDPA
+# baseline of the same widths, where PyTorch is installed.
+if [ -n "$python" ] && "$python" -c "import torch" 2>/dev/null; then
+  torch_args=(--device "$device" --seq-len "$seq_lens,$long_lens" --json)
+  [ $small = 1 ] && torch_args+=(--small) || torch_args+=(--layers "$layers")
+  part torch "$limit_torch" "$python" "$here/scripts/torch_reference.py" bench "${torch_args[@]}"
+else
+  echo "run.sh: part torch skipped: no python3 with torch here" >&2
+  echo "{\"form\": \"part\", \"part\": \"torch\", \"status\": \"skipped\"}" >> "$results"
+fi
+
+# 4. Generation: time to the first token (block-form prefill) and per token.
+part generate "$limit_generate" "$tvq" bench --device "$device" --json --generate --seq-len "$gen_lens" --new-tokens 32
+
+# 5. The quick start on the device.
+run="$out/quickstart"
+rm -rf "$run"
+qs=(--set train.workers=1)
+[ "$device" = cpu ] && qs=(--set train.workers=2)
+[ $small = 1 ] && qs+=(--set eval.segments=1 --set eval.every=1000000 --set eval.sample_every=0)
+part quickstart "$limit_qs" "$tvq" train --config "$here/configs/quickstart.toml" --device "$device" \
+  --run-dir "$run" --max-steps "$qs_steps" --quiet "${qs[@]}" --set "data.path=$here/data/kjv.txt"
+if [ -f "$run/metrics.jsonl" ]; then
+  "$python" "$here/scripts/summary.py" quickstart "$run/metrics.jsonl" "$device" >> "$results"
+fi
+
+"$python" "$here/scripts/summary.py" table "$results" | tee "$out/summary.md"
+echo "run.sh: $(( $(date +%s) - started )) s in all; $failed part(s) failed; figures in $results"
+[ $failed -eq 0 ]

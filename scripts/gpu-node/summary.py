@@ -1,0 +1,93 @@
+"""The GPU node's figures (run.sh's results.jsonl) as one Markdown table.
+
+    python3 summary.py table RESULTS.jsonl
+    python3 summary.py quickstart RUN/metrics.jsonl DEVICE   # one JSON line
+
+MFU is against the matrix-product peak `tvq check` measured in the same
+run, in the precision of the row (f32 or bf16), so that tvq and PyTorch
+are held to one yardstick.
+"""
+
+import json
+import statistics
+import sys
+
+
+def quickstart(path, device):
+    rows = [json.loads(l) for l in open(path) if l.strip()]
+    train = [r for r in rows if r.get("kind") == "train"]
+    steady = train[min(10, len(train) // 2):]
+    final = [r for r in rows if r.get("kind") == "final_eval"]
+    print(json.dumps({
+        "form": "quickstart", "device": device, "steps": len(train),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady) if steady else None,
+        "validation_bits_per_byte": final[-1]["bits_per_byte"] if final else None,
+    }))
+
+
+def fmt(x, spec=",.0f"):
+    return "-" if x is None else format(x, spec)
+
+
+def table(path):
+    rows = [json.loads(l) for l in open(path) if l.strip().startswith("{")]
+    peaks = {}
+    for r in rows:
+        for p in r.get("peaks", []):
+            if p.get("flops_per_s"):
+                peaks[p["precision"]] = p["flops_per_s"]
+
+    def mfu(r):
+        peak = peaks.get(r.get("precision", "f32"))
+        if not (peak and r.get("tokens_per_s") and r.get("flops_per_token")):
+            return "-"
+        return f"{100 * r['tokens_per_s'] * r['flops_per_token'] / peak:.1f}%"
+
+    def key(r):
+        return (r.get("seq_len"), r.get("precision", "f32"))
+
+    torch = {}
+    for r in rows:
+        if r.get("form") == "torch" and r.get("tokens_per_s"):
+            torch[(r["impl"],) + key(r)] = r["tokens_per_s"]
+
+    out = ["| what | T | precision | tokens/s | MFU | tvq / PyTorch eager | tvq / compiled | tvq / SDPA quadratic |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        form = r.get("form")
+        if form == "vq" and r.get("part", "").startswith("train"):
+            ratios = []
+            for impl in ("eager", "compiled", "sdpa"):
+                other = torch.get((impl,) + key(r))
+                ratios.append(f"{r['tokens_per_s'] / other:.2f}x" if other and r.get("tokens_per_s") else "-")
+            out.append(f"| tvq step ({r.get('batch', 1)} row, {r.get('activation_checkpointing', 'none')}) | {r['seq_len']:,} | {r.get('precision')} | "
+                       f"{fmt(r.get('tokens_per_s'))} | {mfu(r)} | " + " | ".join(ratios) + " |")
+        elif form == "torch":
+            note = r.get("skipped") or r.get("error")
+            out.append(f"| PyTorch {r['impl']} | {r['seq_len']:,} | {r.get('precision')} | "
+                       f"{fmt(r.get('tokens_per_s')) if not note else note} | {mfu(r)} | | | |")
+        elif form == "generate":
+            out.append(f"| generate after {r['context']:,} tokens | {r['context']:,} | f32 | "
+                       f"{fmt(r['prefill_tokens_per_s'])} prefill, {r['per_token_ms']:.2f} ms/token | - | | | |")
+        elif form == "quickstart":
+            bpb = r.get("validation_bits_per_byte")
+            out.append(f"| quick start, {r['steps']} steps on {r['device']} | 256 | f32 | "
+                       f"{fmt(r.get('tokens_per_s'))} | - | | | validation {fmt(bpb, '.3f')} bits/byte |")
+        elif "checks" in r:
+            passed = sum(1 for c in r["checks"] if c["worst"] is None or c["worst"] <= c["tolerance"])
+            worst = [c["name"] for c in r["checks"] if not (c["worst"] is None or c["worst"] <= c["tolerance"])]
+            shown = ", ".join(f"{p} {v / 1e12:.1f} TFLOP/s" for p, v in peaks.items())
+            out.append(f"| tvq check on {r['device']}: {passed} of {len(r['checks'])} passed"
+                       f"{' (failed: ' + '; '.join(worst) + ')' if worst else ''} | | | | peaks: {shown} | | | |")
+        elif form == "part" and r.get("status") != "passed":
+            out.append(f"| part {r['part']}: {r['status']} {r.get('why', '')} | | | | | | | |")
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "table":
+        table(sys.argv[2])
+    elif sys.argv[1] == "quickstart":
+        quickstart(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit(f"summary.py: unknown command {sys.argv[1]}")
