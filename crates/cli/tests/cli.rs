@@ -1132,6 +1132,100 @@ fn a_run_written_by_an_earlier_version_evaluates_and_resumes() {
     }
 }
 
+/// `weights` rewritten with tensor `name` stored as `dtype`: its F32
+/// values converted (BF16, F16), or its bytes declared as that type (I32,
+/// U8: what a careless or hostile writer could do).
+fn retyped(weights: &Path, name: &str, dtype: safetensors::Dtype) -> Vec<u8> {
+    use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+    let bytes = std::fs::read(weights).unwrap();
+    let file = SafeTensors::deserialize(&bytes).unwrap();
+    let data: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = file
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            if n != name {
+                return (n, Dtype::F32, v.shape().to_vec(), v.data().to_vec());
+            }
+            let f32s = v
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()));
+            let data = match dtype {
+                Dtype::BF16 => f32s
+                    .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
+                    .collect(),
+                _ => v.data().to_vec(),
+            };
+            let shape = match dtype {
+                Dtype::U8 => vec![v.data().len()],
+                _ => v.shape().to_vec(),
+            };
+            (n, dtype, shape, data)
+        })
+        .collect();
+    let views: Vec<_> = data
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize(views, None).unwrap()
+}
+
+/// An export whose tensor is declared another type than F32 is refused
+/// with one line naming the tensor (before burn's loader, which panicked
+/// and then spun forever on it); one stored as BF16 loads, widened, and
+/// scores about as the F32 original.
+#[test]
+fn exports_of_other_tensor_types_are_refused_or_widened() {
+    use safetensors::Dtype;
+    let dir = tempfile::tempdir().unwrap();
+    let run = fixture_run(dir.path(), "run-format-2");
+    let export = dir.path().join("m.safetensors");
+    let (run_s, export_s) = (run.to_str().unwrap(), export.to_str().unwrap());
+    ok(&["export", "--checkpoint", run_s, "--out", export_s]);
+    let config = run.join("config.toml");
+    let eval = |weights: &Path| {
+        let out = ok(&[
+            "eval",
+            "--checkpoint",
+            weights.to_str().unwrap(),
+            "--config",
+            config.to_str().unwrap(),
+            "--json",
+        ]);
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()["loss"]
+            .as_f64()
+            .unwrap()
+    };
+    let original = eval(&export);
+    let info = std::fs::read(export.with_extension("json")).unwrap();
+    let name = "sublayers.0.kvg_proj.weight";
+    for (dtype, tag) in [
+        (Dtype::I32, "I32"),
+        (Dtype::U8, "U8"),
+        (Dtype::BF16, "BF16"),
+    ] {
+        let other = dir.path().join(format!("{tag}.safetensors"));
+        std::fs::write(&other, retyped(&export, name, dtype)).unwrap();
+        std::fs::write(other.with_extension("json"), &info).unwrap();
+        if dtype == Dtype::BF16 {
+            let widened = eval(&other);
+            assert!(
+                (widened - original).abs() <= 1e-2 * original,
+                "{widened} {original}"
+            );
+            continue;
+        }
+        let args = [
+            "eval",
+            "--checkpoint",
+            other.to_str().unwrap(),
+            "--config",
+            config.to_str().unwrap(),
+        ];
+        fails(&args, &format!("tensor {name} is stored as {tag}"));
+    }
+}
+
 /// A checkpoint read with the safetensors crate alone (no burn): every
 /// parameter of the config under its path with its shape, float32; both
 /// moments of every trained parameter, and its step count; and the step in

@@ -26,7 +26,7 @@ use crate::error::TrainError;
 use crate::fault::{Point, inject};
 use crate::inference::sample::{SampleOptions, sample};
 use crate::placement::device::{check_precision, device_name};
-use crate::placement::{B, Model, fork_onto, host_values, seeded_draw};
+use crate::placement::{B, Model, cpu_autodiff, fork_onto, host_values, seeded_draw};
 use crate::step::gradients::{flatten_grads, shared_grads};
 use crate::trainer::Trainer;
 
@@ -124,6 +124,14 @@ fn settings(precision: Precision) -> TrainSection {
         seed: SEED,
         ..TrainSection::default()
     }
+}
+
+/// The checked model's weights, drawn once on the CPU (with autodiff) for
+/// both sides: two draws could differ where other threads of the process
+/// draw from the backend's shared generator meanwhile.
+fn drawn(cfg: &TransformerVqConfig) -> Result<Model, TrainError> {
+    let cpu = cpu_autodiff();
+    Ok(seeded_draw(&cpu, Some(SEED), || cfg.init::<B>(&cpu))?)
 }
 
 /// Segment `i` of a fixed token stream, `ROWS x LEN`.
@@ -287,8 +295,10 @@ fn training_step(
 ) -> Result<Vec<Check>, TrainError> {
     let cfg = model_config(RelativeBias::Toeplitz);
     let settings = settings(Precision::F32);
-    let mut on_device = Trainer::new(&cfg, &settings, std::slice::from_ref(device))?;
-    let mut on_cpu = Trainer::new(&cfg, &settings, std::slice::from_ref(cpu))?;
+    let net = drawn(&cfg)?;
+    let mut on_device =
+        Trainer::with_weights(net.clone(), &settings, std::slice::from_ref(device))?;
+    let mut on_cpu = Trainer::with_weights(net, &settings, std::slice::from_ref(cpu))?;
     let batch = segment(0, true);
     let grads_of = |t: &mut Trainer| -> Result<_, TrainError> {
         let mut g = t.gradients(&batch)?;
@@ -390,10 +400,11 @@ fn reduced_precision(
             })
             .collect());
     }
-    let cfg = model_config(RelativeBias::Toeplitz);
+    let net = drawn(&model_config(RelativeBias::Toeplitz))?;
     let batch = segment(0, true);
     let run = |d: &DispatchDevice| -> Result<(Vec<f32>, Vec<f32>), TrainError> {
-        let mut t = Trainer::new(&cfg, &settings(precision), std::slice::from_ref(d))?;
+        let mut t =
+            Trainer::with_weights(net.clone(), &settings(precision), std::slice::from_ref(d))?;
         let mut g = t.gradients(&batch)?;
         let mut values = vec![];
         flatten_grads(t.model(), &mut g.grads, &mut values);

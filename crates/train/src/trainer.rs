@@ -125,6 +125,20 @@ impl Trainer {
         settings: &TrainSection,
         devices: &[DispatchDevice],
     ) -> Result<Self, TrainError> {
+        let cpu = cpu_autodiff();
+        let net = seeded_draw(&cpu, Some(settings.seed), || model.init::<B>(&cpu))?;
+        Self::with_weights(net, settings, devices)
+    }
+
+    /// [`Self::new`] with the weights of `net` (a model on the CPU with
+    /// autodiff) instead of drawn ones: how `tvq check` gives the device
+    /// and the CPU one draw, whatever else draws from the backend's shared
+    /// generator meanwhile.
+    pub(crate) fn with_weights(
+        mut net: Model,
+        settings: &TrainSection,
+        devices: &[DispatchDevice],
+    ) -> Result<Self, TrainError> {
         check_devices(devices, settings.workers)?;
         for d in devices {
             check_precision(d, settings.precision).map_err(|reason| TrainError::Config {
@@ -141,8 +155,8 @@ impl Trainer {
         let device = DispatchDevice::autodiff(devices[0].clone());
         // Drawn on the CPU and moved: the same weights on every backend.
         let cpu = cpu_autodiff();
-        let mut net = seeded_draw(&cpu, Some(settings.seed), || model.init::<B>(&cpu))?;
         net.set_precision(settings.precision);
+        let n_sublayers = net.sublayers.len();
         let net = if device == cpu {
             net
         } else {
@@ -153,10 +167,10 @@ impl Trainer {
             device,
             devices: devices.to_vec(),
             worker_devices,
-            n_sublayers: model.n_sublayers(),
+            n_sublayers,
             model: Some(net),
             optim: Optimizers::new(settings),
-            states: vec![ModelState::new(model.n_sublayers()); settings.shards()],
+            states: vec![ModelState::new(n_sublayers); settings.shards()],
             progress: TrainerState {
                 loss_scale: loss_scale_for(settings.precision, None),
                 ..TrainerState::default()

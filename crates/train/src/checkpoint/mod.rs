@@ -354,11 +354,16 @@ fn read_model(
 }
 
 /// `model` with the weights of the safetensors file `path` (a checkpoint's
-/// `model.safetensors` or an export), every parameter required.
+/// `model.safetensors` or an export), every parameter required. Tensors
+/// stored as F16 or BF16 load widened to F32 (exactly); any other type is
+/// an error naming the tensor, checked before burn sees the file (whose
+/// loader panics on a type it does not expect).
 pub(crate) fn read_weights(path: &Path, mut model: Model) -> Result<Model, TrainError> {
     let fail = |reason: String| bad(path, reason);
+    let bytes = std::fs::read(path).map_err(|e| TrainError::io(path, e))?;
+    let bytes = tensor_file::widened_to_f32(bytes).map_err(fail)?;
     let result = model
-        .load_from(&mut SafetensorsStore::from_file(path.to_path_buf()))
+        .load_from(&mut SafetensorsStore::from_bytes(Some(bytes)))
         .map_err(|e| fail(e.to_string()))?;
     if !result.missing.is_empty() || !result.errors.is_empty() {
         return Err(fail(format!(

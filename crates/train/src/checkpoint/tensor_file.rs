@@ -193,6 +193,58 @@ pub(crate) fn f32_values(view: &safetensors::tensor::TensorView<'_>) -> Vec<f32>
         .collect()
 }
 
+/// A safetensors file whose tensors are all F32: `bytes` itself when they
+/// already are, else the file written again with its F16 and BF16 tensors
+/// widened to F32 (every such value is exactly an F32). Any other type is
+/// an error naming the first such tensor.
+pub(crate) fn widened_to_f32(bytes: Vec<u8>) -> Result<Vec<u8>, String> {
+    use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+    let file = SafeTensors::deserialize(&bytes).map_err(|e| e.to_string())?;
+    let mut tensors = file.tensors();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    if let Some((name, view)) = tensors
+        .iter()
+        .find(|(_, v)| !matches!(v.dtype(), Dtype::F32 | Dtype::F16 | Dtype::BF16))
+    {
+        return Err(format!(
+            "tensor {name} is stored as {:?}; tvq reads F32 (or F16 and BF16, widened)",
+            view.dtype()
+        ));
+    }
+    if tensors.iter().all(|(_, v)| v.dtype() == Dtype::F32) {
+        return Ok(bytes);
+    }
+    let widened: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(name, v)| {
+            let halves = v
+                .data()
+                .chunks_exact(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]));
+            let data: Vec<u8> = match v.dtype() {
+                Dtype::F32 => v.data().to_vec(),
+                Dtype::BF16 => halves
+                    .flat_map(|h| half::bf16::from_bits(h).to_f32().to_le_bytes())
+                    .collect(),
+                _ => halves
+                    .flat_map(|h| half::f16::from_bits(h).to_f32().to_le_bytes())
+                    .collect(),
+            };
+            (name.clone(), v.shape().to_vec(), data)
+        })
+        .collect();
+    let views = widened
+        .iter()
+        .map(|(name, shape, data)| {
+            TensorView::new(Dtype::F32, shape.clone(), data)
+                .map(|v| (name.clone(), v))
+                .map_err(|e| e.to_string())
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| e.to_string())?;
+    safetensors::serialize(views, header.metadata().clone()).map_err(|e| e.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -205,6 +257,59 @@ mod tests {
             shape: shape.to_vec(),
             values: Box::new(move || (0..n).map(|i| start + i as f32).collect()),
         }
+    }
+
+    /// An all-F32 file passes as it is; F16 and BF16 tensors come back as
+    /// the F32 values they stand for, exactly, with the metadata kept.
+    #[test]
+    fn half_precision_tensors_widen_exactly_and_f32_files_pass_unchanged() {
+        use safetensors::tensor::TensorView;
+        let f32_file = safetensors::serialize(
+            [(
+                "a",
+                TensorView::new(Dtype::F32, vec![1], &1.5f32.to_le_bytes()).unwrap(),
+            )],
+            None,
+        )
+        .unwrap();
+        assert_eq!(widened_to_f32(f32_file.clone()).unwrap(), f32_file);
+        let values = [1.0f32, -2.5, 0.0078125, 384.0]; // exact in both types
+        let as_f16: Vec<u8> = values
+            .iter()
+            .flat_map(|&v| half::f16::from_f32(v).to_bits().to_le_bytes())
+            .collect();
+        let as_bf16: Vec<u8> = values
+            .iter()
+            .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
+            .collect();
+        let meta = Some(std::collections::HashMap::from([(
+            "k".to_string(),
+            "v".to_string(),
+        )]));
+        let mixed = safetensors::serialize(
+            [
+                (
+                    "h",
+                    TensorView::new(Dtype::F16, vec![2, 2], &as_f16).unwrap(),
+                ),
+                (
+                    "b",
+                    TensorView::new(Dtype::BF16, vec![4], &as_bf16).unwrap(),
+                ),
+            ],
+            meta.clone(),
+        )
+        .unwrap();
+        let widened = widened_to_f32(mixed).unwrap();
+        let file = SafeTensors::deserialize(&widened).unwrap();
+        for name in ["h", "b"] {
+            let t = file.tensor(name).unwrap();
+            assert_eq!(t.dtype(), Dtype::F32);
+            assert_eq!(f32_values(&t), values, "{name}");
+        }
+        assert_eq!(file.tensor("h").unwrap().shape(), [2, 2]);
+        let (_, header) = SafeTensors::read_metadata(&widened).unwrap();
+        assert_eq!(header.metadata(), &meta);
     }
 
     /// The safetensors crate reads what this writer wrote; the bytes do not
