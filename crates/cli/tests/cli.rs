@@ -1132,6 +1132,21 @@ fn a_run_written_by_an_earlier_version_evaluates_and_resumes() {
     }
 }
 
+/// `tvq eval --json`'s loss of the export `weights` on the corpus of `config`.
+fn export_loss(weights: &Path, config: &Path) -> f64 {
+    let out = ok(&[
+        "eval",
+        "--checkpoint",
+        weights.to_str().unwrap(),
+        "--config",
+        config.to_str().unwrap(),
+        "--json",
+    ]);
+    serde_json::from_str::<serde_json::Value>(&out).unwrap()["loss"]
+        .as_f64()
+        .unwrap()
+}
+
 /// `weights` rewritten with tensor `name` stored as `dtype`: its F32
 /// values converted (BF16, F16), or its bytes declared as that type (I32,
 /// U8: what a careless or hostile writer could do).
@@ -1183,19 +1198,7 @@ fn exports_of_other_tensor_types_are_refused_or_widened() {
     let (run_s, export_s) = (run.to_str().unwrap(), export.to_str().unwrap());
     ok(&["export", "--checkpoint", run_s, "--out", export_s]);
     let config = run.join("config.toml");
-    let eval = |weights: &Path| {
-        let out = ok(&[
-            "eval",
-            "--checkpoint",
-            weights.to_str().unwrap(),
-            "--config",
-            config.to_str().unwrap(),
-            "--json",
-        ]);
-        serde_json::from_str::<serde_json::Value>(&out).unwrap()["loss"]
-            .as_f64()
-            .unwrap()
-    };
+    let eval = |weights: &Path| export_loss(weights, &config);
     let original = eval(&export);
     let info = std::fs::read(export.with_extension("json")).unwrap();
     let name = "sublayers.0.kvg_proj.weight";

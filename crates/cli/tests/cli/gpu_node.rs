@@ -169,17 +169,7 @@ fn the_torch_reference_scores_an_export_as_tvq_does() {
             "--out",
             export.to_str().unwrap(),
         ]);
-        let tvq_eval = super::ok(&[
-            "eval",
-            "--checkpoint",
-            export.to_str().unwrap(),
-            "--config",
-            run.join("config.toml").to_str().unwrap(),
-            "--json",
-        ]);
-        let tvq_loss = serde_json::from_str::<serde_json::Value>(&tvq_eval).unwrap()["loss"]
-            .as_f64()
-            .unwrap();
+        let tvq_loss = super::export_loss(&export, &run.join("config.toml"));
         let out = Command::new(&python)
             .arg(repo().join("scripts/torch_reference.py"))
             .args(["eval", "--export", export.to_str().unwrap()])
