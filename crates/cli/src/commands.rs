@@ -14,7 +14,7 @@ use tvq_train::inference::export::{ExportInfo, export};
 use tvq_train::inference::load::load_for_inference;
 use tvq_train::parallel::collective::ClusterSpec;
 use tvq_train::placement::device::DeviceSpec;
-use tvq_train::placement::{Model, fork_onto};
+use tvq_train::placement::{Model, fork_onto, memory};
 use tvq_train::{
     AttentionShare, EvalOptions, PositionBucket, RunConfig, SampleOptions, TrainOptions, evaluate,
     inference::sample::sample_prompts, sample, train,
@@ -34,7 +34,9 @@ pub struct TrainArgs {
     /// Continue from the run directory's latest valid checkpoint.
     #[arg(long)]
     resume: bool,
-    /// Use a run directory that holds another run (deletes its checkpoints unless resuming).
+    /// Use a run directory that holds another run or files tvq did not
+    /// write (deletes its checkpoints unless resuming); also train when the
+    /// memory estimate exceeds the memory free.
     #[arg(long)]
     force: bool,
     /// Override a config value, e.g. --set train.lr=3e-4 (repeatable).
@@ -177,6 +179,9 @@ pub struct EvalArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+    /// Go on when the memory estimate exceeds the memory free.
+    #[arg(long)]
+    force: bool,
 }
 
 /// Options of `tvq sample`.
@@ -220,6 +225,9 @@ pub struct SampleArgs {
     /// Device: cpu, wgpu, wgpu:N, cuda or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     device: DeviceSpec,
+    /// Go on when the memory estimate exceeds the memory free.
+    #[arg(long)]
+    force: bool,
 }
 
 /// Options of `tvq export`.
@@ -438,6 +446,12 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
             corpus.vocab.size()
         );
     }
+    let estimate = memory::evaluation(
+        &loaded.model_config,
+        cfg.eval.batch_size,
+        cfg.eval.update_len,
+    );
+    memory::check(&estimate, memory::available(&devices[0]), args.force)?;
     let split = corpus.split(match args.split {
         SplitArg::Validation => Split::Validation,
         SplitArg::Test => Split::Test,
@@ -531,15 +545,18 @@ pub fn run_sample(args: SampleArgs) -> Result<()> {
     if !(args.top_p > 0.0 && args.top_p <= 1.0) {
         bail!("--top-p must be in (0, 1], got {}", args.top_p);
     }
-    if args.temperature < 0.0 {
+    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
         bail!(
-            "--temperature must not be negative, got {}",
+            "--temperature must be a number of at least 0, got {}",
             args.temperature
         );
     }
     let texts = prompt_texts(&args)?;
     let device = init_device(args.device)?;
     let mut loaded = load_for_inference(&args.checkpoint, None, &device)?;
+    let rows = args.num_samples.saturating_mul(texts.len());
+    let estimate = memory::sampling(&loaded.model_config, rows, args.max_tokens);
+    memory::check(&estimate, memory::available(&device), args.force)?;
     args.cache_limit.apply(&mut loaded.model);
     let prompts = texts
         .iter()

@@ -1756,6 +1756,9 @@ fn nodes_that_never_meet_or_disagree_fail_with_one_line() {
 mod faults;
 #[path = "cli/gpu_node.rs"]
 mod gpu_node;
+/// Files from anywhere: forged checkpoints, lying sizes, foreign run directories.
+#[path = "cli/hostile.rs"]
+mod hostile;
 #[path = "cli/layering.rs"]
 mod layering;
 #[path = "cli/logs.rs"]

@@ -123,7 +123,7 @@ impl TrainBatches {
                 "sequence_len ({sequence_len}) must be a positive multiple of update_len ({update_len})"
             )));
         }
-        let needed = batch * sequence_len;
+        let needed = batch.saturating_mul(sequence_len);
         if split.len() < needed {
             return Err(DataError::SplitTooSmall {
                 split: split.split.to_string(),
@@ -142,6 +142,17 @@ impl TrainBatches {
             order: (0, vec![]),
             rows: 0..batch,
         };
+        // A cursor from a checkpoint of a run over another corpus (or this
+        // one, since shrunk) may point past this corpus's epoch.
+        if cursor.step >= batches.steps_per_epoch() {
+            return Err(DataError::Layout(format!(
+                "the data position (batch {} of epoch {}) lies beyond an epoch of this corpus \
+                 ({} batches): the corpus changed since the checkpoint was written",
+                cursor.step,
+                cursor.epoch,
+                batches.steps_per_epoch()
+            )));
+        }
         batches.order = (cursor.epoch, batches.epoch_order(cursor.epoch));
         Ok(batches)
     }
@@ -276,6 +287,12 @@ impl EvalBatches {
             return Err(DataError::Layout(
                 "batch and update_len must be at least 1".into(),
             ));
+        }
+        if batch > split.len() {
+            return Err(DataError::Layout(format!(
+                "an evaluation batch of {batch} rows, more than the split's {} tokens",
+                split.len()
+            )));
         }
         let region = split.len().div_ceil(batch);
         Ok(Self {

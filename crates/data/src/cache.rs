@@ -117,6 +117,20 @@ impl CacheWriter {
     pub fn push(&mut self, token: u32) -> Result<(), DataError> {
         let bytes = token.to_le_bytes();
         let out = self.out.as_mut().expect("writer is open until finish");
+        let fits = match self.width {
+            1 => (N_SPECIAL..N_SPECIAL + 256).contains(&token),
+            2 => token <= u32::from(u16::MAX),
+            _ => true,
+        };
+        if !fits {
+            return Err(DataError::BadCache {
+                path: self.path.clone(),
+                reason: format!(
+                    "token id {token} does not fit its {}-byte width",
+                    self.width
+                ),
+            });
+        }
         let r = match self.width {
             1 => out.write_all(&[(token - N_SPECIAL) as u8]),
             2 => out.write_all(&bytes[..2]),
@@ -212,7 +226,8 @@ pub fn open_cache(
         .map_err(|_| bad("info is not UTF-8"))?
         .to_string();
     let offset = (FIXED + fp_len + info_len).div_ceil(ALIGN) * ALIGN;
-    if map.len() != offset + count * width {
+    let data = count.checked_mul(width).and_then(|d| d.checked_add(offset));
+    if data != Some(map.len()) {
         return Err(bad("truncated token data"));
     }
     Ok(Some((
@@ -255,5 +270,26 @@ mod tests {
             open_cache(&path, "other").unwrap().is_none(),
             "another fingerprint is stale"
         );
+    }
+
+    /// A cache refuses an id its width cannot hold (instead of keeping its
+    /// low bytes), and a header whose count overflows is a bad cache.
+    #[test]
+    fn caches_hold_every_id_or_refuse_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.tvq-cache");
+        let mut w = CacheWriter::create(&path, "fp", 2).unwrap();
+        w.push(65_535).unwrap();
+        let err = w.push(65_536).unwrap_err();
+        assert!(err.to_string().contains("65536"), "{err}");
+        drop(w);
+        let mut w = CacheWriter::create(&path, "fp", 2).unwrap();
+        w.push(7).unwrap();
+        w.finish("fp", "{}").unwrap();
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
+        std::fs::write(&path, bytes).unwrap();
+        let err = open_cache(&path, "fp").unwrap_err();
+        assert!(err.to_string().contains("truncated"), "{err}");
     }
 }

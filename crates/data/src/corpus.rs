@@ -157,22 +157,37 @@ fn cache_path(spec: &DataConfig, name: &str) -> PathBuf {
     }
 }
 
-/// The `.txt` files under `dir`, recursively, in name order.
+/// The `.txt` files under `dir`, recursively, in name order, each real
+/// file once: directories and files are told apart by their canonical
+/// path, so a symbolic-link loop is walked once and a file reached by
+/// several links (which would put the same text in two splits) is read
+/// under its first name only.
 pub fn text_files(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
+    let canonical = |p: &Path| std::fs::canonicalize(p).map_err(|e| DataError::io(p, e));
     let mut files = vec![];
+    let mut seen_dirs = std::collections::HashSet::from([canonical(dir)?]);
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
         for entry in std::fs::read_dir(&d).map_err(|e| DataError::io(&d, e))? {
             let path = entry.map_err(|e| DataError::io(&d, e))?.path();
             if path.is_dir() {
-                stack.push(path);
+                if seen_dirs.insert(canonical(&path)?) {
+                    stack.push(path);
+                }
             } else if path.extension().is_some_and(|e| e == "txt") {
                 files.push(path);
             }
         }
     }
     files.sort();
-    Ok(files)
+    let mut seen_files = std::collections::HashSet::new();
+    let mut unique = vec![];
+    for file in files {
+        if seen_files.insert(canonical(&file)?) {
+            unique.push(file);
+        }
+    }
+    Ok(unique)
 }
 
 /// Cuts the concatenation of `files` at byte fractions 90% and 95%.

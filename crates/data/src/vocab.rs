@@ -61,10 +61,28 @@ impl std::fmt::Debug for Vocab {
     }
 }
 
+/// The largest `tokenizer.json` read (those of the largest public
+/// vocabularies hold tens of MiB).
+const TOKENIZER_LIMIT: u64 = 1 << 30;
+
 impl Vocab {
     /// Loads a `tokenizer.json`; it must define an end-of-document token
     /// (one of [`EOS_NAMES`]).
     pub fn load_tokenizer(path: &Path) -> Result<Self, DataError> {
+        // The path may come from a downloaded export: a special file
+        // (`/dev/zero`) or a huge one is refused before it is read.
+        let meta = std::fs::metadata(path);
+        if let Ok(meta) = &meta
+            && (!meta.is_file() || meta.len() > TOKENIZER_LIMIT)
+        {
+            return Err(DataError::BadTokenizer {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "not a regular file of at most {} MiB",
+                    TOKENIZER_LIMIT >> 20
+                ),
+            });
+        }
         let bytes = std::fs::read(path).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => DataError::BadTokenizer {
                 path: path.to_path_buf(),
@@ -83,6 +101,19 @@ impl Vocab {
                 path: path.to_path_buf(),
                 reason: format!("it has no end-of-document token (one of {EOS_NAMES:?})"),
             })?;
+        // Ids index the embedding and are stored in caches as wide as the
+        // vocabulary needs: one beyond it would read outside the table.
+        let size = tokenizer.get_vocab_size(true);
+        if let Some((token, id)) = tokenizer
+            .get_vocab(true)
+            .into_iter()
+            .find(|(_, id)| *id as usize >= size)
+        {
+            return Err(DataError::BadTokenizer {
+                path: path.to_path_buf(),
+                reason: format!("token {token:?} has id {id}, beyond its vocabulary of {size} ids"),
+            });
+        }
         Ok(Vocab::Tokenizer {
             tokenizer: Arc::new(tokenizer),
             eos,

@@ -452,3 +452,81 @@ fn a_node_reads_only_its_rows_of_each_batch() {
     assert!(it.clone().with_rows(2..4).is_err());
     assert!(it.with_rows(1..1).is_err());
 }
+
+/// Sizes and positions from untrusted places (a config, a checkpoint's
+/// cursor) are errors, not overflows, panics or allocations: a batch whose
+/// tokens overflow, a cursor past the epoch (a corpus shrunk since the
+/// checkpoint), an evaluation batch of more rows than tokens.
+#[test]
+fn sizes_and_cursors_beyond_the_corpus_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = text_corpus(dir.path(), 2_000);
+    let train = corpus.split(Split::Train);
+    let huge = TrainLayout {
+        batch: 1 << 62,
+        ..layout(0, true)
+    };
+    let err = TrainBatches::new(train.clone(), huge, TrainCursor::default()).unwrap_err();
+    assert!(matches!(err, DataError::SplitTooSmall { .. }), "{err}");
+    let batches =
+        TrainBatches::new(train.clone(), layout(0, true), TrainCursor::default()).unwrap();
+    let per_epoch = batches.steps_per_epoch();
+    let last = TrainCursor {
+        epoch: 3,
+        step: per_epoch - 1,
+    };
+    assert!(TrainBatches::new(train.clone(), layout(0, true), last).is_ok());
+    let past = TrainCursor {
+        epoch: 0,
+        step: per_epoch,
+    };
+    let err = TrainBatches::new(train, layout(0, true), past).unwrap_err();
+    assert!(err.to_string().contains("corpus changed"), "{err}");
+    let valid = corpus.split(Split::Validation);
+    let rows = valid.len();
+    assert!(EvalBatches::new(valid.clone(), rows, 8).is_ok());
+    let err = EvalBatches::new(valid, 1_000_000_000_000, 8).unwrap_err();
+    assert!(err.to_string().contains("1000000000000 rows"), "{err}");
+}
+
+/// A corpus directory holding a symbolic-link loop and a second link to
+/// one of its files reads each real file once.
+#[cfg(unix)]
+#[test]
+fn a_corpus_directory_reads_each_real_file_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("corpus");
+    std::fs::create_dir_all(root.join("sub")).unwrap();
+    std::fs::write(root.join("a.txt"), "first").unwrap();
+    std::fs::write(root.join("sub/b.txt"), "second").unwrap();
+    std::os::unix::fs::symlink(&root, root.join("sub/loop")).unwrap();
+    std::os::unix::fs::symlink(root.join("a.txt"), root.join("z.txt")).unwrap();
+    let files = tvq_data::text_files(&root).unwrap();
+    assert_eq!(files, [root.join("a.txt"), root.join("sub/b.txt")]);
+}
+
+/// A tokenizer whose ids reach past its own vocabulary is refused (its
+/// ids would index outside the embedding); one whose ids fit loads.
+#[test]
+fn a_tokenizer_with_ids_beyond_its_vocabulary_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = |top: u32| {
+        let path = dir.path().join(format!("tok-{top}.json"));
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"<eod>": 0, "a": 1, "b": top},
+                      "unk_token": "<eod>"}
+        });
+        std::fs::write(&path, json.to_string()).unwrap();
+        path
+    };
+    assert_eq!(
+        tvq_data::Vocab::load_tokenizer(&tokenizer(2))
+            .unwrap()
+            .size(),
+        3
+    );
+    let err = tvq_data::Vocab::load_tokenizer(&tokenizer(70_000)).unwrap_err();
+    assert!(err.to_string().contains("id 70000"), "{err}");
+}

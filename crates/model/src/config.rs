@@ -315,6 +315,54 @@ impl TransformerVqConfig {
         2 * self.n_layer
     }
 
+    /// Number of parameters (every float of the model, the EMA codebook
+    /// statistics included), from the config alone: nothing is allocated,
+    /// so a size can be checked before a model is built. Saturates instead
+    /// of overflowing. Per GAU sublayer (`Q = K + P`, `P` the rotary
+    /// position channel): the input norm `2 D`, projections `D H Q`,
+    /// `D H (K + 2 V)` and `H V D`, the codebook `H S K + H S`, and the
+    /// position term (Toeplitz `H (L + 1)`; XL `D H K + 2 H K`; rotary
+    /// none); then the embedding `vocab D`, the final norm `2 D` and the
+    /// output head `D vocab + vocab` (the bias `vocab` alone when tied).
+    pub fn num_params(&self) -> usize {
+        let [d, k, v, h, s, l, n] = [
+            self.d_model,
+            self.d_k,
+            self.d_v,
+            self.n_head,
+            self.n_code,
+            self.block_len,
+            self.vocab_size,
+        ];
+        let q = k.saturating_add(self.rotary_channel_width());
+        let sum = |xs: &[usize]| xs.iter().fold(0usize, |a, &x| a.saturating_add(x));
+        let mul = |xs: &[usize]| xs.iter().fold(1usize, |a, &x| a.saturating_mul(x));
+        let position = match self.bias {
+            RelativeBias::Toeplitz => mul(&[h, l.saturating_add(1)]),
+            RelativeBias::Xl => sum(&[mul(&[d, h, k]), mul(&[2, h, k])]),
+            RelativeBias::Rotary => 0,
+        };
+        let sublayer = sum(&[
+            mul(&[2, d]),
+            mul(&[d, h, q]),
+            mul(&[d, h, k.saturating_add(mul(&[2, v]))]),
+            mul(&[h, v, d]),
+            mul(&[h, s, k]),
+            mul(&[h, s]),
+            position,
+        ]);
+        let head = match self.tie_embeddings {
+            true => n,
+            false => sum(&[mul(&[d, n]), n]),
+        };
+        sum(&[
+            mul(&[2, self.n_layer, sublayer]),
+            mul(&[n, d]),
+            if self.final_norm { mul(&[2, d]) } else { 0 },
+            head,
+        ])
+    }
+
     /// Model FLOPs of one token's forward pass in a segment of `seq_len`
     /// tokens: the matrix products, a multiply-add counted as 2 FLOPs.
     /// Per GAU sublayer (`Q = K + P` the query and key width with the

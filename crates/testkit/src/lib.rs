@@ -1,7 +1,7 @@
 //! Test support shared by the tests of tvq's crates, and by nothing else
 //! (a dev-dependency only): which GPU the backend tests compare with the
 //! CPU and what a test does when it is missing, the tiny model of the unit
-//! tests, and waiting on a child process.
+//! tests, waiting on a child process, and a heap allocator that counts.
 //!
 //! It knows nothing of how a device is probed: each crate probes with its
 //! own code (a second copy of the probes in one test binary would set up a
@@ -108,6 +108,56 @@ pub fn wait_for(child: &mut Child, what: &str, done: impl Fn() -> bool) {
         }
         assert!(start.elapsed() < Duration::from_secs(300), "no {what}");
         std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// The system allocator, counting the bytes held now and the most held: a
+/// test binary that installs it (`#[global_allocator] static A:
+/// CountingAllocator = CountingAllocator;`) measures its own heap, which
+/// is where the CPU backend keeps its tensors. Counts are process-wide, so
+/// such a binary measures one thing at a time.
+pub struct CountingAllocator;
+
+static HELD: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static PEAK: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+impl CountingAllocator {
+    /// Bytes held now.
+    pub fn held() -> usize {
+        HELD.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The most bytes held since the last [`Self::reset_peak`].
+    pub fn peak() -> usize {
+        PEAK.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Starts a new peak from what is held now; returns that.
+    pub fn reset_peak() -> usize {
+        let held = Self::held();
+        PEAK.store(held, std::sync::atomic::Ordering::SeqCst);
+        held
+    }
+}
+
+// SAFETY: every call goes to the system allocator unchanged; only counters
+// are added.
+unsafe impl std::alloc::GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        use std::sync::atomic::Ordering::SeqCst;
+        // SAFETY: the caller's contract is passed on.
+        let p = unsafe { std::alloc::System.alloc(layout) };
+        if !p.is_null() {
+            let held = HELD.fetch_add(layout.size(), SeqCst) + layout.size();
+            PEAK.fetch_max(held, SeqCst);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        // SAFETY: the caller's contract is passed on.
+        unsafe { std::alloc::System.dealloc(ptr, layout) };
+        HELD.fetch_sub(layout.size(), std::sync::atomic::Ordering::SeqCst);
     }
 }
 

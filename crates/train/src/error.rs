@@ -91,6 +91,19 @@ pub enum TrainError {
         /// The last checkpoint.
         checkpoint: String,
     },
+    /// A command would need more memory than the device has.
+    #[error(
+        "{settings} needs at least {needed} of memory, more than the {available} free: \
+         lower them, or pass --force to try anyway"
+    )]
+    Memory {
+        /// The estimate.
+        needed: String,
+        /// The memory free.
+        available: String,
+        /// The settings that size it.
+        settings: String,
+    },
     /// A path given for inference holds no model.
     #[error(
         "{0} is neither a checkpoint, a run directory with a valid checkpoint nor a .safetensors export"

@@ -4,43 +4,15 @@
 //! allocations mix into the count (the CPU backend keeps its tensors on the
 //! Rust heap).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use tvq_data::Batch;
 use tvq_model::TransformerVqConfig;
+use tvq_testkit::CountingAllocator;
 use tvq_train::Trainer;
 use tvq_train::config::{ActivationCheckpointing, TrainSection};
 use tvq_train::placement::device::DeviceSpec;
 
-/// The system allocator, counting the bytes held now and the most held.
-struct Counting;
-
-static HELD: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: every call goes to the system allocator unchanged; only counters
-// are added.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: the caller's contract is passed on.
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            let held = HELD.fetch_add(layout.size(), Ordering::SeqCst) + layout.size();
-            PEAK.fetch_max(held, Ordering::SeqCst);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: the caller's contract is passed on.
-        unsafe { System.dealloc(ptr, layout) };
-        HELD.fetch_sub(layout.size(), Ordering::SeqCst);
-    }
-}
-
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
+static ALLOCATOR: CountingAllocator = CountingAllocator;
 
 /// The most heap one step's passes add, in bytes, under `mode`: a model of
 /// 4 layers (8 sublayers) on 2 rows of 512 tokens, after one untimed pass
@@ -72,11 +44,10 @@ fn peak_of_the_passes(mode: ActivationCheckpointing) -> usize {
         reset: true,
     };
     trainer.gradients(&batch).unwrap();
-    let before = HELD.load(Ordering::SeqCst);
-    PEAK.store(before, Ordering::SeqCst);
+    let before = CountingAllocator::reset_peak();
     let grads = trainer.gradients(&batch).unwrap();
     drop(grads);
-    PEAK.load(Ordering::SeqCst) - before
+    CountingAllocator::peak() - before
 }
 
 /// `selective` (burn's balanced checkpointing) keeps less than `none`, and

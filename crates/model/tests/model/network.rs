@@ -517,3 +517,30 @@ fn the_rotary_position_channel_scores_and_learns() {
     };
     assert!(max_abs_diff(run(&m), run(&zeroed)) > 1e-3);
 }
+
+/// The parameter count read from the config (with nothing allocated)
+/// is burn's count of the built model's floats, for each position term,
+/// heads, a rotary channel, a tied or untied head and a final norm.
+#[test]
+fn the_config_counts_the_parameters_of_the_model_it_builds() {
+    let device = cpu();
+    let base = tvq_testkit::tiny_model(37).with_n_code(6).with_n_layer(2);
+    let variants = [
+        base.clone(),
+        base.clone().with_bias(RelativeBias::Xl).with_n_head(2),
+        base.clone()
+            .with_bias(RelativeBias::Rotary)
+            .with_rotary_channel(Some(4)),
+        base.clone().with_bias(RelativeBias::Rotary),
+        base.clone().with_tie_embeddings(true).with_final_norm(true),
+        base.with_attention(AttentionForm::Quadratic)
+            .with_block_len(3),
+    ];
+    for cfg in variants {
+        let built = cfg.init::<B>(&device).unwrap().num_params();
+        assert_eq!(cfg.num_params(), built, "{cfg:?}");
+    }
+    // Sizes far beyond memory count without overflow or allocation.
+    let huge = TransformerVqConfig::new(usize::MAX).with_d_model(1 << 40);
+    assert_eq!(huge.num_params(), usize::MAX);
+}

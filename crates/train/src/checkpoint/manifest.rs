@@ -18,8 +18,8 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use tvq_data::hash::fnv1a;
 
-use super::bad;
 use super::tensor_file::{Written, hash_file};
+use super::{bad, untrusted};
 use crate::error::TrainError;
 
 /// The checkpoint format this version writes.
@@ -42,6 +42,12 @@ fn required(format: u32) -> &'static [&'static str] {
             "trainer.json",
         ],
     }
+}
+
+/// Whether a checkpoint of `format` may hold a file `name`: one it must
+/// list, or format 1's optional Toeplitz moments.
+fn known(format: u32, name: &str) -> bool {
+    required(format).contains(&name) || (format == 1 && name == "optim-toeplitz.bin")
 }
 
 #[derive(Serialize, Deserialize)]
@@ -78,9 +84,19 @@ pub(crate) fn to_bytes(files: &BTreeMap<&str, Written>) -> Vec<u8> {
 
 /// Checks every file of the checkpoint `dir` against its manifest; returns
 /// the checkpoint's format.
+///
+/// The manifest is untrusted: each entry must name a file a checkpoint
+/// holds (a plain name, so nothing outside `dir` is ever opened), that file
+/// must be a regular file (not a link, not `/dev/zero`) of the size stated,
+/// checked from its metadata before a byte of it is read.
 pub(crate) fn verify(dir: &Path) -> Result<u32, TrainError> {
-    let text = std::fs::read(dir.join("manifest.json"))
-        .map_err(|_| bad(dir, "no manifest.json (incomplete checkpoint)"))?;
+    let path = dir.join("manifest.json");
+    let text = match untrusted::read_at_most(&path, untrusted::JSON_LIMIT) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(bad(dir, "no manifest.json (incomplete checkpoint)"));
+        }
+        other => other.map_err(|e| bad(dir, format!("manifest.json {e}")))?,
+    };
     let json: serde_json::Value =
         serde_json::from_slice(&text).map_err(|e| bad(dir, format!("manifest.json: {e}")))?;
     let (format, files) = match json.get("format") {
@@ -114,6 +130,14 @@ pub(crate) fn verify(dir: &Path) -> Result<u32, TrainError> {
             (1, files.collect())
         }
     };
+    for (name, ..) in &files {
+        if !known(format, name) {
+            return Err(bad(
+                dir,
+                format!("manifest.json lists {name:?}, which is not a file of a checkpoint"),
+            ));
+        }
+    }
     for name in required(format) {
         if !files.iter().any(|(n, ..)| n == name) {
             return Err(bad(dir, format!("manifest lacks {name}")));
@@ -121,15 +145,24 @@ pub(crate) fn verify(dir: &Path) -> Result<u32, TrainError> {
     }
     for (name, bytes, want) in files {
         let path = dir.join(&name);
-        let missing = |_| bad(dir, format!("{name} is missing"));
-        let got = if format == 1 {
-            let data = std::fs::read(&path).map_err(missing)?;
-            (data.len() as u64, format!("{:016x}", fnv1a(&data)))
-        } else {
-            let w = hash_file(&path).map_err(missing)?;
-            (w.bytes, format!("{:016x}", w.xxh3))
+        let unfit = |e: std::io::Error| match e.kind() {
+            std::io::ErrorKind::NotFound => bad(dir, format!("{name} is missing")),
+            _ => bad(dir, format!("{name} {e}")),
         };
-        if got != (bytes, want) {
+        let len = untrusted::regular_file_len(&path).map_err(unfit)?;
+        if len != bytes {
+            return Err(bad(
+                dir,
+                format!("{name} holds {len} bytes, its manifest says {bytes}"),
+            ));
+        }
+        let got = if format == 1 {
+            let data = untrusted::read_exactly(&path, bytes).map_err(unfit)?;
+            format!("{:016x}", fnv1a(&data))
+        } else {
+            format!("{:016x}", hash_file(&path).map_err(unfit)?.xxh3)
+        };
+        if got != want {
             return Err(bad(dir, format!("{name} does not match its checksum")));
         }
     }

@@ -24,7 +24,7 @@ use burn::store::{ModuleSnapshot, SafetensorsStore};
 use burn::tensor::backend::DeviceOps;
 use serde::{Deserialize, Serialize};
 use tvq_data::TrainCursor;
-use tvq_model::ModelState;
+use tvq_model::{ModelState, TransformerVqConfig};
 
 use crate::error::TrainError;
 use crate::fault::{self, Point};
@@ -36,6 +36,7 @@ mod manifest;
 mod named;
 mod state;
 pub(crate) mod tensor_file;
+pub(crate) mod untrusted;
 
 pub use manifest::FORMAT;
 pub(crate) use named::model_tensors;
@@ -318,11 +319,10 @@ pub fn load(
         _ => named::read_optimizer(&dir.join(OPTIMIZER), &model, optim, inner)?,
     };
     let state_path = dir.join(STATE);
-    let bytes = std::fs::read(&state_path).map_err(io(&state_path))?;
+    let bytes = untrusted::read_at_most(&state_path, u64::MAX).map_err(io(&state_path))?;
     let states = states_from_bytes(dir, &bytes, state_device)?;
-    let trainer_path = dir.join(TRAINER);
-    let trainer = serde_json::from_slice(&std::fs::read(&trainer_path).map_err(io(&trainer_path))?)
-        .map_err(|e| bad(dir, format!("trainer.json: {e}")))?;
+    state::check_states(&states, &model).map_err(|e| bad(dir, format!("{STATE}: {e}")))?;
+    let trainer = read_trainer(dir)?;
     Ok(Loaded {
         model,
         optim,
@@ -331,14 +331,56 @@ pub fn load(
     })
 }
 
-/// Loads only the model weights of a checkpoint (for evaluation and sampling).
-pub fn load_model(
+/// The `trainer.json` of the checkpoint `dir`, whose step must be the one
+/// the directory is named after.
+pub(crate) fn read_trainer(dir: &Path) -> Result<TrainerState, TrainError> {
+    let path = dir.join(TRAINER);
+    let bytes = untrusted::read_at_most(&path, untrusted::JSON_LIMIT).map_err(io(&path))?;
+    let trainer: TrainerState =
+        serde_json::from_slice(&bytes).map_err(|e| bad(dir, format!("{TRAINER}: {e}")))?;
+    let named = dir
+        .file_name()
+        .and_then(|n| n.to_str()?.strip_prefix("step-")?.parse::<u64>().ok());
+    if named.is_some_and(|n| n != trainer.step) {
+        return Err(bad(
+            dir,
+            format!(
+                "{TRAINER} says step {}, the directory's name another",
+                trainer.step
+            ),
+        ));
+    }
+    Ok(trainer)
+}
+
+/// The model of `cfg` with the weights of the checkpoint `dir`, on
+/// `device`: the weights file must hold the config's parameters (checked
+/// before the model is built, as for an export: a run's `config.toml` is
+/// as untrusted as the checkpoint beside it).
+pub fn load_model_of(
     dir: &Path,
-    model: Model,
+    cfg: &TransformerVqConfig,
     device: &burn::DispatchDevice,
 ) -> Result<Model, TrainError> {
-    let format = verify(dir)?;
-    read_model(dir, format, model, device)
+    match verify(dir)? {
+        1 => {
+            let bytes = untrusted::regular_file_len(&dir.join("model.bin"))
+                .map_err(|e| bad(dir, format!("model.bin {e}")))?;
+            // A record's floats are 4 bytes each: a quarter of that is a
+            // bound that no layout of the record can miss.
+            if bytes < cfg.num_params() as u64 {
+                return Err(bad(
+                    dir,
+                    format!(
+                        "model.bin holds {bytes} bytes, too few for the {} parameters of its config",
+                        cfg.num_params()
+                    ),
+                ));
+            }
+            format1::load_model(dir, cfg.init::<B>(device)?, device)
+        }
+        _ => read_weights_of(&dir.join(MODEL), cfg, device),
+    }
 }
 
 fn read_model(
@@ -358,9 +400,43 @@ fn read_model(
 /// stored as F16 or BF16 load widened to F32 (exactly); any other type is
 /// an error naming the tensor, checked before burn sees the file (whose
 /// loader panics on a type it does not expect).
-pub(crate) fn read_weights(path: &Path, mut model: Model) -> Result<Model, TrainError> {
+pub(crate) fn read_weights(path: &Path, model: Model) -> Result<Model, TrainError> {
+    let bytes = untrusted::read_at_most(path, u64::MAX).map_err(|e| TrainError::io(path, e))?;
+    load_weights(path, bytes, model)
+}
+
+/// The model of `cfg` on `device` with the weights of the safetensors
+/// file `path` (an export, whose config came with it): the file must hold
+/// at least the config's parameter count in values, checked before the
+/// model is built, so that a config that lies about its sizes is an error,
+/// not an allocation of whatever it claims.
+pub(crate) fn read_weights_of(
+    path: &Path,
+    cfg: &TransformerVqConfig,
+    device: &burn::DispatchDevice,
+) -> Result<Model, TrainError> {
+    let bytes = untrusted::read_at_most(path, u64::MAX).map_err(|e| TrainError::io(path, e))?;
+    let file =
+        safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad(path, e.to_string()))?;
+    let values = file
+        .tensors()
+        .iter()
+        .map(|(_, v)| v.shape().iter().product::<usize>())
+        .fold(0usize, usize::saturating_add);
+    let want = cfg.num_params();
+    if values < want {
+        return Err(bad(
+            path,
+            format!(
+                "holds {values} values, but the model its config describes has {want} parameters"
+            ),
+        ));
+    }
+    load_weights(path, bytes, cfg.init::<B>(device)?)
+}
+
+fn load_weights(path: &Path, bytes: Vec<u8>, mut model: Model) -> Result<Model, TrainError> {
     let fail = |reason: String| bad(path, reason);
-    let bytes = std::fs::read(path).map_err(|e| TrainError::io(path, e))?;
     let bytes = tensor_file::widened_to_f32(bytes).map_err(fail)?;
     let result = model
         .load_from(&mut SafetensorsStore::from_bytes(Some(bytes)))
@@ -557,8 +633,7 @@ pub(crate) mod tests {
         let optim = Optimizers::new(&crate::config::TrainSection::default());
         let dir = checkpoint_dir(run.path(), 0);
         format1::write(&dir, &old, &optim, &[], &TrainerState::default());
-        let fresh = cfg.with_rotary_channel(Some(4)).init::<B>(&device).unwrap();
-        let loaded = load_model(&dir, fresh, &device).unwrap();
+        let loaded = load_model_of(&dir, &cfg.with_rotary_channel(Some(4)), &device).unwrap();
         let tokens = Tensor::<B, 2, Int>::from_data([[1, 2, 3, 4, 5, 6]], &device);
         let logits = |m: &Model| {
             values(

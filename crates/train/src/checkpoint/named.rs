@@ -17,8 +17,8 @@ use burn::optim::{AdamW, AdamWState, AdaptiveMomentumState, Optimizer};
 use burn::prelude::*;
 use safetensors::SafeTensors;
 
-use super::bad;
 use super::tensor_file::{F32Tensor, f32_values};
+use super::{bad, untrusted};
 use crate::error::TrainError;
 use crate::placement::{B, Model};
 use crate::step::optim::{Adam, Optimizers};
@@ -195,7 +195,7 @@ pub(crate) fn read_optimizer(
     optim: Optimizers,
     device: &burn::DispatchDevice,
 ) -> Result<Optimizers, TrainError> {
-    let bytes = std::fs::read(path).map_err(|e| TrainError::io(path, e))?;
+    let bytes = untrusted::read_at_most(path, u64::MAX).map_err(|e| TrainError::io(path, e))?;
     let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| bad(path, e.to_string()))?;
     let file = SafeTensors::deserialize(&bytes).map_err(|e| bad(path, e.to_string()))?;
     let meta = header.metadata().clone().unwrap_or_default();
@@ -227,6 +227,12 @@ fn with_moments(
                 .get(&format!("{name}.step"))
                 .and_then(|s| s.parse().ok());
             match time {
+                _ if [m1.dtype(), m2.dtype()] != [safetensors::Dtype::F32; 2] => {
+                    error.get_or_insert(format!(
+                        "the moments of {path} are {:?}, not F32",
+                        m1.dtype()
+                    ));
+                }
                 _ if m1.shape() != shape || m2.shape() != shape => {
                     error.get_or_insert(format!(
                         "the moments of {path} have shape {:?}, the parameter {shape:?}",

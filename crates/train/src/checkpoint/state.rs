@@ -18,7 +18,7 @@ use tvq_model::attention::{AttentionState, CachedBlock, CompressedCache};
 use super::bad;
 use super::tensor_file::{self, F32Tensor, f32_values};
 use crate::error::TrainError;
-use crate::placement::B;
+use crate::placement::{B, Model};
 
 /// The carried `states` as safetensors bytes (the same states, the same
 /// bytes).
@@ -62,50 +62,77 @@ pub(crate) fn states_to_bytes(
 }
 
 /// The carried states in `bytes` (of [`states_to_bytes`]), on `device`.
+///
+/// The bytes are untrusted: the counts in the metadata are bounded by the
+/// entries that must back them, every tensor must be F32 of its slot's
+/// rank, and codes whole numbers; [`check_states`] then holds the states
+/// against the model they are to feed.
 pub(crate) fn states_from_bytes(
     path: &Path,
     bytes: &[u8],
     device: &burn::DispatchDevice,
 ) -> Result<Vec<ModelState<B>>, TrainError> {
+    let fail = |reason: String| bad(path, format!("state.safetensors: {reason}"));
     let (_, header) =
-        safetensors::SafeTensors::read_metadata(bytes).map_err(|e| bad(path, e.to_string()))?;
-    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| bad(path, e.to_string()))?;
+        safetensors::SafeTensors::read_metadata(bytes).map_err(|e| fail(e.to_string()))?;
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| fail(e.to_string()))?;
     let meta = header.metadata().clone().unwrap_or_default();
     let num = |k: &str| -> Result<usize, TrainError> {
         meta.get(k)
             .and_then(|v| v.parse().ok())
-            .ok_or_else(|| bad(path, format!("state has no `{k}`")))
+            .ok_or_else(|| fail(format!("no `{k}`")))
     };
-    let float = |name: &str| -> Option<TensorData> {
-        st.tensor(name)
-            .ok()
-            .map(|v| TensorData::new(f32_values(&v), v.shape().to_vec()))
+    let (shards, sublayers) = (num("micro_batches")?, num("sublayers")?);
+    // Each (shard, sublayer) has its own `pos` entry: counts beyond the
+    // entries are a lie, refused before anything is built from them.
+    if shards.saturating_mul(sublayers) > meta.len() {
+        return Err(fail(format!(
+            "{shards} shards of {sublayers} sublayers, but {} metadata entries",
+            meta.len()
+        )));
+    }
+    let float = |name: &str, rank: usize| -> Result<Option<TensorData>, TrainError> {
+        let Ok(v) = st.tensor(name) else {
+            return Ok(None);
+        };
+        if v.dtype() != safetensors::Dtype::F32 || v.shape().len() != rank {
+            return Err(fail(format!(
+                "{name} is {:?} of shape {:?}, not F32 of rank {rank}",
+                v.dtype(),
+                v.shape()
+            )));
+        }
+        Ok(Some(TensorData::new(f32_values(&v), v.shape().to_vec())))
     };
     let mut states = vec![];
-    for m in 0..num("micro_batches")? {
-        let mut sublayers = vec![];
-        for i in 0..num("sublayers")? {
+    for m in 0..shards {
+        let mut layers = vec![];
+        for i in 0..sublayers {
             let p = format!("micro{m}/sublayer{i}");
-            let block = |slot: &str| -> Option<CachedBlock<B>> {
-                let codes = float(&format!("{p}/{slot}/codes"))?;
-                let codes = TensorData::new(
-                    codes
-                        .to_vec::<f32>()
-                        .ok()?
-                        .iter()
-                        .map(|&c| c as i64)
-                        .collect::<Vec<_>>(),
-                    codes.shape.clone(),
-                );
-                Some(CachedBlock {
-                    k_hat: Tensor::from_data(float(&format!("{p}/{slot}/k_hat"))?, device),
-                    v: Tensor::from_data(float(&format!("{p}/{slot}/v"))?, device),
-                    codes: Tensor::from_data(codes, device),
-                })
+            let block = |slot: &str| -> Result<Option<CachedBlock<B>>, TrainError> {
+                let name = |t: &str| format!("{p}/{slot}/{t}");
+                let (Some(codes), Some(k_hat), Some(v)) = (
+                    float(&name("codes"), 3)?,
+                    float(&name("k_hat"), 4)?,
+                    float(&name("v"), 4)?,
+                ) else {
+                    return Ok(None);
+                };
+                let shape = codes.shape.clone();
+                let codes = codes.into_vec::<f32>().expect("f32");
+                if let Some(c) = codes.iter().find(|c| !(c.fract() == 0.0 && **c >= 0.0)) {
+                    return Err(fail(format!("{} holds {c}, not a code", name("codes"))));
+                }
+                let codes: Vec<i64> = codes.iter().map(|&c| c as i64).collect();
+                Ok(Some(CachedBlock {
+                    k_hat: Tensor::from_data(k_hat, device),
+                    v: Tensor::from_data(v, device),
+                    codes: Tensor::from_data(TensorData::new(codes, shape), device),
+                }))
             };
             let cache = match (
-                float(&format!("{p}/cache/counts")),
-                float(&format!("{p}/cache/means")),
+                float(&format!("{p}/cache/counts"), 3)?,
+                float(&format!("{p}/cache/means"), 4)?,
             ) {
                 (Some(c), Some(m)) => Some(CompressedCache {
                     counts: Tensor::from_data(c, device),
@@ -113,14 +140,65 @@ pub(crate) fn states_from_bytes(
                 }),
                 _ => None,
             };
-            sublayers.push(AttentionState {
+            layers.push(AttentionState {
                 pos: num(&format!("{p}/pos"))?,
-                prev: block("prev"),
+                prev: block("prev")?,
                 cache,
-                current: block("current"),
+                current: block("current")?,
             });
         }
-        states.push(ModelState { sublayers });
+        states.push(ModelState { sublayers: layers });
     }
     Ok(states)
+}
+
+/// Whether `states` fit `model`: a state per sublayer, each tensor of the
+/// sublayer's heads, block length, widths and codebook, one batch of rows
+/// per state, codes within the codebook (or its empty-slot sentinel).
+pub(crate) fn check_states(states: &[ModelState<B>], model: &Model) -> Result<(), String> {
+    for (m, state) in states.iter().enumerate() {
+        if state.sublayers.len() != model.sublayers.len() {
+            return Err(format!(
+                "shard {m} carries {} sublayers, the model has {}",
+                state.sublayers.len(),
+                model.sublayers.len()
+            ));
+        }
+        let mut rows = None;
+        for (i, (s, g)) in state.sublayers.iter().zip(&model.sublayers).enumerate() {
+            let (h, l, k, v) = (g.n_head, g.block_len, g.d_k, g.d_v);
+            let n_code = g.quantizer.n_code();
+            let mut dims: Vec<(&str, Vec<usize>, Vec<usize>)> = vec![];
+            for (slot, block) in [("prev", &s.prev), ("current", &s.current)] {
+                if let Some(b) = block {
+                    let r = b.codes.dims()[0];
+                    dims.push((slot, b.k_hat.dims().to_vec(), vec![r, h, l, k]));
+                    dims.push((slot, b.v.dims().to_vec(), vec![r, h, l, v]));
+                    dims.push((slot, b.codes.dims().to_vec(), vec![r, h, l]));
+                    let top = b.codes.clone().max().into_scalar().elem::<i64>();
+                    if top > n_code as i64 {
+                        return Err(format!(
+                            "shard {m}, sublayer {i}: code {top} in a codebook of {n_code}"
+                        ));
+                    }
+                }
+            }
+            if let Some(c) = &s.cache {
+                let r = c.counts.dims()[0];
+                dims.push(("cache", c.counts.dims().to_vec(), vec![r, h, n_code]));
+                dims.push(("cache", c.means.dims().to_vec(), vec![r, h, n_code, v]));
+            }
+            for (slot, got, want) in dims {
+                let rows = *rows.get_or_insert(want[0]);
+                if got != want || want[0] != rows {
+                    return Err(format!(
+                        "shard {m}, sublayer {i}: a {slot} tensor of shape {got:?}, \
+                         the model's is {:?}",
+                        [&[rows][..], &want[1..]].concat()
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
 }

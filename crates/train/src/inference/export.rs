@@ -73,9 +73,9 @@ pub fn load_export(
         path: path.clone(),
         reason: e.to_string(),
     };
-    let mut json: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&path).map_err(|e| TrainError::io(&path, e))?)
-            .map_err(bad)?;
+    let text = checkpoint::untrusted::read_at_most(&path, checkpoint::untrusted::JSON_LIMIT)
+        .map_err(|e| TrainError::io(&path, e))?;
+    let mut json: serde_json::Value = serde_json::from_slice(&text).map_err(bad)?;
     // Exports written before the rotary position channel existed have no
     // such key, and no channel in their weights.
     if let Some(model) = json.get_mut("model").and_then(|m| m.as_object_mut()) {
@@ -84,7 +84,7 @@ pub fn load_export(
             .or_insert(serde_json::Value::from(0));
     }
     let info: ExportInfo = serde_json::from_value(json).map_err(bad)?;
-    let model = checkpoint::read_weights(weights, info.model.init::<B>(device)?)?;
+    let model = checkpoint::read_weights_of(weights, &info.model, device)?;
     Ok((info, model))
 }
 

@@ -6,12 +6,13 @@ use std::path::Path;
 
 use burn::DispatchDevice;
 use tvq_data::Vocab;
+use tvq_model::TransformerVqConfig;
 
 use crate::checkpoint;
 use crate::config::RunConfig;
 use crate::error::TrainError;
 use crate::inference::export::load_export;
-use crate::placement::{B, Model};
+use crate::placement::Model;
 
 /// A model ready for inference and where it came from.
 pub struct Loaded {
@@ -24,6 +25,8 @@ pub struct Loaded {
     pub vocab: Vocab,
     /// The optimizer step the weights are from.
     pub step: u64,
+    /// The architecture the model was built from.
+    pub model_config: TransformerVqConfig,
 }
 
 /// Loads `path` onto `device`: a checkpoint directory, a run directory's
@@ -40,11 +43,22 @@ pub fn load_for_inference(
             Some(t) => Vocab::load_tokenizer(t)?,
             None => Vocab::Bytes,
         };
+        if vocab.size() > info.model.vocab_size {
+            return Err(TrainError::Checkpoint {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "its vocabulary has {} tokens, more than the {} its model reads",
+                    vocab.size(),
+                    info.model.vocab_size
+                ),
+            });
+        }
         return Ok(Loaded {
             model,
             config: explicit,
             vocab,
             step: info.step,
+            model_config: info.model,
         });
     }
     if path.join("manifest.json").is_file() {
@@ -86,19 +100,13 @@ fn load_checkpoint(
         Some(t) => Vocab::load_tokenizer(t)?,
         None => Vocab::Bytes,
     };
-    let model = cfg.model_config(vocab.size()).init::<B>(device)?;
-    let model = checkpoint::load_model(dir, model, device)?;
-    let path = dir.join("trainer.json");
-    let text = std::fs::read(&path).map_err(|e| TrainError::io(&path, e))?;
-    let trainer: serde_json::Value =
-        serde_json::from_slice(&text).map_err(|e| TrainError::Checkpoint {
-            path: path.clone(),
-            reason: e.to_string(),
-        })?;
+    let model_config = cfg.model_config(vocab.size());
+    let model = checkpoint::load_model_of(dir, &model_config, device)?;
     Ok(Loaded {
         model,
         config: Some(cfg),
         vocab,
-        step: trainer["step"].as_u64().unwrap_or(0),
+        step: checkpoint::read_trainer(dir)?.step,
+        model_config,
     })
 }

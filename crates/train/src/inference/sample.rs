@@ -414,7 +414,8 @@ fn sample_group(
     let mut state = state.repeat_rows(n);
     let mut logits = first.repeat(n); // [rows * vocab]
     let mut rngs: Vec<SplitMix64> = (0..rows).map(|r| sample_rng(opts.seed, r / g)).collect();
-    let mut out = vec![Vec::with_capacity(opts.max_tokens); rows];
+    // Grown as tokens come: a sample may end long before `max_tokens`.
+    let mut out = vec![Vec::with_capacity(opts.max_tokens.min(1 << 16)); rows];
     let mut open = vec![true; rows];
     for _ in 0..opts.max_tokens {
         let mut next = vec![eos as i64; rows];

@@ -4,6 +4,7 @@
 //! (so that a run's numbers depend on its seed only), and host copies.
 
 pub mod device;
+pub mod memory;
 
 use std::sync::Mutex;
 

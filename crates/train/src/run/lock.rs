@@ -33,6 +33,12 @@ impl RunLock {
         std::fs::create_dir_all(run_dir).map_err(|e| TrainError::io(run_dir, e))?;
         let path = run_dir.join(LOCK_FILE);
         let io = |e| TrainError::io(&path, e);
+        // Opened for writing: through a link it would write elsewhere.
+        if std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_symlink()) {
+            return Err(io(std::io::Error::other(
+                "is a symbolic link; tvq follows no link in its run directory: remove it",
+            )));
+        }
         // Not truncated on open: the holder's description stays readable
         // for the process that is about to be refused.
         let mut file = OpenOptions::new()

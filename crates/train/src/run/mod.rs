@@ -28,6 +28,7 @@ use crate::inference::evaluate::{EvalOptions, EvalReport, evaluate};
 use crate::inference::sample::{SampleOptions, sample};
 use crate::mfu::training_flops_per_token;
 use crate::parallel::collective::{ClusterSpec, Collective};
+use crate::placement::memory;
 use crate::progress::progress_bar;
 use crate::trainer::{Trainer, check_devices};
 
@@ -158,6 +159,14 @@ fn set_up_trainer(
     (rank, nodes): (usize, usize),
 ) -> Result<(Trainer, RunFacts), TrainError> {
     let model = cfg.model_config(corpus.vocab.size());
+    let node_batch = cfg.data.batch_size / nodes;
+    let estimate = memory::training(
+        &model,
+        node_batch / cfg.train.micro_batches,
+        cfg.data.update_len,
+        node_batch,
+    );
+    memory::check(&estimate, memory::available(&devices[0]), opts.force)?;
     let mut trainer = Trainer::new(&model, &cfg.train, devices)?.on_node(rank, nodes);
     tracing::info!(
         "products in {}, activation checkpointing {}",
@@ -179,9 +188,14 @@ fn set_up_trainer(
         0 => prepare_run_dir(cfg, opts)?,
         _ => None,
     };
+    // Resumed before the config is written: a checkpoint that does not fit
+    // this config leaves the run directory as it was.
     resume_latest(&mut trainer, opts)?;
+    if rank == 0 {
+        write_config(cfg, &opts.run_dir)?;
+    }
     if let Some(old) = previous {
-        warn_if_the_past_schedule_changed(&old, &cfg.train, trainer.progress().step);
+        warn_if_the_past_schedule_changed(&old.train, &cfg.train, trainer.progress().step);
     }
     if let Some(spec) = &opts.cluster {
         trainer.join(Collective::join(spec, &devices[0])?, fingerprint(cfg))?;
@@ -387,18 +401,34 @@ fn resume_latest(trainer: &mut Trainer, opts: &TrainOptions) -> Result<(), Train
     if !opts.resume {
         return Ok(());
     }
-    match checkpoint::latest_valid(&opts.run_dir) {
-        Some(dir) => {
-            trainer.resume(&dir, opts.reshard)?;
-            let step = trainer.progress().step;
-            tracing::info!("resuming from {} (step {step})", dir.display());
-        }
-        None => tracing::warn!(
-            "no valid checkpoint in {}: starting from scratch",
-            opts.run_dir.display()
-        ),
+    if let Some(dir) = checkpoint::latest_valid(&opts.run_dir) {
+        trainer.resume(&dir, opts.reshard)?;
+        let step = trainer.progress().step;
+        tracing::info!("resuming from {} (step {step})", dir.display());
+        return Ok(());
     }
-    Ok(())
+    let damaged: Vec<String> = checkpoint::list(&opts.run_dir)
+        .iter()
+        .filter_map(|(_, dir)| checkpoint::verify(dir).err())
+        .map(|e| e.to_string())
+        .collect();
+    if damaged.is_empty() {
+        tracing::info!(
+            "no checkpoint in {} yet: starting from step 0",
+            opts.run_dir.display()
+        );
+        return Ok(());
+    }
+    // Starting over would replace the damaged checkpoints: a user's run is
+    // theirs to give up, never tvq's.
+    Err(TrainError::Checkpoint {
+        path: opts.run_dir.join("checkpoints"),
+        reason: format!(
+            "no checkpoint can be resumed ({}); nothing was changed: restore one, or start \
+             over with --force and no --resume (which deletes them)",
+            damaged.join("; ")
+        ),
+    })
 }
 
 /// Takes the run directory for this process alone ([`RunLock`]), then
@@ -495,19 +525,56 @@ fn warn_if_the_past_schedule_changed(old: &TrainSection, new: &TrainSection, don
     }
 }
 
-/// Prepares the run directory: refuses another run's directory, writes the
-/// config; returns the `[train]` of the config it replaces, if any.
-fn prepare_run_dir(
-    cfg: &RunConfig,
-    opts: &TrainOptions,
-) -> Result<Option<TrainSection>, TrainError> {
+/// The entries tvq writes at the top of a run directory.
+const RUN_FILES: [&str; 7] = [
+    "config.toml",
+    "metrics.jsonl",
+    "samples.jsonl",
+    "loss.png",
+    "tb",
+    "checkpoints",
+    lock::LOCK_FILE,
+];
+
+/// Prepares the run directory for this run: refuses another run's
+/// directory, and a directory tvq did not set up (files there and no tvq
+/// `config.toml`), unless `--force`; refuses symbolic links among tvq's
+/// own entries (writing through one would write outside the run); with
+/// `--force` and no `--resume` deletes the checkpoints and logs of the run
+/// there. Returns the config the run directory held, if any; the new one
+/// is written by [`write_config`] once the run has resumed.
+fn prepare_run_dir(cfg: &RunConfig, opts: &TrainOptions) -> Result<Option<RunConfig>, TrainError> {
     let dir = &opts.run_dir;
     std::fs::create_dir_all(dir).map_err(|e| TrainError::io(dir, e))?;
+    refuse_links(dir)?;
     let config_path = dir.join("config.toml");
     let has_checkpoints = !checkpoint::list(dir).is_empty();
     let old = std::fs::read_to_string(&config_path)
         .ok()
         .and_then(|text| RunConfig::parse(&text, &[]).ok());
+    if old.is_none() && !opts.force {
+        let mut entries = std::fs::read_dir(dir)
+            .map_err(|e| TrainError::io(dir, e))?
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|name| name != lock::LOCK_FILE)
+            .collect::<Vec<_>>();
+        entries.sort();
+        if let Some(first) = entries.first() {
+            let what = match config_path.exists() {
+                true => "a config.toml that is not a tvq config".to_string(),
+                false => format!("{first} ({} entries) but no tvq config.toml", entries.len()),
+            };
+            return Err(TrainError::Config {
+                key: "--run-dir".into(),
+                reason: format!(
+                    "{} holds {what}: tvq did not set it up; use another --run-dir, \
+                     or --force to train there (tvq's files in it are then replaced)",
+                    dir.display()
+                ),
+            });
+        }
+    }
     if has_checkpoints && !opts.force {
         let same = old.as_ref().is_some_and(|old| {
             old.model == cfg.model && old.data == cfg.data && old.train.seed == cfg.train.seed
@@ -531,10 +598,52 @@ fn prepare_run_dir(
         let _ = std::fs::remove_file(dir.join("samples.jsonl"));
         let _ = std::fs::remove_dir_all(dir.join("tb"));
     }
+    Ok(old)
+}
+
+/// Refuses symbolic links among tvq's entries of `dir` and inside its
+/// `tb/` and `checkpoints/`: tvq writes, truncates and deletes there, and
+/// through a link it would do so elsewhere.
+fn refuse_links(dir: &Path) -> Result<(), TrainError> {
+    let link =
+        |path: &Path| std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink());
+    let inside = |sub: &str| -> Vec<PathBuf> {
+        match link(&dir.join(sub)) {
+            true => vec![],
+            false => std::fs::read_dir(dir.join(sub))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path())
+                .collect(),
+        }
+    };
+    let found = RUN_FILES
+        .iter()
+        .map(|name| dir.join(name))
+        .chain(inside("tb"))
+        .chain(inside("checkpoints"))
+        .find(|p| link(p));
+    match found {
+        Some(path) => Err(TrainError::Config {
+            key: "--run-dir".into(),
+            reason: format!(
+                "{} is a symbolic link: tvq writes its run directory's files itself and \
+                 follows no link there (writing through it would change a file elsewhere); \
+                 remove the link",
+                path.display()
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Writes the run's config into its directory (atomically).
+fn write_config(cfg: &RunConfig, dir: &Path) -> Result<(), TrainError> {
+    let config_path = dir.join("config.toml");
     let tmp = dir.join(".config.toml.tmp");
     std::fs::write(&tmp, cfg.to_toml()).map_err(|e| TrainError::io(&tmp, e))?;
-    std::fs::rename(&tmp, &config_path).map_err(|e| TrainError::io(&config_path, e))?;
-    Ok(old.map(|old| old.train))
+    std::fs::rename(&tmp, &config_path).map_err(|e| TrainError::io(&config_path, e))
 }
 
 /// The progress bar of the steps (hidden when `show` is false).

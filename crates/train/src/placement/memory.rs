@@ -1,0 +1,242 @@
+//! Memory budgeted before it is spent: from a config and a command's
+//! sizes, the least memory the command will hold (weights, optimizer,
+//! activations, caches), held against what the device has, so that a
+//! setting off by orders of magnitude (`d_model = 1e9`, `--num-samples
+//! 1e11`) is one line naming it, not the kernel's OOM killer.
+//!
+//! The estimates count only what must exist (every parameter and moment,
+//! the activations each token of a pass keeps, the carried state of each
+//! row), so they fall short of the real peak and never refuse a run that
+//! fits. Only the CPU's memory is known here (`MemAvailable` of Linux's
+//! `/proc/meminfo`); on a GPU, and where it cannot be read, nothing is
+//! checked.
+
+use burn::DispatchDevice;
+use tvq_model::TransformerVqConfig;
+
+use crate::error::TrainError;
+
+/// Bytes of an f32.
+const F32: f64 = 4.0;
+
+/// What a command will hold at least, and the setting that sizes it most.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Estimate {
+    /// Bytes, at least.
+    pub bytes: f64,
+    /// The settings behind the estimate, as the user wrote them
+    /// (`model.d_model = 1000000000, data.batch_size = 8`).
+    pub settings: String,
+}
+
+/// Bytes of the model's parameters.
+fn weights(model: &TransformerVqConfig) -> f64 {
+    model.num_params() as f64 * F32
+}
+
+/// Bytes one token of a pass holds through its forward pass: per sublayer
+/// its input and normalised input `2 D`, projections `H (Q + K + 3 V)`
+/// and attention weights over the window and the codes `H (2 L + S)`; the
+/// logits `vocab` once. A backward pass keeps at least these.
+fn per_token(model: &TransformerVqConfig) -> f64 {
+    let [d, k, v, h, s, l] = [
+        model.d_model,
+        model.d_k,
+        model.d_v,
+        model.n_head,
+        model.n_code,
+        model.block_len,
+    ]
+    .map(|x| x as f64);
+    let q = k + model.rotary_channel_width() as f64;
+    let sublayer = 2.0 * d + h * (q + k + 3.0 * v) + h * (2.0 * l + s);
+    (2.0 * model.n_layer as f64 * sublayer + model.vocab_size as f64) * F32
+}
+
+/// Bytes of the state one row carries: per sublayer the previous and the
+/// current block (keys, values, codes) and the compressed cache (a count
+/// and a mean value per code).
+fn state_per_row(model: &TransformerVqConfig) -> f64 {
+    let [k, v, h, s, l] = [
+        model.d_k,
+        model.d_v,
+        model.n_head,
+        model.n_code,
+        model.block_len,
+    ]
+    .map(|x| x as f64);
+    2.0 * model.n_layer as f64 * h * (2.0 * l * (k + v + 1.0) + s * (v + 1.0)) * F32
+}
+
+/// A setting and its value, as an estimate names it.
+fn named(model: &TransformerVqConfig, rest: &[(&str, usize)]) -> String {
+    let model_part = [
+        ("model.d_model", model.d_model),
+        ("model.n_layer", model.n_layer),
+        ("model.d_v", model.d_v),
+        ("model.n_code", model.n_code),
+    ];
+    model_part
+        .iter()
+        .chain(rest)
+        .map(|(k, v)| format!("{k} = {v}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Training: the weights with their gradients and two AdamW moments, and
+/// the activations of the `rows` in flight at once (the batch's rows over
+/// its micro-batches) of `update_len` tokens, each with its carried state.
+pub fn training(
+    model: &TransformerVqConfig,
+    rows: usize,
+    update_len: usize,
+    batch_size: usize,
+) -> Estimate {
+    let rows_f = rows as f64;
+    Estimate {
+        bytes: 4.0 * weights(model)
+            + rows_f * update_len as f64 * per_token(model)
+            + batch_size as f64 * state_per_row(model),
+        settings: named(
+            model,
+            &[
+                ("data.batch_size", batch_size),
+                ("data.update_len", update_len),
+            ],
+        ),
+    }
+}
+
+/// Evaluation: the weights, and `batch` rows of `update_len` tokens with
+/// their carried states.
+pub fn evaluation(model: &TransformerVqConfig, batch: usize, update_len: usize) -> Estimate {
+    Estimate {
+        bytes: weights(model)
+            + batch as f64 * (update_len as f64 * per_token(model) + state_per_row(model)),
+        settings: named(
+            model,
+            &[("eval.batch_size", batch), ("eval.update_len", update_len)],
+        ),
+    }
+}
+
+/// Sampling: the weights, and per row (`--num-samples` times the prompts)
+/// its state, its logits and the `max_tokens` it may generate.
+pub fn sampling(model: &TransformerVqConfig, rows: usize, max_tokens: usize) -> Estimate {
+    let row = state_per_row(model) + 2.0 * model.vocab_size as f64 * F32 + max_tokens as f64 * 4.0;
+    Estimate {
+        bytes: weights(model) + rows as f64 * row,
+        settings: named(
+            model,
+            &[
+                ("rows (--num-samples x prompts)", rows),
+                ("--max-tokens", max_tokens),
+            ],
+        ),
+    }
+}
+
+/// Bytes of memory the device has free, where known: the CPU's
+/// `MemAvailable` on Linux; `None` on a GPU or elsewhere.
+pub fn available(device: &DispatchDevice) -> Option<f64> {
+    match device {
+        DispatchDevice::Flex(_) => {
+            let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+            mem_available(&text)
+        }
+        DispatchDevice::Autodiff(inner) => available(inner),
+        _ => None,
+    }
+}
+
+/// `MemAvailable` of a `/proc/meminfo` text, in bytes.
+fn mem_available(meminfo: &str) -> Option<f64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024.0)
+}
+
+/// Refuses `estimate` where it exceeds the memory `available` (unless
+/// `force`): an error naming the settings, the estimate and the memory.
+pub fn check(estimate: &Estimate, available: Option<f64>, force: bool) -> Result<(), TrainError> {
+    match available {
+        Some(free) if estimate.bytes > free && !force => Err(TrainError::Memory {
+            needed: gib(estimate.bytes),
+            available: gib(free),
+            settings: estimate.settings.clone(),
+        }),
+        Some(free) if estimate.bytes > free => {
+            tracing::warn!(
+                "--force: going on although {} needs at least {} and {} is free",
+                estimate.settings,
+                gib(estimate.bytes),
+                gib(free)
+            );
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Bytes in GiB, for a message.
+fn gib(bytes: f64) -> String {
+    match bytes / f64::from(1u32 << 30) {
+        g if g >= 1e6 => format!("{g:.2e} GiB"),
+        g => format!("{g:.2} GiB"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model() -> TransformerVqConfig {
+        tvq_testkit::tiny_model(256)
+    }
+
+    #[test]
+    fn meminfo_is_read_in_bytes() {
+        let text = "MemTotal:       24000000 kB\nMemAvailable:    1000 kB\n";
+        assert_eq!(mem_available(text), Some(1_024_000.0));
+        assert_eq!(mem_available("MemTotal: 1 kB\n"), None);
+    }
+
+    /// An estimate beyond the memory is refused naming its settings, and
+    /// passes with `force`; one within it passes.
+    #[test]
+    fn estimates_beyond_memory_are_refused_unless_forced() {
+        let small = sampling(&model(), 1, 256);
+        assert!(check(&small, Some(1e9), false).is_ok());
+        let huge = sampling(&model(), 100_000_000_000, 256);
+        let err = check(&huge, Some(1e9), false).unwrap_err().to_string();
+        assert!(
+            err.contains("--num-samples") && err.contains("100000000000"),
+            "{err}"
+        );
+        assert!(check(&huge, Some(1e9), true).is_ok());
+        assert!(
+            check(&huge, None, false).is_ok(),
+            "nothing known, nothing refused"
+        );
+    }
+
+    /// Each estimate grows with the sizes it names: linearly in rows and
+    /// tokens, and by at least the weights, gradients and moments (16
+    /// bytes a parameter) for training.
+    #[test]
+    fn estimates_count_what_must_exist() {
+        let m = model();
+        let p = m.num_params() as f64;
+        let one = training(&m, 1, 64, 1).bytes;
+        assert!(one > 16.0 * p);
+        let rows = |r: usize| training(&m, r, 64, r).bytes - 16.0 * p;
+        assert!((rows(8) - 8.0 * rows(1)).abs() < 1e-6 * rows(8));
+        let wide = m.clone().with_d_model(1_000_000_000);
+        assert!(
+            evaluation(&wide, 1, 1).bytes > 4e9 * 256.0,
+            "the embedding alone"
+        );
+        assert!(sampling(&m, 1, 1 << 40).bytes > 4.0 * (1u64 << 40) as f64);
+    }
+}

@@ -1,0 +1,227 @@
+//! Mutation fuzzing of everything tvq reads from a run or an export:
+//! seeded mutations of a committed checkpoint and of an export made from
+//! it (bit flips, bytes and 64-bit words set to edge values, truncations,
+//! numbers in the JSON made huge), each file's manifest entry forged to
+//! match so that the checks past the checksums are reached. Each case must
+//! end in `Ok` or an error, never a panic, and hold less than
+//! [`HEAP_LIMIT`] more heap than before (counted by this binary's
+//! allocator; an allocation far beyond it aborts the binary, which fails
+//! too).
+//!
+//! `TVQ_FUZZ_CASES=N` runs N cases per target instead of the default (a
+//! few seconds in CI); the seed of a failing case is printed.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use tvq_data::hash::SplitMix64;
+use tvq_testkit::CountingAllocator;
+use tvq_train::placement::device::DeviceSpec;
+use tvq_train::{RunConfig, Trainer, checkpoint};
+
+#[global_allocator]
+static ALLOCATOR: CountingAllocator = CountingAllocator;
+
+/// The most heap one case may add: the fixture's model and optimizer take
+/// well under a MiB, so this is room for the CPU backend's pools, far
+/// below what a size believed from a file could claim.
+const HEAP_LIMIT: usize = 256 << 20;
+
+/// One target at a time: the heap counts are process-wide.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn cases() -> u64 {
+    std::env::var("TVQ_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(150)
+}
+
+/// The committed run whose checkpoint seeds the mutations.
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../cli/tests/fixtures/run-format-2")
+}
+
+/// `bytes` changed by one to four seeded mutations.
+fn mutate(bytes: &mut Vec<u8>, rng: &mut SplitMix64) {
+    const WORDS: [u64; 6] = [0, 1, u64::MAX, 1 << 40, 1 << 62, 0x7fff_ffff];
+    let pick = |rng: &mut SplitMix64, n: usize| (rng.next_u64() % n.max(1) as u64) as usize;
+    for _ in 0..=pick(rng, 4) {
+        if bytes.is_empty() {
+            return;
+        }
+        let at = pick(rng, bytes.len());
+        match pick(rng, 6) {
+            0 => bytes[at] ^= 1 << pick(rng, 8),
+            1 => bytes[at] = [0, 0xff, 0x7f, b'9', b'-', b'"'][pick(rng, 6)],
+            2 => {
+                let word = WORDS[pick(rng, WORDS.len())].to_le_bytes();
+                let end = (at + 8).min(bytes.len());
+                bytes[at..end].copy_from_slice(&word[..end - at]);
+            }
+            3 => bytes.truncate(at),
+            4 => {
+                // A number in a JSON text (or header) made huge.
+                if let Some(d) = bytes[at..].iter().position(u8::is_ascii_digit) {
+                    let s = at + d;
+                    let huge = b"999999999";
+                    bytes.splice(s..s + 1, huge.iter().copied());
+                }
+            }
+            _ => {
+                let n = pick(rng, 16);
+                bytes.splice(at..at, std::iter::repeat_n(b'1', n));
+            }
+        }
+    }
+}
+
+/// Rewrites the manifest of `ckpt` to match its files as they are now.
+fn forge_manifest(ckpt: &Path) {
+    let path = ckpt.join("manifest.json");
+    let Ok(mut m) = serde_json::from_slice::<serde_json::Value>(&std::fs::read(&path).unwrap())
+    else {
+        return;
+    };
+    let Some(files) = m.get_mut("files").and_then(|f| f.as_object_mut()) else {
+        return;
+    };
+    for (name, entry) in files.iter_mut() {
+        if let Ok(bytes) = std::fs::read(ckpt.join(name)) {
+            entry["bytes"] = bytes.len().into();
+            entry["xxh3"] = format!("{:016x}", checkpoint::checksum(&bytes)).into();
+        }
+    }
+    std::fs::write(&path, m.to_string()).unwrap();
+}
+
+/// Runs `case` for each seed under the heap and panic checks.
+fn fuzz(target: &str, mut case: impl FnMut(&mut SplitMix64)) {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    for seed in 0..cases() {
+        let mut rng = SplitMix64(seed ^ tvq_data::hash::splitmix64(target.len() as u64));
+        let before = CountingAllocator::reset_peak();
+        let ran = catch_unwind(AssertUnwindSafe(|| case(&mut rng)));
+        let added = CountingAllocator::peak().saturating_sub(before);
+        assert!(ran.is_ok(), "{target}: case {seed} panicked");
+        assert!(
+            added < HEAP_LIMIT,
+            "{target}: case {seed} took {} MiB of heap",
+            added >> 20
+        );
+    }
+}
+
+/// The fixture's config, its corpus path pointing nowhere (resuming reads
+/// only the checkpoint).
+fn fixture_config() -> RunConfig {
+    let text = std::fs::read_to_string(fixture().join("config.toml")).unwrap();
+    RunConfig::parse(&text, &[]).unwrap()
+}
+
+/// Mutated checkpoints, resumed by a trainer of the fixture's config: a
+/// seeded file of the five mutated, the manifest forged to match (unless
+/// it is the one mutated). Some mutations leave a loadable checkpoint:
+/// both outcomes are fine, a panic or a runaway allocation is not.
+#[test]
+fn mutated_checkpoints_load_or_fail_cleanly() {
+    let cfg = fixture_config();
+    let model = cfg.model_config(tvq_data::Vocab::Bytes.size());
+    let device = DeviceSpec::Cpu.init().unwrap().0;
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("run/checkpoints/step-00000002");
+    let source = fixture().join("checkpoints/step-00000002");
+    let names = [
+        "model.safetensors",
+        "optimizer.safetensors",
+        "state.safetensors",
+        "trainer.json",
+        "manifest.json",
+    ];
+    let mut loaded = 0;
+    fuzz("checkpoint", |rng| {
+        std::fs::create_dir_all(&ckpt).unwrap();
+        for name in names {
+            std::fs::copy(source.join(name), ckpt.join(name)).unwrap();
+        }
+        let name = names[(rng.next_u64() % names.len() as u64) as usize];
+        let mut bytes = std::fs::read(ckpt.join(name)).unwrap();
+        mutate(&mut bytes, rng);
+        std::fs::write(ckpt.join(name), bytes).unwrap();
+        if name != "manifest.json" {
+            forge_manifest(&ckpt);
+        }
+        let mut trainer = Trainer::new(&model, &cfg.train, std::slice::from_ref(&device)).unwrap();
+        if trainer.resume(&ckpt, false).is_ok() {
+            loaded += 1;
+        }
+    });
+    assert!(
+        loaded < cases(),
+        "every mutation loaded: the mutations do nothing"
+    );
+}
+
+/// Mutated exports (the weights or the JSON beside them) load for
+/// inference or fail cleanly.
+#[test]
+fn mutated_exports_load_or_fail_cleanly() {
+    let cfg = fixture_config();
+    let model = cfg.model_config(tvq_data::Vocab::Bytes.size());
+    let device = DeviceSpec::Cpu.init().unwrap().0;
+    let dir = tempfile::tempdir().unwrap();
+    let mut trainer = Trainer::new(&model, &cfg.train, std::slice::from_ref(&device)).unwrap();
+    trainer
+        .resume(&fixture().join("checkpoints/step-00000002"), false)
+        .unwrap();
+    let weights = dir.path().join("seed.safetensors");
+    let info = tvq_train::inference::export::ExportInfo {
+        format: "tvq".into(),
+        model: model.clone(),
+        vocab: "bytes+3".into(),
+        tokenizer: None,
+        step: 2,
+    };
+    tvq_train::inference::export::export(trainer.model(), &info, &weights).unwrap();
+    let seed = [
+        std::fs::read(&weights).unwrap(),
+        std::fs::read(weights.with_extension("json")).unwrap(),
+    ];
+    let case_path = dir.path().join("case.safetensors");
+    let mut loaded = 0;
+    fuzz("export", |rng| {
+        let mut files = seed.clone();
+        let which = (rng.next_u64() % 2) as usize;
+        mutate(&mut files[which], rng);
+        std::fs::write(&case_path, &files[0]).unwrap();
+        std::fs::write(case_path.with_extension("json"), &files[1]).unwrap();
+        let result = tvq_train::inference::load::load_for_inference(&case_path, None, &device);
+        if result.is_ok() {
+            loaded += 1;
+        }
+    });
+    assert!(
+        loaded < cases(),
+        "every mutation loaded: the mutations do nothing"
+    );
+}
+
+/// Mutated config texts parse or fail cleanly (the sizes they claim are
+/// the memory budget's to refuse, not the parser's).
+#[test]
+fn mutated_configs_parse_or_fail_cleanly() {
+    let seed = std::fs::read(fixture().join("config.toml")).unwrap();
+    let mut parsed = 0;
+    fuzz("config", |rng| {
+        let mut text = seed.clone();
+        mutate(&mut text, rng);
+        if RunConfig::parse(&String::from_utf8_lossy(&text), &[]).is_ok() {
+            parsed += 1;
+        }
+    });
+    assert!(
+        parsed < cases(),
+        "every mutation parsed: the mutations do nothing"
+    );
+}
