@@ -58,6 +58,22 @@ impl MappedTokens {
         self.len
     }
 
+    /// The largest token id (`None` when empty), in one pass over the map.
+    pub fn max(&self) -> Option<u32> {
+        let bytes = &self.map[self.offset..self.offset + self.len * self.width];
+        match self.width {
+            1 => bytes.iter().max().map(|&b| b as u32 + N_SPECIAL),
+            2 => bytes
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]) as u32)
+                .max(),
+            _ => bytes
+                .chunks_exact(4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .max(),
+        }
+    }
+
     /// Token `i`.
     pub fn get(&self, i: usize) -> u32 {
         let at = self.offset + i * self.width;

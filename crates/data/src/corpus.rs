@@ -258,6 +258,17 @@ fn document_cache(
         reason: "unreadable statistics".into(),
     };
     if let Some((tokens, info)) = open_cache(cache, &fingerprint)? {
+        // The ids index the model's embedding: a damaged cache must not
+        // hand out one beyond the vocabulary (one pass over the map).
+        if let Some(top) = tokens.max().filter(|&t| t as usize >= vocab.size()) {
+            return Err(DataError::BadCache {
+                path: cache.to_path_buf(),
+                reason: format!(
+                    "holds token id {top}, beyond the vocabulary of {}: delete it to rebuild it",
+                    vocab.size()
+                ),
+            });
+        }
         return Ok((tokens, serde_json::from_str(&info).map_err(bad_info)?));
     }
     let width = if vocab.size() <= 1 << 16 { 2 } else { 4 };

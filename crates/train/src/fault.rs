@@ -1,4 +1,4 @@
-//! Fault injection for the fault suite (`crates/cli/tests/faults.rs`).
+//! Fault injection for the fault suite (`crates/cli/tests/cli/faults.rs`).
 //!
 //! Nothing happens unless the environment variable `TVQ_FAULT` is set to
 //! `POINT:ACTION[@N]`: the `N`-th time (default the first) the process

@@ -225,3 +225,52 @@ fn mutated_configs_parse_or_fail_cleanly() {
         "every mutation parsed: the mutations do nothing"
     );
 }
+
+/// Mutated token caches (of a directory of text files, tokenized once)
+/// open or fail cleanly, and what opens hands out tokens within the
+/// vocabulary for every position of every split.
+#[test]
+fn mutated_token_caches_open_or_fail_cleanly() {
+    use tvq_data::{Corpus, CorpusKind, DataConfig, Split};
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = dir.path().join("corpus");
+    std::fs::create_dir_all(&corpus).unwrap();
+    for (name, text) in [("a.txt", "In the beginning. "), ("b.txt", "And God said. ")] {
+        std::fs::write(corpus.join(name), text.repeat(40)).unwrap();
+    }
+    let mut spec = DataConfig::new(CorpusKind::Text, &corpus);
+    spec.cache_dir = Some(dir.path().join("cache"));
+    Corpus::open(&spec).unwrap();
+    let caches: Vec<(PathBuf, Vec<u8>)> = std::fs::read_dir(dir.path().join("cache"))
+        .unwrap()
+        .map(|e| {
+            let path = e.unwrap().path();
+            let bytes = std::fs::read(&path).unwrap();
+            (path, bytes)
+        })
+        .collect();
+    assert!(!caches.is_empty(), "the corpus is cached");
+    let mut opened = 0;
+    fuzz("token cache", |rng| {
+        for (path, bytes) in &caches {
+            std::fs::write(path, bytes).unwrap();
+        }
+        let (path, bytes) = &caches[(rng.next_u64() % caches.len() as u64) as usize];
+        let mut bytes = bytes.clone();
+        mutate(&mut bytes, rng);
+        std::fs::write(path, bytes).unwrap();
+        if let Ok(c) = Corpus::open(&spec) {
+            opened += 1;
+            for split in Split::ALL {
+                let s = c.split(split);
+                for i in 0..s.len() {
+                    assert!((s.get(i) as usize) < tvq_data::Vocab::Bytes.size());
+                }
+            }
+        }
+    });
+    assert!(
+        opened < cases(),
+        "every mutation opened: the mutations do nothing"
+    );
+}

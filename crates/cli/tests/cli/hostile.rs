@@ -337,6 +337,10 @@ fn sizes_beyond_memory_are_refused_before_they_are_spent() {
     };
     train("model.d_model=1000000000", "model.d_model = 1000000000");
     train("data.batch_size=4611686018427387904", "batch_size");
+    train(
+        "eval.batch_size=1000000000000",
+        "eval.batch_size = 1000000000000",
+    );
     fails_within(
         60,
         &[
@@ -393,13 +397,34 @@ fn sizes_beyond_memory_are_refused_before_they_are_spent() {
     let info_path = export.with_extension("json");
     let mut info: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&info_path).unwrap()).unwrap();
+    let original = info.clone();
     info["model"]["d_model"] = 1_000_000_000.into();
     std::fs::write(&info_path, info.to_string()).unwrap();
-    fails_within(
-        60,
-        &["sample", "--checkpoint", export.to_str().unwrap()],
-        "parameters",
-    );
+    let export_s = export.to_str().unwrap();
+    fails_within(60, &["sample", "--checkpoint", export_s], "parameters");
+
+    // A tokenizer of more ids than the model reads (the prompt's ids
+    // would index outside its embedding), and one named `/dev/zero`.
+    let words: serde_json::Map<String, serde_json::Value> = (0..300)
+        .map(|i| (format!("w{i}"), i.into()))
+        .chain([("<eod>".to_string(), 300.into())])
+        .collect();
+    let tokenizer = dir.path().join("tokenizer.json");
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": words, "unk_token": "<eod>"}
+    });
+    std::fs::write(&tokenizer, json.to_string()).unwrap();
+    for (named, needle) in [
+        (tokenizer.to_str().unwrap(), "more than the"),
+        ("/dev/zero", "not a regular file"),
+    ] {
+        let mut info = original.clone();
+        info["tokenizer"] = named.into();
+        std::fs::write(&info_path, info.to_string()).unwrap();
+        fails_within(60, &["sample", "--checkpoint", export_s], needle);
+    }
 }
 
 /// Inputs that panicked: a corpus shrunk between a run and its resume, a

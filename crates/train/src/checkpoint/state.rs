@@ -175,7 +175,10 @@ pub(crate) fn check_states(states: &[ModelState<B>], model: &Model) -> Result<()
                     dims.push((slot, b.k_hat.dims().to_vec(), vec![r, h, l, k]));
                     dims.push((slot, b.v.dims().to_vec(), vec![r, h, l, v]));
                     dims.push((slot, b.codes.dims().to_vec(), vec![r, h, l]));
-                    let top = b.codes.clone().max().into_scalar().elem::<i64>();
+                    let top = match b.codes.shape().num_elements() {
+                        0 => 0,
+                        _ => b.codes.clone().max().into_scalar().elem::<i64>(),
+                    };
                     if top > n_code as i64 {
                         return Err(format!(
                             "shard {m}, sublayer {i}: code {top} in a codebook of {n_code}"

@@ -103,7 +103,8 @@ pub fn import_official(
         path: path.to_path_buf(),
         reason,
     };
-    let text = std::fs::read(config).map_err(|e| TrainError::io(config, e))?;
+    let text = checkpoint::untrusted::read_at_most(config, checkpoint::untrusted::JSON_LIMIT)
+        .map_err(|e| TrainError::io(config, e))?;
     let json: serde_json::Value =
         serde_json::from_slice(&text).map_err(|e| fail(config, format!("not JSON ({e})")))?;
     let json = json.get("config").cloned().unwrap_or(json);
@@ -120,7 +121,8 @@ pub fn import_official(
 
 /// Every float32 tensor of a safetensors file, by name.
 fn read_float_tensors(path: &Path) -> Result<BTreeMap<String, OfficialTensor>, TrainError> {
-    let bytes = std::fs::read(path).map_err(|e| TrainError::io(path, e))?;
+    let bytes =
+        checkpoint::untrusted::read_at_most(path, u64::MAX).map_err(|e| TrainError::io(path, e))?;
     let file = SafeTensors::deserialize(&bytes).map_err(|e| TrainError::Import {
         path: path.to_path_buf(),
         reason: format!("not a safetensors file ({e})"),

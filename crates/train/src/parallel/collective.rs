@@ -359,7 +359,11 @@ impl Collective {
         };
         match rx.recv_timeout(s.timeout) {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(fail(format!("the collective failed while {what}: {e:?}"))),
+            // The engine's own error when a peer's connection drops before
+            // the call (its data server gone): name who may be gone.
+            Ok(Err(e)) => Err(fail(format!(
+                "the collective failed while {what} ({e:?}): {others} died, stopped or cannot be reached"
+            ))),
             Err(RecvTimeoutError::Timeout) => Err(fail(format!(
                 "no answer from {others} within {} s while {what}: it died, hangs, never started or cannot be reached",
                 s.timeout.as_secs_f64()

@@ -160,13 +160,14 @@ fn set_up_trainer(
 ) -> Result<(Trainer, RunFacts), TrainError> {
     let model = cfg.model_config(corpus.vocab.size());
     let node_batch = cfg.data.batch_size / nodes;
-    let estimate = memory::training(
-        &model,
-        node_batch / cfg.train.micro_batches,
-        cfg.data.update_len,
-        node_batch,
-    );
-    memory::check(&estimate, memory::available(&devices[0]), opts.force)?;
+    let rows_in_flight = node_batch / cfg.train.micro_batches;
+    let free = memory::available(&devices[0]);
+    for estimate in [
+        memory::training(&model, rows_in_flight, cfg.data.update_len, node_batch),
+        memory::evaluation(&model, cfg.eval.batch_size, cfg.eval.update_len),
+    ] {
+        memory::check(&estimate, free, opts.force)?;
+    }
     let mut trainer = Trainer::new(&model, &cfg.train, devices)?.on_node(rank, nodes);
     tracing::info!(
         "products in {}, activation checkpointing {}",
