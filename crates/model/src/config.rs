@@ -2,9 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{TransformerVq, error::ConfigError};
-use burn::module::{Module, ModuleVisitor, Param};
-use burn::prelude::{Backend, Tensor};
+use crate::error::ConfigError;
 
 /// Which relative-position bias the attention adds for keys at most one block
 /// length away (distance `d = i - j`, `0 <= d <= L`). Keys farther away carry
@@ -57,7 +55,7 @@ pub enum AttentionForm {
     Quadratic,
 }
 
-/// Architecture of a [`TransformerVq`] language model.
+/// Architecture of a [`TransformerVq`](crate::TransformerVq) language model.
 ///
 /// Symbols follow the spec: `D = d_model`, `K = d_k`, `V = d_v`, `S = n_code`,
 /// `H = n_head`, `L = block_len`, `N = n_layer` (each layer holds two GAU sublayers).
@@ -290,24 +288,6 @@ impl TransformerVqConfig {
             return Err(ConfigError::new("sinusoid_base", "must be greater than 1"));
         }
         Ok(())
-    }
-
-    /// Validates the config and builds the model with freshly initialised
-    /// parameters (the spec's initialisation) on `device`. Every parameter
-    /// is drawn here, in a fixed order, so seeding the device's RNG before
-    /// this call determines the weights.
-    pub fn init<B: Backend>(&self, device: &B::Device) -> Result<TransformerVq<B>, ConfigError> {
-        self.validate()?;
-        let model = TransformerVq::new(self, device);
-        // burn draws parameters lazily, at first use; draw them now instead.
-        struct Materialize;
-        impl<B: Backend> ModuleVisitor<B> for Materialize {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-                let _ = param.val();
-            }
-        }
-        model.visit(&mut Materialize);
-        Ok(model)
     }
 
     /// Number of GAU sublayers (two per layer).

@@ -3,14 +3,14 @@
 
 use std::ops::Range;
 
-use burn::module::{Module, Param};
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
 
 use crate::attention::{AttentionGroups, AttentionState};
 use crate::config::TransformerVqConfig;
 use crate::dropout::{self, DropoutMasks, SublayerMasks};
-use crate::error::ModelError;
+use crate::error::{ConfigError, ModelError};
 use crate::gau::Gau;
 use crate::norm::RmsNorm;
 use crate::pass::{Graph, Pass, PassOutput, Recomputable};
@@ -128,6 +128,28 @@ pub struct ModelOutput<B: Backend> {
     pub attention: Vec<AttentionGroups<B>>,
     /// State after the segment (detached).
     pub state: ModelState<B>,
+}
+
+/// Building a model from its config lives here, beside the model (as in
+/// burn's examples), so that the config knows nothing of the network.
+impl TransformerVqConfig {
+    /// Validates the config and builds the model with freshly initialised
+    /// parameters (the spec's initialisation) on `device`. Every parameter
+    /// is drawn here, in a fixed order, so seeding the device's RNG before
+    /// this call determines the weights.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Result<TransformerVq<B>, ConfigError> {
+        self.validate()?;
+        let model = TransformerVq::new(self, device);
+        // burn draws parameters lazily, at first use; draw them now instead.
+        struct Materialize;
+        impl<B: Backend> ModuleVisitor<B> for Materialize {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let _ = param.val();
+            }
+        }
+        model.visit(&mut Materialize);
+        Ok(model)
+    }
 }
 
 impl<B: Backend> TransformerVq<B> {

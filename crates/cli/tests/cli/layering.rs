@@ -78,11 +78,48 @@ fn named_paths(line: &str, module: &str) -> Vec<String> {
     paths
 }
 
+/// The names a crate root (`lib.rs`, `main.rs`) re-exports, each with the
+/// module it comes from: `pub use a::{B, c::D};` maps `B` to `a` and `D`
+/// to `a::c`.
+fn reexports(root: &str) -> BTreeMap<String, String> {
+    let mut found = BTreeMap::new();
+    for statement in root.split("pub use ").skip(1) {
+        let statement: String = statement
+            .split(';')
+            .next()
+            .unwrap()
+            .chars()
+            .filter(|c| !c.is_whitespace())
+            .collect();
+        let (prefix, items) = match statement.split_once("::{") {
+            Some((prefix, list)) => (prefix.to_string(), list.trim_end_matches('}').to_string()),
+            None => match statement.rsplit_once("::") {
+                Some((prefix, name)) => (prefix.to_string(), name.to_string()),
+                None => continue,
+            },
+        };
+        for item in items.split(',').filter(|i| !i.is_empty()) {
+            let (module, name) = match item.rsplit_once("::") {
+                Some((sub, name)) => (format!("{prefix}::{sub}"), name),
+                None => (prefix.clone(), item),
+            };
+            found.insert(name.to_string(), module);
+        }
+    }
+    found
+}
+
 /// Each module of `src` and the other modules it names (outside comments
-/// and test code): a path names the longest module that begins it, and a
+/// and test code): a path names the longest module that begins it, a name
+/// the crate root re-exports names the module it comes from, and a
 /// module's own ancestors are left out (a child reads its parent's items).
 fn dependencies(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
     let all = modules(src);
+    let root = ["lib.rs", "main.rs"]
+        .iter()
+        .filter_map(|f| std::fs::read_to_string(src.join(f)).ok())
+        .collect::<String>();
+    let reexported = reexports(&root);
     let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for (module, path) in &all {
         let text = std::fs::read_to_string(path).unwrap();
@@ -90,6 +127,11 @@ fn dependencies(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
         let used = edges.entry(module.clone()).or_default();
         for line in code.lines().filter(|l| !l.trim_start().starts_with("//")) {
             for named in named_paths(line, module) {
+                let first = named.split("::").next().unwrap();
+                let named = match reexported.get(first) {
+                    Some(from) if !all.contains_key(first) => from.clone(),
+                    _ => named,
+                };
                 let mut target = named.as_str();
                 while !all.contains_key(target) {
                     match target.rsplit_once("::") {
@@ -160,6 +202,14 @@ fn no_module_of_any_crate_imports_one_that_imports_it_back() {
     made_up.insert("b".to_string(), BTreeSet::from(["c".to_string()]));
     made_up.insert("c".to_string(), BTreeSet::from(["a".to_string()]));
     assert_eq!(find_cycle(&made_up).unwrap(), ["a", "b", "c", "a"]);
+
+    // It follows the crate root's re-exports to the module behind a name.
+    let names = reexports("pub use a::{B, c::D};\npub use e::F;\npub use g::{\n    H,\n};");
+    let want = [("B", "a"), ("D", "a::c"), ("F", "e"), ("H", "g")];
+    assert_eq!(
+        names,
+        want.map(|(n, m)| (n.to_string(), m.to_string())).into()
+    );
 
     // It sees modules of any depth, through `crate::` and `super::` paths.
     let model = dependencies(&repo().join("crates/model/src"));
