@@ -28,7 +28,7 @@ use tvq_model::{ModelState, TransformerVqConfig};
 
 use crate::error::TrainError;
 use crate::fault::{self, Point};
-use crate::placement::{B, Model};
+use crate::placement::{B, Model, seeded_draw};
 use crate::step::optim::{LossScale, Optimizers};
 
 mod format1;
@@ -377,7 +377,7 @@ pub fn load_model_of(
                     ),
                 ));
             }
-            format1::load_model(dir, cfg.init::<B>(device)?, device)
+            format1::load_model(dir, built(cfg, device)?, device)
         }
         _ => read_weights_of(&dir.join(MODEL), cfg, device),
     }
@@ -432,7 +432,14 @@ pub(crate) fn read_weights_of(
             ),
         ));
     }
-    load_weights(path, bytes, cfg.init::<B>(device)?)
+    load_weights(path, bytes, built(cfg, device)?)
+}
+
+/// The model of `cfg` on `device`, its initial weights (replaced by a
+/// file's) drawn under the draw lock: the backend's generator is shared
+/// by every thread of the process ([`seeded_draw`]).
+fn built(cfg: &TransformerVqConfig, device: &burn::DispatchDevice) -> Result<Model, TrainError> {
+    Ok(seeded_draw(device, None, || cfg.init::<B>(device))?)
 }
 
 fn load_weights(path: &Path, bytes: Vec<u8>, mut model: Model) -> Result<Model, TrainError> {
@@ -500,7 +507,7 @@ pub(crate) mod tests {
     /// A state with a previous block, a compressed cache and a partial
     /// current block (two blocks through the block form, then one token).
     fn carried_state(device: &burn::DispatchDevice) -> ModelState<B> {
-        let model = tiny_config().init::<B>(device).unwrap();
+        let model = built(&tiny_config(), device).unwrap();
         let tokens =
             Tensor::<B, 2, Int>::from_data([[1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1]], device);
         let out = model.forward(tokens, model.empty_state(), None).unwrap();
@@ -551,9 +558,8 @@ pub(crate) mod tests {
             .with_d_v(2)
             .with_n_code(2)
             .with_n_layer(1)
-            .with_block_len(2)
-            .init::<B>(&burn::DispatchDevice::autodiff(device))
-            .unwrap();
+            .with_block_len(2);
+        let model = built(&model, &burn::DispatchDevice::autodiff(device)).unwrap();
         let optim = Optimizers::new(&crate::config::TrainSection::default());
         for step in 1..=4 {
             let progress = TrainerState {
@@ -625,11 +631,7 @@ pub(crate) mod tests {
         let run = tempfile::tempdir().unwrap();
         let device = burn::DispatchDevice::autodiff(DeviceSpec::Cpu.init().unwrap().0);
         let cfg = tiny_config().with_bias(tvq_model::RelativeBias::Rotary);
-        let old = cfg
-            .clone()
-            .with_rotary_channel(Some(0))
-            .init::<B>(&device)
-            .unwrap();
+        let old = built(&cfg.clone().with_rotary_channel(Some(0)), &device).unwrap();
         let optim = Optimizers::new(&crate::config::TrainSection::default());
         let dir = checkpoint_dir(run.path(), 0);
         format1::write(&dir, &old, &optim, &[], &TrainerState::default());
@@ -684,7 +686,7 @@ pub(crate) mod tests {
             ..Default::default()
         };
         let cfg = tiny_config().with_bias(tvq_model::RelativeBias::Toeplitz);
-        let fresh = || cfg.init::<B>(&device).unwrap();
+        let fresh = || built(&cfg, &device).unwrap();
         let (model, optim) = train(fresh(), Optimizers::new(&settings), 2);
         assert!(
             !optim.decay.to_record().is_empty() && !optim.toeplitz.to_record().is_empty(),
@@ -717,11 +719,7 @@ pub(crate) mod tests {
         let device = burn::DispatchDevice::autodiff(DeviceSpec::Cpu.init().unwrap().0);
         let cfg = tiny_config().with_bias(tvq_model::RelativeBias::Toeplitz);
         let settings = crate::config::TrainSection::default();
-        let (model, optim) = train(
-            cfg.init::<B>(&device).unwrap(),
-            Optimizers::new(&settings),
-            2,
-        );
+        let (model, optim) = train(built(&cfg, &device).unwrap(), Optimizers::new(&settings), 2);
         let states = [carried_state(&device), ModelState::new(2)];
         let progress = TrainerState {
             step: 2,

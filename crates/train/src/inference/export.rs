@@ -172,7 +172,8 @@ mod tests {
         // default is d_k)
         for (channel, old, want) in [(None, false, cfg.d_k), (Some(0), true, 0)] {
             let cfg = cfg.clone().with_rotary_channel(channel);
-            let model = cfg.init::<B>(&device).unwrap();
+            let model =
+                crate::placement::seeded_draw(&device, None, || cfg.init::<B>(&device)).unwrap();
             let info = ExportInfo {
                 format: "tvq".into(),
                 model: cfg,

@@ -390,11 +390,10 @@ mod tests {
         let floats = |t: TensorData| t.convert::<f32>().to_vec::<f32>().unwrap();
         for bias in [RelativeBias::Toeplitz, RelativeBias::Xl] {
             let cfg = tvq_testkit::tiny_model(29).with_bias(bias);
-            B::seed(&cpu(), 5);
-            let on_cpu = cfg.init::<B>(&cpu_ad).unwrap();
+            let on_cpu =
+                crate::placement::seeded_draw(&cpu(), Some(5), || cfg.init::<B>(&cpu_ad)).unwrap();
             let bytes = recorder.record(on_cpu.clone().into_record(), ()).unwrap();
-            let on_gpu = cfg
-                .init::<B>(&gpu_ad)
+            let on_gpu = crate::placement::seeded_draw(&gpu_ad, None, || cfg.init::<B>(&gpu_ad))
                 .unwrap()
                 .load_record(recorder.load(bytes, &gpu_ad).unwrap());
 

@@ -14,12 +14,13 @@
 use burn::DispatchDevice;
 use tvq_model::TransformerVqConfig;
 
+use crate::config::ActivationCheckpointing;
 use crate::error::TrainError;
 
 /// Bytes of an f32.
 const F32: f64 = 4.0;
 
-/// What a command will hold at least, and the setting that sizes it most.
+/// What a command will hold at least, and the settings it comes from.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Estimate {
     /// Bytes, at least.
@@ -34,11 +35,13 @@ fn weights(model: &TransformerVqConfig) -> f64 {
     model.num_params() as f64 * F32
 }
 
-/// Bytes one token of a pass holds through its forward pass: per sublayer
-/// its input and normalised input `2 D`, projections `H (Q + K + 3 V)`
-/// and attention weights over the window and the codes `H (2 L + S)`; the
-/// logits `vocab` once. A backward pass keeps at least these.
-fn per_token(model: &TransformerVqConfig) -> f64 {
+/// Bytes one token of a pass keeps, `[sublayer input, matrix-product
+/// outputs, one sublayer's whole activations, logits]`: a sublayer's input
+/// `D`; the outputs of its projections `H (Q + K + 2 V)`; all it computes
+/// (its input and the input normalised, the projections, the gated values
+/// and the attention weights over the window and the codes), `2 D + H (Q +
+/// K + 3 V) + H (2 L + S)`; the logits `vocab`.
+fn per_token(model: &TransformerVqConfig) -> [f64; 4] {
     let [d, k, v, h, s, l] = [
         model.d_model,
         model.d_k,
@@ -49,8 +52,37 @@ fn per_token(model: &TransformerVqConfig) -> f64 {
     ]
     .map(|x| x as f64);
     let q = k + model.rotary_channel_width() as f64;
-    let sublayer = 2.0 * d + h * (q + k + 3.0 * v) + h * (2.0 * l + s);
-    (2.0 * model.n_layer as f64 * sublayer + model.vocab_size as f64) * F32
+    let products = h * (q + k + 2.0 * v);
+    let whole = 2.0 * d + h * (q + k + 3.0 * v) + h * (2.0 * l + s);
+    [d, d + products, whole, model.vocab_size as f64].map(|x| x * F32)
+}
+
+/// Sublayers `N` of a model, as a float (no overflow on absurd configs).
+fn sublayers(model: &TransformerVqConfig) -> f64 {
+    2.0 * model.n_layer as f64
+}
+
+/// Bytes a token of a training pass keeps for the backward pass: every
+/// sublayer's whole activations without recomputation; their inputs and
+/// matrix products under `selective` (burn's balanced checkpointing
+/// recomputes the elementwise rest); only their inputs, and the one
+/// sublayer being recomputed, under `full`.
+fn training_per_token(model: &TransformerVqConfig, mode: ActivationCheckpointing) -> f64 {
+    let [input, kept, whole, logits] = per_token(model);
+    let n = sublayers(model);
+    logits
+        + match mode {
+            ActivationCheckpointing::None => n * whole,
+            ActivationCheckpointing::Selective => n * kept,
+            ActivationCheckpointing::Full => n * input + whole,
+        }
+}
+
+/// Bytes a token of an inference pass holds: one sublayer's activations
+/// at a time, and the logits.
+fn inference_per_token(model: &TransformerVqConfig) -> f64 {
+    let [_, _, whole, logits] = per_token(model);
+    whole + logits
 }
 
 /// Bytes of the state one row carries: per sublayer the previous and the
@@ -65,10 +97,11 @@ fn state_per_row(model: &TransformerVqConfig) -> f64 {
         model.block_len,
     ]
     .map(|x| x as f64);
-    2.0 * model.n_layer as f64 * h * (2.0 * l * (k + v + 1.0) + s * (v + 1.0)) * F32
+    sublayers(model) * h * (2.0 * l * (k + v + 1.0) + s * (v + 1.0)) * F32
 }
 
-/// A setting and its value, as an estimate names it.
+/// The settings an estimate comes from, with their values, as its
+/// message names them.
 fn named(model: &TransformerVqConfig, rest: &[(&str, usize)]) -> String {
     let model_part = [
         ("model.d_model", model.d_model),
@@ -89,14 +122,15 @@ fn named(model: &TransformerVqConfig, rest: &[(&str, usize)]) -> String {
 /// its micro-batches) of `update_len` tokens, each with its carried state.
 pub fn training(
     model: &TransformerVqConfig,
+    checkpointing: ActivationCheckpointing,
     rows: usize,
     update_len: usize,
     batch_size: usize,
 ) -> Estimate {
-    let rows_f = rows as f64;
+    let tokens = rows as f64 * update_len as f64;
     Estimate {
         bytes: 4.0 * weights(model)
-            + rows_f * update_len as f64 * per_token(model)
+            + tokens * training_per_token(model, checkpointing)
             + batch_size as f64 * state_per_row(model),
         settings: named(
             model,
@@ -113,7 +147,8 @@ pub fn training(
 pub fn evaluation(model: &TransformerVqConfig, batch: usize, update_len: usize) -> Estimate {
     Estimate {
         bytes: weights(model)
-            + batch as f64 * (update_len as f64 * per_token(model) + state_per_row(model)),
+            + batch as f64
+                * (update_len as f64 * inference_per_token(model) + state_per_row(model)),
         settings: named(
             model,
             &[("eval.batch_size", batch), ("eval.update_len", update_len)],
@@ -228,10 +263,20 @@ mod tests {
     fn estimates_count_what_must_exist() {
         let m = model();
         let p = m.num_params() as f64;
-        let one = training(&m, 1, 64, 1).bytes;
+        let none = ActivationCheckpointing::None;
+        let one = training(&m, none, 1, 64, 1).bytes;
         assert!(one > 16.0 * p);
-        let rows = |r: usize| training(&m, r, 64, r).bytes - 16.0 * p;
+        let rows = |r: usize| training(&m, none, r, 64, r).bytes - 16.0 * p;
         assert!((rows(8) - 8.0 * rows(1)).abs() < 1e-6 * rows(8));
+        // Recomputation keeps less, `full` least: the estimate follows, so
+        // a run that fits only with it is not refused.
+        let long = |mode| training(&m.clone().with_n_layer(8), mode, 4, 8192, 4).bytes;
+        let selective = long(ActivationCheckpointing::Selective);
+        let full = long(ActivationCheckpointing::Full);
+        assert!(
+            full < selective && selective < long(none),
+            "{full} {selective}"
+        );
         let wide = m.clone().with_d_model(1_000_000_000);
         assert!(
             evaluation(&wide, 1, 1).bytes > 4e9 * 256.0,

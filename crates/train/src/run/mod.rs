@@ -163,7 +163,13 @@ fn set_up_trainer(
     let rows_in_flight = node_batch / cfg.train.micro_batches;
     let free = memory::available(&devices[0]);
     for estimate in [
-        memory::training(&model, rows_in_flight, cfg.data.update_len, node_batch),
+        memory::training(
+            &model,
+            cfg.train.activation_checkpointing,
+            rows_in_flight,
+            cfg.data.update_len,
+            node_batch,
+        ),
         memory::evaluation(&model, cfg.eval.batch_size, cfg.eval.update_len),
     ] {
         memory::check(&estimate, free, opts.force)?;
