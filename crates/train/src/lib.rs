@@ -15,6 +15,7 @@ mod fault;
 mod gpu_under_test;
 pub mod inference;
 pub mod mfu;
+mod node;
 pub mod parallel;
 pub mod placement;
 mod progress;
