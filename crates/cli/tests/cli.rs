@@ -88,10 +88,15 @@ fn ok(args: &[&str]) -> String {
 
 /// `tvq args` must fail with a one-line error containing `needle`, and no panic.
 fn fails(args: &[&str], needle: &str) {
-    let out = tvq(args);
+    assert_one_error_line(&format!("tvq {args:?}"), &tvq(args), needle);
+}
+
+/// `out` (of `what`) is a failure with one error line, containing
+/// `needle`, and no panic.
+fn assert_one_error_line(what: &str, out: &Output, needle: &str) {
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "tvq {args:?} should fail");
-    assert!(!err.contains("panicked"), "tvq {args:?} panicked:\n{err}");
+    assert!(!out.status.success(), "{what} should fail");
+    assert!(!err.contains("panicked at"), "{what} panicked:\n{err}");
     let last = err
         .lines()
         .filter(|l| l.starts_with("error"))
@@ -1719,13 +1724,7 @@ fn nodes_that_never_meet_or_disagree_fail_with_one_line() {
     let config = config.to_str().unwrap();
     let run = dir.path().join("run");
     let one_line_error = |child: std::process::Child, needle: &str| {
-        let out = child.wait_with_output().unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "must fail:\n{err}");
-        assert!(!err.contains("panicked at"), "no panic:\n{err}");
-        let errors: Vec<_> = err.lines().filter(|l| l.starts_with("error")).collect();
-        assert_eq!(errors.len(), 1, "one error line:\n{err}");
-        assert!(errors[0].contains(needle), "`{needle}` expected:\n{err}");
+        assert_one_error_line("a node", &child.wait_with_output().unwrap(), needle);
     };
     let base = ["--set", "train.micro_batches=1", "--peer-timeout", "3"].map(String::from);
 

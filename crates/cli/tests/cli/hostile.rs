@@ -23,15 +23,7 @@ fn fails_within(secs: u64, args: &[&str], needle: &str) {
         std::thread::sleep(Duration::from_millis(50));
     }
     let out = child.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "tvq {args:?} should fail");
-    assert!(!err.contains("panicked"), "tvq {args:?} panicked:\n{err}");
-    let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("error")).collect();
-    assert_eq!(lines.len(), 1, "one error line expected:\n{err}");
-    assert!(
-        lines[0].contains(needle),
-        "error should mention `{needle}`:\n{err}"
-    );
+    assert_one_error_line(&format!("tvq {args:?}"), &out, needle);
 }
 
 /// The manifest of the checkpoint `ckpt` rewritten so that its entries
