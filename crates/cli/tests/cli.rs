@@ -1152,42 +1152,53 @@ fn export_loss(weights: &Path, config: &Path) -> f64 {
         .unwrap()
 }
 
+/// A safetensors file's metadata.
+type Metadata = std::collections::HashMap<String, String>;
+/// A safetensors tensor as stored: name, type, shape, bytes.
+type Stored = (String, safetensors::Dtype, Vec<usize>, Vec<u8>);
+
+/// The safetensors `bytes` written again after `change` on their metadata
+/// and tensors.
+fn rewritten_safetensors(
+    bytes: &[u8],
+    change: impl FnOnce(&mut Metadata, &mut Vec<Stored>),
+) -> Vec<u8> {
+    use safetensors::{SafeTensors, tensor::TensorView};
+    let (_, header) = SafeTensors::read_metadata(bytes).unwrap();
+    let mut meta = header.metadata().clone().unwrap_or_default();
+    let file = SafeTensors::deserialize(bytes).unwrap();
+    let mut tensors: Vec<Stored> = file
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    change(&mut meta, &mut tensors);
+    let views: Vec<_> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize(views, Some(meta)).unwrap()
+}
+
 /// `weights` rewritten with tensor `name` stored as `dtype`: its F32
 /// values converted (BF16, F16), or its bytes declared as that type (I32,
 /// U8: what a careless or hostile writer could do).
 fn retyped(weights: &Path, name: &str, dtype: safetensors::Dtype) -> Vec<u8> {
-    use safetensors::{Dtype, SafeTensors, tensor::TensorView};
-    let bytes = std::fs::read(weights).unwrap();
-    let file = SafeTensors::deserialize(&bytes).unwrap();
-    let data: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = file
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| {
-            if n != name {
-                return (n, Dtype::F32, v.shape().to_vec(), v.data().to_vec());
-            }
-            let f32s = v
-                .data()
+    use safetensors::Dtype;
+    rewritten_safetensors(&std::fs::read(weights).unwrap(), |_, tensors| {
+        let (_, stored, shape, data) = tensors.iter_mut().find(|t| t.0 == name).unwrap();
+        if dtype == Dtype::BF16 {
+            *data = data
                 .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()));
-            let data = match dtype {
-                Dtype::BF16 => f32s
-                    .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
-                    .collect(),
-                _ => v.data().to_vec(),
-            };
-            let shape = match dtype {
-                Dtype::U8 => vec![v.data().len()],
-                _ => v.shape().to_vec(),
-            };
-            (n, dtype, shape, data)
-        })
-        .collect();
-    let views: Vec<_> = data
-        .iter()
-        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
-        .collect();
-    safetensors::serialize(views, None).unwrap()
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
+                .collect();
+        }
+        if dtype == Dtype::U8 {
+            *shape = vec![data.len()];
+        }
+        *stored = dtype;
+    })
 }
 
 /// An export whose tensor is declared another type than F32 is refused

@@ -26,6 +26,22 @@ fn fails_within(secs: u64, args: &[&str], needle: &str) {
     assert_one_error_line(&format!("tvq {args:?}"), &out, needle);
 }
 
+/// `tvq train --resume --quiet` of `config` in `run`, with `extra`
+/// arguments, fails as [`fails_within`] says.
+fn resume_fails_within(secs: u64, config: &Path, run: &Path, extra: &[&str], needle: &str) {
+    let (config, run) = (config.to_str().unwrap(), run.to_str().unwrap());
+    let resume = [
+        "train",
+        "--config",
+        config,
+        "--run-dir",
+        run,
+        "--resume",
+        "--quiet",
+    ];
+    fails_within(secs, &[&resume[..], extra].concat(), needle);
+}
+
 /// The manifest of the checkpoint `ckpt` rewritten so that its entries
 /// match the files as they are now (a forger's manifest), with `extra`
 /// entries added.
@@ -47,31 +63,11 @@ fn forge_manifest(ckpt: &Path, extra: &[(&str, u64)]) {
     std::fs::write(&path, m.to_string()).unwrap();
 }
 
-/// The safetensors file `path` rewritten by `change` on its metadata and
-/// tensors (name, dtype, shape, bytes).
-fn rewrite_safetensors(
-    path: &Path,
-    change: impl FnOnce(
-        &mut std::collections::HashMap<String, String>,
-        &mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>,
-    ),
-) {
-    use safetensors::{SafeTensors, tensor::TensorView};
-    let bytes = std::fs::read(path).unwrap();
-    let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
-    let mut meta = header.metadata().clone().unwrap_or_default();
-    let file = SafeTensors::deserialize(&bytes).unwrap();
-    let mut tensors: Vec<_> = file
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
-        .collect();
-    change(&mut meta, &mut tensors);
-    let views: Vec<_> = tensors
-        .iter()
-        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
-        .collect();
-    std::fs::write(path, safetensors::serialize(views, Some(meta)).unwrap()).unwrap();
+/// The safetensors file `path` rewritten in place by `change`
+/// ([`rewritten_safetensors`]).
+fn rewrite_safetensors(path: &Path, change: impl FnOnce(&mut Metadata, &mut Vec<Stored>)) {
+    let bytes = rewritten_safetensors(&std::fs::read(path).unwrap(), change);
+    std::fs::write(path, bytes).unwrap();
 }
 
 /// A checkpoint's files are checked before they are trusted: a manifest
@@ -151,7 +147,6 @@ fn damaged_and_forged_checkpoints_are_refused_in_time() {
         let ckpt = ckpt_of(&run);
         damage(&ckpt);
         let before = tree_bytes(&run);
-        let run_s = run.to_str().unwrap();
         // `eval` on the checkpoint itself reports why it is refused; the
         // resume finds no valid checkpoint and says why, changing nothing.
         if name != "counts" && name != "rank" {
@@ -161,17 +156,7 @@ fn damaged_and_forged_checkpoints_are_refused_in_time() {
                 needle,
             );
         }
-        let config = run.join("config.toml");
-        let resume = [
-            "train",
-            "--config",
-            config.to_str().unwrap(),
-            "--run-dir",
-            run_s,
-            "--resume",
-            "--quiet",
-        ];
-        fails_within(60, &resume, needle);
+        resume_fails_within(60, &run.join("config.toml"), &run, &[], needle);
         assert!(
             before == tree_bytes(&run),
             "{name}: the run directory changed"
@@ -217,16 +202,7 @@ fn the_run_directory_is_tvqs_alone() {
         let run = dir.path().join(format!("link-{name}"));
         copy_tree(&pristine, &run);
         std::os::unix::fs::symlink(&outside, run.join(name)).unwrap();
-        let args = [
-            "train",
-            "--config",
-            c,
-            "--run-dir",
-            run.to_str().unwrap(),
-            "--resume",
-            "--quiet",
-        ];
-        fails_within(60, &args, "symbolic link");
+        resume_fails_within(60, &config, &run, &[], "symbolic link");
         assert_eq!(
             std::fs::read_to_string(&outside).unwrap(),
             "keep me",
@@ -266,20 +242,8 @@ fn the_run_directory_is_tvqs_alone() {
     bytes[0] ^= 1;
     std::fs::write(&trainer, bytes).unwrap();
     let before = tree_bytes(&damaged);
-    let d = damaged.to_str().unwrap();
-    fails_within(
-        60,
-        &[
-            "train",
-            "--config",
-            c,
-            "--run-dir",
-            d,
-            "--resume",
-            "--quiet",
-        ],
-        "no checkpoint can be resumed",
-    );
+    let needle = "no checkpoint can be resumed";
+    resume_fails_within(60, &config, &damaged, &[], needle);
     assert!(
         before == tree_bytes(&damaged),
         "the damaged checkpoint stays"
@@ -290,20 +254,8 @@ fn the_run_directory_is_tvqs_alone() {
     let other = dir.path().join("other");
     copy_tree(&pristine, &other);
     let before = tree_bytes(&other);
-    let o = other.to_str().unwrap();
-    let args = [
-        "train",
-        "--config",
-        c,
-        "--run-dir",
-        o,
-        "--resume",
-        "--force",
-        "--quiet",
-        "--set",
-        "model.d_k=8",
-    ];
-    fails_within(60, &args, "step-00000002");
+    let extra = ["--force", "--set", "model.d_k=8"];
+    resume_fails_within(60, &config, &other, &extra, "step-00000002");
     assert!(before == tree_bytes(&other), "the run's config stays");
 }
 
@@ -433,14 +385,5 @@ fn inputs_that_panicked_are_one_line_errors() {
     let corpus = dir.path().join("kjv-small.txt");
     let text = std::fs::read(&corpus).unwrap();
     std::fs::write(&corpus, &text[..700]).unwrap();
-    let args = [
-        "train",
-        "--config",
-        config.to_str().unwrap(),
-        "--run-dir",
-        run_s,
-        "--resume",
-        "--quiet",
-    ];
-    fails_within(120, &args, "corpus changed");
+    resume_fails_within(120, &config, &run, &[], "corpus changed");
 }

@@ -42,7 +42,17 @@ fn weights(model: &TransformerVqConfig) -> f64 {
 /// and the attention weights over the window and the codes), `2 D + H (Q +
 /// K + 3 V) + H (2 L + S)`; the logits `vocab`.
 fn per_token(model: &TransformerVqConfig) -> [f64; 4] {
-    let [d, k, v, h, s, l] = [
+    let [d, k, v, h, s, l] = sizes(model);
+    let q = k + model.rotary_channel_width() as f64;
+    let products = h * (q + k + 2.0 * v);
+    let whole = 2.0 * d + h * (q + k + 3.0 * v) + h * (2.0 * l + s);
+    [d, d + products, whole, model.vocab_size as f64].map(|x| x * F32)
+}
+
+/// `[D, K, V, H, S, L]` of a model, as floats (no overflow on absurd
+/// configs).
+fn sizes(model: &TransformerVqConfig) -> [f64; 6] {
+    [
         model.d_model,
         model.d_k,
         model.d_v,
@@ -50,11 +60,7 @@ fn per_token(model: &TransformerVqConfig) -> [f64; 4] {
         model.n_code,
         model.block_len,
     ]
-    .map(|x| x as f64);
-    let q = k + model.rotary_channel_width() as f64;
-    let products = h * (q + k + 2.0 * v);
-    let whole = 2.0 * d + h * (q + k + 3.0 * v) + h * (2.0 * l + s);
-    [d, d + products, whole, model.vocab_size as f64].map(|x| x * F32)
+    .map(|x| x as f64)
 }
 
 /// Sublayers `N` of a model, as a float (no overflow on absurd configs).
@@ -89,14 +95,7 @@ fn inference_per_token(model: &TransformerVqConfig) -> f64 {
 /// current block (keys, values, codes) and the compressed cache (a count
 /// and a mean value per code).
 fn state_per_row(model: &TransformerVqConfig) -> f64 {
-    let [k, v, h, s, l] = [
-        model.d_k,
-        model.d_v,
-        model.n_head,
-        model.n_code,
-        model.block_len,
-    ]
-    .map(|x| x as f64);
+    let [_, k, v, h, s, l] = sizes(model);
     sublayers(model) * h * (2.0 * l * (k + v + 1.0) + s * (v + 1.0)) * F32
 }
 
