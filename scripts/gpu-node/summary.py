@@ -62,6 +62,9 @@ def table(path):
                 ratios.append(f"{r['tokens_per_s'] / other:.2f}x" if other and r.get("tokens_per_s") else "-")
             out.append(f"| tvq step ({r.get('batch', 1)} row, {r.get('activation_checkpointing', 'none')}) | {r['seq_len']:,} | {r.get('precision')} | "
                        f"{fmt(r.get('tokens_per_s'))} | {mfu(r)} | " + " | ".join(ratios) + " |")
+        elif form == "vq" and r.get("part") == "first-light":
+            out.append(f"| first light: a tiny model's step on {r.get('device')} | {r['seq_len']:,} | {r.get('precision')} | "
+                       f"{fmt(r.get('tokens_per_s'))} | - | | | |")
         elif form == "torch":
             note = r.get("skipped") or r.get("error")
             out.append(f"| PyTorch {r['impl']} | {r['seq_len']:,} | {r.get('precision')} | "

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use anyhow::{Context, Result, bail};
 use burn::DispatchDevice;
 use clap::{Args, ValueEnum};
-use tvq_data::{Corpus, Split, Vocab};
+use tvq_data::{Corpus, CorpusKind, Split, Vocab};
 use tvq_model::AttentionForm;
 use tvq_train::inference::export::{ExportInfo, export};
 use tvq_train::inference::load::load_for_inference;
@@ -140,6 +140,14 @@ pub enum SplitArg {
     Test,
 }
 
+/// A synthetic task to evaluate on instead of the config's corpus.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum TaskArg {
+    /// Multi-query associative recall (the config's `[data.mqar]`, or its
+    /// defaults): exact-match accuracy on the answers, by distance.
+    Mqar,
+}
+
 /// Options of `tvq eval`.
 #[derive(Args, Debug)]
 pub struct EvalArgs {
@@ -176,6 +184,18 @@ pub struct EvalArgs {
     /// position).
     #[arg(long)]
     attention: bool,
+    /// Evaluate on a synthetic task instead of the config's corpus (a run
+    /// trained on one is evaluated on it without this flag).
+    #[arg(long, value_enum)]
+    task: Option<TaskArg>,
+    /// With --task mqar: key-value pairs per example (default: the
+    /// config's data.mqar.pairs, else 16); every key is asked for.
+    #[arg(long, value_parser = crate::at_least(1))]
+    pairs: Option<usize>,
+    /// With --task: tokens per example (default: the config's
+    /// data.sequence_len).
+    #[arg(long, value_parser = crate::at_least(1))]
+    sequence_len: Option<usize>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -347,6 +367,9 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
     };
     println!("checkpoint: {}", summary.checkpoint.display());
     match summary.validation {
+        Some(v) if v.recall.is_some() => {
+            println!("step {}: validation {}", summary.step, v.summary())
+        }
         Some(v) => println!(
             "step {}: validation loss {:.4} nats/token, {:.4} bits/byte over {} tokens",
             summary.step, v.loss, v.bits_per_byte, v.tokens
@@ -434,9 +457,24 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
     let devices = args.devices.init()?;
     let mut loaded = load_for_inference(&args.checkpoint, args.config.as_deref(), &devices[0])?;
     args.cache_limit.apply(&mut loaded.model);
-    let cfg = loaded
+    let mut cfg = loaded
         .config
         .context("an export carries no corpus: pass --config naming the data")?;
+    match args.task {
+        Some(TaskArg::Mqar) => {
+            let mut task = cfg.data.mqar.clone().unwrap_or_default();
+            task.pairs = args.pairs.unwrap_or(task.pairs);
+            task.queries = None;
+            cfg.data.kind = CorpusKind::Mqar;
+            cfg.data.tokenizer = None;
+            cfg.data.mqar = Some(task);
+            cfg.data.sequence_len = args.sequence_len.unwrap_or(cfg.data.sequence_len);
+        }
+        None if args.pairs.is_some() || args.sequence_len.is_some() => {
+            bail!("--pairs and --sequence-len set a --task's examples: add --task mqar")
+        }
+        None => {}
+    }
     let corpus = Corpus::open(&cfg.data)?;
     if corpus.vocab.size() != loaded.model.vocab_size() {
         bail!(
@@ -488,6 +526,26 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
         let mut v = serde_json::to_value(&report)?;
         v["step"] = loaded.step.into();
         println!("{v}");
+    } else if let Some(recall) = &report.recall {
+        println!(
+            "{} split, step {}: recall accuracy {:.2}% ({} of {} answers), loss {:.4} nats/answer",
+            report.split,
+            loaded.step,
+            100.0 * recall.accuracy,
+            recall.correct,
+            recall.answers,
+            report.loss
+        );
+        println!("by distance between the answer and where it was given (tokens):");
+        for b in &recall.by_distance {
+            println!(
+                "  {:>7}-{:<7} {:>6.2}% of {}",
+                b.first,
+                b.last,
+                100.0 * b.accuracy,
+                b.answers
+            );
+        }
     } else {
         println!(
             "{} split, step {}: {} tokens, loss {:.4} nats/token, {:.4} bits/token, {:.4} bits/byte{}",

@@ -8,6 +8,7 @@
 mod bench;
 mod check;
 mod commands;
+mod panics;
 mod tokenizer;
 
 use anyhow::Result;
@@ -63,31 +64,6 @@ enum Command {
     /// Tokenizers for tokenized corpora (PG-19, plain text).
     #[command(subcommand)]
     Tokenizer(tokenizer::TokenizerCommand),
-}
-
-/// burn-collective's network tasks (on tokio worker threads, the
-/// coordinator's threads, and the threads that wait on them) panic when a
-/// peer's connection drops or a stranger sends what they cannot read. The
-/// training thread reports the lost peer as an error; the engine's panics
-/// are logged as one line each instead of a message and a backtrace.
-fn quiet_engine_panics() {
-    let default = std::panic::take_hook();
-    std::panic::set_hook(Box::new(move |info| {
-        use tvq_train::parallel::collective::{COORDINATOR_THREAD, ENGINE_THREAD};
-        let engine = std::thread::current().name().is_some_and(|n| {
-            n.starts_with("tokio") || n.starts_with(COORDINATOR_THREAD) || n == ENGINE_THREAD
-        });
-        if !engine {
-            return default(info);
-        }
-        let payload = info.payload();
-        let message = payload
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_default();
-        tracing::warn!("collective engine: {message}");
-    }));
 }
 
 /// Parses `--device` values (`cpu`, `wgpu`, `wgpu:N`, `cuda`, `cuda:N`).
@@ -164,7 +140,7 @@ fn main() {
         None => None,
     };
     let guard = init_tracing(trace);
-    quiet_engine_panics();
+    panics::install();
     let result = match cli.command {
         Command::Train(args) => commands::run_train(args),
         Command::Eval(args) => commands::run_eval(args),

@@ -1773,3 +1773,5 @@ mod hostile;
 mod layering;
 #[path = "cli/logs.rs"]
 mod logs;
+#[path = "cli/recall.rs"]
+mod recall;

@@ -14,7 +14,8 @@
 //!   contiguous run of the split (the split cut into `batch` runs).
 //!
 //! Targets are the tokens themselves, inputs the token before each
-//! (end-of-document at a reset).
+//! (end-of-document at a reset). In a recall task only the answers are
+//! targets; every other target is `PAD`, which the loss skips.
 //!
 //! Evaluation: the split is cut into `batch` contiguous regions; each row
 //! walks its region segment by segment, so every token is a target exactly
@@ -39,7 +40,8 @@ pub struct Batch {
     pub len: usize,
     /// Model inputs, `[batch * len]`.
     pub inputs: Vec<u32>,
-    /// Targets (the next token of each input), `[batch * len]`; `PAD` where invalid.
+    /// Targets (the next token of each input), `[batch * len]`; `PAD` where
+    /// invalid or not scored (a recall task's non-answers).
     pub targets: Vec<u32>,
     /// Which positions are real tokens, `[batch * len]`.
     pub valid: Vec<bool>,
@@ -132,8 +134,19 @@ impl TrainBatches {
                 what: format!("{batch} rows of one {sequence_len}-token sequence"),
             });
         }
-        // The largest offset still leaves every row one whole sequence.
-        let seqs_per_row = (split.len() - (sequence_len - 1).min(split.len() - needed)) / needed;
+        // A recall task's sequences are its examples, which must not be cut;
+        // otherwise the largest offset still leaves every row one whole
+        // sequence.
+        let seqs_per_row = match &split.recall {
+            Some(recall) if recall.example_len != sequence_len => {
+                return Err(DataError::Layout(format!(
+                    "the recall task's examples are {} tokens, not data.sequence_len ({sequence_len})",
+                    recall.example_len
+                )));
+            }
+            Some(_) => split.len() / needed,
+            None => (split.len() - (sequence_len - 1).min(split.len() - needed)) / needed,
+        };
         let mut batches = Self {
             split,
             layout,
@@ -184,6 +197,9 @@ impl TrainBatches {
     /// `[0, min(sequence_len, slack + 1))`, so sequence boundaries move between epochs.
     fn epoch_offset(&self, epoch: u64) -> usize {
         let l = &self.layout;
+        if self.split.recall.is_some() {
+            return 0; // examples start at multiples of the sequence
+        }
         let slack = self.split.len() - self.seqs_per_row * l.batch * l.sequence_len;
         let range = (l.sequence_len.min(slack + 1)) as u64;
         (splitmix64(l.seed ^ splitmix64(epoch)) % range) as usize
@@ -241,7 +257,7 @@ impl TrainBatches {
                 } else {
                     self.split.get(p - 1)
                 });
-                targets.push(self.split.get(p));
+                targets.push(self.split.target(p));
             }
         }
         Batch {
@@ -340,7 +356,7 @@ impl Iterator for EvalBatches {
                     batch
                         .inputs
                         .push(if i == 0 { EOS } else { self.split.get(p - 1) });
-                    batch.targets.push(self.split.get(p));
+                    batch.targets.push(self.split.target(p));
                     batch.valid.push(true);
                 } else {
                     batch.inputs.push(PAD);

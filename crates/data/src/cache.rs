@@ -27,13 +27,42 @@ const ALIGN: usize = 64;
 /// A read-only array of tokens backed by a memory map.
 #[derive(Clone, Debug)]
 pub struct MappedTokens {
-    map: Arc<Mmap>,
+    map: Arc<Backing>,
     offset: usize,
     width: usize,
     len: usize,
 }
 
+/// What a token array reads from: a file's memory map, or bytes made in
+/// memory (synthetic tasks).
+#[derive(Debug)]
+enum Backing {
+    Map(Mmap),
+    Memory(Vec<u8>),
+}
+
+impl std::ops::Deref for Backing {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Self::Map(map) => map,
+            Self::Memory(bytes) => bytes,
+        }
+    }
+}
+
 impl MappedTokens {
+    /// Byte-level tokens made in memory (token = byte + 3).
+    pub fn from_bytes(bytes: Vec<u8>) -> Self {
+        Self {
+            len: bytes.len(),
+            map: Arc::new(Backing::Memory(bytes)),
+            offset: 0,
+            width: 1,
+        }
+    }
+
     /// Maps a raw file whose bytes are the tokens (token = byte + 3).
     pub fn raw_bytes(path: &Path) -> Result<Self, DataError> {
         let file = File::open(path).map_err(|e| DataError::io(path, e))?;
@@ -46,7 +75,7 @@ impl MappedTokens {
         // SAFETY: the corpus is opened read-only; tvq never writes to it while mapped.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| DataError::io(path, e))?;
         Ok(Self {
-            map: Arc::new(map),
+            map: Arc::new(Backing::Map(map)),
             offset: 0,
             width: 1,
             len,
@@ -248,7 +277,7 @@ pub fn open_cache(
     }
     Ok(Some((
         MappedTokens {
-            map: Arc::new(map),
+            map: Arc::new(Backing::Map(map)),
             offset,
             width,
             len: count,

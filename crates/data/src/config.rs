@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::recall::MqarConfig;
+
 /// What kind of corpus a path holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -17,6 +19,9 @@ pub enum CorpusKind {
     Text,
     /// PG-19's layout: `train/`, `validation/`, `test/` of `<id>.txt` books.
     Pg19,
+    /// Multi-query associative recall, generated from `[data.mqar]`
+    /// ([`crate::recall`]); no `path`.
+    Mqar,
 }
 
 /// Where a corpus is, how to read it, and the layout of training batches.
@@ -24,9 +29,11 @@ pub enum CorpusKind {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataConfig {
-    /// `enwik8`, `text` or `pg19`.
+    /// `enwik8`, `text`, `pg19` or `mqar`.
     pub kind: CorpusKind,
-    /// Corpus file or directory (relative paths are relative to the working directory).
+    /// Corpus file or directory (relative paths are relative to the working
+    /// directory); required but for the synthetic `mqar`.
+    #[serde(default)]
     pub path: PathBuf,
     /// A `tokenizer.json` for tokenized text; byte-level when absent.
     #[serde(default)]
@@ -49,6 +56,9 @@ pub struct DataConfig {
     /// Reset the state at every sequence (false: only at epoch starts).
     #[serde(default = "defaults::yes")]
     pub reset_each_sequence: bool,
+    /// The task of `kind = "mqar"` (its defaults when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mqar: Option<MqarConfig>,
 }
 
 mod defaults {
@@ -76,6 +86,7 @@ impl DataConfig {
             update_len: defaults::update_len(),
             sequence_len: defaults::update_len(),
             reset_each_sequence: defaults::yes(),
+            mqar: None,
         }
     }
 }

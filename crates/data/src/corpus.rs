@@ -11,6 +11,7 @@
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
@@ -18,7 +19,8 @@ use serde::{Deserialize, Serialize};
 use crate::cache::{CacheWriter, MappedTokens, open_cache};
 use crate::config::{CorpusKind, DataConfig};
 use crate::error::DataError;
-use crate::vocab::Vocab;
+use crate::recall::RecallSet;
+use crate::vocab::{PAD, Vocab};
 
 /// Bytes of enwik8 and its standard split points.
 const ENWIK8_LEN: u64 = 100_000_000;
@@ -79,6 +81,9 @@ pub struct TokenSplit {
     pub stats: TextStats,
     /// End-of-document token (the prompt at the start of a stream).
     pub eos: u32,
+    /// For a recall task: its examples and which targets are scored
+    /// (`None`: a text, where every target is).
+    pub recall: Option<Arc<RecallSet>>,
 }
 
 impl TokenSplit {
@@ -101,6 +106,15 @@ impl TokenSplit {
     pub fn get(&self, i: usize) -> u32 {
         debug_assert!(i < self.len);
         self.tokens.get(self.start + i)
+    }
+
+    /// The target at position `i`: its token where it is scored, `PAD`
+    /// (which the loss skips) where it is not (a recall task's non-answers).
+    pub fn target(&self, i: usize) -> u32 {
+        match &self.recall {
+            Some(recall) if !recall.is_scored(i) => PAD,
+            _ => self.get(i),
+        }
     }
 }
 
@@ -371,6 +385,7 @@ fn byte_splits(spec: &DataConfig, len: u64, eos: u32) -> Result<[TokenSplit; 3],
             split,
             stats,
             eos,
+            recall: None,
         }
     }))
 }
@@ -484,7 +499,16 @@ fn unzip_enwik8(spec: &DataConfig) -> Result<MappedTokens, DataError> {
 impl Corpus {
     /// Opens a corpus: maps it, tokenizing it into caches first if needed.
     pub fn open(spec: &DataConfig) -> Result<Self, DataError> {
+        if spec.kind == CorpusKind::Mqar {
+            return Self::mqar(spec);
+        }
         let path = &spec.path;
+        if path.as_os_str().is_empty() {
+            return Err(DataError::Unsupported(format!(
+                "data.path is required for a corpus of kind {:?}",
+                spec.kind
+            )));
+        }
         if let Some(dir) = &spec.cache_dir {
             std::fs::create_dir_all(dir).map_err(|e| DataError::io(dir, e))?;
         }
@@ -518,6 +542,7 @@ impl Corpus {
                 let books = pg19_books(path)?;
                 Self::tokenize_splits(spec, &vocab, |s| Ok(books[s as usize].clone()))?
             }
+            CorpusKind::Mqar => unreachable!("opened above"),
         };
         Ok(Self {
             vocab,
@@ -547,9 +572,51 @@ impl Corpus {
                 split,
                 stats,
                 eos: vocab.eos(),
+                recall: None,
             });
         }
         Ok(out.try_into().expect("three splits"))
+    }
+
+    /// The MQAR task of `spec.mqar`, each example one `spec.sequence_len`
+    /// sequence, byte-level, generated in memory.
+    fn mqar(spec: &DataConfig) -> Result<Self, DataError> {
+        if spec.tokenizer.is_some() {
+            return Err(DataError::Unsupported(
+                "an MQAR task is byte-level: remove `tokenizer` from the data config".into(),
+            ));
+        }
+        let task = spec.mqar.clone().unwrap_or_default();
+        let vocab = Vocab::Bytes;
+        let mut splits = Vec::with_capacity(3);
+        for split in Split::ALL {
+            let n = match split {
+                Split::Train => task.train_examples,
+                _ => task.eval_examples,
+            };
+            let (symbols, recall) = task.examples(split as u64, n, spec.sequence_len)?;
+            let len = symbols.len();
+            splits.push(TokenSplit {
+                tokens: MappedTokens::from_bytes(symbols),
+                start: 0,
+                len,
+                split,
+                // Bits per byte are bits per token: a symbol is a byte.
+                stats: TextStats {
+                    bytes: len as u64,
+                    words: None,
+                    documents: recall.examples() as u64,
+                    invalid_utf8_documents: 0,
+                },
+                eos: vocab.eos(),
+                recall: Some(Arc::new(recall)),
+            });
+        }
+        Ok(Self {
+            vocab,
+            splits: splits.try_into().expect("three splits"),
+            spec: spec.clone(),
+        })
     }
 
     /// The tokens of a split.

@@ -1,6 +1,7 @@
 //! Corpora on disk to the token batches the trainer needs: enwik8 (raw or
 //! zipped), PG-19 (a directory of books, tokenized with a `tokenizers`
-//! tokenizer) and any text file or directory (byte-level or tokenized).
+//! tokenizer), any text file or directory (byte-level or tokenized), and
+//! synthetic recall tasks ([`recall`]: MQAR) made from a seed.
 //!
 //! The crate knows nothing about tensors or the model: it opens a corpus
 //! ([`Corpus`], from the `[data]` table [`DataConfig`]), hands out the tokens of a split as a memory-mapped array
@@ -20,6 +21,7 @@ mod config;
 mod corpus;
 mod error;
 pub mod hash;
+pub mod recall;
 mod tokenizer;
 pub mod vocab;
 

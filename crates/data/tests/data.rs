@@ -530,3 +530,111 @@ fn a_tokenizer_with_ids_beyond_its_vocabulary_is_refused() {
     let err = tvq_data::Vocab::load_tokenizer(&tokenizer(70_000)).unwrap_err();
     assert!(err.to_string().contains("id 70000"), "{err}");
 }
+
+fn mqar(pairs: usize, sequence_len: usize, update_len: usize) -> DataConfig {
+    DataConfig {
+        sequence_len,
+        update_len,
+        batch_size: 4,
+        mqar: Some(tvq_data::recall::MqarConfig {
+            pairs,
+            vocab: 64,
+            train_examples: 12,
+            eval_examples: 4,
+            ..Default::default()
+        }),
+        ..DataConfig::new(CorpusKind::Mqar, "")
+    }
+}
+
+#[test]
+fn an_mqar_corpus_deals_whole_examples_scoring_only_the_answers() {
+    let cfg = mqar(6, 64, 32);
+    let corpus = Corpus::open(&cfg).unwrap();
+    assert_eq!(corpus.vocab.size(), 259);
+    let train = corpus.split(Split::Train);
+    let recall = train.recall.clone().unwrap();
+    assert_eq!((train.len(), recall.answers.len()), (12 * 64, 12 * 6));
+    let layout = cfg.train_layout(3);
+    let batches = TrainBatches::new(train.clone(), layout.clone(), TrainCursor::default()).unwrap();
+    // 12 examples in rows of 4: 3 sequences per row, 2 segments each.
+    assert_eq!(batches.steps_per_epoch(), 6);
+    let mut seen = vec![];
+    for batch in batches.clone().take(12) {
+        for row in 0..4 {
+            let span = row * 32..(row + 1) * 32;
+            seen.push(batch.inputs[span.clone()].to_vec());
+            // Every target is PAD but the answers, each the value after
+            // its key; the first segment of an example holds the pairs and
+            // starts from end-of-document.
+            for (i, (&input, &target)) in batch.inputs[span.clone()]
+                .iter()
+                .zip(&batch.targets[span])
+                .enumerate()
+            {
+                if target != tvq_data::vocab::PAD {
+                    assert!((3 + 32..3 + 64).contains(&target), "{target}");
+                    assert!((3 + 1..3 + 32).contains(&input), "{input}");
+                } else {
+                    assert!(i == 0 || input > 0);
+                }
+            }
+        }
+        if batch.reset {
+            assert!(
+                batch
+                    .inputs
+                    .iter()
+                    .step_by(32)
+                    .all(|&t| t == tvq_data::vocab::EOS)
+            );
+        }
+    }
+    // An epoch deals every example once, whole: a row's two segments are
+    // its 64 tokens in order.
+    let tokens = all_tokens_of(&train);
+    let mut dealt: Vec<usize> = (0..3)
+        .flat_map(|seq| (0..4).map(move |row| (seq, row)))
+        .map(|(seq, row)| {
+            let (a, b) = (&seen[(2 * seq) * 4 + row], &seen[(2 * seq + 1) * 4 + row]);
+            let read = [&a[1..], &b[..]].concat(); // inputs: tokens 0..63
+            (0..12)
+                .find(|e| tokens[e * 64..e * 64 + 63] == read[..])
+                .expect("a whole example")
+        })
+        .collect();
+    dealt.sort();
+    assert_eq!(dealt, (0..12).collect::<Vec<_>>());
+    let answers_per_epoch: usize =
+        TrainBatches::new(train.clone(), layout.clone(), TrainCursor::default())
+            .unwrap()
+            .take(6)
+            .map(|b| {
+                b.targets
+                    .iter()
+                    .filter(|&&t| t != tvq_data::vocab::PAD)
+                    .count()
+            })
+            .sum();
+    assert_eq!(answers_per_epoch, 12 * 6);
+    // Resumed at any step, the same batches follow.
+    let all: Vec<_> = batches.clone().take(9).collect();
+    for k in 0..9 {
+        let cursor = TrainCursor {
+            epoch: k as u64 / 6,
+            step: k as u64 % 6,
+        };
+        let resumed = TrainBatches::new(train.clone(), layout.clone(), cursor).unwrap();
+        assert_eq!(resumed.take(9 - k).collect::<Vec<_>>(), all[k..]);
+    }
+    // The same task on another machine is the same corpus.
+    let again = Corpus::open(&cfg).unwrap().split(Split::Train);
+    assert_eq!(all_tokens_of(&again), all_tokens_of(&train));
+    // Examples that do not fit the sequence are one error line.
+    let e = Corpus::open(&mqar(40, 64, 32)).unwrap_err().to_string();
+    assert!(e.starts_with("data.mqar:") && !e.contains('\n'), "{e}");
+}
+
+fn all_tokens_of(split: &tvq_data::TokenSplit) -> Vec<u32> {
+    (0..split.len()).map(|i| split.get(i)).collect()
+}

@@ -32,7 +32,7 @@ pub use compute::Compute;
 pub use config::{AttentionForm, CacheGrad, RelativeBias, TransformerVqConfig};
 pub use dropout::DropoutMasks;
 pub use error::{ConfigError, ModelError};
-pub use loss::{Loss, token_nll};
+pub use loss::{Loss, PAD, token_nll};
 pub use model::{ModelOutput, ModelState, SublayerOutput, TransformerVq};
 pub use pass::{Graph, Pass, PassOutput, Recomputable};
 pub use precision::Precision;

@@ -7,6 +7,11 @@ use burn::tensor::activation::log_softmax;
 use crate::model::ModelOutput;
 use crate::quantizer::bool_to_float;
 
+/// The padding token. A target of it is never scored: the official code's
+/// `loss_mask = (targets != PAD)`, which also lets a recall task score only
+/// its answers (every other target is `PAD`).
+pub const PAD: i64 = 0;
+
 /// Per-token negative log-likelihood in nats, `[B, T]`, of `targets` `[B, T]`
 /// under `logits` `[B, T, vocab]`.
 pub fn token_nll<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 2> {
@@ -38,16 +43,18 @@ fn sum_and_mean<B: Backend>(
     }
 }
 
-/// The loss of one pass over `[B, T]` tokens, in its parts. Means are over
-/// the valid tokens; the official code divides by all `B T` positions
-/// instead, which agrees when nothing is padded.
+/// The loss of one pass over `[B, T]` tokens, in its parts. The
+/// cross-entropy's mean is over the scored tokens (valid, target not
+/// [`PAD`]), the commitment's over the valid ones; the official code
+/// divides both by all `B T` positions instead, which agrees when nothing
+/// is padded.
 #[derive(Clone, Debug)]
 pub struct Loss<B: Backend> {
     /// Cross-entropy of every token, nats, `[B, T]` (padding included).
     pub nll: Tensor<B, 2>,
-    /// Cross-entropy summed over the valid tokens, nats, `[1]`.
+    /// Cross-entropy summed over the scored tokens, nats, `[1]`.
     pub nll_sum: Tensor<B, 1>,
-    /// Mean cross-entropy per valid token, nats, `[1]`.
+    /// Mean cross-entropy per scored token, nats, `[1]` (0 where none is).
     pub ce: Tensor<B, 1>,
     /// Mean commitment error per valid token (summed over sublayers), `[1]`.
     pub commitment: Tensor<B, 1>,
@@ -55,7 +62,8 @@ pub struct Loss<B: Backend> {
 
 impl<B: Backend> Loss<B> {
     /// The loss of `output` against `targets` `[B, T]`; `valid` `[B, T]`
-    /// marks the tokens that count (all when `None`).
+    /// marks the real tokens (all when `None`), of which those whose target
+    /// is not [`PAD`] are scored.
     pub fn new(
         output: &ModelOutput<B>,
         targets: Tensor<B, 2, Int>,
@@ -78,8 +86,13 @@ impl<B: Backend> Loss<B> {
         targets: Tensor<B, 2, Int>,
         valid: Option<Tensor<B, 2, Bool>>,
     ) -> Self {
+        let scored = targets.clone().not_equal_elem(PAD); // [B, T]
+        let scored = match valid.clone() {
+            Some(valid) => valid.bool_and(scored),
+            None => scored,
+        };
         let nll = token_nll(logits, targets); // [B, T]
-        let (nll_sum, ce) = sum_and_mean(nll.clone(), valid.clone());
+        let (nll_sum, ce) = sum_and_mean(nll.clone(), Some(scored));
         Self {
             ce,
             commitment: Self::commitment_mean(commitment, valid),
@@ -102,5 +115,48 @@ impl<B: Backend> Loss<B> {
     /// `ce + commit_weight * commitment`: what training minimises, `[1]`.
     pub fn total(&self, commit_weight: f64) -> Tensor<B, 1> {
         self.ce.clone() + self.commitment.clone() * commit_weight
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::flex::FlexDevice;
+    use burn::{Dispatch, DispatchDevice};
+
+    use super::*;
+
+    /// Logits `[1, 4, 5]` sure of token `sure[t]` at each position.
+    fn sure_of(sure: [i64; 4], device: &DispatchDevice) -> Tensor<Dispatch, 3> {
+        let mut logits = vec![0.0f32; 4 * 5];
+        for (t, &s) in sure.iter().enumerate() {
+            logits[t * 5 + s as usize] = 100.0;
+        }
+        Tensor::from_data(TensorData::new(logits, [1, 4, 5]), device)
+    }
+
+    #[test]
+    fn only_targets_that_are_not_pad_are_scored() {
+        let device = DispatchDevice::Flex(FlexDevice);
+        let commitment = Tensor::<Dispatch, 2>::from_data([[1.0, 2.0, 3.0, 4.0]], &device);
+        // A recall example: the answers are at positions 1 and 3; the rest
+        // are PAD. A model that copies the answers, and is wrong (sure of
+        // token 4) everywhere else, loses nothing.
+        let targets = Tensor::<Dispatch, 2, Int>::from_data([[0, 2, 0, 3]], &device);
+        let copies = sure_of([4, 2, 4, 3], &device);
+        let loss = Loss::from_parts(copies, commitment.clone(), targets.clone(), None);
+        assert!(loss.ce.into_scalar().elem::<f32>() < 1e-6);
+        // Wrong on one answer: its loss, over the two answers.
+        let wrong = sure_of([4, 2, 4, 1], &device);
+        let loss = Loss::from_parts(wrong, commitment.clone(), targets.clone(), None);
+        let ce = loss.ce.into_scalar().elem::<f32>();
+        assert!((ce - 50.0).abs() < 1e-3, "{ce}");
+        // Commitment counts every valid token, answer or not; an invalid
+        // answer is not scored.
+        assert!((loss.commitment.into_scalar().elem::<f32>() - 2.5).abs() < 1e-6);
+        let valid = Tensor::<Dispatch, 2, Bool>::from_data([[true, true, true, false]], &device);
+        let wrong = sure_of([4, 2, 4, 1], &device);
+        let loss = Loss::from_parts(wrong, commitment, targets, Some(valid));
+        assert!(loss.ce.into_scalar().elem::<f32>() < 1e-6);
+        assert!((loss.commitment.into_scalar().elem::<f32>() - 2.0).abs() < 1e-6);
     }
 }

@@ -224,8 +224,10 @@ fn the_bundle_runs_every_part_small_on_the_cpu_without_rust() {
     if let Some(p) = python.as_ref().and_then(|p| p.parent()) {
         path.insert(0, p.to_path_buf());
     }
+    let packed = dir.path().join("results.tar.gz");
     let out = Command::new(bundle.join("run.sh"))
-        .args(["--device", "cpu", "--small"])
+        .args(["--device", "cpu", "--small", "--pack"])
+        .arg(&packed)
         .env("PATH", std::env::join_paths(&path).unwrap())
         .env_remove("CARGO_TARGET_DIR")
         .output()
@@ -242,7 +244,7 @@ fn the_bundle_runs_every_part_small_on_the_cpu_without_rust() {
             .find(|r| r["form"] == "part" && r["part"] == part)
             .map(|r| r["status"].as_str().unwrap().to_string())
     };
-    for part in ["check", "train", "generate", "quickstart"] {
+    for part in ["first-light", "check", "train", "generate", "quickstart"] {
         assert_eq!(status(part).as_deref(), Some("passed"), "{part}: {stderr}");
     }
     let torch = if python.is_some() {
@@ -272,6 +274,15 @@ fn the_bundle_runs_every_part_small_on_the_cpu_without_rust() {
     let summary = std::fs::read_to_string(bundle.join("results/summary.md")).unwrap();
     assert!(summary.contains("| tvq step"), "{summary}");
     assert!(summary.contains("tvq check on cpu"), "{summary}");
+    // --pack: the results directory as one file.
+    let listed = Command::new("tar")
+        .arg("-tzf")
+        .arg(&packed)
+        .output()
+        .unwrap();
+    let listed = String::from_utf8_lossy(&listed.stdout);
+    assert!(listed.contains("results/results.jsonl"), "{listed}");
+    assert!(listed.contains("results/logs/first-light.log"), "{listed}");
 }
 
 fn read_results(path: &Path) -> Vec<serde_json::Value> {

@@ -4,12 +4,14 @@
 
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
+use tvq_data::vocab::PAD;
 use tvq_data::{Batch, EvalBatches, TokenSplit};
 use tvq_model::{Loss, ModelState, TransformerVq};
 
 use crate::batch::BatchTensors;
 use crate::config::EvalSection;
 use crate::error::TrainError;
+use crate::inference::recall::{RecallReport, evaluate_recall};
 use crate::parallel::workers::map_in_workers;
 use crate::placement::B;
 use crate::progress::progress_bar;
@@ -45,6 +47,10 @@ pub struct EvalReport {
     /// asked for (VQ attention only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub attention: Option<Vec<AttentionShare>>,
+    /// For a recall task: the answers' exact-match accuracy (its loss and
+    /// bits are then per answer).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub recall: Option<RecallReport>,
 }
 
 /// How a split is scored, beyond the `[eval]` table's batch layout.
@@ -232,12 +238,21 @@ fn per_token_attention(groups: &[tvq_model::attention::AttentionGroups<B>]) -> V
 }
 
 impl EvalReport {
-    /// "loss L nats/token, X bits/byte".
+    /// "loss L nats/token, X bits/byte" (a recall task: per answer, and
+    /// the accuracy).
     pub fn summary(&self) -> String {
-        format!(
-            "loss {:.4} nats/token, {:.4} bits/byte",
-            self.loss, self.bits_per_byte
-        )
+        match &self.recall {
+            Some(r) => format!(
+                "recall accuracy {:.2}% of {} answers, loss {:.4} nats/answer",
+                100.0 * r.accuracy,
+                r.answers,
+                self.loss
+            ),
+            None => format!(
+                "loss {:.4} nats/token, {:.4} bits/byte",
+                self.loss, self.bits_per_byte
+            ),
+        }
     }
 }
 
@@ -248,12 +263,45 @@ impl EvalReport {
 /// `opts.workers` groups that run on their own threads
 /// ([`map_in_workers`]), each carrying its own state; group `g` runs on
 /// `models[g mod len]`, where its state stays.
+///
+/// A recall task's split is scored example by example instead
+/// ([`evaluate_recall`], on the first model): its loss per answer and its
+/// accuracy, of the first `max_segments x eval.batch_size` examples.
 pub fn evaluate(
     models: &[TransformerVq<B>],
     split: &TokenSplit,
     eval: &EvalSection,
     opts: &EvalOptions,
 ) -> Result<EvalReport, TrainError> {
+    if let Some(recall) = &split.recall {
+        if opts.by_position || opts.attention || opts.reset_every.is_some() {
+            return Err(TrainError::Config {
+                key: "eval".into(),
+                reason: "--by-position, --attention and --reset-every do not apply to a \
+                         recall task (each example is read from a fresh state)"
+                    .into(),
+            });
+        }
+        let examples = opts.max_segments.map(|m| m.saturating_mul(eval.batch_size));
+        let (report, nll) =
+            evaluate_recall(&models[0], split, recall, eval, examples, opts.progress)?;
+        let loss = nll / report.answers.max(1) as f64;
+        let ln2 = std::f64::consts::LN_2;
+        return Ok(EvalReport {
+            split: split.split.to_string(),
+            tokens: report.answers,
+            complete: examples.is_none_or(|n| n >= recall.examples()),
+            loss,
+            bits_per_token: loss / ln2,
+            bits_per_byte: loss / ln2,
+            token_perplexity: loss.exp(),
+            word_perplexity: None,
+            reset_every: None,
+            by_position: None,
+            attention: None,
+            recall: Some(report),
+        });
+    }
     let devices: Vec<_> = models.iter().map(|m| m.embedding.weight.device()).collect();
     crate::parallel::workers::check_device_list(&devices)?;
     let (batch, update_len) = (eval.batch_size, eval.update_len);
@@ -310,7 +358,12 @@ pub fn evaluate(
         if per_token {
             positions.add(&b, &batch_nll, &batch_attention, split.eos);
         }
-        tokens += b.valid.iter().filter(|&&v| v).count() as u64;
+        tokens += b
+            .targets
+            .iter()
+            .zip(&b.valid)
+            .filter(|&(&t, &v)| v && t != PAD)
+            .count() as u64;
         bar.inc(1);
     }
     bar.finish_and_clear();
@@ -361,6 +414,7 @@ fn report(
         attention: opts
             .attention
             .then(|| attention_means(&positions.total.attention, positions.total.tokens)),
+        recall: None,
     }
 }
 

@@ -1,8 +1,10 @@
 //! Using a trained model: bits per byte over a split ([`evaluate`]),
+//! accuracy on a recall task ([`recall`]),
 //! generation ([`sample`]), and weights in and out of safetensors
 //! ([`export`]); [`load`] finds the model a path names.
 
 pub mod evaluate;
 pub mod export;
 pub mod load;
+pub mod recall;
 pub mod sample;

@@ -216,16 +216,16 @@ fn wgpu_memory_reserved(device: &WgpuDevice, streams: &[StreamId]) -> Option<u64
         .sum()
 }
 
-/// Where cubecl keeps what autotuning measured, so that a shape is tuned
-/// once per machine rather than once per process: `$XDG_CACHE_HOME/tvq/`
-/// or `~/.cache/tvq/` (cubecl's own default is the `target/` directory of
-/// the Rust project around the working directory, which scatters caches
-/// over whatever directory `tvq` runs in). A `cubecl.toml` that names a
-/// cache other than `target`, and cubecl's `CUBECL_*` variables, are obeyed
-/// as cubecl would.
+/// Where cubecl keeps what it learns about a device, so that a kernel is
+/// compiled and a shape tuned once per machine rather than once per process:
+/// under `$XDG_CACHE_HOME/tvq/` or `~/.cache/tvq/`, autotuning's measurements
+/// in `autotune/` and the CUDA kernels NVRTC compiled in `ptx/` (a training
+/// step compiles hundreds; cubecl's own defaults keep no kernels and scatter
+/// autotune caches over the `target/` directory of whatever Rust project
+/// `tvq` runs in). A `cubecl.toml` that names other caches, and cubecl's
+/// `CUBECL_*` variables, are obeyed as cubecl would.
 /// Runs before the first GPU use (cubecl reads its settings once).
 fn configure_gpu_runtime() {
-    use cubecl_runtime::config::cache::CacheConfig;
     use cubecl_runtime::config::{CubeClRuntimeConfig, RuntimeConfig};
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -233,15 +233,32 @@ fn configure_gpu_runtime() {
         if settings.is_some() {
             return; // already read: too late to change
         }
-        let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
         let home = std::env::var_os("XDG_CACHE_HOME")
             .map(std::path::PathBuf::from)
             .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache")));
-        if let (CacheConfig::Target, Some(dir)) = (&config.autotune.cache, home) {
-            config.autotune.cache = CacheConfig::File(dir.join("tvq"));
-        }
-        *settings = Some(std::sync::Arc::new(config));
+        let config = CubeClRuntimeConfig::from_current_dir().override_from_env();
+        *settings = Some(std::sync::Arc::new(with_tvq_caches(config, home)));
     });
+}
+
+/// `config` with its caches moved under `cache_home/tvq`, where cubecl's
+/// defaults would put them (autotuning: `target/`; compiled kernels: none).
+/// A cache the user chose is left as it is.
+fn with_tvq_caches(
+    mut config: cubecl_runtime::config::CubeClRuntimeConfig,
+    cache_home: Option<std::path::PathBuf>,
+) -> cubecl_runtime::config::CubeClRuntimeConfig {
+    use cubecl_runtime::config::cache::CacheConfig;
+    if let Some(dir) = cache_home.map(|home| home.join("tvq")) {
+        if let CacheConfig::Target = config.autotune.cache {
+            config.autotune.cache = CacheConfig::File(dir.clone());
+        }
+        config
+            .compilation
+            .cache
+            .get_or_insert(CacheConfig::File(dir));
+    }
+    config
 }
 
 /// Initialises the wgpu adapter for `device` and describes it ("name (type,
@@ -340,6 +357,30 @@ mod tests {
 
     fn cpu() -> DispatchDevice {
         DispatchDevice::Flex(FlexDevice)
+    }
+
+    #[test]
+    fn gpu_caches_go_under_the_users_cache_unless_chosen() {
+        use cubecl_runtime::config::CubeClRuntimeConfig;
+        use cubecl_runtime::config::cache::CacheConfig;
+        let home = std::path::PathBuf::from("/home/u/.cache");
+        let root = |c: &Option<CacheConfig>| c.as_ref().map(CacheConfig::root);
+        let moved = with_tvq_caches(CubeClRuntimeConfig::default(), Some(home.clone()));
+        assert_eq!(moved.autotune.cache.root(), home.join("tvq"));
+        assert_eq!(root(&moved.compilation.cache), Some(home.join("tvq")));
+
+        let mut chosen = CubeClRuntimeConfig::default();
+        chosen.autotune.cache = CacheConfig::File("/mine/a".into());
+        chosen.compilation.cache = Some(CacheConfig::File("/mine/k".into()));
+        let kept = with_tvq_caches(chosen, Some(home));
+        assert_eq!(
+            kept.autotune.cache.root(),
+            std::path::PathBuf::from("/mine/a")
+        );
+        assert_eq!(root(&kept.compilation.cache), Some("/mine/k".into()));
+
+        let homeless = with_tvq_caches(CubeClRuntimeConfig::default(), None);
+        assert!(homeless.compilation.cache.is_none());
     }
 
     #[test]

@@ -1,0 +1,349 @@
+//! Synthetic recall tasks as corpora: does a model find, far back in its
+//! context, what it was told?
+//!
+//! **Multi-query associative recall (MQAR)**, after Zoology (Arora et al.
+//! 2023, arXiv 2312.04927). Each example is one sequence of
+//! `data.sequence_len` tokens: first `pairs` key-value pairs, then the
+//! query region, where `queries` of the keys appear again, each at a random
+//! place, each followed by its value. Only the values that follow a query
+//! are scored: the model must have kept the pair since it was read. As in
+//! Zoology:
+//! - keys and values come from disjoint halves of a task vocabulary of
+//!   `vocab` symbols (keys `1..vocab/2`, values `vocab/2..vocab`), the keys
+//!   of one example distinct, the values drawn freely;
+//! - the query region is filled with symbol 0 wherever no query stands;
+//! - a query occupies two places (the key, then its value), at an even
+//!   offset of the query region.
+//!
+//! Where tvq differs: Zoology queries every key and draws the gaps between
+//! queries from a power law, so that most queries fall near their pair;
+//! tvq queries `queries` keys (all by default) at places drawn uniformly
+//! from the query region, so that the distance between pair and query is
+//! spread over the whole sequence (each answer's distance is recorded, and
+//! accuracy is reported by distance). Symbols are bytes: symbol `s` is the
+//! byte-level token `s + 3`, so a recall model uses the byte vocabulary and
+//! its samples decode as bytes; hence `vocab <= 256` and `pairs < vocab/2`.
+//!
+//! Every example is a pure function of the task's seed, its split and its
+//! index, so a split is the same on every machine and a run resumes exactly.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::DataError;
+use crate::hash::{SplitMix64, splitmix64};
+
+/// The `[data.mqar]` table: the task's shape and how many examples each
+/// split holds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MqarConfig {
+    /// Key-value pairs at the start of every example.
+    #[serde(default = "defaults::pairs")]
+    pub pairs: usize,
+    /// Keys asked for in the query region (default: every key).
+    #[serde(default)]
+    pub queries: Option<usize>,
+    /// Symbols of the task vocabulary: keys are `1..vocab/2`, values
+    /// `vocab/2..vocab` (at most 256: symbols are bytes).
+    #[serde(default = "defaults::vocab")]
+    pub vocab: usize,
+    /// Examples in the training split.
+    #[serde(default = "defaults::train_examples")]
+    pub train_examples: usize,
+    /// Examples in each of the validation and test splits.
+    #[serde(default = "defaults::eval_examples")]
+    pub eval_examples: usize,
+    /// Seed of the examples (the training order is the run's `train.seed`).
+    #[serde(default)]
+    pub seed: u64,
+}
+
+mod defaults {
+    pub fn pairs() -> usize {
+        16
+    }
+    pub fn vocab() -> usize {
+        256
+    }
+    pub fn train_examples() -> usize {
+        8192
+    }
+    pub fn eval_examples() -> usize {
+        256
+    }
+}
+
+impl Default for MqarConfig {
+    fn default() -> Self {
+        Self {
+            pairs: defaults::pairs(),
+            queries: None,
+            vocab: defaults::vocab(),
+            train_examples: defaults::train_examples(),
+            eval_examples: defaults::eval_examples(),
+            seed: 0,
+        }
+    }
+}
+
+/// One scored target of a recall split.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Answer {
+    /// Position in the split of the target that is the answer.
+    pub pos: usize,
+    /// Tokens between the answer and the place it was given (the value of
+    /// the pair, for MQAR): how far back the model must look.
+    pub distance: usize,
+}
+
+/// What makes a split a recall task: its examples' length and the targets
+/// that are scored. Every other target is not.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecallSet {
+    /// Tokens per example; example `i` is tokens `i * example_len ..`.
+    pub example_len: usize,
+    /// The scored targets, by position.
+    pub answers: Vec<Answer>,
+    /// Whether the target at each position of the split is scored.
+    scored: Vec<bool>,
+}
+
+impl RecallSet {
+    /// Whether the target at position `pos` of the split is scored.
+    pub fn is_scored(&self, pos: usize) -> bool {
+        self.scored.get(pos).copied().unwrap_or(false)
+    }
+
+    /// Number of examples.
+    pub fn examples(&self) -> usize {
+        self.scored.len() / self.example_len.max(1)
+    }
+}
+
+/// One generated example: its symbols (bytes) and its answers (positions
+/// within the example).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Example {
+    symbols: Vec<u8>,
+    answers: Vec<Answer>,
+}
+
+impl MqarConfig {
+    /// Keys asked for per example.
+    pub fn num_queries(&self) -> usize {
+        self.queries.unwrap_or(self.pairs)
+    }
+
+    /// Whether examples of `len` tokens can hold this task: one line saying
+    /// which setting to change where not.
+    pub fn check(&self, len: usize) -> Result<(), DataError> {
+        let bad = |reason: String| Err(DataError::Unsupported(format!("data.mqar: {reason}")));
+        if self.vocab > 256 || self.vocab < 4 || !self.vocab.is_multiple_of(2) {
+            return bad(format!(
+                "vocab must be even and within 4..=256 (symbols are bytes), not {}",
+                self.vocab
+            ));
+        }
+        let keys = self.vocab / 2 - 1;
+        if self.pairs == 0 || self.pairs > keys {
+            return bad(format!(
+                "pairs must be within 1..={keys} (the distinct keys of a vocab of {}), not {}",
+                self.vocab, self.pairs
+            ));
+        }
+        let queries = self.num_queries();
+        if queries == 0 || queries > self.pairs {
+            return bad(format!(
+                "queries must be within 1..={} (the pairs), not {queries}",
+                self.pairs
+            ));
+        }
+        let needed = 2 * self.pairs + 2 * queries;
+        if needed > len {
+            return bad(format!(
+                "{} pairs and {queries} queries take {needed} tokens, more than the \
+                 {len}-token sequences (data.sequence_len)",
+                self.pairs
+            ));
+        }
+        if self.train_examples == 0 || self.eval_examples == 0 {
+            return bad("train_examples and eval_examples must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// Example `index` of set `set` (a split), `len` tokens long.
+    fn example(&self, set: u64, index: usize, len: usize) -> Example {
+        let stream = splitmix64(self.seed) ^ splitmix64(set << 48 | index as u64);
+        let mut rng = SplitMix64(stream);
+        let mut below = |n: usize| (rng.next_u64() % n as u64) as usize;
+        let (half, pairs) = (self.vocab / 2, self.pairs);
+        // Distinct keys: a partial Fisher-Yates shuffle of 1..half.
+        let mut keys: Vec<u8> = (1..half as u16).map(|k| k as u8).collect();
+        for i in 0..pairs {
+            let j = i + below(keys.len() - i);
+            keys.swap(i, j);
+        }
+        let values: Vec<u8> = (0..pairs).map(|_| (half + below(half)) as u8).collect();
+        let mut symbols = vec![0u8; len];
+        for i in 0..pairs {
+            symbols[2 * i] = keys[i];
+            symbols[2 * i + 1] = values[i];
+        }
+        // Which pairs are asked for, and at which of the query region's
+        // two-token slots.
+        let mut asked: Vec<usize> = (0..pairs).collect();
+        let mut slots: Vec<usize> = (0..(len - 2 * pairs) / 2).collect();
+        let mut answers = Vec::with_capacity(self.num_queries());
+        for q in 0..self.num_queries() {
+            let a = q + below(pairs - q);
+            asked.swap(q, a);
+            let s = q + below(slots.len() - q);
+            slots.swap(q, s);
+            let (pair, at) = (asked[q], 2 * pairs + 2 * slots[q]);
+            symbols[at] = keys[pair];
+            symbols[at + 1] = values[pair];
+            answers.push(Answer {
+                pos: at + 1,
+                distance: at - 2 * pair,
+            });
+        }
+        answers.sort_by_key(|a| a.pos);
+        Example { symbols, answers }
+    }
+
+    /// The symbols (bytes) of `n` examples of `len` tokens of set `set`
+    /// (each split its own), back to back, and which targets are scored.
+    pub fn examples(
+        &self,
+        set: u64,
+        n: usize,
+        len: usize,
+    ) -> Result<(Vec<u8>, RecallSet), DataError> {
+        self.check(len)?;
+        let total = n
+            .checked_mul(len)
+            .filter(|&t| t <= 1 << 32)
+            .ok_or_else(|| {
+                DataError::Unsupported(format!(
+                    "data.mqar: {n} examples of {len} tokens are more than 2^32 tokens"
+                ))
+            })?;
+        let (mut symbols, mut scored, mut answers) =
+            (Vec::with_capacity(total), vec![false; total], vec![]);
+        for i in 0..n {
+            let example = self.example(set, i, len);
+            for a in example.answers {
+                let pos = i * len + a.pos;
+                scored[pos] = true;
+                answers.push(Answer { pos, ..a });
+            }
+            symbols.extend(example.symbols);
+        }
+        let set = RecallSet {
+            example_len: len,
+            answers,
+            scored,
+        };
+        Ok((symbols, set))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn task(pairs: usize, queries: Option<usize>) -> MqarConfig {
+        MqarConfig {
+            pairs,
+            queries,
+            vocab: 64,
+            train_examples: 8,
+            eval_examples: 4,
+            seed: 7,
+        }
+    }
+
+    #[test]
+    fn every_answer_is_the_value_paired_with_the_key_before_it() {
+        let cfg = task(12, None);
+        let len = 96;
+        let (symbols, set) = cfg.examples(0, 8, len).unwrap();
+        assert_eq!(symbols.len(), 8 * len);
+        assert_eq!(set.answers.len(), 8 * 12);
+        assert_eq!(set.examples(), 8);
+        for a in &set.answers {
+            let start = a.pos / len * len;
+            let example = &symbols[start..start + len];
+            let (key, value) = (example[a.pos - start - 1], example[a.pos - start]);
+            assert!(
+                (1..32).contains(&key) && (32..64).contains(&value),
+                "{key} {value}"
+            );
+            // The pair: `distance` back, the same key and value, in the
+            // pair region.
+            let given = a.pos - start - a.distance;
+            assert!(given < 2 * 12 && given % 2 == 1, "{a:?}");
+            assert_eq!((example[given - 1], example[given]), (key, value));
+            assert!(set.is_scored(a.pos) && !set.is_scored(a.pos - 1));
+        }
+        // Keys are distinct within an example, and every key is asked once.
+        for e in symbols.chunks(len) {
+            let mut keys: Vec<u8> = e[..24].iter().step_by(2).copied().collect();
+            keys.sort();
+            keys.dedup();
+            assert_eq!(keys.len(), 12);
+            let asked = e[24..].iter().filter(|&&s| (1..32).contains(&s)).count();
+            assert_eq!(asked, 12);
+        }
+        // Only the answers are scored.
+        let scored = (0..symbols.len()).filter(|&p| set.is_scored(p)).count();
+        assert_eq!(scored, set.answers.len());
+    }
+
+    #[test]
+    fn splits_are_deterministic_distinct_and_seeded() {
+        let cfg = task(4, Some(2));
+        let a = cfg.examples(1, 4, 32).unwrap();
+        assert_eq!(a, cfg.examples(1, 4, 32).unwrap());
+        assert_ne!(a.0, cfg.examples(2, 4, 32).unwrap().0);
+        let other = MqarConfig {
+            seed: 8,
+            ..cfg.clone()
+        };
+        assert_ne!(a.0, other.examples(1, 4, 32).unwrap().0);
+        assert_eq!(a.1.answers.len(), 4 * 2);
+        // A set's first examples do not depend on how many it holds.
+        assert_eq!(cfg.examples(1, 2, 32).unwrap().0, a.0[..64]);
+    }
+
+    #[test]
+    fn impossible_tasks_are_one_line_errors() {
+        let too_long = task(12, None).examples(0, 8, 40).unwrap_err();
+        assert!(
+            too_long.to_string().contains("data.sequence_len"),
+            "{too_long}"
+        );
+        for bad in [
+            MqarConfig {
+                vocab: 512,
+                ..task(4, None)
+            },
+            MqarConfig {
+                vocab: 63,
+                ..task(4, None)
+            },
+            task(32, None),
+            task(0, None),
+            task(4, Some(5)),
+            task(4, Some(0)),
+            MqarConfig {
+                train_examples: 0,
+                ..task(4, None)
+            },
+        ] {
+            let e = bad.check(1024).unwrap_err().to_string();
+            assert!(e.starts_with("data.mqar:") && !e.contains('\n'), "{e}");
+        }
+    }
+}

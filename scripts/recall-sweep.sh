@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Recall accuracy of Transformer-VQ against the quadratic form at equal
+# parameters and equal training examples (docs/learning.md, "Recall"):
+# for each form (FORMS), number of pairs (PAIRS), example length (LENS) and
+# seed (SEEDS), train configs/mqar.toml with those settings, then
+# `tvq eval --json` on the validation split. The forms are "quadratic", or
+# "vq:S:BIAS" (S codes, bias toeplitz or xl). Every other setting is the config's
+# (override with EXTRA="--set train.steps=800 ...").
+#
+#   scripts/recall-sweep.sh OUT_DIR
+#   FORMS="quadratic vq:32:toeplitz vq:128:toeplitz" PAIRS="4 8" LENS="64 256" SEEDS="0 1" \
+#     scripts/recall-sweep.sh runs/recall
+#
+# Writes OUT_DIR/results.jsonl (one line per run: the settings, the
+# accuracy, the accuracy by distance, the commit) and prints a Markdown
+# table, one row per setting, one column per seed. A run already in
+# results.jsonl is not run again, so an interrupted sweep continues.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:?usage: scripts/recall-sweep.sh OUT_DIR}"
+FORMS=${FORMS:-quadratic vq:32:toeplitz vq:128:toeplitz}
+PAIRS=${PAIRS:-4}
+LENS=${LENS:-64}
+SEEDS=${SEEDS:-0 1}
+EXTRA=${EXTRA:-}
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/tvq/target}"
+cargo build --release -p tvq-cli --quiet
+tvq="$CARGO_TARGET_DIR/release/tvq"
+commit="$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo '+dirty')"
+mkdir -p "$out"
+results="$out/results.jsonl"
+touch "$results"
+
+for form in $FORMS; do
+  IFS=: read -r attention codes bias <<< "$form"
+  set_form=(--set "model.attention=$attention")
+  [ -n "${codes:-}" ] && set_form+=(--set "model.n_code=$codes")
+  [ -n "${bias:-}" ] && set_form+=(--set "model.bias=$bias")
+  for pairs in $PAIRS; do
+    for len in $LENS; do
+      for seed in $SEEDS; do
+        name="$form-p$pairs-t$len-s$seed"
+        if grep -q "\"name\": \"$name\"" "$results"; then continue; fi
+        run="$out/$name"
+        rm -rf "$run"
+        # Examples of `len` tokens, read in segments of at most 256.
+        seg=$(( len < 256 ? len : 256 ))
+        # shellcheck disable=SC2086
+        "$tvq" train --config configs/mqar.toml --run-dir "$run" --quiet "${set_form[@]}" \
+          --set "data.mqar.pairs=$pairs" --set "data.sequence_len=$len" --set "data.update_len=$seg" \
+          --set "eval.update_len=$seg" --set "train.seed=$seed" --set "data.mqar.seed=$seed" \
+          $EXTRA > "$run.log" 2>&1 || { echo "recall-sweep: $name failed (see $run.log)" >&2; continue; }
+        report="$("$tvq" eval --checkpoint "$run" --json 2>/dev/null)"
+        python3 - "$name" "$form" "$pairs" "$len" "$seed" "$commit" "$report" >> "$results" <<'PY'
+import json, sys
+name, form, pairs, length, seed, commit, report = sys.argv[1:]
+r = json.loads(report)
+print(json.dumps({"name": name, "form": form, "pairs": int(pairs), "seq_len": int(length),
+                  "seed": int(seed), "commit": commit, "accuracy": r["recall"]["accuracy"],
+                  "loss": r["loss"], "by_distance": r["recall"]["by_distance"]}))
+PY
+        echo "recall-sweep: $name: accuracy $(python3 -c 'import json,sys; print(round(100*json.loads(sys.argv[1])["recall"]["accuracy"], 2))' "$report")%"
+      done
+    done
+  done
+done
+
+python3 - "$results" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+seeds = sorted({r["seed"] for r in rows})
+print("| form | pairs | T | " + " | ".join(f"seed {s}" for s in seeds) + " |")
+print("|---|---|---|" + "---|" * len(seeds))
+keys = sorted({(r["form"], r["pairs"], r["seq_len"]) for r in rows}, key=lambda k: (k[1], k[2], k[0]))
+for k in keys:
+    acc = {r["seed"]: r["accuracy"] for r in rows if (r["form"], r["pairs"], r["seq_len"]) == k}
+    cells = [f"{100 * acc[s]:.1f}%" if s in acc else "-" for s in seeds]
+    print(f"| {k[0]} | {k[1]} | {k[2]:,} | " + " | ".join(cells) + " |")
+PY
