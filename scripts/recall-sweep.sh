@@ -11,6 +11,8 @@
 #   FORMS="quadratic vq:32:toeplitz vq:128:toeplitz" PAIRS="4 8" LENS="64 256" SEEDS="0 1" \
 #     scripts/recall-sweep.sh runs/recall
 #
+# TVQ_BIN=PATH runs that binary instead of building this tree's.
+#
 # Writes OUT_DIR/results.jsonl (one line per run: the settings, the
 # accuracy, the accuracy by distance, the commit) and prints a Markdown
 # table, one row per setting, one column per seed. A run already in
@@ -24,8 +26,11 @@ LENS=${LENS:-64}
 SEEDS=${SEEDS:-0 1}
 EXTRA=${EXTRA:-}
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/tvq/target}"
-cargo build --release -p tvq-cli --quiet
-tvq="$CARGO_TARGET_DIR/release/tvq"
+tvq="${TVQ_BIN:-}"
+if [ -z "$tvq" ]; then
+  cargo build --release -p tvq-cli --quiet
+  tvq="$CARGO_TARGET_DIR/release/tvq"
+fi
 commit="$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo '+dirty')"
 mkdir -p "$out"
 results="$out/results.jsonl"

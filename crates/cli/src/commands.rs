@@ -146,6 +146,9 @@ pub enum TaskArg {
     /// Multi-query associative recall (the config's `[data.mqar]`, or its
     /// defaults): exact-match accuracy on the answers, by distance.
     Mqar,
+    /// Passkey retrieval in the config's byte-level text (`[data.passkey]`,
+    /// or its defaults): accuracy on the key's digits, by distance.
+    Passkey,
 }
 
 /// Options of `tvq eval`.
@@ -468,6 +471,14 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
             cfg.data.kind = CorpusKind::Mqar;
             cfg.data.tokenizer = None;
             cfg.data.mqar = Some(task);
+            cfg.data.sequence_len = args.sequence_len.unwrap_or(cfg.data.sequence_len);
+        }
+        Some(TaskArg::Passkey) => {
+            if args.pairs.is_some() {
+                bail!("--pairs sets --task mqar's examples, not a passkey's");
+            }
+            cfg.data.kind = CorpusKind::Passkey;
+            cfg.data.passkey.get_or_insert_with(Default::default);
             cfg.data.sequence_len = args.sequence_len.unwrap_or(cfg.data.sequence_len);
         }
         None if args.pairs.is_some() || args.sequence_len.is_some() => {

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::recall::MqarConfig;
+use crate::recall::{MqarConfig, PasskeyConfig};
 
 /// What kind of corpus a path holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -22,6 +22,9 @@ pub enum CorpusKind {
     /// Multi-query associative recall, generated from `[data.mqar]`
     /// ([`crate::recall`]); no `path`.
     Mqar,
+    /// Passkey retrieval from `[data.passkey]` ([`crate::recall`]), its
+    /// filler from the byte-level text file at `path` (split 90/5/5).
+    Passkey,
 }
 
 /// Where a corpus is, how to read it, and the layout of training batches.
@@ -29,7 +32,7 @@ pub enum CorpusKind {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataConfig {
-    /// `enwik8`, `text`, `pg19` or `mqar`.
+    /// `enwik8`, `text`, `pg19`, `mqar` or `passkey`.
     pub kind: CorpusKind,
     /// Corpus file or directory (relative paths are relative to the working
     /// directory); required but for the synthetic `mqar`.
@@ -59,6 +62,9 @@ pub struct DataConfig {
     /// The task of `kind = "mqar"` (its defaults when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mqar: Option<MqarConfig>,
+    /// The task of `kind = "passkey"` (its defaults when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub passkey: Option<PasskeyConfig>,
 }
 
 mod defaults {
@@ -87,6 +93,7 @@ impl DataConfig {
             sequence_len: defaults::update_len(),
             reset_each_sequence: defaults::yes(),
             mqar: None,
+            passkey: None,
         }
     }
 }

@@ -502,6 +502,9 @@ impl Corpus {
         if spec.kind == CorpusKind::Mqar {
             return Self::mqar(spec);
         }
+        if spec.kind == CorpusKind::Passkey {
+            return Self::passkey(spec);
+        }
         let path = &spec.path;
         if path.as_os_str().is_empty() {
             return Err(DataError::Unsupported(format!(
@@ -542,7 +545,7 @@ impl Corpus {
                 let books = pg19_books(path)?;
                 Self::tokenize_splits(spec, &vocab, |s| Ok(books[s as usize].clone()))?
             }
-            CorpusKind::Mqar => unreachable!("opened above"),
+            CorpusKind::Mqar | CorpusKind::Passkey => unreachable!("opened above"),
         };
         Ok(Self {
             vocab,
@@ -581,20 +584,61 @@ impl Corpus {
     /// The MQAR task of `spec.mqar`, each example one `spec.sequence_len`
     /// sequence, byte-level, generated in memory.
     fn mqar(spec: &DataConfig) -> Result<Self, DataError> {
-        if spec.tokenizer.is_some() {
-            return Err(DataError::Unsupported(
-                "an MQAR task is byte-level: remove `tokenizer` from the data config".into(),
-            ));
-        }
         let task = spec.mqar.clone().unwrap_or_default();
-        let vocab = Vocab::Bytes;
-        let mut splits = Vec::with_capacity(3);
-        for split in Split::ALL {
+        Self::recall(spec, "an MQAR task", |split| {
             let n = match split {
                 Split::Train => task.train_examples,
                 _ => task.eval_examples,
             };
-            let (symbols, recall) = task.examples(split as u64, n, spec.sequence_len)?;
+            task.examples(split as u64, n, spec.sequence_len)
+        })
+    }
+
+    /// The passkey task of `spec.passkey`, its filler from each split of the
+    /// byte-level text at `spec.path`.
+    fn passkey(spec: &DataConfig) -> Result<Self, DataError> {
+        let task = spec.passkey.clone().unwrap_or_default();
+        // One raw byte file, whose tokens are all bytes (a directory's
+        // documents are separated by end-of-document tokens).
+        let meta = std::fs::metadata(&spec.path).map_err(|e| DataError::io(&spec.path, e))?;
+        if !meta.is_file() {
+            return Err(DataError::Unsupported(format!(
+                "data.passkey: the filler text must be one byte-level file, and {} is not",
+                spec.path.display()
+            )));
+        }
+        let text = Self::open(&DataConfig {
+            kind: CorpusKind::Text,
+            tokenizer: None,
+            passkey: None,
+            ..spec.clone()
+        })?;
+        Self::recall(spec, "a passkey task", |split| {
+            let n = match split {
+                Split::Train => task.train_examples,
+                _ => task.eval_examples,
+            };
+            let source = text.split(split);
+            let byte = |i: usize| (source.get(i) - crate::vocab::N_SPECIAL) as u8;
+            task.examples(split as u64, n, spec.sequence_len, byte, source.len())
+        })
+    }
+
+    /// A byte-level recall task whose splits `examples` makes.
+    fn recall(
+        spec: &DataConfig,
+        what: &str,
+        examples: impl Fn(Split) -> Result<(Vec<u8>, RecallSet), DataError>,
+    ) -> Result<Self, DataError> {
+        if spec.tokenizer.is_some() {
+            return Err(DataError::Unsupported(format!(
+                "{what} is byte-level: remove `tokenizer` from the data config"
+            )));
+        }
+        let vocab = Vocab::Bytes;
+        let mut splits = Vec::with_capacity(3);
+        for split in Split::ALL {
+            let (symbols, recall) = examples(split)?;
             let len = symbols.len();
             splits.push(TokenSplit {
                 tokens: MappedTokens::from_bytes(symbols),

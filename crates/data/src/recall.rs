@@ -24,8 +24,15 @@
 //! byte-level token `s + 3`, so a recall model uses the byte vocabulary and
 //! its samples decode as bytes; hence `vocab <= 256` and `pairs < vocab/2`.
 //!
+//! **Passkey retrieval**, as in long-context work: text from a corpus as
+//! filler, with " The pass key is 48213. Remember it. " at a random depth,
+//! and at the end " What is the pass key? The pass key is " followed by the
+//! key, whose digits are the answers. Each example's filler starts at a
+//! random place of its split's text.
+//!
 //! Every example is a pure function of the task's seed, its split and its
-//! index, so a split is the same on every machine and a run resumes exactly.
+//! index (and, for passkeys, the text), so a split is the same on every
+//! machine and a run resumes exactly.
 
 use serde::{Deserialize, Serialize};
 
@@ -70,6 +77,9 @@ mod defaults {
     }
     pub fn eval_examples() -> usize {
         256
+    }
+    pub fn digits() -> usize {
+        5
     }
 }
 
@@ -174,8 +184,7 @@ impl MqarConfig {
 
     /// Example `index` of set `set` (a split), `len` tokens long.
     fn example(&self, set: u64, index: usize, len: usize) -> Example {
-        let stream = splitmix64(self.seed) ^ splitmix64(set << 48 | index as u64);
-        let mut rng = SplitMix64(stream);
+        let mut rng = stream(self.seed, set, index);
         let mut below = |n: usize| (rng.next_u64() % n as u64) as usize;
         let (half, pairs) = (self.vocab / 2, self.pairs);
         // Distinct keys: a partial Fisher-Yates shuffle of 1..half.
@@ -221,31 +230,167 @@ impl MqarConfig {
         len: usize,
     ) -> Result<(Vec<u8>, RecallSet), DataError> {
         self.check(len)?;
-        let total = n
-            .checked_mul(len)
-            .filter(|&t| t <= 1 << 32)
-            .ok_or_else(|| {
-                DataError::Unsupported(format!(
-                    "data.mqar: {n} examples of {len} tokens are more than 2^32 tokens"
-                ))
-            })?;
-        let (mut symbols, mut scored, mut answers) =
-            (Vec::with_capacity(total), vec![false; total], vec![]);
-        for i in 0..n {
-            let example = self.example(set, i, len);
-            for a in example.answers {
-                let pos = i * len + a.pos;
-                scored[pos] = true;
-                answers.push(Answer { pos, ..a });
-            }
-            symbols.extend(example.symbols);
+        gather("data.mqar", n, len, |i| self.example(set, i, len))
+    }
+}
+
+/// The random stream of example `index` of set `set` of a task seeded `seed`.
+fn stream(seed: u64, set: u64, index: usize) -> SplitMix64 {
+    SplitMix64(splitmix64(seed) ^ splitmix64(set << 48 | index as u64))
+}
+
+/// `n` examples of `len` tokens, made by `example`, back to back, and
+/// their answers.
+fn gather(
+    task: &str,
+    n: usize,
+    len: usize,
+    example: impl Fn(usize) -> Example,
+) -> Result<(Vec<u8>, RecallSet), DataError> {
+    let total = n
+        .checked_mul(len)
+        .filter(|&t| t <= 1 << 32)
+        .ok_or_else(|| {
+            DataError::Unsupported(format!(
+                "{task}: {n} examples of {len} tokens are more than 2^32 tokens"
+            ))
+        })?;
+    let (mut symbols, mut scored, mut answers) =
+        (Vec::with_capacity(total), vec![false; total], vec![]);
+    for i in 0..n {
+        let example = example(i);
+        debug_assert_eq!(example.symbols.len(), len);
+        for a in example.answers {
+            let pos = i * len + a.pos;
+            scored[pos] = true;
+            answers.push(Answer { pos, ..a });
         }
-        let set = RecallSet {
-            example_len: len,
-            answers,
-            scored,
-        };
-        Ok((symbols, set))
+        symbols.extend(example.symbols);
+    }
+    let set = RecallSet {
+        example_len: len,
+        answers,
+        scored,
+    };
+    Ok((symbols, set))
+}
+
+/// The `[data.passkey]` table: passkey retrieval in a text.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PasskeyConfig {
+    /// Digits of the passkey.
+    #[serde(default = "defaults::digits")]
+    pub digits: usize,
+    /// Examples in the training split.
+    #[serde(default = "defaults::train_examples")]
+    pub train_examples: usize,
+    /// Examples in each of the validation and test splits.
+    #[serde(default = "defaults::eval_examples")]
+    pub eval_examples: usize,
+    /// Seed of the examples (the training order is the run's `train.seed`).
+    #[serde(default)]
+    pub seed: u64,
+}
+
+impl Default for PasskeyConfig {
+    fn default() -> Self {
+        Self {
+            digits: defaults::digits(),
+            train_examples: defaults::train_examples(),
+            eval_examples: defaults::eval_examples(),
+            seed: 0,
+        }
+    }
+}
+
+/// What stands before the passkey, and after it, where it is given.
+const NEEDLE: [&str; 2] = [" The pass key is ", ". Remember it. "];
+/// The question at the end of every example, after which the passkey's
+/// digits are the answers.
+const QUESTION: &str = " What is the pass key? The pass key is ";
+
+impl PasskeyConfig {
+    /// Tokens of an example that are not filler text.
+    fn fixed_len(&self) -> usize {
+        NEEDLE[0].len() + self.digits + NEEDLE[1].len() + QUESTION.len() + self.digits
+    }
+
+    /// Whether examples of `len` tokens, whose filler is drawn from a text
+    /// of `text_len` bytes, can hold this task.
+    pub fn check(&self, len: usize, text_len: usize) -> Result<(), DataError> {
+        let bad = |reason: String| Err(DataError::Unsupported(format!("data.passkey: {reason}")));
+        if !(1..=16).contains(&self.digits) {
+            return bad(format!("digits must be within 1..=16, not {}", self.digits));
+        }
+        if len <= self.fixed_len() {
+            return bad(format!(
+                "an example takes {} tokens besides its filler text: data.sequence_len ({len}) \
+                 must be longer",
+                self.fixed_len()
+            ));
+        }
+        if text_len < len {
+            return bad(format!(
+                "the text's split has {text_len} bytes, fewer than one {len}-token example \
+                 (data.sequence_len)"
+            ));
+        }
+        if self.train_examples == 0 || self.eval_examples == 0 {
+            return bad("train_examples and eval_examples must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// Example `index` of set `set`: filler bytes of `text` (`text_len`
+    /// bytes) from a random place, the needle at a random depth, the
+    /// question at the end; the answers are the digits after it.
+    fn example(
+        &self,
+        set: u64,
+        index: usize,
+        len: usize,
+        text: &impl Fn(usize) -> u8,
+        text_len: usize,
+    ) -> Example {
+        let mut rng = stream(self.seed, set, index);
+        let mut below = |n: usize| (rng.next_u64() % n as u64) as usize;
+        let key: Vec<u8> = (0..self.digits).map(|_| b'0' + below(10) as u8).collect();
+        let filler = len - self.fixed_len();
+        let (from, depth) = (below(text_len - filler + 1), below(filler + 1));
+        let mut symbols: Vec<u8> = (from..from + depth).map(text).collect();
+        symbols.extend(NEEDLE[0].bytes());
+        let given = symbols.len();
+        symbols.extend(&key);
+        symbols.extend(NEEDLE[1].bytes());
+        symbols.extend((from + depth..from + filler).map(text));
+        symbols.extend(QUESTION.bytes());
+        let asked = symbols.len();
+        symbols.extend(&key);
+        let answers = (0..self.digits)
+            .map(|i| Answer {
+                pos: asked + i,
+                distance: asked - given,
+            })
+            .collect();
+        Example { symbols, answers }
+    }
+
+    /// `n` examples of `len` tokens of set `set` (each split its own), with
+    /// filler from `text` (`text_len` bytes), back to back, and which
+    /// targets are scored.
+    pub fn examples(
+        &self,
+        set: u64,
+        n: usize,
+        len: usize,
+        text: impl Fn(usize) -> u8,
+        text_len: usize,
+    ) -> Result<(Vec<u8>, RecallSet), DataError> {
+        self.check(len, text_len)?;
+        gather("data.passkey", n, len, |i| {
+            self.example(set, i, len, &text, text_len)
+        })
     }
 }
 
@@ -315,6 +460,50 @@ mod tests {
         assert_eq!(a.1.answers.len(), 4 * 2);
         // A set's first examples do not depend on how many it holds.
         assert_eq!(cfg.examples(1, 2, 32).unwrap().0, a.0[..64]);
+    }
+
+    #[test]
+    fn a_passkey_is_asked_for_at_the_end_of_its_filler() {
+        let text = b"In the beginning God created the heaven and the earth. ".repeat(20);
+        let cfg = PasskeyConfig {
+            digits: 5,
+            train_examples: 6,
+            eval_examples: 2,
+            seed: 3,
+        };
+        let len = 160;
+        let (symbols, set) = cfg.examples(0, 6, len, |i| text[i], text.len()).unwrap();
+        assert_eq!((symbols.len(), set.answers.len()), (6 * len, 6 * 5));
+        let mut depths = vec![];
+        for (e, example) in symbols.chunks(len).enumerate() {
+            let s = String::from_utf8(example.to_vec()).unwrap();
+            let asked = s.rfind(QUESTION).unwrap() + QUESTION.len();
+            let key = &s[asked..];
+            assert_eq!(key.len(), 5);
+            assert!(key.bytes().all(|b| b.is_ascii_digit()));
+            let given = s.find(NEEDLE[0]).unwrap() + NEEDLE[0].len();
+            assert_eq!(&s[given..given + 5], key);
+            assert!(s[given + 5..].starts_with(NEEDLE[1]));
+            depths.push(given);
+            // The answers are the final digits, each `asked - given` back.
+            let answers: Vec<_> = set.answers[e * 5..(e + 1) * 5].to_vec();
+            for (i, a) in answers.iter().enumerate() {
+                assert_eq!(a.pos, e * len + asked + i);
+                assert_eq!(a.distance, asked - given);
+                assert_eq!(symbols[a.pos], key.as_bytes()[i]);
+            }
+        }
+        // Needles at several depths, and the same examples again.
+        depths.dedup();
+        assert!(depths.len() > 1, "{depths:?}");
+        let again = cfg.examples(0, 6, len, |i| text[i], text.len()).unwrap();
+        assert_eq!(again.0, symbols);
+        // Too short to hold the needle and the question, or a text shorter
+        // than an example: one line each.
+        for (len, text_len) in [(60, 1000), (160, 100)] {
+            let e = cfg.check(len, text_len).unwrap_err().to_string();
+            assert!(e.starts_with("data.passkey:") && !e.contains('\n'), "{e}");
+        }
     }
 
     #[test]

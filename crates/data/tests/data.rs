@@ -638,3 +638,57 @@ fn an_mqar_corpus_deals_whole_examples_scoring_only_the_answers() {
 fn all_tokens_of(split: &tvq_data::TokenSplit) -> Vec<u32> {
     (0..split.len()).map(|i| split.get(i)).collect()
 }
+
+#[test]
+fn a_passkey_corpus_hides_keys_in_each_splits_text_and_scores_their_digits() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("text.txt");
+    std::fs::write(
+        &text,
+        b"And God said, Let there be light: and there was light. ".repeat(400),
+    )
+    .unwrap();
+    let cfg = DataConfig {
+        sequence_len: 256,
+        update_len: 128,
+        batch_size: 2,
+        passkey: Some(tvq_data::recall::PasskeyConfig {
+            train_examples: 8,
+            eval_examples: 3,
+            ..Default::default()
+        }),
+        ..DataConfig::new(CorpusKind::Passkey, &text)
+    };
+    let corpus = Corpus::open(&cfg).unwrap();
+    for (split, n) in [(Split::Train, 8), (Split::Validation, 3), (Split::Test, 3)] {
+        let s = corpus.split(split);
+        let recall = s.recall.clone().unwrap();
+        assert_eq!((s.len(), recall.answers.len()), (n * 256, n * 5));
+        for a in &recall.answers {
+            let digit = s.target(a.pos);
+            assert!((byte_token(b'0')..=byte_token(b'9')).contains(&digit));
+            assert_eq!(
+                s.get(a.pos - a.distance),
+                digit,
+                "the digit as it was given"
+            );
+        }
+        let scored = (0..s.len()).filter(|&p| s.target(p) != PAD).count();
+        assert_eq!(scored, n * 5);
+    }
+    // Training batches deal whole examples; the same corpus again is the same.
+    let train = corpus.split(Split::Train);
+    let batches =
+        TrainBatches::new(train.clone(), cfg.train_layout(1), TrainCursor::default()).unwrap();
+    assert_eq!(batches.steps_per_epoch(), 8);
+    let again = Corpus::open(&cfg).unwrap().split(Split::Train);
+    assert_eq!(all_tokens_of(&again), all_tokens_of(&train));
+    // A directory is not one text file.
+    let e = Corpus::open(&DataConfig {
+        path: dir.path().to_path_buf(),
+        ..cfg
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("one byte-level file"), "{e}");
+}

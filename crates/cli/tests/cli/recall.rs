@@ -144,3 +144,58 @@ fn the_quadratic_form_solves_a_small_mqar_task() {
         "do not apply to a recall task",
     );
 }
+
+#[test]
+fn a_text_model_is_measured_on_passkeys_hidden_in_its_own_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 2, 2);
+    let run = dir.path().join("run");
+    train_quietly(config.to_str().unwrap(), &run, &[]);
+    let run = run.to_str().unwrap();
+    let report: serde_json::Value = serde_json::from_str(&ok(&[
+        "eval",
+        "--checkpoint",
+        run,
+        "--json",
+        "--task",
+        "passkey",
+        "--sequence-len",
+        "128",
+    ]))
+    .unwrap();
+    // The default 256 validation examples, 5 digits each, every one counted
+    // once by distance; a model of two steps knows no passkey.
+    let recall = &report["recall"];
+    assert_eq!(recall["answers"], 256 * 5, "{report}");
+    let by_distance = recall["by_distance"].as_array().unwrap();
+    let summed: u64 = by_distance
+        .iter()
+        .map(|b| b["answers"].as_u64().unwrap())
+        .sum();
+    assert_eq!(summed, 256 * 5);
+    assert!(recall["accuracy"].as_f64().unwrap() < 0.5, "{report}");
+    fails(
+        &[
+            "eval",
+            "--checkpoint",
+            run,
+            "--task",
+            "passkey",
+            "--sequence-len",
+            "40",
+        ],
+        "data.passkey",
+    );
+    fails(
+        &[
+            "eval",
+            "--checkpoint",
+            run,
+            "--task",
+            "passkey",
+            "--pairs",
+            "4",
+        ],
+        "--task mqar",
+    );
+}
