@@ -585,11 +585,8 @@ impl Corpus {
     /// sequence, byte-level, generated in memory.
     fn mqar(spec: &DataConfig) -> Result<Self, DataError> {
         let task = spec.mqar.clone().unwrap_or_default();
-        Self::recall(spec, "an MQAR task", |split| {
-            let n = match split {
-                Split::Train => task.train_examples,
-                _ => task.eval_examples,
-            };
+        let counts = (task.train_examples, task.eval_examples);
+        Self::recall(spec, "an MQAR task", counts, |split, n| {
             task.examples(split as u64, n, spec.sequence_len)
         })
     }
@@ -613,22 +610,21 @@ impl Corpus {
             passkey: None,
             ..spec.clone()
         })?;
-        Self::recall(spec, "a passkey task", |split| {
-            let n = match split {
-                Split::Train => task.train_examples,
-                _ => task.eval_examples,
-            };
+        let counts = (task.train_examples, task.eval_examples);
+        Self::recall(spec, "a passkey task", counts, |split, n| {
             let source = text.split(split);
             let byte = |i: usize| (source.get(i) - crate::vocab::N_SPECIAL) as u8;
             task.examples(split as u64, n, spec.sequence_len, byte, source.len())
         })
     }
 
-    /// A byte-level recall task whose splits `examples` makes.
+    /// A byte-level recall task whose splits `examples` makes: `counts.0`
+    /// examples for training, `counts.1` for validation and for test.
     fn recall(
         spec: &DataConfig,
         what: &str,
-        examples: impl Fn(Split) -> Result<(Vec<u8>, RecallSet), DataError>,
+        counts: (usize, usize),
+        examples: impl Fn(Split, usize) -> Result<(Vec<u8>, RecallSet), DataError>,
     ) -> Result<Self, DataError> {
         if spec.tokenizer.is_some() {
             return Err(DataError::Unsupported(format!(
@@ -638,7 +634,11 @@ impl Corpus {
         let vocab = Vocab::Bytes;
         let mut splits = Vec::with_capacity(3);
         for split in Split::ALL {
-            let (symbols, recall) = examples(split)?;
+            let n = match split {
+                Split::Train => counts.0,
+                _ => counts.1,
+            };
+            let (symbols, recall) = examples(split, n)?;
             let len = symbols.len();
             splits.push(TokenSplit {
                 tokens: MappedTokens::from_bytes(symbols),

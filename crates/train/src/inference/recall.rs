@@ -95,8 +95,8 @@ impl RecallTally {
 }
 
 /// Scores the first `max_examples` examples (all when `None`) of recall
-/// split `split` with `model`: the accuracy report, and the summed loss
-/// over the answers (nats) with the number of answers.
+/// split `split` with `model`: the accuracy report (which counts the
+/// answers), and the loss summed over the answers, nats.
 pub fn evaluate_recall(
     model: &TransformerVq<B>,
     split: &TokenSplit,
