@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tvq's training step against the official JAX code's, in one run: the
-# official `train_op` (scripts/official_step.py) and `tvq bench --form vq
-# --optimizer` for each MODE take turns, ROUNDS rounds, at the same sizes
+# official `train_op` (scripts/official_step.py) and `tvq bench step --form vq`
+# for each MODE take turns, ROUNDS rounds, at the same sizes
 # (batch 4, d_model 256, 4 GAU sublayers, S = L = 128; T tokens per
 # optimizer step). Prints a Markdown table of tokens/s per round and the
 # ratio of summed tokens/s, tvq / official.
@@ -34,7 +34,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
     awk '$1 == "official" {print "official", $2, $3}' | tee -a "$log" >&2
   for mode in $MODES; do
     # shellcheck disable=SC2086 # EXTRA is a list of arguments
-    "$tvq" bench --form vq --optimizer --seq-len "$SEQ_LENS" --steps 3 $EXTRA \
+    "$tvq" bench step --form vq --seq-len "$SEQ_LENS" --steps 3 $EXTRA \
       --set model.bias="\"${mode%%:*}\"" --set model.cache_grad="\"${mode##*:}\"" |
       awk -v m="$mode" '$1 == "vq" {print m, $2, $5}' | tee -a "$log" >&2
   done

@@ -18,7 +18,7 @@ cargo build --release -p tvq-cli --quiet
 tvq="$CARGO_TARGET_DIR/release/tvq"
 out="$(mktemp)"
 for round in $(seq "$rounds"); do
-  "$tvq" bench --json --optimizer --form vq --batch 2 --set train.workers=2 --steps 2 \
+  "$tvq" bench step --json --form vq --batch 2 --set train.workers=2 --steps 2 \
     --seq-len "$seq_lens" | sed "s/^{/{\"round\": $round, /" | tee -a "$out"
   "$python" scripts/torch_reference.py bench --widths bench --batch 2 --threads 2 --steps 2 \
     --seq-len "$seq_lens" --impl eager,compiled --json | sed "s/^{/{\"round\": $round, /" | tee -a "$out"

@@ -30,7 +30,7 @@ CARGO_TARGET_DIR="$fused_dir" cargo build --release --workspace --quiet
 CARGO_TARGET_DIR="$unfused_dir" cargo build --release -p tvq-cli --no-default-features --quiet
 
 seq_len="${SEQ_LEN:-512,2048}"
-args=(bench --device wgpu --form vq --optimizer --json "$@")
+args=(bench step --device wgpu --form vq --json "$@")
 rounds="${ROUNDS:-2}"
 for round in $(seq "$rounds"); do
   for build in fused unfused; do

@@ -40,7 +40,7 @@ for t in $SEQ_LENS; do
       fi
       steps=2
       if (( t > 8192 )); then steps=1; fi
-      "$tvq" bench --device "$DEVICE" --form vq --optimizer --json --batch "$ROWS" \
+      "$tvq" bench step --device "$DEVICE" --form vq --json --batch "$ROWS" \
         --seq-len "$t" --precision "$p" --checkpointing "$m" --steps "$steps" "$@" \
         | grep '^{'
     done

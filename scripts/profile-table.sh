@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Where a training step's CPU time goes, by op kind: `perf record` on
-# `tvq bench --form vq --optimizer` for each position term x cache-gradient
+# `tvq bench step --form vq` for each position term x cache-gradient
 # mode at each T, its samples summed by what the sampled function does
 # (matrix products, elementwise math, reductions, copies and layout,
 # the kernel zeroing pages that the allocator gave back and took again,
@@ -31,7 +31,7 @@ for t in $SEQ_LENS; do
     bias=${mode%%:*} cache=${mode##*:}
     /usr/bin/time -f "%U %S" -o "$tmp/time" \
       perf record -q -F 999 -e cpu-clock -o "$tmp/perf.data" -- \
-      "$tvq" bench --form vq --optimizer --json --seq-len "$t" --steps "$STEPS" \
+      "$tvq" bench step --form vq --json --seq-len "$t" --steps "$STEPS" \
       --set "model.bias=\"$bias\"" --set "model.cache_grad=\"$cache\"" >"$tmp/bench.json" 2>/dev/null
     perf report -i "$tmp/perf.data" --no-children --sort dso,symbol --stdio -q \
       --percent-limit 0 2>/dev/null >"$tmp/report"

@@ -4,7 +4,8 @@
 # for each form (FORMS), number of pairs (PAIRS), example length (LENS) and
 # seed (SEEDS), train configs/mqar.toml with those settings, then
 # `tvq eval --json` on the validation split. The forms are "quadratic", or
-# "vq:S:BIAS" (S codes, bias toeplitz or xl). Every other setting is the config's
+# "vq:S:BIAS[:KEYS]" (S codes, bias toeplitz or xl, window keys quantized
+# (default) or exact: model.window_keys). Every other setting is the config's
 # (override with EXTRA="--set train.steps=800 ...").
 #
 #   scripts/recall-sweep.sh OUT_DIR
@@ -37,10 +38,11 @@ results="$out/results.jsonl"
 touch "$results"
 
 for form in $FORMS; do
-  IFS=: read -r attention codes bias <<< "$form"
+  IFS=: read -r attention codes bias keys <<< "$form"
   set_form=(--set "model.attention=$attention")
   [ -n "${codes:-}" ] && set_form+=(--set "model.n_code=$codes")
   [ -n "${bias:-}" ] && set_form+=(--set "model.bias=$bias")
+  [ -n "${keys:-}" ] && set_form+=(--set "model.window_keys=$keys")
   for pairs in $PAIRS; do
     for len in $LENS; do
       for seed in $SEEDS; do

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One training step of the benchmark model, as a picture: `tvq bench
-# --optimizer --trace` on the default model (T = 2,048, batch 4, 2 worker
+# step --trace` on the default model (T = 2,048, batch 4, 2 worker
 # threads), without and with full activation checkpointing; the last timed
 # step of each trace drawn as a timeline, one row per thread
 # (docs/step-trace.png), and each phase's time printed as a Markdown table
@@ -15,7 +15,7 @@ cargo build --release -p tvq-cli >&2
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 for mode in none full; do
-  "$CARGO_TARGET_DIR/release/tvq" bench --form vq --optimizer --seq-len 2048 --steps 2 \
+  "$CARGO_TARGET_DIR/release/tvq" bench step --form vq --seq-len 2048 --steps 2 \
     --set train.workers=2 --set "train.activation_checkpointing='$mode'" \
     --trace "$tmp/$mode.json" "${@:2}" >&2
 done
@@ -72,7 +72,7 @@ for ax, mode in zip(axes, modes):
 axes[-1].set_xlabel("milliseconds into the step")
 fig.legend(handles=[Patch(color=c, label=n) for n, c in colors.items()],
            loc="lower center", ncol=len(colors), fontsize=8, frameon=False)
-fig.suptitle("One training step (tvq bench --optimizer --trace, T = 2,048, batch 4, 2 workers)")
+fig.suptitle("One training step (tvq bench step --trace, T = 2,048, batch 4, 2 workers)")
 fig.tight_layout(rect=(0, 0.05, 1, 1))
 fig.savefig(sys.argv[2], dpi=120)
 PY

@@ -122,7 +122,7 @@ fi
 
 # 0. First light: two steps of a tiny model, where every kernel of a step is
 # compiled (NVRTC) and autotuned for the first time.
-part first-light "$limit_first" "$tvq" bench --device "$device" --json --optimizer --batch 1 --form vq \
+part first-light "$limit_first" "$tvq" bench step --device "$device" --json --batch 1 --form vq \
   --precision f32 --steps 1 --seq-len 512 --set model.d_model=64 --set model.d_k=16 --set model.d_v=64 \
   --set model.n_code=16 --set model.block_len=64 --set model.n_layer=1
 if grep -q '"part": "first-light", "status": "failed"' "$results"; then
@@ -139,7 +139,7 @@ part check "$limit_check" "$tvq" check --device "$device" --json
 # fit otherwise.
 precisions=f32,bf16
 [ "$device" = cpu ] && precisions=f32
-train=("$tvq" bench --device "$device" --json --optimizer --batch 1 --form vq
+train=("$tvq" bench step --device "$device" --json --batch 1 --form vq
   --precision "$precisions" --steps 2 "${bench_set[@]}")
 part train "$limit_train" "${train[@]}" --seq-len "$seq_lens"
 part train-long "$limit_long" "${train[@]}" --seq-len "$long_lens" --checkpointing full
@@ -158,7 +158,7 @@ else
 fi
 
 # 4. Generation: time to the first token (block-form prefill) and per token.
-part generate "$limit_generate" "$tvq" bench --device "$device" --json --generate --seq-len "$gen_lens" --new-tokens 32
+part generate "$limit_generate" "$tvq" bench generate --device "$device" --json --seq-len "$gen_lens" --new-tokens 32
 
 # 5. The quick start on the device.
 run="$out/quickstart"

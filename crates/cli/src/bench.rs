@@ -1,11 +1,14 @@
-//! `tvq bench`: training-step throughput of the GAU stack by sequence length.
+//! `tvq bench`: what a run's speed depends on, one benchmark each
+//! ([`BenchmarkArg`]): the GAU stack's passes and the whole training step by
+//! sequence length, generation, the data loader, checkpoints, and the
+//! device's peak.
 
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use burn::Dispatch;
 use burn::prelude::*;
-use clap::Args;
+use clap::{Args, ValueEnum};
 use serde::Deserialize;
 use serde_json::json;
 use tvq_data::{Batch, TrainCursor};
@@ -16,9 +19,56 @@ use tvq_train::{SampleOptions, Trainer, mfu, sample};
 
 type B = Dispatch;
 
-/// Options of `tvq bench`.
+/// What `tvq bench` measures: one benchmark each (the command's first
+/// argument).
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BenchmarkArg {
+    /// The GAU stack's forward and backward passes: tokens/s and MFU by
+    /// sequence length, form, precision and activation checkpointing.
+    Attention,
+    /// The whole training step: forward, backward, global-norm clipping,
+    /// AdamW and the EMA codebook update.
+    Step,
+    /// Generation: for each --seq-len as the prompt length, the time to the
+    /// first new token (block-form prefill) and per generated token, and the
+    /// recurrent form's rate on the prompt.
+    Generate,
+    /// Training-batch production from the byte-level text file or directory
+    /// PATH, for each --seq-len as the segment length (no model runs).
+    Loader,
+    /// Checkpoints, in a temporary directory under PATH (removed after; put
+    /// it on the disk runs go to): one training step, then --steps rounds of
+    /// saving the checkpoint (written and synced) and verifying it (read back
+    /// and hashed), each against a plain copy of the same files; and the
+    /// checksum's rate on one core.
+    Checkpoint,
+    /// The device's f32 matrix-product rate (the peak the MFU of a CPU is
+    /// reported against): 1024 x 1024 products for half a second.
+    Peak,
+}
+
+/// The benchmark to run, with its path where it takes one.
+#[derive(Debug, Clone, PartialEq)]
+enum Benchmark {
+    Attention,
+    Step,
+    Generate,
+    Loader(std::path::PathBuf),
+    Checkpoint(std::path::PathBuf),
+    Peak,
+}
+
+/// Options of `tvq bench`, shared by every benchmark (each reads those it
+/// needs).
 #[derive(Args, Debug)]
 pub struct BenchArgs {
+    /// The benchmark [default: attention].
+    #[arg(value_enum)]
+    benchmark: Option<BenchmarkArg>,
+    /// The text file or directory (loader), or where the temporary
+    /// directory goes (checkpoint).
+    #[arg(value_name = "PATH")]
+    path: Option<std::path::PathBuf>,
     /// Device: cpu, wgpu, wgpu:N, cuda or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     device: DeviceSpec,
@@ -43,7 +93,8 @@ pub struct BenchArgs {
     /// Vocabulary size of the benchmark model (default: a byte-level
     /// corpus's 256 bytes and 3 special tokens). A large vocabulary weighs
     /// on the output head.
-    #[arg(long, default_value_t = 259, value_parser = clap::value_parser!(u32).range(4..))]
+    #[arg(long, default_value_t = 259,
+          value_parser = clap::value_parser!(u32).range(4..))]
     vocab_size: u32,
     /// A run config whose [model] and [train] tables set the model and the
     /// step (default: their defaults; [data] and [eval] are ignored).
@@ -53,7 +104,7 @@ pub struct BenchArgs {
     /// --set train.workers=2 (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     overrides: Vec<String>,
-    /// Timed forward+backward passes per setting (after one untimed warm-up).
+    /// Timed passes (or rounds) per setting, after one untimed warm-up.
     #[arg(long, default_value_t = 2, value_parser = crate::at_least(1))]
     steps: usize,
     /// Skip a quadratic setting whose score matrix alone would exceed this many GiB.
@@ -62,47 +113,73 @@ pub struct BenchArgs {
     /// Print one JSON object per setting instead of a table.
     #[arg(long)]
     json: bool,
-    /// Time the whole training step (the one training runs): forward,
-    /// backward, global-norm clipping, AdamW and the EMA codebook update
-    /// (default: forward and backward only).
-    #[arg(long)]
-    optimizer: bool,
-    /// Measure generation instead: for each --seq-len as the prompt length,
-    /// the time to the first new token (block-form prefill), the time per
-    /// generated token, and the recurrent form's rate on the prompt for
-    /// comparison.
-    #[arg(long)]
-    generate: bool,
-    /// Tokens generated per prompt with --generate.
+    /// Tokens generated per prompt (generate).
     #[arg(long, default_value_t = 64, value_parser = crate::at_least(2))]
     new_tokens: usize,
-    /// Measure the device's f32 matrix-product rate instead (the peak the
-    /// MFU of a CPU is reported against): products of two 1024 x 1024
-    /// matrices for half a second, the fastest counting.
-    #[arg(long)]
-    peak: bool,
     /// Peak TFLOP/s of the device for the mfu column [default: measured on
     /// the CPU; a table of known GPUs; none otherwise].
     #[arg(long, value_name = "TFLOPS", value_parser = crate::positive)]
     peak_tflops: Option<f64>,
-    /// Measure the data loader instead: training-batch production from this
-    /// byte-level text file or directory, for each --seq-len as the segment length.
-    #[arg(long)]
-    loader: Option<std::path::PathBuf>,
-    /// Measure checkpoints instead, in a temporary directory under DIR
-    /// (removed after; put it on the disk runs go to): one training step of
-    /// the configured model, then --steps rounds of saving its checkpoint
-    /// (weights, AdamW moments, carried state: written and synced) and
-    /// verifying it (read back and hashed), each against a plain copy of
-    /// the same files (copied and synced); and the checksum's rate on one
-    /// core.
-    #[arg(long, value_name = "DIR")]
-    checkpoint: Option<std::path::PathBuf>,
-    /// Write a Chrome/Perfetto trace of every timed step's phases (forward, backward, recomputation, all-reduce, optimizer, EMA,
-    /// checkpoint, evaluation) on each thread to FILE (open it in
-    /// ui.perfetto.dev or chrome://tracing).
+    /// Write a Chrome/Perfetto trace of every timed step's phases (forward,
+    /// backward, recomputation, all-reduce, optimizer, EMA, checkpoint,
+    /// evaluation) on each thread to FILE (open it in ui.perfetto.dev or
+    /// chrome://tracing).
     #[arg(long, value_name = "FILE")]
     pub trace: Option<std::path::PathBuf>,
+    /// Old spelling of `tvq bench step` (kept for a release).
+    #[arg(long, hide = true)]
+    optimizer: bool,
+    /// Old spelling of `tvq bench generate` (kept for a release).
+    #[arg(long, hide = true)]
+    generate: bool,
+    /// Old spelling of `tvq bench peak` (kept for a release).
+    #[arg(long, hide = true)]
+    peak: bool,
+    /// Old spelling of `tvq bench loader PATH` (kept for a release).
+    #[arg(long, hide = true)]
+    loader: Option<std::path::PathBuf>,
+    /// Old spelling of `tvq bench checkpoint DIR` (kept for a release).
+    #[arg(long, value_name = "DIR", hide = true)]
+    checkpoint: Option<std::path::PathBuf>,
+}
+
+impl BenchArgs {
+    /// The benchmark asked for: the first argument (with its path), or one
+    /// of the old flags that named it; more than one is an error.
+    fn benchmark(&self) -> Result<Benchmark> {
+        let named = match (self.benchmark, self.path.clone()) {
+            (None, None) => None,
+            (Some(BenchmarkArg::Loader), Some(path)) => Some(Benchmark::Loader(path)),
+            (Some(BenchmarkArg::Checkpoint), Some(dir)) => Some(Benchmark::Checkpoint(dir)),
+            (Some(BenchmarkArg::Loader | BenchmarkArg::Checkpoint), None) => {
+                anyhow::bail!("tvq bench loader and checkpoint need a PATH")
+            }
+            (_, Some(path)) => {
+                anyhow::bail!(
+                    "only loader and checkpoint take a PATH, not {}",
+                    path.display()
+                )
+            }
+            (Some(BenchmarkArg::Attention), None) => Some(Benchmark::Attention),
+            (Some(BenchmarkArg::Step), None) => Some(Benchmark::Step),
+            (Some(BenchmarkArg::Generate), None) => Some(Benchmark::Generate),
+            (Some(BenchmarkArg::Peak), None) => Some(Benchmark::Peak),
+        };
+        let old = [
+            self.optimizer.then_some(Benchmark::Step),
+            self.generate.then_some(Benchmark::Generate),
+            self.peak.then_some(Benchmark::Peak),
+            self.loader.clone().map(Benchmark::Loader),
+            self.checkpoint.clone().map(Benchmark::Checkpoint),
+        ];
+        let mut asked: Vec<Benchmark> =
+            named.into_iter().chain(old.into_iter().flatten()).collect();
+        match asked.len() {
+            0 => Ok(Benchmark::Attention),
+            1 => Ok(asked.pop().expect("one")),
+            _ => anyhow::bail!("one benchmark at a time, not {asked:?}"),
+        }
+    }
 }
 
 /// Tokens per second of training-batch production (the model is not run).
@@ -238,7 +315,7 @@ fn bench_generate(
         for &t in std::iter::once(&1).chain(&prompt).take(probe) {
             let token =
                 Tensor::<B, 2, Int>::from_data(TensorData::new(vec![t as i64], [1, 1]), device);
-            state = net.step(token, state)?.1;
+            state = net.decode(token, state)?.1;
         }
         let recurrent = probe as f64 / started.elapsed().as_secs_f64();
         let prefill = n as f64 / first;
@@ -320,7 +397,8 @@ fn print_header(
 
 /// Runs the benchmark and prints the results.
 pub fn run(args: BenchArgs) -> Result<()> {
-    if let Some(path) = &args.loader {
+    let benchmark = args.benchmark()?;
+    if let Benchmark::Loader(path) = &benchmark {
         return bench_loader(&args, path);
     }
     let text = match &args.config {
@@ -339,16 +417,18 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     let (device, info) = args.device.init()?;
     let precisions = given_or(&args.precision, train.precision);
-    if args.peak {
-        print_peaks(&args, &device, &info, &precisions);
-        return Ok(());
-    }
-    if args.generate {
-        return bench_generate(&args, &model, &device, &info);
-    }
-    if let Some(dir) = &args.checkpoint {
-        return bench_checkpoint(&args, &model, &train, &device, dir);
-    }
+    let whole_step = match &benchmark {
+        Benchmark::Peak => {
+            print_peaks(&args, &device, &info, &precisions);
+            return Ok(());
+        }
+        Benchmark::Generate => return bench_generate(&args, &model, &device, &info),
+        Benchmark::Checkpoint(dir) => {
+            return bench_checkpoint(&args, &model, &train, &device, dir);
+        }
+        Benchmark::Step => true,
+        Benchmark::Attention | Benchmark::Loader(_) => false,
+    };
     // Each precision is measured against the peak of its own products.
     let peaks: Vec<Option<f64>> = precisions
         .iter()
@@ -378,6 +458,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                         device: &device,
                         info: &info,
                         peak,
+                        whole_step,
                     };
                     bench_training(&args, &on, form, t)?;
                 }
@@ -513,6 +594,8 @@ struct Measuring<'a> {
     device: &'a burn::DispatchDevice,
     info: &'a str,
     peak: Option<f64>,
+    /// The whole training step (`tvq bench step`), not only its passes.
+    whole_step: bool,
 }
 
 /// Times `--steps` training steps (or forward and backward passes) of
@@ -525,6 +608,7 @@ fn bench_training(args: &BenchArgs, on: &Measuring, form: AttentionForm, t: usiz
         device,
         info,
         peak,
+        whole_step,
     } = *on;
     let form_name = match form {
         AttentionForm::Vq => "vq",
@@ -559,7 +643,7 @@ fn bench_training(args: &BenchArgs, on: &Measuring, form: AttentionForm, t: usiz
     let batch = pattern_batch(args.batch, t, args.vocab_size);
     let mut step = || -> Result<()> {
         let _step = tracing::debug_span!("step").entered();
-        if args.optimizer {
+        if whole_step {
             trainer.step(&batch, TrainCursor::default())?;
         } else {
             trainer.gradients(&batch)?;
@@ -588,7 +672,7 @@ fn bench_training(args: &BenchArgs, on: &Measuring, form: AttentionForm, t: usiz
                 "peak_rss_bytes": rss, "device_memory_bytes": gpu, "device": info,
                 "precision": precision, "activation_checkpointing": mode,
                 "workers": train.workers,
-                "step": if args.optimizer { "full" } else { "forward+backward" },
+                "step": if whole_step { "full" } else { "forward+backward" },
             })
         );
     } else {

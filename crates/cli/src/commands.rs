@@ -8,10 +8,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use anyhow::{Context, Result, bail};
 use burn::DispatchDevice;
 use clap::{Args, ValueEnum};
-use tvq_data::{Corpus, CorpusKind, Split, Vocab};
+use tvq_data::recall::read_task_file;
+use tvq_data::{Corpus, CorpusKind, Split, TokenSplit, Vocab};
 use tvq_model::AttentionForm;
+use tvq_train::config::EvalSection;
 use tvq_train::inference::export::{ExportInfo, export};
-use tvq_train::inference::load::load_for_inference;
+use tvq_train::inference::load::{Loaded, load_for_inference};
 use tvq_train::parallel::collective::ClusterSpec;
 use tvq_train::placement::device::DeviceSpec;
 use tvq_train::placement::{Model, fork_onto, memory};
@@ -199,6 +201,13 @@ pub struct EvalArgs {
     /// data.sequence_len).
     #[arg(long, value_parser = crate::at_least(1))]
     sequence_len: Option<usize>,
+    /// Evaluate on recall examples made elsewhere: a JSON Lines file, one
+    /// example per line, {"tokens": [ids], "answers": [{"pos": P, "token":
+    /// ID, "distance": D}]}, ids of the model's vocabulary (docs/data.md,
+    /// "Recall tasks"). Needs no corpus: an export will do.
+    #[arg(long, value_name = "F.jsonl",
+          conflicts_with_all = ["task", "pairs", "sequence_len", "split", "by_position", "attention"])]
+    task_file: Option<PathBuf>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -460,55 +469,32 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
     let devices = args.devices.init()?;
     let mut loaded = load_for_inference(&args.checkpoint, args.config.as_deref(), &devices[0])?;
     args.cache_limit.apply(&mut loaded.model);
-    let mut cfg = loaded
-        .config
-        .context("an export carries no corpus: pass --config naming the data")?;
-    match args.task {
-        Some(TaskArg::Mqar) => {
-            let mut task = cfg.data.mqar.clone().unwrap_or_default();
-            task.pairs = args.pairs.unwrap_or(task.pairs);
-            task.queries = None;
-            cfg.data.kind = CorpusKind::Mqar;
-            cfg.data.tokenizer = None;
-            cfg.data.mqar = Some(task);
-            cfg.data.sequence_len = args.sequence_len.unwrap_or(cfg.data.sequence_len);
+    let split = match &args.task_file {
+        Some(path) => {
+            let (ids, recall) = read_task_file(path, loaded.model.vocab_size())?;
+            TokenSplit::from_task(ids, recall, loaded.vocab.eos())
         }
-        Some(TaskArg::Passkey) => {
-            if args.pairs.is_some() {
-                bail!("--pairs sets --task mqar's examples, not a passkey's");
-            }
-            cfg.data.kind = CorpusKind::Passkey;
-            cfg.data.passkey.get_or_insert_with(Default::default);
-            cfg.data.sequence_len = args.sequence_len.unwrap_or(cfg.data.sequence_len);
+        None => corpus_split(&args, &loaded)?,
+    };
+    // An export without a config evaluates in segments of whole blocks.
+    let (eval, workers) = match &loaded.config {
+        Some(cfg) => (cfg.eval.clone(), cfg.train.workers),
+        None => {
+            let update_len = EvalSection::default().update_len;
+            let update_len = update_len.next_multiple_of(loaded.model.block_len());
+            let eval = EvalSection {
+                update_len,
+                ..Default::default()
+            };
+            (eval, 1)
         }
-        None if args.pairs.is_some() || args.sequence_len.is_some() => {
-            bail!("--pairs and --sequence-len set a --task's examples: add --task mqar")
-        }
-        None => {}
-    }
-    let corpus = Corpus::open(&cfg.data)?;
-    if corpus.vocab.size() != loaded.model.vocab_size() {
-        bail!(
-            "the model has a vocabulary of {} tokens, the corpus's ({}) has {}: evaluate with the config of the data it was trained on",
-            loaded.model.vocab_size(),
-            corpus.vocab.id(),
-            corpus.vocab.size()
-        );
-    }
-    let estimate = memory::evaluation(
-        &loaded.model_config,
-        cfg.eval.batch_size,
-        cfg.eval.update_len,
-    );
+    };
+    let estimate = memory::evaluation(&loaded.model_config, eval.batch_size, eval.update_len);
     memory::check(&estimate, memory::available(&devices[0]), args.force)?;
-    let split = corpus.split(match args.split {
-        SplitArg::Validation => Split::Validation,
-        SplitArg::Test => Split::Test,
-    });
     let opts = EvalOptions {
         max_segments: None,
         progress: !args.json,
-        workers: args.workers.unwrap_or(cfg.train.workers),
+        workers: args.workers.unwrap_or(workers),
         reset_every: args.reset_every,
         by_position: args.by_position.is_some(),
         attention: args.attention,
@@ -522,7 +508,7 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
     let models: Vec<Model> = (devices.iter())
         .map(|d| fork_onto(&loaded.model, d))
         .collect();
-    let report = evaluate(&models, &split, &cfg.eval, &opts)?;
+    let report = evaluate(&models, &split, &eval, &opts)?;
     if let (Some(path), Some(buckets)) = (&args.by_position, &report.by_position) {
         std::fs::write(path, serde_json::to_vec_pretty(buckets)?)
             .with_context(|| format!("writing {}", path.display()))?;
@@ -538,9 +524,12 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
         v["step"] = loaded.step.into();
         println!("{v}");
     } else if let Some(recall) = &report.recall {
+        let what = match &args.task_file {
+            Some(path) => path.display().to_string(),
+            None => format!("{} split", report.split),
+        };
         println!(
-            "{} split, step {}: recall accuracy {:.2}% ({} of {} answers), loss {:.4} nats/answer",
-            report.split,
+            "{what}, step {}: recall accuracy {:.2}% ({} of {} answers), loss {:.4} nats/answer",
             loaded.step,
             100.0 * recall.accuracy,
             recall.correct,
@@ -575,6 +564,50 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The split `tvq eval` reads from the run's corpus, or from the task that
+/// replaces it (`--task`).
+fn corpus_split(args: &EvalArgs, loaded: &Loaded) -> Result<TokenSplit> {
+    let mut cfg = (loaded.config.clone())
+        .context("an export carries no corpus: pass --config naming the data")?;
+    match args.task {
+        Some(TaskArg::Mqar) => {
+            let mut task = cfg.data.mqar.clone().unwrap_or_default();
+            task.pairs = args.pairs.unwrap_or(task.pairs);
+            task.queries = None;
+            cfg.data.kind = CorpusKind::Mqar;
+            cfg.data.tokenizer = None;
+            cfg.data.mqar = Some(task);
+            cfg.data.sequence_len = args.sequence_len.unwrap_or(cfg.data.sequence_len);
+        }
+        Some(TaskArg::Passkey) => {
+            if args.pairs.is_some() {
+                bail!("--pairs sets --task mqar's examples, not a passkey's");
+            }
+            cfg.data.kind = CorpusKind::Passkey;
+            cfg.data.passkey.get_or_insert_with(Default::default);
+            cfg.data.sequence_len = args.sequence_len.unwrap_or(cfg.data.sequence_len);
+        }
+        None if args.pairs.is_some() || args.sequence_len.is_some() => {
+            bail!("--pairs and --sequence-len set a --task's examples: add --task mqar")
+        }
+        None => {}
+    }
+    let corpus = Corpus::open(&cfg.data)?;
+    if corpus.vocab.size() != loaded.model.vocab_size() {
+        bail!(
+            "the model has a vocabulary of {} tokens, the corpus's ({}) has {}: evaluate with the config of the data it was trained on",
+            loaded.model.vocab_size(),
+            corpus.vocab.id(),
+            corpus.vocab.size()
+        );
+    }
+    let split = corpus.split(match args.split {
+        SplitArg::Validation => Split::Validation,
+        SplitArg::Test => Split::Test,
+    });
+    Ok(split)
 }
 
 /// The `--attention` tables: each sublayer's shares and entropy over the

@@ -63,6 +63,17 @@ impl MappedTokens {
         }
     }
 
+    /// Token ids made in memory, 4 bytes each.
+    pub fn from_ids(ids: &[u32]) -> Self {
+        let bytes: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+        Self {
+            len: ids.len(),
+            map: Arc::new(Backing::Memory(bytes)),
+            offset: 0,
+            width: 4,
+        }
+    }
+
     /// Maps a raw file whose bytes are the tokens (token = byte + 3).
     pub fn raw_bytes(path: &Path) -> Result<Self, DataError> {
         let file = File::open(path).map_err(|e| DataError::io(path, e))?;

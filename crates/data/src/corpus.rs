@@ -87,6 +87,28 @@ pub struct TokenSplit {
 }
 
 impl TokenSplit {
+    /// A recall split of examples made elsewhere: `ids` and their `recall`
+    /// answers ([`crate::recall::read_task_file`]), with `eos` the
+    /// vocabulary's end-of-document id. Its bits per byte are bits per
+    /// token (the text behind the ids is not known).
+    pub fn from_task(ids: Vec<u32>, recall: RecallSet, eos: u32) -> Self {
+        let len = ids.len();
+        Self {
+            tokens: MappedTokens::from_ids(&ids),
+            start: 0,
+            len,
+            split: Split::Test,
+            stats: TextStats {
+                bytes: len as u64,
+                words: None,
+                documents: recall.examples() as u64,
+                invalid_utf8_documents: 0,
+            },
+            eos,
+            recall: Some(Arc::new(recall)),
+        }
+    }
+
     /// Number of tokens.
     pub fn len(&self) -> usize {
         self.len

@@ -33,6 +33,17 @@
 //! Every example is a pure function of the task's seed, its split and its
 //! index (and, for passkeys, the text), so a split is the same on every
 //! machine and a run resumes exactly.
+//!
+//! **Examples made elsewhere** ([`read_task_file`], `tvq eval
+//! --task-file`): a JSON Lines file, one example per line, `{"tokens":
+//! [ids], "answers": [{"pos": p, "token": id, "distance": d}]}`. `tokens`
+//! are ids of the model's vocabulary (for a byte-level model, byte `b` is
+//! id `b + 3`); answer `pos` is the index in `tokens` of a token the model
+//! must predict from the tokens before it, `token` repeats it (a check),
+//! and `distance` (optional; default `pos`) is how far back it was given.
+
+use std::io::BufRead;
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
@@ -273,6 +284,116 @@ fn gather(
         scored,
     };
     Ok((symbols, set))
+}
+
+/// Most bytes of a task file (`tvq eval --task-file`): it is read whole.
+pub const TASK_FILE_MAX_BYTES: u64 = 1 << 30;
+
+/// Most tokens of a task file's examples, once each is padded to the
+/// longest.
+pub const TASK_FILE_MAX_TOKENS: usize = 1 << 28;
+
+/// One line of a task file.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TaskLine {
+    tokens: Vec<u32>,
+    answers: Vec<TaskAnswer>,
+}
+
+/// One answer of a task file's line.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TaskAnswer {
+    pos: usize,
+    token: u32,
+    #[serde(default)]
+    distance: Option<usize>,
+}
+
+/// Reads the recall examples of a task file (the module's docs give its
+/// format) for a model of `vocab_size` ids: the ids of every example back
+/// to back, each padded with `PAD` (id 0, never scored) to the longest,
+/// and the answers. A malformed line, an id outside the vocabulary or an
+/// answer that does not match its token is an error naming the line.
+pub fn read_task_file(path: &Path, vocab_size: usize) -> Result<(Vec<u32>, RecallSet), DataError> {
+    let file = std::fs::File::open(path).map_err(|e| DataError::io(path, e))?;
+    let size = file.metadata().map_err(|e| DataError::io(path, e))?.len();
+    let bad = |reason: String| DataError::Unsupported(format!("{}: {reason}", path.display()));
+    if size > TASK_FILE_MAX_BYTES {
+        return Err(bad(format!(
+            "{size} bytes, more than a task file may hold ({TASK_FILE_MAX_BYTES})"
+        )));
+    }
+    let mut examples = vec![];
+    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(|e| DataError::io(path, e))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = |reason: String| bad(format!("line {}: {reason}", i + 1));
+        let example: TaskLine = serde_json::from_str(&line).map_err(|e| at(e.to_string()))?;
+        check_task_line(&example, vocab_size).map_err(at)?;
+        examples.push(example);
+    }
+    let len = examples.iter().map(|e| e.tokens.len()).max().unwrap_or(0);
+    if examples.iter().all(|e| e.answers.is_empty()) {
+        return Err(bad("no example has an answer".into()));
+    }
+    if examples.len().saturating_mul(len) > TASK_FILE_MAX_TOKENS {
+        return Err(bad(format!(
+            "{} examples padded to {len} tokens are more than {TASK_FILE_MAX_TOKENS} tokens",
+            examples.len()
+        )));
+    }
+    let (mut ids, mut scored, mut answers) = (vec![], vec![false; examples.len() * len], vec![]);
+    for (n, example) in examples.into_iter().enumerate() {
+        for a in example.answers {
+            let pos = n * len + a.pos;
+            scored[pos] = true;
+            let distance = a.distance.unwrap_or(a.pos);
+            answers.push(Answer { pos, distance });
+        }
+        let real = example.tokens.len();
+        ids.extend(example.tokens);
+        ids.extend(std::iter::repeat_n(0, len - real));
+    }
+    let set = RecallSet {
+        example_len: len,
+        answers,
+        scored,
+    };
+    Ok((ids, set))
+}
+
+/// What is wrong with one line of a task file, if anything.
+fn check_task_line(line: &TaskLine, vocab_size: usize) -> Result<(), String> {
+    if line.tokens.is_empty() {
+        return Err("no tokens".into());
+    }
+    if let Some(t) = line.tokens.iter().find(|&&t| t as usize >= vocab_size) {
+        return Err(format!("token {t} is outside the model's {vocab_size} ids"));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for a in &line.answers {
+        match line.tokens.get(a.pos) {
+            None => {
+                return Err(format!(
+                    "an answer at {} of {} tokens",
+                    a.pos,
+                    line.tokens.len()
+                ));
+            }
+            Some(&t) if t != a.token => {
+                return Err(format!("the answer at {} is {}, not {t}", a.pos, a.token));
+            }
+            _ => {}
+        }
+        if !seen.insert(a.pos) {
+            return Err(format!("two answers at {}", a.pos));
+        }
+    }
+    Ok(())
 }
 
 /// The `[data.passkey]` table: passkey retrieval in a text.
@@ -533,6 +654,56 @@ mod tests {
         ] {
             let e = bad.check(1024).unwrap_err().to_string();
             assert!(e.starts_with("data.mqar:") && !e.contains('\n'), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_task_file_reads_back_padded_with_its_answers_and_bad_lines_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("task.jsonl");
+        let write = |text: &str| std::fs::write(&path, text).unwrap();
+        write(concat!(
+            r#"{"tokens": [5, 6, 7, 8, 6], "answers": [{"pos": 4, "token": 6, "distance": 3}]}"#,
+            "\n\n",
+            r#"{"tokens": [9, 10, 9], "answers": [{"pos": 2, "token": 9}, {"pos": 1, "token": 10}]}"#,
+            "\n",
+        ));
+        let (ids, set) = read_task_file(&path, 16).unwrap();
+        assert_eq!(ids, [5, 6, 7, 8, 6, 9, 10, 9, 0, 0]);
+        assert_eq!((set.example_len, set.examples()), (5, 2));
+        let answers: Vec<(usize, usize)> =
+            set.answers.iter().map(|a| (a.pos, a.distance)).collect();
+        assert_eq!(answers, [(4, 3), (7, 2), (6, 1)]);
+        let scored: Vec<usize> = (0..10).filter(|&p| set.is_scored(p)).collect();
+        assert_eq!(scored, [4, 6, 7]);
+        for (text, reason) in [
+            ("{\"tokens\": [1, 2]}", "line 1: missing field `answers`"),
+            ("{\"tokens\": [], \"answers\": []}", "line 1: no tokens"),
+            (
+                "{\"tokens\": [1, 99], \"answers\": []}",
+                "line 1: token 99 is outside",
+            ),
+            (
+                "\n{\"tokens\": [1, 2], \"answers\": [{\"pos\": 2, \"token\": 2}]}",
+                "line 2: an answer at 2",
+            ),
+            (
+                "{\"tokens\": [1, 2], \"answers\": [{\"pos\": 1, \"token\": 1}]}",
+                "line 1: the answer at 1 is 1, not 2",
+            ),
+            (
+                "{\"tokens\": [1, 2], \"answers\": [{\"pos\": 1, \"token\": 2}, {\"pos\": 1, \"token\": 2}]}",
+                "two answers at 1",
+            ),
+            (
+                "{\"tokens\": [1, 2], \"answers\": []}",
+                "no example has an answer",
+            ),
+            ("not json", "line 1:"),
+        ] {
+            write(text);
+            let e = read_task_file(&path, 16).unwrap_err().to_string();
+            assert!(e.contains(reason) && !e.contains('\n'), "{text}: {e}");
         }
     }
 }

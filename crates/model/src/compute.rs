@@ -4,7 +4,7 @@
 
 use burn::prelude::*;
 
-use crate::config::CacheGrad;
+use crate::config::{CacheGrad, WindowKeys};
 use crate::precision::{Precision, product_in, to_f32};
 
 /// How a sublayer computes. Not parameters: a loaded model's can be
@@ -22,6 +22,8 @@ pub struct Compute {
     /// statistics, the softmax and the compressed cache stay `f32`
     /// ([`crate::precision`]).
     pub precision: Precision,
+    /// Which keys the two-block window scores against.
+    pub window_keys: WindowKeys,
 }
 
 impl Compute {

@@ -42,6 +42,21 @@ pub enum CacheGrad {
     Full,
 }
 
+/// Which keys the two-block window (present and previous block) scores
+/// against. Keys older than the window are always their codewords: that is
+/// what lets the compressed cache group them by code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum WindowKeys {
+    /// The quantized keys `k_hat`, as in the paper and the official code. Default.
+    #[default]
+    Quantized,
+    /// The keys themselves, unquantized: the window tells apart keys that
+    /// share a code, at no extra cost (the same products, another operand).
+    /// The straight-through estimator then matters only for the cache.
+    Exact,
+}
+
 /// Which attention the GAU sublayers compute.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -115,6 +130,11 @@ pub struct TransformerVqConfig {
     pub cache_limit: Option<usize>,
     /// Attention form (VQ, or the quadratic baseline).
     pub attention: AttentionForm,
+    /// Which keys the two-block window scores against (quantized, as in the
+    /// paper, or exact). Ignored by the quadratic form. Written only when
+    /// not the default, so configs from before it read and write the same.
+    #[serde(skip_serializing_if = "is_default")]
+    pub window_keys: WindowKeys,
     /// RMS-normalise the features before the output projection (reference name `e_preln`).
     pub final_norm: bool,
     /// Tie the output projection to the embedding (`logits = h E^T + b`).
@@ -133,6 +153,10 @@ pub struct TransformerVqConfig {
 
 fn is_zero(n: &usize) -> bool {
     *n == 0
+}
+
+fn is_default<T: Default + PartialEq>(x: &T) -> bool {
+    *x == T::default()
 }
 
 impl Default for TransformerVqConfig {
@@ -154,6 +178,7 @@ impl Default for TransformerVqConfig {
             cache_grad: CacheGrad::Window,
             cache_limit: None,
             attention: AttentionForm::Vq,
+            window_keys: WindowKeys::Quantized,
             final_norm: false,
             tie_embeddings: false,
             logit_scale: 1.0,
@@ -202,6 +227,7 @@ impl TransformerVqConfig {
         with_cache_grad => cache_grad: CacheGrad,
         with_cache_limit => cache_limit: Option<usize>,
         with_attention => attention: AttentionForm,
+        with_window_keys => window_keys: WindowKeys,
         with_final_norm => final_norm: bool,
         with_tie_embeddings => tie_embeddings: bool,
         with_logit_scale => logit_scale: f64,

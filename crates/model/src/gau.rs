@@ -8,7 +8,7 @@ use burn::tensor::activation::silu;
 use crate::attention::{self, AttentionInput, AttentionState};
 use crate::bias::PositionBias;
 use crate::compute::Compute;
-use crate::config::{AttentionForm, TransformerVqConfig};
+use crate::config::{AttentionForm, TransformerVqConfig, WindowKeys};
 use crate::dropout::{self, SublayerDropout, SublayerMasks};
 use crate::error::ModelError;
 use crate::layout::{merge_heads, split_heads};
@@ -78,7 +78,7 @@ pub struct GauOutput<B: Backend> {
     pub codes: Option<Tensor<B, 3, Int>>,
     /// Where the attention went, when asked for (never for the quadratic
     /// form).
-    pub groups: Option<attention::AttentionGroups<B>>,
+    pub attention: Option<attention::AttentionGroups<B>>,
     /// State after the segment.
     pub state: AttentionState<B>,
 }
@@ -114,6 +114,7 @@ impl<B: Backend> Gau<B> {
                 cache_grad: cfg.cache_grad,
                 cache_limit: cfg.cache_limit,
                 precision: Precision::F32,
+                window_keys: cfg.window_keys,
             },
             form: cfg.attention,
         }
@@ -166,6 +167,16 @@ impl<B: Backend> Gau<B> {
         let o = cx.cast(merge_heads(o)) * gate; // [B, T, H V]
         let w = self.out_proj.weight.val().unsqueeze::<3>(); // [1, H V, D]
         dropout::apply(cx.product_f32(o, w), residual_mask)
+    }
+
+    /// The keys `[B, H, T, K (+ P)]` the window scores against: the
+    /// quantized `k_hat` or, under [`WindowKeys::Exact`], the keys `k`
+    /// themselves (with the rotary position channel either way).
+    fn window_keys(&self, k_hat: &Tensor<B, 4>, k: &Tensor<B, 4>) -> Tensor<B, 4> {
+        match self.compute.window_keys {
+            WindowKeys::Quantized => self.keys_with_channel(k_hat.clone()),
+            WindowKeys::Exact => self.keys_with_channel(k.clone()),
+        }
     }
 
     /// The windowed rotary position, when it is this sublayer's position term.
@@ -225,7 +236,7 @@ impl<B: Backend> Gau<B> {
     /// Block-parallel form over a segment `x` `[B, T, D]` (`T` a multiple of
     /// `L`); `valid` `[B, T]` marks the tokens that count towards the codebook
     /// statistics. The layer-drop mask in `masks` is the caller's (it acts on
-    /// the residual connection). With `with_groups`, also reports where the
+    /// the residual connection). With `with_attention`, also reports where the
     /// attention went ([`attention::AttentionGroups`], a diagnostic).
     pub fn forward(
         &self,
@@ -233,7 +244,7 @@ impl<B: Backend> Gau<B> {
         state: AttentionState<B>,
         valid: Option<Tensor<B, 2, Bool>>,
         masks: &mut SublayerMasks<B>,
-        with_groups: bool,
+        with_attention: bool,
     ) -> Result<GauOutput<B>, ModelError> {
         let [b, t, _] = x.dims();
         let device = x.device();
@@ -258,21 +269,21 @@ impl<B: Backend> Gau<B> {
                 commitment: Tensor::zeros([b, t], &device),
                 stats: None,
                 codes: None,
-                groups: None,
+                attention: None,
                 state: AttentionState::default(),
             });
         }
-        let vq = self.quantizer.quantize(p.k, valid);
+        let vq = self.quantizer.quantize(p.k.clone(), valid);
         let input = AttentionInput {
             q,
             bias,
-            k_hat: self.keys_with_channel(vq.k_hat),
+            k_window: self.window_keys(&vq.k_hat, &p.k),
             codes: vq.codes.clone(),
             v: p.v,
             codebook: self.keys_with_channel(self.quantizer.codebook()),
             rotary: self.rotary(),
         };
-        let (o, state, groups) = if with_groups {
+        let (o, state, attention) = if with_attention {
             let a = attention::block_attention_with_groups(input, state, self.block_len, cx)?;
             (a.out, a.state, a.groups)
         } else {
@@ -284,14 +295,14 @@ impl<B: Backend> Gau<B> {
             commitment: vq.commitment,
             stats: Some(vq.stats),
             codes: Some(vq.codes),
-            groups,
+            attention,
             state,
         })
     }
 
     /// Recurrent form for one token `x` `[B, 1, D]` (masks as in
     /// [`Gau::forward`]).
-    pub fn step(
+    pub fn decode(
         &self,
         x: Tensor<B, 3>,
         state: AttentionState<B>,
@@ -303,17 +314,17 @@ impl<B: Backend> Gau<B> {
         let cx = self.compute.in_f32();
         let p = self.project(x, cx);
         let (q, bias) = self.bias.apply(p.q, self.block_len, masks.sinusoid.take());
-        let vq = self.quantizer.quantize(p.k, None);
+        let vq = self.quantizer.quantize(p.k.clone(), None);
         let input = AttentionInput {
             q,
             bias,
-            k_hat: self.keys_with_channel(vq.k_hat),
+            k_window: self.window_keys(&vq.k_hat, &p.k),
             codes: vq.codes,
             v: p.v,
             codebook: self.keys_with_channel(self.quantizer.codebook()),
             rotary: self.rotary(),
         };
-        let (o, state) = attention::step_attention(input, state, self.block_len, cx)?;
+        let (o, state) = attention::recurrent_attention(input, state, self.block_len, cx)?;
         Ok((self.finish(o, p.gate, masks.residual.take(), cx), state))
     }
 }

@@ -2,9 +2,10 @@
 //!
 //! The crate holds the network and nothing about files or training: build a
 //! [`TransformerVq`] from a [`TransformerVqConfig`], run segments through
-//! [`TransformerVq::forward`] (block-parallel, linear in the segment length)
-//! or tokens through [`TransformerVq::step`] (recurrent, constant work per
-//! token), carrying a [`ModelState`] between calls.
+//! [`TransformerVq::forward`] (block-parallel, linear in the segment length;
+//! a [`Pass`] says what the pass is for) or decode tokens one at a time
+//! through [`TransformerVq::decode`] (recurrent, constant work per token),
+//! carrying a [`ModelState`] between calls.
 //!
 //! Modules are generic over `B: Backend`; the binaries use `burn::Dispatch`
 //! with a device chosen at run time (by the training crate); [`device`]
@@ -29,11 +30,12 @@ pub mod quantizer;
 
 pub use attention::AttentionState;
 pub use compute::Compute;
-pub use config::{AttentionForm, CacheGrad, RelativeBias, TransformerVqConfig};
+pub use config::{AttentionForm, CacheGrad, RelativeBias, TransformerVqConfig, WindowKeys};
 pub use dropout::DropoutMasks;
 pub use error::{ConfigError, ModelError};
+pub use gau::GauOutput;
 pub use loss::{Loss, PAD, token_nll};
-pub use model::{ModelOutput, ModelState, SublayerOutput, TransformerVq};
-pub use pass::{Graph, Pass, PassOutput, Recomputable};
+pub use model::{ModelOutput, ModelState, TransformerVq};
+pub use pass::{Graph, Logits, Pass, PassInput, Recomputable};
 pub use precision::Precision;
 pub use quantizer::{CodebookMetrics, CodebookStats};

@@ -64,13 +64,19 @@ impl<B: Backend> Loss<B> {
     /// The loss of `output` against `targets` `[B, T]`; `valid` `[B, T]`
     /// marks the real tokens (all when `None`), of which those whose target
     /// is not [`PAD`] are scored.
+    ///
+    /// # Panics
+    ///
+    /// If `output` has no logits: its pass must compute every position's
+    /// ([`crate::Logits::All`], the default).
     pub fn new(
         output: &ModelOutput<B>,
         targets: Tensor<B, 2, Int>,
         valid: Option<Tensor<B, 2, Bool>>,
     ) -> Self {
+        let logits = output.logits.clone();
         Self::from_parts(
-            output.logits.clone(),
+            logits.expect("the loss reads every position's logits"),
             output.commitment.clone(),
             targets,
             valid,

@@ -1,8 +1,6 @@
 //! The Transformer-VQ language model: embedding, `N` layers of two GAU
 //! sublayers, optional final norm, output projection.
 
-use std::ops::Range;
-
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
@@ -11,9 +9,9 @@ use crate::attention::{AttentionGroups, AttentionState};
 use crate::config::TransformerVqConfig;
 use crate::dropout::{self, DropoutMasks, SublayerMasks};
 use crate::error::{ConfigError, ModelError};
-use crate::gau::Gau;
+use crate::gau::{Gau, GauOutput};
 use crate::norm::RmsNorm;
-use crate::pass::{Graph, Pass, PassOutput, Recomputable};
+use crate::pass::{Graph, Logits, Pass, PassInput, Recomputable};
 use crate::precision::Precision;
 use crate::quantizer::CodebookStats;
 
@@ -93,41 +91,30 @@ impl<B: Backend> ModelState<B> {
     }
 }
 
-/// What one sublayer ([`TransformerVq::sublayer_forward`]) returns.
-#[derive(Debug)]
-pub struct SublayerOutput<B: Backend> {
-    /// Hidden states after the sublayer (its branch added to the residual
-    /// stream), `[B, T, D]`.
-    pub h: Tensor<B, 3>,
-    /// Commitment error per token, summed over heads, `[B, T]`.
-    pub commitment: Tensor<B, 2>,
-    /// Code statistics (`None` for the quadratic form).
-    pub stats: Option<CodebookStats<B>>,
-    /// Codes of the keys, `[B, H, T]` (`None` for the quadratic form).
-    pub codes: Option<Tensor<B, 3, Int>>,
-    /// Where the attention went, when asked for.
-    pub groups: Option<AttentionGroups<B>>,
-    /// The sublayer's state after the segment (detached).
-    pub state: AttentionState<B>,
-}
-
-/// What the model returns for one segment.
+/// What a forward pass returns: [`crate::GauOutput`]'s fields gathered
+/// over the pass's sublayers, the hidden states and logits after them.
 #[derive(Debug)]
 pub struct ModelOutput<B: Backend> {
-    /// Logits, `[B, T, vocab]`.
-    pub logits: Tensor<B, 3>,
-    /// Commitment error per token, summed over sublayers and heads, `[B, T]`.
+    /// Hidden states after the pass's last sublayer, before the final norm,
+    /// `[B, T, D]`.
+    pub h: Tensor<B, 3>,
+    /// Logits as the pass asked ([`Logits`]): `[B, T, vocab]`,
+    /// `[B, 1, vocab]`, or `None`.
+    pub logits: Option<Tensor<B, 3>>,
+    /// Commitment error per token, summed over the sublayers and heads,
+    /// `[B, T]` (detached under [`Graph::LastSublayer`]).
     pub commitment: Tensor<B, 2>,
     /// Code statistics per sublayer (empty for the quadratic form).
     pub stats: Vec<CodebookStats<B>>,
     /// Codes of the keys per sublayer, `[B, H, T]` (empty for the quadratic form).
     pub codes: Vec<Tensor<B, 3, Int>>,
-    /// Where the attention went, per sublayer: empty unless asked for
-    /// ([`TransformerVq::forward_with_attention_groups`]; and for the
-    /// quadratic form).
+    /// Where the attention went, per sublayer: empty unless the pass asked
+    /// ([`Pass::with_attention`]; and for the quadratic form).
     pub attention: Vec<AttentionGroups<B>>,
-    /// State after the segment (detached).
+    /// State of the pass's sublayers after the segment (detached).
     pub state: ModelState<B>,
+    /// Under [`Graph::LastSublayer`], what the backward pass recomputes from.
+    pub recomputable: Option<Recomputable<B>>,
 }
 
 /// Building a model from its config lives here, beside the model (as in
@@ -186,6 +173,213 @@ impl<B: Backend> TransformerVq<B> {
     /// A fresh state for this model.
     pub fn empty_state(&self) -> ModelState<B> {
         ModelState::new(self.sublayers.len())
+    }
+
+    /// The forward pass, block-parallel, of a segment (`T` a multiple of
+    /// `L`) from the carried `state`, as `pass` describes ([`Pass`]): the
+    /// embedding of the tokens, the sublayers, then the logits. The returned
+    /// state is detached: no gradient crosses a segment boundary.
+    ///
+    /// `input` is token ids `[B, T]`, or hidden states `[B, T, D]` for a
+    /// pass that starts at a later sublayer ([`Pass::with_sublayers`]);
+    /// `state` holds one entry per sublayer of the pass.
+    pub fn forward(
+        &self,
+        input: impl Into<PassInput<B>>,
+        state: ModelState<B>,
+        pass: Pass<B>,
+    ) -> Result<ModelOutput<B>, ModelError> {
+        let n = self.sublayers.len();
+        let range = pass.sublayers.clone().unwrap_or(0..n);
+        let mut h = match input.into() {
+            PassInput::Tokens(tokens) => {
+                let [b, t] = tokens.dims();
+                if b == 0 || t == 0 {
+                    return Err(ModelError::EmptyInput { rows: b, len: t });
+                }
+                if range.start != 0 {
+                    return Err(ModelError::StateMismatch(format!(
+                        "tokens are the input of sublayer 0, not of sublayer {}",
+                        range.start
+                    )));
+                }
+                self.embedding.forward(tokens) // [B, T, D]
+            }
+            PassInput::Hidden(h) => h,
+        };
+        let [b, t, _] = h.dims();
+        let masks = match pass.masks {
+            Some(masks) => masks.sublayers,
+            None => match self.sublayers.get(range.clone()) {
+                Some(gaus) => {
+                    let device = self.embedding.weight.device();
+                    gaus.iter()
+                        .map(|g| g.dropout_masks(self.layer_drop, [b, t], &device))
+                        .collect()
+                }
+                None => vec![], // refused by the check
+            },
+        };
+        Pass::check(&range, &state.sublayers, &masks, n, [b, t])?;
+        let last = range.end.saturating_sub(1);
+        // Without a graph: the same parameters, none asking for a gradient,
+        // on an input that brings none into the pass.
+        let frozen = (pass.graph == Graph::LastSublayer).then(|| {
+            h = h.clone().detach();
+            self.clone().no_grad()
+        });
+        let mut commitment = Tensor::zeros([b, t], &h.device()); // [B, T]
+        let (mut stats, mut codes, mut attention) = (vec![], vec![], vec![]);
+        let mut states = Vec::with_capacity(range.len());
+        let (mut inputs, mut recomputable) = (vec![], None);
+        for ((i, s), m) in range.zip(state.sublayers).zip(masks) {
+            let valid = pass.valid.clone();
+            let with_attention = pass.with_attention;
+            let (next, sublayer) = match &frozen {
+                Some(frozen) if i < last => {
+                    inputs.push(h.clone());
+                    frozen.sublayer(i, h, s, valid, m, with_attention)?
+                }
+                Some(_) => {
+                    let x = h.require_grad();
+                    let (next, sublayer) =
+                        self.sublayer(i, x.clone(), s, valid, m, with_attention)?;
+                    recomputable = Some(Recomputable {
+                        inputs: std::mem::take(&mut inputs),
+                        last_input: x,
+                        last_commitment: sublayer.commitment.clone(),
+                    });
+                    (next, sublayer)
+                }
+                None => self.sublayer(i, h, s, valid, m, with_attention)?,
+            };
+            h = next;
+            commitment = match pass.graph {
+                Graph::Whole => commitment + sublayer.commitment,
+                Graph::LastSublayer => commitment + sublayer.commitment.detach(),
+            };
+            stats.extend(sublayer.stats);
+            codes.extend(sublayer.codes);
+            attention.extend(sublayer.attention);
+            states.push(sublayer.state.detach());
+        }
+        let logits = match pass.logits {
+            Logits::All => Some(self.head(h.clone())),
+            Logits::Last => {
+                let d = h.dims()[2];
+                Some(self.head(h.clone().slice([0..b, t - 1..t, 0..d])))
+            }
+            Logits::None => None,
+        };
+        Ok(ModelOutput {
+            h,
+            logits,
+            commitment,
+            stats,
+            codes,
+            attention,
+            state: ModelState { sublayers: states },
+            recomputable,
+        })
+    }
+
+    /// Sublayer `i` over hidden states `h` `[B, T, D]` from its `state`,
+    /// with its dropout `masks` (layer drop included): the hidden states
+    /// after it (its branch added to the residual stream) and what it
+    /// returned.
+    fn sublayer(
+        &self,
+        i: usize,
+        h: Tensor<B, 3>,
+        state: AttentionState<B>,
+        valid: Option<Tensor<B, 2, Bool>>,
+        mut masks: SublayerMasks<B>,
+        with_attention: bool,
+    ) -> Result<(Tensor<B, 3>, GauOutput<B>), ModelError> {
+        let out = self.sublayers[i].forward(h.clone(), state, valid, &mut masks, with_attention)?;
+        // Layer drop: a row keeps or skips the whole sublayer.
+        let h = h + dropout::apply(out.out.clone(), masks.layer);
+        Ok((h, out))
+    }
+
+    /// The logits `[B, T, vocab]` of final hidden states `h` `[B, T, D]`
+    /// (final norm and output projection, in `f32`): the end of both
+    /// [`Self::forward`] and [`Self::decode`].
+    pub fn head(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
+        let h = match &self.final_norm {
+            Some(norm) => norm.forward(h),
+            None => h,
+        };
+        let logits = match (&self.output, &self.output_bias) {
+            (Some(out), _) => out.forward(h),
+            (None, Some(bias)) => {
+                let e = self
+                    .embedding
+                    .weight
+                    .val()
+                    .transpose()
+                    .unsqueeze_dim::<3>(0); // [1, D, vocab]
+                h.matmul(e) + bias.val().unsqueeze::<3>()
+            }
+            (None, None) => unreachable!("the output head is either untied or tied"),
+        };
+        logits * self.logit_scale
+    }
+
+    /// Decodes one token per row, `token` `[B, 1]`, with the recurrent
+    /// form: constant work and memory whatever the position. Returns the
+    /// logits `[B, 1, vocab]` of the next token and the state after it.
+    pub fn decode(
+        &self,
+        token: Tensor<B, 2, Int>,
+        state: ModelState<B>,
+    ) -> Result<(Tensor<B, 3>, ModelState<B>), ModelError> {
+        if state.sublayers.len() != self.sublayers.len() {
+            return Err(ModelError::StateMismatch(format!(
+                "{} sublayer states for {} sublayers",
+                state.sublayers.len(),
+                self.sublayers.len()
+            )));
+        }
+        let [rows, len] = token.dims();
+        if rows == 0 || len == 0 {
+            return Err(ModelError::EmptyInput { rows, len });
+        }
+        let masks = self.dropout_masks(token.dims());
+        let mut h = self.embedding.forward(token);
+        let mut states = Vec::with_capacity(self.sublayers.len());
+        let layers = self.sublayers.iter().zip(state.sublayers);
+        for ((gau, s), mut m) in layers.zip(masks.sublayers) {
+            let (out, s) = gau.decode(h.clone(), s, &mut m)?;
+            h = h + dropout::apply(out, m.layer);
+            states.push(s.detach());
+        }
+        Ok((self.head(h), ModelState { sublayers: states }))
+    }
+
+    /// Returns the model with every sublayer's codebook moved one EMA step
+    /// (`gamma`, 0.99 in the recipe) towards the step's statistics, one entry
+    /// of `stats` per sublayer. Empty `stats` (the quadratic form, which
+    /// quantizes nothing) leave the model as it is.
+    pub fn update_codebooks(mut self, stats: &[CodebookStats<B>], gamma: f64) -> Self {
+        if stats.is_empty() {
+            return self;
+        }
+        assert_eq!(
+            stats.len(),
+            self.sublayers.len(),
+            "one statistics entry per sublayer"
+        );
+        self.sublayers = self
+            .sublayers
+            .into_iter()
+            .zip(stats)
+            .map(|(mut gau, s)| {
+                gau.quantizer = gau.quantizer.ema_update(s, gamma);
+                gau
+            })
+            .collect();
+        self
     }
 
     /// Whether a training-mode forward pass draws random numbers (any
@@ -257,312 +451,5 @@ impl<B: Backend> TransformerVq<B> {
         for g in &mut self.sublayers {
             g.compute.cache_limit = limit;
         }
-    }
-
-    fn check_state(&self, state: &ModelState<B>) -> Result<(), ModelError> {
-        if state.sublayers.len() != self.sublayers.len() {
-            return Err(ModelError::StateMismatch(format!(
-                "{} sublayer states for {} sublayers",
-                state.sublayers.len(),
-                self.sublayers.len()
-            )));
-        }
-        Ok(())
-    }
-
-    /// The logits `[B, T, vocab]` of final hidden states `h` `[B, T, D]`
-    /// (final norm and output projection, in `f32`).
-    pub fn head(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
-        let h = match &self.final_norm {
-            Some(norm) => norm.forward(h),
-            None => h,
-        };
-        let logits = match (&self.output, &self.output_bias) {
-            (Some(out), _) => out.forward(h),
-            (None, Some(bias)) => {
-                let e = self
-                    .embedding
-                    .weight
-                    .val()
-                    .transpose()
-                    .unsqueeze_dim::<3>(0); // [1, D, vocab]
-                h.matmul(e) + bias.val().unsqueeze::<3>()
-            }
-            (None, None) => unreachable!("the output head is either untied or tied"),
-        };
-        logits * self.logit_scale
-    }
-
-    /// Block-parallel forward over a segment `tokens` `[B, T]` (`T` a multiple
-    /// of `L`) from `state`. `valid` `[B, T]` marks real tokens (padding is
-    /// excluded from the codebook statistics). The returned state is detached:
-    /// no gradient crosses a segment boundary. Dropout masks are drawn as
-    /// the pass begins ([`Self::forward_with_masks`] takes them drawn).
-    pub fn forward(
-        &self,
-        tokens: Tensor<B, 2, Int>,
-        state: ModelState<B>,
-        valid: Option<Tensor<B, 2, Bool>>,
-    ) -> Result<ModelOutput<B>, ModelError> {
-        let masks = self.dropout_masks(tokens.dims());
-        self.forward_with_masks(tokens, state, valid, masks)
-    }
-
-    /// [`Self::forward`] that also reports where each sublayer's attention
-    /// went ([`ModelOutput::attention`]): a diagnostic, at the cost of a
-    /// second pass over the attention scores.
-    pub fn forward_with_attention_groups(
-        &self,
-        tokens: Tensor<B, 2, Int>,
-        state: ModelState<B>,
-        valid: Option<Tensor<B, 2, Bool>>,
-    ) -> Result<ModelOutput<B>, ModelError> {
-        let masks = self.dropout_masks(tokens.dims());
-        let pass = Pass {
-            with_groups: true,
-            ..Pass::new(masks.sublayers, valid)
-        };
-        self.forward_pass(tokens, state, pass)
-    }
-
-    /// [`Self::forward`] with dropout masks drawn beforehand by
-    /// [`Self::dropout_masks`] for the same `[B, T]`.
-    pub fn forward_with_masks(
-        &self,
-        tokens: Tensor<B, 2, Int>,
-        state: ModelState<B>,
-        valid: Option<Tensor<B, 2, Bool>>,
-        masks: DropoutMasks<B>,
-    ) -> Result<ModelOutput<B>, ModelError> {
-        self.forward_pass(tokens, state, Pass::new(masks.sublayers, valid))
-    }
-
-    /// The block-parallel forward of a segment `tokens` `[B, T]` from
-    /// `state`, returning only the last position's logits `[B, 1, vocab]`
-    /// and the state: what reading a prompt needs, without the output
-    /// head's `T x vocab` product for the positions before the last (most
-    /// of the work for a small model with a large vocabulary). The same as
-    /// [`Self::embed`], [`Self::forward_sublayers`] over every sublayer and
-    /// [`Self::head_last`], the pieces a caller may run apart (a pipeline
-    /// over threads, each owning some sublayers).
-    pub fn forward_last(
-        &self,
-        tokens: Tensor<B, 2, Int>,
-        state: ModelState<B>,
-    ) -> Result<(Tensor<B, 3>, ModelState<B>), ModelError> {
-        let h = self.embed(tokens)?;
-        let (h, sublayers) = self.forward_sublayers(0..self.sublayers.len(), h, state.sublayers)?;
-        Ok((self.head_last(h), ModelState { sublayers }))
-    }
-
-    /// The input of the first sublayer: the embeddings `[B, T, D]` of
-    /// `tokens` `[B, T]`.
-    pub fn embed(&self, tokens: Tensor<B, 2, Int>) -> Result<Tensor<B, 3>, ModelError> {
-        let [b, t] = tokens.dims();
-        if b == 0 || t == 0 {
-            return Err(ModelError::EmptyInput { rows: b, len: t });
-        }
-        Ok(self.embedding.forward(tokens))
-    }
-
-    /// The block-parallel form of the sublayers `range` only, over hidden
-    /// states `h` `[B, T, D]` (`T` a multiple of `L`) from their `states`
-    /// (one per sublayer of `range`): the hidden states after the last of
-    /// them and their detached states. For reading, not training: no code
-    /// statistics or commitment come back.
-    pub fn forward_sublayers(
-        &self,
-        range: std::ops::Range<usize>,
-        h: Tensor<B, 3>,
-        states: Vec<AttentionState<B>>,
-    ) -> Result<(Tensor<B, 3>, Vec<AttentionState<B>>), ModelError> {
-        let [b, t, _] = h.dims();
-        let device = self.embedding.weight.device();
-        let masks = match self.sublayers.get(range.clone()) {
-            Some(gaus) => gaus
-                .iter()
-                .map(|g| g.dropout_masks(self.layer_drop, [b, t], &device))
-                .collect(),
-            None => vec![], // refused by the pass's check
-        };
-        let out = self.run_sublayers(range, h, states, Pass::new(masks, None))?;
-        Ok((out.h, out.states))
-    }
-
-    /// The block-parallel form of sublayers `range` over hidden states `h`
-    /// `[B, T, D]` (`T` a multiple of `L`) from their `states` (one per
-    /// sublayer of `range`), as `pass` describes: the one loop over the
-    /// sublayers.
-    pub fn run_sublayers(
-        &self,
-        range: Range<usize>,
-        mut h: Tensor<B, 3>,
-        states: Vec<AttentionState<B>>,
-        pass: Pass<B>,
-    ) -> Result<PassOutput<B>, ModelError> {
-        let [b, t, _] = h.dims();
-        pass.check(&range, &states, self.sublayers.len(), [b, t])?;
-        let n = range.len();
-        // Without a graph: the same parameters, none asking for a gradient,
-        // on an input that brings none into the pass.
-        let frozen = (pass.graph == Graph::LastSublayer).then(|| {
-            h = h.clone().detach();
-            self.clone().no_grad()
-        });
-        let mut commitment = Tensor::zeros([b, t], &h.device());
-        let mut out = PassOutput {
-            h: h.clone(),
-            commitment: commitment.clone(),
-            stats: Vec::with_capacity(n),
-            codes: Vec::with_capacity(n),
-            attention: vec![],
-            states: Vec::with_capacity(n),
-            recomputable: None,
-        };
-        let mut inputs = Vec::with_capacity(n);
-        let last = range.end.saturating_sub(1);
-        for ((i, s), m) in range.zip(states).zip(pass.masks) {
-            let (valid, groups) = (pass.valid.clone(), pass.with_groups);
-            let sublayer = match &frozen {
-                Some(frozen) if i < last => {
-                    inputs.push(h.clone());
-                    frozen.sublayer_forward(i, h, s, valid, m, groups)?
-                }
-                Some(_) => {
-                    let x = h.require_grad();
-                    let sublayer = self.sublayer_forward(i, x.clone(), s, valid, m, groups)?;
-                    out.recomputable = Some(Recomputable {
-                        inputs: std::mem::take(&mut inputs),
-                        last_input: x,
-                        last_commitment: sublayer.commitment.clone(),
-                    });
-                    sublayer
-                }
-                None => self.sublayer_forward(i, h, s, valid, m, groups)?,
-            };
-            h = sublayer.h;
-            commitment = match pass.graph {
-                Graph::Whole => commitment + sublayer.commitment,
-                Graph::LastSublayer => commitment + sublayer.commitment.detach(),
-            };
-            out.stats.extend(sublayer.stats);
-            out.codes.extend(sublayer.codes);
-            out.attention.extend(sublayer.groups);
-            out.states.push(sublayer.state);
-        }
-        out.h = h;
-        out.commitment = commitment;
-        Ok(out)
-    }
-
-    /// The logits `[B, 1, vocab]` of the last position of the final hidden
-    /// states `h` `[B, T, D]`.
-    pub fn head_last(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
-        let [b, t, d] = h.dims();
-        self.head(h.slice([0..b, t - 1..t, 0..d]))
-    }
-
-    /// Sublayer `i`'s block-parallel forward over hidden states `h`
-    /// `[B, T, D]` from its `state`, with its dropout masks `masks` (layer
-    /// drop included): one step of [`Self::forward`], for a caller that
-    /// runs the sublayers one at a time (per-sublayer recomputation in
-    /// training keeps only each sublayer's input).
-    pub fn sublayer_forward(
-        &self,
-        i: usize,
-        h: Tensor<B, 3>,
-        state: AttentionState<B>,
-        valid: Option<Tensor<B, 2, Bool>>,
-        mut masks: SublayerMasks<B>,
-        with_groups: bool,
-    ) -> Result<SublayerOutput<B>, ModelError> {
-        let gau = self.sublayers.get(i).ok_or_else(|| {
-            ModelError::StateMismatch(format!(
-                "sublayer {i} of a model with {}",
-                self.sublayers.len()
-            ))
-        })?;
-        let out = gau.forward(h.clone(), state, valid, &mut masks, with_groups)?;
-        Ok(SublayerOutput {
-            // Layer drop: a row keeps or skips the whole sublayer.
-            h: h + dropout::apply(out.out, masks.layer),
-            commitment: out.commitment,
-            stats: out.stats,
-            codes: out.codes,
-            groups: out.groups,
-            state: out.state.detach(),
-        })
-    }
-
-    /// The embedding, the sublayers as `pass` says, then the logits of
-    /// every position.
-    pub fn forward_pass(
-        &self,
-        tokens: Tensor<B, 2, Int>,
-        state: ModelState<B>,
-        pass: Pass<B>,
-    ) -> Result<ModelOutput<B>, ModelError> {
-        self.check_state(&state)?;
-        let h = self.embed(tokens)?; // [B, T, D]
-        let out = self.run_sublayers(0..self.sublayers.len(), h, state.sublayers, pass)?;
-        Ok(ModelOutput {
-            logits: self.head(out.h),
-            commitment: out.commitment,
-            stats: out.stats,
-            codes: out.codes,
-            attention: out.attention,
-            state: ModelState {
-                sublayers: out.states,
-            },
-        })
-    }
-
-    /// Recurrent forward of one token per row, `token` `[B, 1]`: constant work
-    /// and memory whatever the position. Returns logits `[B, 1, vocab]`.
-    pub fn step(
-        &self,
-        token: Tensor<B, 2, Int>,
-        state: ModelState<B>,
-    ) -> Result<(Tensor<B, 3>, ModelState<B>), ModelError> {
-        self.check_state(&state)?;
-        let [rows, len] = token.dims();
-        if rows == 0 || len == 0 {
-            return Err(ModelError::EmptyInput { rows, len });
-        }
-        let masks = self.dropout_masks(token.dims());
-        let mut h = self.embedding.forward(token);
-        let mut states = Vec::with_capacity(self.sublayers.len());
-        let layers = self.sublayers.iter().zip(state.sublayers);
-        for ((gau, s), mut m) in layers.zip(masks.sublayers) {
-            let (out, s) = gau.step(h.clone(), s, &mut m)?;
-            h = h + dropout::apply(out, m.layer);
-            states.push(s.detach());
-        }
-        Ok((self.head(h), ModelState { sublayers: states }))
-    }
-
-    /// Returns the model with every sublayer's codebook moved one EMA step
-    /// (`gamma`, 0.99 in the recipe) towards the step's statistics, one entry
-    /// of `stats` per sublayer. Empty `stats` (the quadratic form, which
-    /// quantizes nothing) leave the model as it is.
-    pub fn update_codebooks(mut self, stats: &[CodebookStats<B>], gamma: f64) -> Self {
-        if stats.is_empty() {
-            return self;
-        }
-        assert_eq!(
-            stats.len(),
-            self.sublayers.len(),
-            "one statistics entry per sublayer"
-        );
-        self.sublayers = self
-            .sublayers
-            .into_iter()
-            .zip(stats)
-            .map(|(mut gau, s)| {
-                gau.quantizer = gau.quantizer.ema_update(s, gamma);
-                gau
-            })
-            .collect();
-        self
     }
 }

@@ -48,7 +48,7 @@ fn main() -> Result<()> {
             model,
             vocab: corpus.vocab.id(),
             tokenizer: cfg.data.tokenizer.clone(),
-            step: trainer.progress().step,
+            step: trainer.state().step,
         };
         export(trainer.model(), &info, out.as_ref())?;
         println!("exported to {out}");

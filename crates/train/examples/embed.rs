@@ -7,6 +7,7 @@
 
 use anyhow::{Context, Result};
 use burn::prelude::*;
+use tvq_model::{Logits, Pass};
 use tvq_train::inference::load::load_for_inference;
 use tvq_train::placement::B;
 use tvq_train::placement::device::DeviceSpec;
@@ -34,9 +35,9 @@ fn main() -> Result<()> {
     ids.resize(padded, loaded.vocab.eos() as i64);
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, padded]), &device);
 
-    let h = model.embed(tokens)?; // [1, T, D]
-    let sublayers = 0..model.sublayers.len();
-    let (h, _) = model.forward_sublayers(sublayers, h, model.empty_state().sublayers)?;
+    // The hidden states after the last sublayer; no logits.
+    let pass = Pass::new().with_logits(Logits::None);
+    let h = model.forward(tokens, model.empty_state(), pass)?.h; // [1, T, D]
     let features = h.slice([0..1, 0..len.max(1)]).mean_dim(1); // [1, 1, D]
     let values: Vec<f32> = features.into_data().convert::<f32>().into_vec().unwrap();
     println!("{} tokens -> {} features", len, values.len());

@@ -19,7 +19,9 @@ use burn::DispatchDevice;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::prelude::*;
 use tvq_data::{Batch, TrainCursor};
-use tvq_model::{Loss, ModelState, Precision, RelativeBias, TransformerVq, TransformerVqConfig};
+use tvq_model::{
+    Loss, ModelState, Pass, Precision, RelativeBias, TransformerVq, TransformerVqConfig,
+};
 
 use crate::config::TrainSection;
 use crate::error::TrainError;
@@ -272,9 +274,11 @@ fn forward(
         for i in 0..2 {
             let b = segment(i, i == 0);
             let t = crate::batch::BatchTensors::rows(&b, 0..ROWS, &d);
-            let out = model.forward(t.inputs, state, None)?;
+            let out = model.forward(t.inputs, state, Pass::new())?;
             let loss = Loss::new(&out, t.targets, None);
-            values.extend(host_values(&out.logits));
+            values.extend(host_values(
+                out.logits.as_ref().expect("every position's logits"),
+            ));
             values.extend(host_values(&loss.ce));
             state = out.state;
         }

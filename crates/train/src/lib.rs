@@ -4,6 +4,49 @@
 //! directory, one [`Trainer::step`] at a time; [`evaluate()`] streams a split
 //! through the model; [`sample()`] generates with the recurrent form;
 //! [`inference::export`] writes safetensors.
+//!
+//! Training with a loop of one's own around [`Trainer::step`], then
+//! generating from the trained model (the examples in `examples/` do the
+//! same at full size, and load runs and exports):
+//!
+//! ```
+//! use tvq_data::{Corpus, Split, TrainBatches, TrainCursor};
+//! use tvq_train::placement::device::DeviceSpec;
+//! use tvq_train::{RunConfig, SampleOptions, Trainer, sample};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let dir = tempfile::tempdir()?;
+//! let text = dir.path().join("text.txt");
+//! std::fs::write(&text, "the cat sat on the mat. ".repeat(200))?;
+//! // A run config (the TOML of `tvq train --config`), here a tiny model.
+//! let cfg = RunConfig::parse(
+//!     &format!(
+//!         "[model]\nd_model = 16\nd_k = 8\nd_v = 16\nn_code = 8\nblock_len = 8\n\
+//!          [data]\nkind = \"text\"\npath = {:?}\nbatch_size = 2\n\
+//!          update_len = 32\nsequence_len = 32\n[train]\nworkers = 1",
+//!         text.display().to_string()
+//!     ),
+//!     &[],
+//! )?;
+//! let corpus = Corpus::open(&cfg.data)?;
+//! let (device, _) = DeviceSpec::Cpu.init()?;
+//! let mut trainer = Trainer::new(&cfg.model_config(corpus.vocab.size()), &cfg.train, &[device])?;
+//! let layout = cfg.data.train_layout(cfg.train.seed);
+//! let mut batches = TrainBatches::new(corpus.split(Split::Train), layout, TrainCursor::default())?;
+//! for _ in 0..3 {
+//!     let batch = batches.next().expect("training batches never end");
+//!     let out = trainer.step(&batch, batches.cursor())?;
+//!     assert!(out.loss.is_finite()); // your metrics here
+//! }
+//! // Ten tokens after a prompt: the prompt read in block form, then each
+//! // token from the compressed cache at constant cost.
+//! let opts = SampleOptions { max_tokens: 10, temperature: 1.0, top_p: 1.0, seed: 1, progress: false };
+//! let prompt = corpus.vocab.encode("the cat")?;
+//! let tokens = sample(&trainer.inference_model(), &prompt, corpus.vocab.eos(), opts, |_| true)?;
+//! assert_eq!(tokens.len(), 10);
+//! # Ok(())
+//! # }
+//! ```
 
 pub mod batch;
 pub mod check;

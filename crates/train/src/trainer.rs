@@ -99,7 +99,7 @@ pub struct Trainer {
     optim: Optimizers,
     /// One carried state per shard of this node, in shard order.
     states: Vec<ModelState<B>>,
-    progress: TrainerState,
+    state: TrainerState,
     last_checkpoint: Option<PathBuf>,
     /// This node's rank and the number of nodes (0 and 1 alone).
     rank: usize,
@@ -171,7 +171,7 @@ impl Trainer {
             model: Some(net),
             optim: Optimizers::new(settings),
             states: vec![ModelState::new(n_sublayers); settings.shards()],
-            progress: TrainerState {
+            state: TrainerState {
                 loss_scale: loss_scale_for(settings.precision, None),
                 ..TrainerState::default()
             },
@@ -242,7 +242,7 @@ impl Trainer {
             });
         }
         let scale = loaded.trainer.loss_scale;
-        self.progress = TrainerState {
+        self.state = TrainerState {
             loss_scale: loss_scale_for(self.settings.precision, scale),
             ..loaded.trainer
         };
@@ -263,7 +263,7 @@ impl Trainer {
         );
         let words = [
             fingerprint,
-            self.progress.step,
+            self.state.step,
             node::weights_hash(self.model()),
         ];
         node::agree(&collective, words)?;
@@ -302,15 +302,15 @@ impl Trainer {
     }
 
     /// Steps done, data cursor, best validation, tokens.
-    pub fn progress(&self) -> &TrainerState {
-        &self.progress
+    pub fn state(&self) -> &TrainerState {
+        &self.state
     }
 
     /// Records a validation loss after the current step; the best one is
     /// kept from pruning.
     pub fn record_validation(&mut self, loss: f64) {
-        if self.progress.best.is_none_or(|(best, _)| loss < best) {
-            self.progress.best = Some((loss, self.progress.step));
+        if self.state.best.is_none_or(|(best, _)| loss < best) {
+            self.state.best = Some((loss, self.state.step));
         }
     }
 
@@ -343,9 +343,9 @@ impl Trainer {
         let plan = ShardPlan {
             first: self.rank * n_shards,
             total: n_shards * self.nodes,
-            seed: step_seed(self.settings.seed, self.progress.step + 1),
+            seed: step_seed(self.settings.seed, self.state.step + 1),
             commit_weight: self.settings.commit_weight,
-            loss_scale: self.progress.loss_scale.map_or(1.0, |s| s.scale),
+            loss_scale: self.state.loss_scale.map_or(1.0, |s| s.scale),
             checkpointing: self.settings.activation_checkpointing,
         };
         let model = self.model.as_ref().expect("the model is in place");
@@ -366,17 +366,17 @@ impl Trainer {
     /// finite number stops the run before the weights change.
     pub fn step(&mut self, batch: &Batch, cursor: TrainCursor) -> Result<StepOutcome, TrainError> {
         let started = Instant::now();
-        let step = self.progress.step + 1;
+        let step = self.state.step + 1;
         let (g, tokens, stop) = self.summed_gradients(batch)?;
         let n = self.total_shards() as f64;
         let (ce, commitment) = (g.ce_sum as f64 / n, g.commitment_sum as f64 / n);
         let loss = self.finite_loss(step, ce + self.settings.commit_weight * commitment)?;
-        let scale = self.progress.loss_scale.map_or(1.0, |s| s.scale);
+        let scale = self.state.loss_scale.map_or(1.0, |s| s.scale);
         let lr = learning_rate(&self.settings, step);
         let (grad_norm, skipped) = self.update(step, lr, g.grads, &g.stats, scale);
-        self.progress.step = step;
-        self.progress.cursor = cursor;
-        self.progress.tokens += tokens;
+        self.state.step = step;
+        self.state.cursor = cursor;
+        self.state.tokens += tokens;
         Ok(StepOutcome {
             step,
             lr,
@@ -387,7 +387,7 @@ impl Trainer {
             codebooks: g.stats.iter().map(|s| s.metrics()).collect(),
             tokens,
             elapsed: started.elapsed(),
-            loss_scale: self.progress.loss_scale.map(|_| scale),
+            loss_scale: self.state.loss_scale.map(|_| scale),
             skipped,
             interrupted: stop || (self.collective.is_none() && self.interrupted()),
             device_memory_bytes: self.device_memory_bytes(),
@@ -400,10 +400,10 @@ impl Trainer {
     /// `tvq check` gives two devices the same gradients this way, so that
     /// the update itself is compared. Returns the gradient norm.
     pub(crate) fn apply(&mut self, grads: GradientsParams, stats: &[CodebookStats<B>]) -> f64 {
-        let step = self.progress.step + 1;
+        let step = self.state.step + 1;
         let lr = learning_rate(&self.settings, step);
         let (grad_norm, _) = self.update(step, lr, grads, stats, 1.0);
-        self.progress.step = step;
+        self.state.step = step;
         grad_norm
     }
 
@@ -469,12 +469,12 @@ impl Trainer {
         let model = self.model.take().expect("the model is in place");
         let optimizer = tracing::debug_span!("optimizer").entered();
         let grad_norm = clip_global_norm(&model, &mut grads, self.settings.grad_clip, scale);
-        let skipped = self.progress.loss_scale.is_some() && !grad_norm.is_finite();
-        if let Some(s) = &mut self.progress.loss_scale {
+        let skipped = self.state.loss_scale.is_some() && !grad_norm.is_finite();
+        if let Some(s) = &mut self.state.loss_scale {
             s.update(!skipped);
         }
         if skipped {
-            let lowered = self.progress.loss_scale.map_or(1.0, |s| s.scale);
+            let lowered = self.state.loss_scale.map_or(1.0, |s| s.scale);
             tracing::warn!(
                 "step {step}: the f16 gradients overflowed; the step is skipped and the loss scale is now {lowered}"
             );
@@ -498,18 +498,18 @@ impl Trainer {
             Some(c) => match node::gather_states(c, &self.states, &self.device)? {
                 Some(all) => all,
                 None => {
-                    let dir = checkpoint::checkpoint_dir(run_dir, self.progress.step);
+                    let dir = checkpoint::checkpoint_dir(run_dir, self.state.step);
                     self.last_checkpoint = Some(dir.clone());
                     return Ok(dir);
                 }
             },
         };
-        let dir = checkpoint::save(run_dir, self.model(), &self.optim, &states, &self.progress)?;
+        let dir = checkpoint::save(run_dir, self.model(), &self.optim, &states, &self.state)?;
         checkpoint::prune(
             run_dir,
             self.settings.keep_checkpoints,
-            self.progress.best.map(|b| b.1),
-            self.progress.step,
+            self.state.best.map(|b| b.1),
+            self.state.step,
         );
         self.last_checkpoint = Some(dir.clone());
         Ok(dir)
@@ -584,14 +584,14 @@ mod tests {
     }
 
     #[test]
-    fn steps_advance_the_progress_and_change_the_weights() {
+    fn steps_advance_the_state_and_change_the_weights() {
         let mut t = trainer(1, 1);
         let before = weights(&t);
         let cursor = TrainCursor { epoch: 0, step: 1 };
         let m = t.step(&batch(2, 8, true), cursor).unwrap();
         assert_eq!((m.step, m.tokens), (1, 16));
         assert!(m.loss.is_finite() && m.grad_norm > 0.0);
-        assert_eq!(t.progress().cursor, cursor);
+        assert_eq!(t.state().cursor, cursor);
         assert_ne!(weights(&t), before);
         // The carried state moved on one segment of 8 tokens.
         assert_eq!(t.states[0].pos(), 8);
@@ -783,7 +783,7 @@ mod tests {
             // Each shard's carried state stays on the device it ran on.
             let device_of = |shard: usize| {
                 let prev = t.states[shard].sublayers[0].prev.as_ref().unwrap();
-                device_name(&prev.k_hat.device())
+                device_name(&prev.k_window.device())
             };
             let ran_on = [device_of(0), device_of(1)];
             (losses, weights(&t), ran_on)
@@ -943,7 +943,7 @@ mod tests {
             matches!(err, TrainError::NonFinite { step: 1, .. }),
             "{err}"
         );
-        assert_eq!(t.progress().step, 0);
+        assert_eq!(t.state().step, 0);
     }
 
     /// Everything one step computes, as host values: the losses, every
@@ -994,7 +994,7 @@ mod tests {
         for s in states.iter().flat_map(|s| &s.sublayers) {
             v.push(s.pos as f32);
             if let Some(p) = &s.prev {
-                v.extend(host_values(&p.k_hat));
+                v.extend(host_values(&p.k_window));
                 v.extend(host_values(&p.v));
                 v.extend(host_values(&p.codes.clone().float()));
             }
@@ -1121,7 +1121,7 @@ mod tests {
             let device = DeviceSpec::Cpu.init().unwrap().0;
             let mut t = Trainer::new(&tiny_model(11), &settings, &[device]).unwrap();
             // f16's objective is multiplied by its loss scale.
-            let scale = t.progress.loss_scale.map_or(1.0, |s| s.scale) as f32;
+            let scale = t.state.loss_scale.map_or(1.0, |s| s.scale) as f32;
             let grads = step_outcome(&mut t, &batch(2, 8, true)).1;
             grads
                 .into_iter()
@@ -1161,7 +1161,7 @@ mod tests {
             };
             let device = DeviceSpec::Cpu.init().unwrap().0;
             let mut t = Trainer::new(&tiny_model(11), &settings, &[device]).unwrap();
-            t.progress.loss_scale = Some(LossScale {
+            t.state.loss_scale = Some(LossScale {
                 scale: 1e6,
                 good_steps: 0,
             });
@@ -1181,7 +1181,7 @@ mod tests {
         let device = DeviceSpec::Cpu.init().unwrap().0;
         let mut t = Trainer::new(&tiny_model(11), &settings, &[device]).unwrap();
         // Gradients times 1e38 overflow f32.
-        t.progress.loss_scale = Some(LossScale {
+        t.state.loss_scale = Some(LossScale {
             scale: 1e38,
             good_steps: 5,
         });
@@ -1190,14 +1190,14 @@ mod tests {
         assert!(m.skipped && !m.grad_norm.is_finite(), "{m:?}");
         assert_eq!(every_parameter(t.model()), before, "weights and codebooks");
         assert_eq!(
-            t.progress.loss_scale,
+            t.state.loss_scale,
             Some(LossScale {
                 scale: 5e37,
                 good_steps: 0
             })
         );
-        assert_eq!(t.progress.step, 1, "the step is counted");
-        t.progress.loss_scale = Some(LossScale::new());
+        assert_eq!(t.state.step, 1, "the step is counted");
+        t.state.loss_scale = Some(LossScale::new());
         let m = t.step(&batch(2, 8, true), TrainCursor::default()).unwrap();
         assert!(!m.skipped && m.grad_norm.is_finite());
         assert_ne!(every_parameter(t.model()), before);
@@ -1238,9 +1238,9 @@ mod tests {
             assert_eq!(b.model().precision(), to);
             assert_eq!(every_parameter(b.model()), every_parameter(a.model()));
             assert_eq!(state_values(&b.states), state_values(&a.states));
-            let scale = b.progress().loss_scale;
+            let scale = b.state().loss_scale;
             match (from, to) {
-                (Precision::F16, Precision::F16) => assert_eq!(scale, a.progress().loss_scale),
+                (Precision::F16, Precision::F16) => assert_eq!(scale, a.state().loss_scale),
                 (_, Precision::F16) => assert_eq!(scale, Some(LossScale::new())),
                 _ => assert_eq!(scale, None),
             }

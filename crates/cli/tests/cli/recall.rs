@@ -122,6 +122,63 @@ fn the_quadratic_form_solves_a_small_mqar_task() {
         "{longer}"
     );
 
+    // The same validation examples written to a task file, as a program
+    // elsewhere would: the same evaluation, answer for answer.
+    let mqar = tvq_data::recall::MqarConfig {
+        pairs: 4,
+        vocab: 64,
+        eval_examples: 256,
+        ..Default::default()
+    };
+    let (symbols, set) = mqar.examples(1, 256, 64).unwrap(); // 1: validation
+    let mut lines = String::new();
+    for (n, example) in symbols.chunks(64).enumerate() {
+        let ids: Vec<u32> = example.iter().map(|&b| b as u32 + 3).collect();
+        let answers: Vec<serde_json::Value> = (set.answers.iter())
+            .filter(|a| a.pos / 64 == n)
+            .map(|a| {
+                let pos = a.pos % 64;
+                serde_json::json!({"pos": pos, "token": ids[pos], "distance": a.distance})
+            })
+            .collect();
+        lines += &serde_json::json!({"tokens": ids, "answers": answers}).to_string();
+        lines.push('\n');
+    }
+    let file = dir.path().join("task.jsonl");
+    std::fs::write(&file, lines).unwrap();
+    let file_s = file.to_str().unwrap();
+    let from_file: serde_json::Value = serde_json::from_str(&ok(&[
+        "eval",
+        "--checkpoint",
+        run_s,
+        "--json",
+        "--task-file",
+        file_s,
+    ]))
+    .unwrap();
+    assert_eq!(from_file["recall"], *recall);
+    std::fs::write(
+        &file,
+        "{\"tokens\": [1, 2], \"answers\": [{\"pos\": 1, \"token\": 7}]}\n",
+    )
+    .unwrap();
+    fails(
+        &["eval", "--checkpoint", run_s, "--task-file", file_s],
+        "line 1: the answer at 1 is 7, not 2",
+    );
+    fails(
+        &[
+            "eval",
+            "--checkpoint",
+            run_s,
+            "--task-file",
+            file_s,
+            "--task",
+            "mqar",
+        ],
+        "cannot be used with",
+    );
+
     // Settings that cannot work are one line each.
     fails(
         &["eval", "--checkpoint", run_s, "--pairs", "3"],

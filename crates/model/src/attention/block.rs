@@ -14,7 +14,7 @@ use crate::quantizer::code_totals;
 /// Keys, values and codes of a segment cut into its `R` blocks.
 struct Blocks<B: Backend> {
     /// `[B, H, R, L, K]`.
-    k_hat: Tensor<B, 5>,
+    k_window: Tensor<B, 5>,
     /// `[B, H, R, L, V]`.
     v: Tensor<B, 5>,
     /// `[B, H, R, L]`.
@@ -39,7 +39,7 @@ fn previous_blocks<B: Backend>(
     blocks: &Blocks<B>,
     cache_grad: CacheGrad,
 ) -> Blocks<B> {
-    let [b, h, r, l, _] = blocks.k_hat.dims();
+    let [b, h, r, l, _] = blocks.k_window.dims();
     let no_grad = cache_grad == CacheGrad::None;
     let shift = |carried: Tensor<B, 4>, x: Tensor<B, 5>| -> Tensor<B, 5> {
         let x = if no_grad { x.detach() } else { x };
@@ -62,7 +62,7 @@ fn previous_blocks<B: Backend>(
         Tensor::cat(vec![head, earlier], 2)
     };
     Blocks {
-        k_hat: shift(carried.k_hat, blocks.k_hat.clone()),
+        k_window: shift(carried.k_window, blocks.k_window.clone()),
         v: shift(carried.v, blocks.v.clone()),
         codes,
     }
@@ -131,7 +131,11 @@ impl<B: Backend> Carried<B> {
         let prev = state
             .prev
             .unwrap_or_else(|| empty_block(b, h, l, dk, dv, s, device));
-        expect_dims("previous-block k_hat", &prev.k_hat.dims(), &[b, h, l, dk])?;
+        expect_dims(
+            "previous-block k_window",
+            &prev.k_window.dims(),
+            &[b, h, l, dk],
+        )?;
         expect_dims("previous-block v", &prev.v.dims(), &[b, h, l, dv])?;
         let cache = state
             .cache
@@ -164,7 +168,7 @@ fn state_after<B: Backend>(
     blocks: Blocks<B>,
     cache: CompressedCache<B>,
 ) -> AttentionState<B> {
-    let [b, h, r, l, dk] = blocks.k_hat.dims();
+    let [b, h, r, l, dk] = blocks.k_window.dims();
     let dv = blocks.v.dims()[4];
     // States are f32 whatever the compute type, so that they resume in any.
     let last = |x: Tensor<B, 5>, width: usize| {
@@ -175,7 +179,7 @@ fn state_after<B: Backend>(
     AttentionState {
         pos,
         prev: Some(CachedBlock {
-            k_hat: last(blocks.k_hat, dk),
+            k_window: last(blocks.k_window, dk),
             v: last(blocks.v, dv),
             codes: blocks
                 .codes
@@ -234,7 +238,7 @@ fn block_attention_impl<B: Backend>(
     let AttentionInput {
         q,
         bias,
-        k_hat,
+        k_window,
         codes,
         v,
         codebook,
@@ -254,7 +258,7 @@ fn block_attention_impl<B: Backend>(
     // 1: blocks.
     let q = q.reshape([b, h, r, l, dk]);
     let blocks = Blocks {
-        k_hat: k_hat.reshape([b, h, r, l, dk]),
+        k_window: k_window.reshape([b, h, r, l, dk]),
         v: v.reshape([b, h, r, l, dv]),
         codes: codes.reshape([b, h, r, l]),
     };
@@ -263,8 +267,8 @@ fn block_attention_impl<B: Backend>(
     // 3: window scores, present block (causal) and previous block, [B, H, R, L, L].
     let (present_scores, mut prev_scores, q) = window_scores_and_cache_query(
         q,
-        blocks.k_hat.clone(),
-        prev.k_hat.clone(),
+        blocks.k_window.clone(),
+        prev.k_window.clone(),
         bias,
         0..l,
         rotary,

@@ -15,8 +15,13 @@
 //! 3. the compressed cache of every older block: one entry per code.
 //!
 //! [`block_attention`] computes all blocks of a segment at once;
-//! [`step_attention`] computes one token from the carried [`AttentionState`].
+//! [`recurrent_attention`] computes one token from the carried [`AttentionState`].
 //! Both give the quadratic definition's result to float rounding.
+//!
+//! The window's keys are the quantized `k_hat` in the paper. With
+//! [`WindowKeys::Exact`] the window scores the keys themselves instead:
+//! only the compressed cache needs codewords, so the window may keep what
+//! quantization loses at the same cost (docs/learning.md, "Recall").
 //!
 //! Shapes: `B` batch, `H` heads, `T` segment length, `R = T / L` blocks,
 //! `L` block length, `K` key width, `V` value width, `S` codes.
@@ -38,9 +43,10 @@ pub mod state;
 use burn::prelude::*;
 
 pub use crate::compute::Compute;
+pub use crate::config::WindowKeys;
 pub use block::{BlockAttention, block_attention, block_attention_with_groups};
 pub use quadratic::quadratic_attention;
-pub use recurrent::step_attention;
+pub use recurrent::recurrent_attention;
 pub use rotary::{Rotary, rotary_scores};
 pub use scores::{AttentionGroups, cache_limit_bias};
 pub use state::{AttentionState, CachedBlock, CompressedCache};
@@ -52,8 +58,11 @@ pub struct AttentionInput<B: Backend> {
     pub q: Tensor<B, 4>,
     /// Bias by distance `d = 0..=L` for each query, `[B or 1, H, T or 1, L + 1]`.
     pub bias: Tensor<B, 4>,
-    /// Quantized keys (straight-through), `[B, H, T, K]`.
-    pub k_hat: Tensor<B, 4>,
+    /// The keys the two-block window scores against, `[B, H, T, K]`: the
+    /// quantized keys `k_hat` (straight-through), as in the paper, or the
+    /// keys themselves under [`WindowKeys::Exact`]. Keys older than the
+    /// window are always their codewords (`codes` into `codebook`).
+    pub k_window: Tensor<B, 4>,
     /// Codes of the keys, `[B, H, T]`.
     pub codes: Tensor<B, 3, Int>,
     /// Values, `[B, H, T, V]` (in `f32` or already in the compute type).

@@ -28,7 +28,7 @@ fn fold_into_cache<B: Backend>(
 /// Recurrent VQ attention for one token (`T = 1` in every input), O(L + S)
 /// work whatever the position. Returns the output `[B, H, 1, V]` and the
 /// state including this token.
-pub fn step_attention<B: Backend>(
+pub fn recurrent_attention<B: Backend>(
     input: AttentionInput<B>,
     state: AttentionState<B>,
     block_len: usize,
@@ -37,7 +37,7 @@ pub fn step_attention<B: Backend>(
     let AttentionInput {
         q,
         bias,
-        k_hat,
+        k_window,
         codes,
         v,
         codebook,
@@ -58,7 +58,7 @@ pub fn step_attention<B: Backend>(
     let current = state
         .current
         .unwrap_or_else(|| empty_block(b, h, l, dk, dv, s, &device))
-        .with_slot(i, k_hat, v, codes);
+        .with_slot(i, k_window, v, codes);
     let has_prev = state.prev.is_some();
     let prev = state
         .prev
@@ -68,8 +68,8 @@ pub fn step_attention<B: Backend>(
     let block = |x: &Tensor<B, 4>| x.clone().unsqueeze_dim::<5>(2); // [B, H, 1, L, width]
     let (present_scores, mut prev_scores, q) = window_scores_and_cache_query(
         q,
-        block(&current.k_hat),
-        block(&prev.k_hat),
+        block(&current.k_window),
+        block(&prev.k_window),
         bias,
         i..i + 1,
         rotary,

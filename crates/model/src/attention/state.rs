@@ -8,8 +8,9 @@ use crate::device::to_device_via_host;
 /// Keys, values and codes of one block as they were when it was the present block.
 #[derive(Clone, Debug)]
 pub struct CachedBlock<B: Backend> {
-    /// Quantized keys, `[B, H, L, K]`.
-    pub k_hat: Tensor<B, 4>,
+    /// The keys the window scores against (quantized, or exact under
+    /// [`crate::WindowKeys::Exact`]), `[B, H, L, K]`.
+    pub k_window: Tensor<B, 4>,
     /// Values (after silu), `[B, H, L, V]`.
     pub v: Tensor<B, 4>,
     /// Codes; the sentinel `S` marks an empty slot. `[B, H, L]`.
@@ -55,7 +56,7 @@ impl<B: Backend> Default for AttentionState<B> {
 impl<B: Backend> CachedBlock<B> {
     fn detach(self) -> Self {
         Self {
-            k_hat: self.k_hat.detach(),
+            k_window: self.k_window.detach(),
             v: self.v.detach(),
             codes: self.codes,
         }
@@ -63,27 +64,27 @@ impl<B: Backend> CachedBlock<B> {
 
     fn into_device(self, device: &B::Device) -> Self {
         Self {
-            k_hat: to_device_via_host(self.k_hat, device),
+            k_window: to_device_via_host(self.k_window, device),
             v: to_device_via_host(self.v, device),
             codes: to_device_via_host(self.codes, device),
         }
     }
 
-    /// The block with slot `i` holding one token's `k_hat` `[B, H, 1, K]`,
+    /// The block with slot `i` holding one token's `k_window` `[B, H, 1, K]`,
     /// `v` `[B, H, 1, V]` and `codes` `[B, H, 1]`.
     pub(super) fn with_slot(
         self,
         i: usize,
-        k_hat: Tensor<B, 4>,
+        k_window: Tensor<B, 4>,
         v: Tensor<B, 4>,
         codes: Tensor<B, 3, Int>,
     ) -> Self {
-        let [b, h, _, dk] = self.k_hat.dims();
+        let [b, h, _, dk] = self.k_window.dims();
         let dv = self.v.dims()[3];
         Self {
-            k_hat: self
-                .k_hat
-                .slice_assign([0..b, 0..h, i..i + 1, 0..dk], k_hat),
+            k_window: self
+                .k_window
+                .slice_assign([0..b, 0..h, i..i + 1, 0..dk], k_window),
             v: self.v.slice_assign([0..b, 0..h, i..i + 1, 0..dv], v),
             codes: self.codes.slice_assign([0..b, 0..h, i..i + 1], codes),
         }
@@ -91,7 +92,7 @@ impl<B: Backend> CachedBlock<B> {
 
     fn repeat_rows(self, n: usize) -> Self {
         Self {
-            k_hat: self.k_hat.repeat_dim(0, n),
+            k_window: self.k_window.repeat_dim(0, n),
             v: self.v.repeat_dim(0, n),
             codes: self.codes.repeat_dim(0, n),
         }
@@ -198,7 +199,7 @@ pub(super) fn empty_block<B: Backend>(
     device: &B::Device,
 ) -> CachedBlock<B> {
     CachedBlock {
-        k_hat: Tensor::zeros([b, h, l, k], device),
+        k_window: Tensor::zeros([b, h, l, k], device),
         v: Tensor::zeros([b, h, l, v], device),
         codes: Tensor::<B, 3, Int>::full([b, h, l], s as i64, device),
     }

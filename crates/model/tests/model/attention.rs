@@ -3,11 +3,11 @@
 use burn::prelude::*;
 use tvq_model::attention::{
     AttentionInput, AttentionState, Rotary, block_attention, block_attention_with_groups,
-    rotary_scores, step_attention,
+    recurrent_attention, rotary_scores,
 };
 use tvq_model::precision::Precision;
 use tvq_model::quantizer::VectorQuantizer;
-use tvq_model::{CacheGrad, Compute};
+use tvq_model::{CacheGrad, Compute, WindowKeys};
 
 use crate::common::*;
 
@@ -147,6 +147,8 @@ struct Problem {
     quantizer: VectorQuantizer<B>,
     rotary: Option<Rotary>,
     cache_limit: Option<usize>,
+    /// Which keys the window scores against.
+    window_keys: WindowKeys,
 }
 
 impl Problem {
@@ -172,6 +174,7 @@ impl Problem {
             quantizer: VectorQuantizer::new(sh.h, sh.s, sh.k, device),
             rotary: sh.rotary.then(|| Rotary::new(sh.l)),
             cache_limit: sh.cache_limit,
+            window_keys: WindowKeys::Quantized,
         }
     }
 
@@ -189,10 +192,14 @@ impl Problem {
             cut(&self.bias)
         };
         let _ = (b, h, k);
+        let k_window = match self.window_keys {
+            WindowKeys::Quantized => vq.k_hat,
+            WindowKeys::Exact => cut(&self.k),
+        };
         AttentionInput {
             q: cut(&self.q),
             bias,
-            k_hat: vq.k_hat,
+            k_window,
             codes: vq.codes,
             v: cut(&self.v),
             codebook: self.quantizer.codebook(),
@@ -206,6 +213,7 @@ impl Problem {
             cache_grad,
             cache_limit: self.cache_limit,
             precision: Precision::F32,
+            window_keys: self.window_keys,
         }
     }
 
@@ -327,7 +335,8 @@ fn recurrent_form_matches_block_form() {
         let mut outs = vec![];
         for i in 0..sh.t {
             let (o, s) =
-                step_attention(p.input(i..i + 1), state, sh.l, p.cx(CacheGrad::Window)).unwrap();
+                recurrent_attention(p.input(i..i + 1), state, sh.l, p.cx(CacheGrad::Window))
+                    .unwrap();
             outs.push(o);
             state = s;
         }
@@ -390,7 +399,7 @@ fn block_form_continues_after_recurrent_steps() {
             );
         }
         let (o, s) =
-            step_attention(p.input(i..i + 1), state, sh.l, p.cx(CacheGrad::Window)).unwrap();
+            recurrent_attention(p.input(i..i + 1), state, sh.l, p.cx(CacheGrad::Window)).unwrap();
         outs.push(o);
         state = s;
     }
@@ -398,6 +407,49 @@ fn block_form_continues_after_recurrent_steps() {
         block_attention(p.input(sh.l..sh.t), state, sh.l, p.cx(CacheGrad::Window)).unwrap();
     outs.push(rest);
     assert_close(Tensor::cat(outs, 2), whole, 1e-5, "steps then blocks");
+}
+
+#[test]
+fn exact_window_keys_match_the_oracle_in_every_form() {
+    // The window scores the keys themselves; older keys are codewords.
+    let device = cpu_ad();
+    for (n, sh) in SHAPES.iter().enumerate() {
+        let mut p = Problem::new(*sh, 60 + n as u64, &device);
+        p.window_keys = WindowKeys::Exact;
+        let (cx, fresh) = (p.cx(CacheGrad::Window), AttentionState::default);
+        let (out, _) = block_attention(p.input(0..sh.t), fresh(), sh.l, cx).unwrap();
+        let want = p.oracle(sh.l, CacheGrad::Window);
+        assert_close(out.clone(), want.clone(), 1e-5, &format!("output, {sh:?}"));
+        let w = randn(out.dims(), &device);
+        let g_block = (out.clone() * w.clone()).sum().backward();
+        let g_oracle = (want * w).sum().backward();
+        for (name, leaf) in [("q", &p.q), ("k", &p.k), ("v", &p.v), ("bias", &p.bias)] {
+            let (a, b) = (leaf.grad(&g_block).unwrap(), leaf.grad(&g_oracle).unwrap());
+            assert_close(a, b, 1e-5, &format!("d/d{name}, {sh:?}"));
+        }
+        // Token by token, the state carrying the exact keys of its window.
+        let (mut state, mut steps) = (fresh(), vec![]);
+        for i in 0..sh.t {
+            let (o, s) = recurrent_attention(p.input(i..i + 1), state, sh.l, cx).unwrap();
+            steps.push(o);
+            state = s;
+        }
+        let out = out.detach();
+        assert_close(
+            Tensor::cat(steps, 2),
+            out.clone(),
+            1e-5,
+            &format!("steps, {sh:?}"),
+        );
+        // Not the paper's window: its quantized keys give another output.
+        p.window_keys = WindowKeys::Quantized;
+        let (paper, _) = block_attention(p.input(0..sh.t), fresh(), sh.l, cx).unwrap();
+        let diff = max_abs_diff(out, paper.detach());
+        assert!(
+            diff > 1e-3,
+            "exact and quantized windows differ by {diff}, {sh:?}"
+        );
+    }
 }
 
 /// Gradient of `sum(w * out[last block])` with respect to each block's keys and values.

@@ -47,8 +47,9 @@ pub fn assert_close<const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>, tol: f32, 
 }
 
 /// The spec's attention, written as directly as possible: full `T x T`
-/// scores over the quantized keys, `bias(i - j)` for `0 <= i - j <= L`,
-/// causal softmax. Which key/value receives gradient follows `mode`: the
+/// scores, `bias(i - j)` for `0 <= i - j <= L`, causal softmax. Keys in the
+/// query's block or the one before score with `k_window` (the quantized
+/// keys, or the exact ones); older keys with their codeword `C[code]`. Which key/value receives gradient follows `mode`: the
 /// present block always; the previous block unless `none`; older blocks'
 /// keys never (they are codewords, which carry no gradient) and their values
 /// only under `full`.
@@ -60,10 +61,11 @@ pub fn oracle_attention(input: AttentionInput<B>, block_len: usize, cx: Compute)
     let AttentionInput {
         q,
         bias,
-        k_hat,
+        k_window,
+        codes,
         v,
+        codebook,
         rotary,
-        ..
     } = input;
     let (mode, cache_limit) = (cx.cache_grad, cx.cache_limit);
     let [b, h, t, _] = q.dims();
@@ -120,9 +122,18 @@ pub fn oracle_attention(input: AttentionInput<B>, block_len: usize, cx: Compute)
         Some(rot) => rotary_scores(rot, q.clone(), k, Compute::default()),
         None => q.clone().matmul(k.swap_dims(2, 3)),
     };
-    let scores_flow = content(k_hat.clone());
-    let scores_const = content(k_hat.detach());
-    let scores = scores_const.mask_where(key_flows, scores_flow) + pos;
+    let scores_flow = content(k_window.clone());
+    let scores_const = content(k_window.detach());
+    let window = scores_const.mask_where(key_flows, scores_flow);
+    // Beyond the window every key is its codeword: C[code], [B, H, T, K].
+    let [_, s, dk] = codebook.dims();
+    let idx = codes.unsqueeze_dim::<4>(3).expand([b, h, t, dk]);
+    let codewords = codebook
+        .unsqueeze::<4>()
+        .expand([b, h, s, dk])
+        .gather(2, idx);
+    let beyond = bool_tensor(&|i, j| j <= i && block_gap(i, j) >= 2);
+    let scores = window.mask_where(beyond, content(codewords.detach())) + pos;
     let p = burn::tensor::activation::softmax(scores.mask_fill(future, f32::NEG_INFINITY), 3);
     let zeros = p.zeros_like();
     let p_flow = zeros.clone().mask_where(value_flows.clone(), p.clone());

@@ -3,7 +3,8 @@
 use burn::nn::DropoutConfig;
 use burn::prelude::*;
 use tvq_model::{
-    AttentionForm, CacheGrad, ModelError, RelativeBias, TransformerVq, TransformerVqConfig,
+    AttentionForm, CacheGrad, Logits, ModelError, Pass, RelativeBias, TransformerVq,
+    TransformerVqConfig, WindowKeys,
 };
 
 use crate::common::*;
@@ -61,24 +62,27 @@ fn tokens(data: &[i64], b: usize, device: &burn::DispatchDevice) -> Tensor<B, 2,
 #[test]
 fn recurrent_network_matches_block_network() {
     let device = cpu();
-    for bias in [
-        RelativeBias::Toeplitz,
-        RelativeBias::Xl,
-        RelativeBias::Rotary,
+    for (bias, keys) in [
+        (RelativeBias::Toeplitz, WindowKeys::Quantized),
+        (RelativeBias::Xl, WindowKeys::Quantized),
+        (RelativeBias::Rotary, WindowKeys::Quantized),
+        (RelativeBias::Toeplitz, WindowKeys::Exact),
+        (RelativeBias::Rotary, WindowKeys::Exact),
     ] {
-        let cfg = config(bias);
+        let cfg = config(bias).with_window_keys(keys);
         let m = model(&cfg, 1, &device);
         let (b, t) = (2, 20);
         let data = random_tokens(b, t, cfg.vocab_size, 7);
         let block = m
-            .forward(tokens(&data, b, &device), m.empty_state(), None)
+            .forward(tokens(&data, b, &device), m.empty_state(), Pass::new())
             .unwrap()
-            .logits;
+            .logits
+            .unwrap();
         let mut state = m.empty_state();
         let mut steps = vec![];
         for i in 0..t {
             let col: Vec<i64> = (0..b).map(|r| data[r * t + i]).collect();
-            let (logits, s) = m.step(tokens(&col, b, &device), state).unwrap();
+            let (logits, s) = m.decode(tokens(&col, b, &device), state).unwrap();
             steps.push(logits);
             state = s;
         }
@@ -87,9 +91,41 @@ fn recurrent_network_matches_block_network() {
             Tensor::cat(steps, 1),
             block,
             1e-5,
-            &format!("{bias:?}: token by token vs block"),
+            &format!("{bias:?}, {keys:?} keys: token by token vs block"),
         );
     }
+}
+
+/// Within the two-block window nothing is cached, so with exact window
+/// keys Transformer-VQ is the quadratic form on the same weights; with the
+/// paper's quantized keys it is not (the keys are codewords).
+#[test]
+fn exact_window_keys_are_the_quadratic_form_within_the_window() {
+    let device = cpu();
+    let cfg = config(RelativeBias::Toeplitz);
+    let m = model(&cfg, 3, &device);
+    let (b, t) = (2, 2 * cfg.block_len);
+    let data = random_tokens(b, t, cfg.vocab_size, 9);
+    let logits = |form: AttentionForm, keys: WindowKeys| {
+        let mut m = m.clone();
+        for gau in &mut m.sublayers {
+            gau.form = form;
+            gau.compute.window_keys = keys;
+        }
+        m.forward(tokens(&data, b, &device), m.empty_state(), Pass::new())
+            .unwrap()
+            .logits
+            .unwrap()
+    };
+    let quadratic = logits(AttentionForm::Quadratic, WindowKeys::Quantized);
+    let exact = logits(AttentionForm::Vq, WindowKeys::Exact);
+    let quantized = logits(AttentionForm::Vq, WindowKeys::Quantized);
+    assert_close(exact, quadratic.clone(), 1e-5, "exact window keys");
+    let diff = max_abs_diff(quantized, quadratic);
+    assert!(
+        diff > 1e-3,
+        "quantized keys differ from the quadratic form by {diff}"
+    );
 }
 
 #[test]
@@ -105,7 +141,7 @@ fn two_segments_with_carried_state_equal_one_segment() {
         let (b, t) = (3, 24);
         let data = random_tokens(b, t, cfg.vocab_size, 8);
         let whole = m
-            .forward(tokens(&data, b, &device), m.empty_state(), None)
+            .forward(tokens(&data, b, &device), m.empty_state(), Pass::new())
             .unwrap();
         let half = |r: std::ops::Range<usize>| -> Vec<i64> {
             (0..b)
@@ -113,33 +149,43 @@ fn two_segments_with_carried_state_equal_one_segment() {
                 .collect()
         };
         let first = m
-            .forward(tokens(&half(0..12), b, &device), m.empty_state(), None)
+            .forward(
+                tokens(&half(0..12), b, &device),
+                m.empty_state(),
+                Pass::new(),
+            )
             .unwrap();
         let second = m
-            .forward(tokens(&half(12..24), b, &device), first.state, None)
+            .forward(tokens(&half(12..24), b, &device), first.state, Pass::new())
             .unwrap();
+        let whole = whole.logits.unwrap();
         assert_close(
-            Tensor::cat(vec![first.logits, second.logits], 1),
-            whole.logits.clone(),
+            Tensor::cat(vec![first.logits.unwrap(), second.logits.unwrap()], 1),
+            whole.clone(),
             1e-5,
             &format!("{bias:?}"),
         );
         assert_eq!(second.state.pos(), t);
         // The last position alone, with the state carried the same way.
-        let (_, state) = m
-            .forward_last(tokens(&half(0..12), b, &device), m.empty_state())
+        let last_only = || Pass::new().with_logits(Logits::Last);
+        let first = m
+            .forward(
+                tokens(&half(0..12), b, &device),
+                m.empty_state(),
+                last_only(),
+            )
             .unwrap();
-        let (last, state) = m
-            .forward_last(tokens(&half(12..24), b, &device), state)
+        let second = m
+            .forward(tokens(&half(12..24), b, &device), first.state, last_only())
             .unwrap();
         let vocab = cfg.vocab_size;
         assert_close(
-            last,
-            whole.logits.slice([0..b, t - 1..t, 0..vocab]),
+            second.logits.unwrap(),
+            whole.slice([0..b, t - 1..t, 0..vocab]),
             1e-5,
-            &format!("{bias:?}: forward_last"),
+            &format!("{bias:?}: the last position's logits"),
         );
-        assert_eq!(state.pos(), t);
+        assert_eq!(second.state.pos(), t);
     }
 }
 
@@ -153,8 +199,8 @@ fn a_cache_limit_changes_only_the_queries_whose_cache_exceeds_it() {
         let data = random_tokens(b, t, cfg.vocab_size, 9);
         let mut logits = |limit: Option<usize>| -> Tensor<B, 3> {
             m.set_cache_limit(limit);
-            let out = m.forward(tokens(&data, b, &device), m.empty_state(), None);
-            out.unwrap().logits
+            let out = m.forward(tokens(&data, b, &device), m.empty_state(), Pass::new());
+            out.unwrap().logits.unwrap()
         };
         let exact = logits(None);
         // The last block's cache holds t - 2L keys: a limit that large binds nowhere.
@@ -194,18 +240,20 @@ fn changing_a_token_changes_no_earlier_output() {
         let (b, t) = (2, 16);
         let data = random_tokens(b, t, cfg.vocab_size, 9);
         let base = m
-            .forward(tokens(&data, b, &device), m.empty_state(), None)
+            .forward(tokens(&data, b, &device), m.empty_state(), Pass::new())
             .unwrap()
-            .logits;
+            .logits
+            .unwrap();
         for pos in [0, 3, 4, 9, 15] {
             let mut changed = data.clone();
             for row in 0..b {
                 changed[row * t + pos] = (changed[row * t + pos] + 1) % cfg.vocab_size as i64;
             }
             let out = m
-                .forward(tokens(&changed, b, &device), m.empty_state(), None)
+                .forward(tokens(&changed, b, &device), m.empty_state(), Pass::new())
                 .unwrap()
-                .logits;
+                .logits
+                .unwrap();
             let v = cfg.vocab_size;
             let before = |x: Tensor<B, 3>| x.slice([0..b, 0..pos.max(1), 0..v]);
             if pos > 0 {
@@ -249,9 +297,10 @@ fn dropout_is_off_in_evaluation_and_on_in_training() {
     let data = random_tokens(2, 8, cfg.vocab_size, 10);
     let eval = |m: &TransformerVq<B>| {
         let m = burn::module::AutodiffModule::valid(m);
-        m.forward(tokens(&data, 2, &cpu()), m.empty_state(), None)
+        m.forward(tokens(&data, 2, &cpu()), m.empty_state(), Pass::new())
             .unwrap()
             .logits
+            .unwrap()
     };
     assert_eq!(
         max_abs_diff(eval(&plain), eval(&dropped)),
@@ -259,9 +308,10 @@ fn dropout_is_off_in_evaluation_and_on_in_training() {
         "dropout must not act in evaluation"
     );
     let train = |m: &TransformerVq<B>| {
-        m.forward(tokens(&data, 2, &device), m.empty_state(), None)
+        m.forward(tokens(&data, 2, &device), m.empty_state(), Pass::new())
             .unwrap()
             .logits
+            .unwrap()
             .inner()
     };
     assert!(
@@ -279,14 +329,14 @@ fn dropout_is_off_in_evaluation_and_on_in_training() {
     let masks = dropped.dropout_masks([2, 8]);
     let with_masks = |masks| {
         dropped
-            .forward_with_masks(
+            .forward(
                 tokens(&data, 2, &device),
                 dropped.empty_state(),
-                None,
-                masks,
+                Pass::new().with_masks(masks),
             )
             .unwrap()
             .logits
+            .unwrap()
             .inner()
     };
     let first = with_masks(masks.clone());
@@ -294,11 +344,10 @@ fn dropout_is_off_in_evaluation_and_on_in_training() {
     assert_eq!(max_abs_diff(first.clone(), with_masks(masks)), 0.0);
     assert!(max_abs_diff(first, eval(&dropped)) > 1e-3, "the masks act");
     let err = dropped
-        .forward_with_masks(
+        .forward(
             tokens(&data, 2, &device),
             dropped.empty_state(),
-            None,
-            dropped.dropout_masks([1, 8]),
+            Pass::new().with_masks(dropped.dropout_masks([1, 8])),
         )
         .unwrap_err();
     assert!(matches!(err, ModelError::MaskMismatch(_)), "{err}");
@@ -311,7 +360,7 @@ fn state_and_segment_errors_are_reported_not_panicked() {
     let m = model(&cfg, 5, &device);
     let data = random_tokens(1, 6, cfg.vocab_size, 11);
     let err = m
-        .forward(tokens(&data, 1, &device), m.empty_state(), None)
+        .forward(tokens(&data, 1, &device), m.empty_state(), Pass::new())
         .unwrap_err();
     assert_eq!(
         err,
@@ -321,10 +370,10 @@ fn state_and_segment_errors_are_reported_not_panicked() {
         }
     );
     let (_, state) = m
-        .step(tokens(&data[..1], 1, &device), m.empty_state())
+        .decode(tokens(&data[..1], 1, &device), m.empty_state())
         .unwrap();
     let err = m
-        .forward(tokens(&data[..4], 1, &device), state, None)
+        .forward(tokens(&data[..4], 1, &device), state, Pass::new())
         .unwrap_err();
     assert_eq!(
         err,
@@ -337,37 +386,56 @@ fn state_and_segment_errors_are_reported_not_panicked() {
         .forward(
             tokens(&data[..4], 1, &device),
             tvq_model::ModelState::new(1),
-            None,
+            Pass::new(),
         )
         .unwrap_err();
     assert!(matches!(err, ModelError::StateMismatch(_)));
-    // Sublayer ranges must exist and come with one state each.
-    let h = m.embed(tokens(&data[..4], 1, &device)).unwrap();
+    // Sublayer ranges must exist and come with one state each; tokens
+    // are the input of sublayer 0 only.
+    let h = randn([1, 4, cfg.d_model], &device);
     let n = m.sublayers.len();
     #[allow(clippy::reversed_empty_ranges)]
     for (range, states) in [(0..n + 1, n + 1), (1..2, 2), (2..1, 0)] {
-        let fresh = tvq_model::ModelState::new(states).sublayers;
-        let err = m.forward_sublayers(range.clone(), h.clone(), fresh);
+        let fresh = tvq_model::ModelState::new(states);
+        let pass = Pass::new().with_sublayers(range.clone());
+        let err = m.forward(h.clone(), fresh, pass);
         assert!(
             matches!(err, Err(ModelError::StateMismatch(_))),
             "{range:?}, {states} states"
         );
     }
+    let pass = Pass::new().with_sublayers(1..2);
+    let err = m.forward(
+        tokens(&data[..4], 1, &device),
+        tvq_model::ModelState::new(1),
+        pass,
+    );
+    assert!(
+        matches!(err, Err(ModelError::StateMismatch(_))),
+        "tokens into sublayer 1"
+    );
     // A state from a batch of 1 cannot continue a batch of 2.
     let first = m
-        .forward(tokens(&data[..4], 1, &device), m.empty_state(), None)
+        .forward(tokens(&data[..4], 1, &device), m.empty_state(), Pass::new())
         .unwrap();
     let two = random_tokens(2, 4, cfg.vocab_size, 12);
     assert!(matches!(
-        m.forward(tokens(&two, 2, &device), first.state, None),
+        m.forward(tokens(&two, 2, &device), first.state, Pass::new()),
         Err(ModelError::StateMismatch(_))
     ));
     // Nothing to read: an error, in every form, not a failed reshape.
     let empty = ModelError::EmptyInput { rows: 1, len: 0 };
     let none = || tokens(&[], 1, &device);
-    assert_eq!(m.forward(none(), m.empty_state(), None).unwrap_err(), empty);
-    assert_eq!(m.forward_last(none(), m.empty_state()).unwrap_err(), empty);
-    assert_eq!(m.step(none(), m.empty_state()).unwrap_err(), empty);
+    assert_eq!(
+        m.forward(none(), m.empty_state(), Pass::new()).unwrap_err(),
+        empty
+    );
+    let last_only = Pass::new().with_logits(Logits::Last);
+    assert_eq!(
+        m.forward(none(), m.empty_state(), last_only).unwrap_err(),
+        empty
+    );
+    assert_eq!(m.decode(none(), m.empty_state()).unwrap_err(), empty);
     let quadratic = model(
         &cfg.clone().with_attention(AttentionForm::Quadratic),
         5,
@@ -375,7 +443,7 @@ fn state_and_segment_errors_are_reported_not_panicked() {
     );
     assert_eq!(
         quadratic
-            .forward(none(), quadratic.empty_state(), None)
+            .forward(none(), quadratic.empty_state(), Pass::new())
             .unwrap_err(),
         empty
     );
@@ -422,9 +490,9 @@ fn codebooks_are_not_trained_by_the_loss_and_move_by_ema() {
     let m = model(&cfg, 6, &device);
     let data = random_tokens(2, 8, cfg.vocab_size, 13);
     let out = m
-        .forward(tokens(&data, 2, &device), m.empty_state(), None)
+        .forward(tokens(&data, 2, &device), m.empty_state(), Pass::new())
         .unwrap();
-    let grads = burn::optim::GradientsParams::from_grads(out.logits.sum().backward(), &m);
+    let grads = burn::optim::GradientsParams::from_grads(out.logits.unwrap().sum().backward(), &m);
     for gau in &m.sublayers {
         assert!(grads.get::<B, 3>(gau.quantizer.c_sum.id).is_none());
         assert!(grads.get::<B, 2>(gau.quantizer.c_count.id).is_none());
@@ -462,7 +530,11 @@ fn padding_is_left_out_of_codebook_statistics() {
     let valid: Vec<bool> = (0..16).map(|i| i % 8 < 5).collect();
     let valid = Tensor::<B, 2, Bool>::from_data(TensorData::new(valid, [2, 8]), &device);
     let out = m
-        .forward(tokens(&data, 2, &device), m.empty_state(), Some(valid))
+        .forward(
+            tokens(&data, 2, &device),
+            m.empty_state(),
+            Pass::new().with_valid(valid),
+        )
         .unwrap();
     for s in &out.stats {
         let total: f32 = s.counts.clone().sum().into_scalar().elem();
@@ -481,9 +553,10 @@ fn the_rotary_position_channel_scores_and_learns() {
     let m = model(&cfg, 3, &device);
     let data = random_tokens(2, 12, cfg.vocab_size, 9);
     let logits = m
-        .forward(tokens(&data, 2, &device), m.empty_state(), None)
+        .forward(tokens(&data, 2, &device), m.empty_state(), Pass::new())
         .unwrap()
-        .logits;
+        .logits
+        .unwrap();
     let grads =
         burn::optim::GradientsParams::from_grads(logits.powi_scalar(2).sum().backward(), &m);
     let content = cfg.n_head * cfg.d_k;
@@ -511,9 +584,10 @@ fn the_rotary_position_channel_scores_and_learns() {
             burn::module::Param::from_tensor(w.slice_assign([0..d, content..width], zeros));
     }
     let run = |m: &TransformerVq<B>| {
-        m.forward(tokens(&data, 2, &cpu()), m.empty_state(), None)
+        m.forward(tokens(&data, 2, &cpu()), m.empty_state(), Pass::new())
             .unwrap()
             .logits
+            .unwrap()
     };
     assert!(max_abs_diff(run(&m), run(&zeroed)) > 1e-3);
 }

@@ -3,7 +3,7 @@
 use burn::prelude::*;
 use burn::tensor::DType;
 use tvq_model::{
-    AttentionForm, ModelState, Precision, TransformerVq, TransformerVqConfig, token_nll,
+    AttentionForm, ModelState, Pass, Precision, TransformerVq, TransformerVqConfig, token_nll,
 };
 
 use crate::common::*;
@@ -45,14 +45,18 @@ fn rms<const D: usize>(x: Tensor<B, D>) -> f32 {
 fn errors(model: &TransformerVq<B>, precision: Precision, x: &Tensor<B, 2, Int>) -> (f32, f32) {
     let mut m = model.clone();
     m.set_precision(Precision::F32);
-    let reference = m.forward(x.clone(), m.empty_state(), None).unwrap().logits;
+    let reference = m
+        .forward(x.clone(), m.empty_state(), Pass::new())
+        .unwrap()
+        .logits
+        .unwrap();
     m.set_precision(precision);
-    let out = m.forward(x.clone(), m.empty_state(), None).unwrap();
+    let out = m.forward(x.clone(), m.empty_state(), Pass::new()).unwrap();
     // The state carried to the next segment stays f32 in every precision.
     for s in &out.state.sublayers {
         if let Some(prev) = &s.prev {
             assert_eq!(
-                (prev.k_hat.dtype(), prev.v.dtype()),
+                (prev.k_window.dtype(), prev.v.dtype()),
                 (DType::F32, DType::F32)
             );
         }
@@ -63,9 +67,10 @@ fn errors(model: &TransformerVq<B>, precision: Precision, x: &Tensor<B, 2, Int>)
             );
         }
     }
-    assert_eq!(out.logits.dtype(), DType::F32);
-    let logits = rms(reference.clone() - out.logits.clone()) / rms(reference.clone());
-    let (a, b) = (mean_nll(reference, x), mean_nll(out.logits, x));
+    let out = out.logits.unwrap();
+    assert_eq!(out.dtype(), DType::F32);
+    let logits = rms(reference.clone() - out.clone()) / rms(reference.clone());
+    let (a, b) = (mean_nll(reference, x), mean_nll(out, x));
     (logits, (a - b).abs() / a)
 }
 
@@ -118,9 +123,9 @@ fn a_long_bf16_stream_does_not_drift_from_f32() {
         (0..32)
             .map(|s| {
                 let x = tokens(2, 128, s);
-                let out = m.forward(x.clone(), state.clone(), None).unwrap();
+                let out = m.forward(x.clone(), state.clone(), Pass::new()).unwrap();
                 state = out.state;
-                mean_nll(out.logits, &x)
+                mean_nll(out.logits.unwrap(), &x)
             })
             .collect::<Vec<_>>()
     };

@@ -488,7 +488,7 @@ pub(crate) mod tests {
     use burn::module::Module;
     use burn::optim::Optimizer;
     use burn::prelude::*;
-    use tvq_model::TransformerVqConfig;
+    use tvq_model::{Pass, TransformerVqConfig};
 
     fn values<const D: usize>(t: &Tensor<B, D>) -> Vec<f32> {
         t.to_data().convert::<f32>().to_vec().unwrap()
@@ -510,9 +510,11 @@ pub(crate) mod tests {
         let model = built(&tiny_config(), device).unwrap();
         let tokens =
             Tensor::<B, 2, Int>::from_data([[1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1]], device);
-        let out = model.forward(tokens, model.empty_state(), None).unwrap();
+        let out = model
+            .forward(tokens, model.empty_state(), Pass::new())
+            .unwrap();
         let token = Tensor::<B, 2, Int>::from_data([[1], [2]], device);
-        model.step(token, out.state).unwrap().1
+        model.decode(token, out.state).unwrap().1
     }
 
     #[test]
@@ -530,7 +532,7 @@ pub(crate) mod tests {
                 for (x, y) in [(&a.prev, &b.prev), (&a.current, &b.current)] {
                     assert_eq!(x.is_some(), y.is_some());
                     if let (Some(x), Some(y)) = (x, y) {
-                        assert_eq!(values(&x.k_hat), values(&y.k_hat));
+                        assert_eq!(values(&x.k_window), values(&y.k_window));
                         assert_eq!(values(&x.v), values(&y.v));
                         assert_eq!(codes(&x.codes), codes(&y.codes));
                     }
@@ -639,9 +641,10 @@ pub(crate) mod tests {
         let tokens = Tensor::<B, 2, Int>::from_data([[1, 2, 3, 4, 5, 6]], &device);
         let logits = |m: &Model| {
             values(
-                &m.forward(tokens.clone(), m.empty_state(), None)
+                &m.forward(tokens.clone(), m.empty_state(), Pass::new())
                     .unwrap()
-                    .logits,
+                    .logits
+                    .unwrap(),
             )
         };
         assert_eq!(logits(&loaded), logits(&old));
@@ -664,9 +667,9 @@ pub(crate) mod tests {
             Tensor::<B, 2, Int>::from_data([[1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1]], &device);
         for _ in 0..steps {
             let out = model
-                .forward(tokens.clone(), model.empty_state(), None)
+                .forward(tokens.clone(), model.empty_state(), Pass::new())
                 .unwrap();
-            let loss = out.logits.square().mean();
+            let loss = out.logits.unwrap().square().mean();
             let grads = burn::optim::GradientsParams::from_grads(loss.backward(), &model);
             model = optim.step(1e-2, model, grads);
         }

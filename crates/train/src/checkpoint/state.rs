@@ -6,7 +6,10 @@
 //! worker threads made shards of micro-batches; kept so older checkpoints
 //! load); the metadata holds `micro_batches`, `sublayers` and each
 //! sublayer's position `micro{m}/sublayer{i}/pos`. Codes are stored as
-//! float32 (exact up to 2^24).
+//! float32 (exact up to 2^24). `k_hat` holds the window's keys
+//! ([`tvq_model::attention::CachedBlock::k_window`]): the quantized keys,
+//! or the keys themselves under `window_keys = "exact"`; the name is kept so
+//! older checkpoints load.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -41,7 +44,7 @@ pub(crate) fn states_to_bytes(
             meta.insert(format!("{p}/pos"), s.pos.to_string());
             for (slot, block) in [("prev", &s.prev), ("current", &s.current)] {
                 if let Some(b) = block {
-                    put(format!("{p}/{slot}/k_hat"), b.k_hat.to_data());
+                    put(format!("{p}/{slot}/k_hat"), b.k_window.to_data());
                     put(format!("{p}/{slot}/v"), b.v.to_data());
                     put(format!("{p}/{slot}/codes"), b.codes.to_data());
                 }
@@ -111,7 +114,7 @@ pub(crate) fn states_from_bytes(
             let p = format!("micro{m}/sublayer{i}");
             let block = |slot: &str| -> Result<Option<CachedBlock<B>>, TrainError> {
                 let name = |t: &str| format!("{p}/{slot}/{t}");
-                let (Some(codes), Some(k_hat), Some(v)) = (
+                let (Some(codes), Some(k_window), Some(v)) = (
                     float(&name("codes"), 3)?,
                     float(&name("k_hat"), 4)?,
                     float(&name("v"), 4)?,
@@ -125,7 +128,7 @@ pub(crate) fn states_from_bytes(
                 }
                 let codes: Vec<i64> = codes.iter().map(|&c| c as i64).collect();
                 Ok(Some(CachedBlock {
-                    k_hat: Tensor::from_data(k_hat, device),
+                    k_window: Tensor::from_data(k_window, device),
                     v: Tensor::from_data(v, device),
                     codes: Tensor::from_data(TensorData::new(codes, shape), device),
                 }))
@@ -172,7 +175,7 @@ pub(crate) fn check_states(states: &[ModelState<B>], model: &Model) -> Result<()
             for (slot, block) in [("prev", &s.prev), ("current", &s.current)] {
                 if let Some(b) = block {
                     let r = b.codes.dims()[0];
-                    dims.push((slot, b.k_hat.dims().to_vec(), vec![r, h, l, k]));
+                    dims.push((slot, b.k_window.dims().to_vec(), vec![r, h, l, k]));
                     dims.push((slot, b.v.dims().to_vec(), vec![r, h, l, v]));
                     dims.push((slot, b.codes.dims().to_vec(), vec![r, h, l]));
                     let top = match b.codes.shape().num_elements() {

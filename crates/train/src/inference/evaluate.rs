@@ -6,7 +6,7 @@ use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 use tvq_data::vocab::PAD;
 use tvq_data::{Batch, EvalBatches, TokenSplit};
-use tvq_model::{Loss, ModelState, TransformerVq};
+use tvq_model::{Loss, ModelState, Pass, TransformerVq};
 
 use crate::batch::BatchTensors;
 use crate::config::EvalSection;
@@ -444,10 +444,13 @@ fn score_rows(
         targets,
         valid,
     } = BatchTensors::rows(b, rows, &model.embedding.weight.device());
-    let out = match opts.attention {
-        true => model.forward_with_attention_groups(inputs, state, Some(valid.clone())),
-        false => model.forward(inputs, state, Some(valid.clone())),
-    }?;
+    let pass = Pass::new().with_valid(valid.clone());
+    let pass = if opts.attention {
+        pass.with_attention()
+    } else {
+        pass
+    };
+    let out = model.forward(inputs, state, pass)?;
     let loss = Loss::new(&out, targets, Some(valid));
     let token_nll = match opts.by_position || opts.attention {
         true => loss.nll.into_data().convert::<f32>().to_vec().expect("f32"),

@@ -148,6 +148,7 @@ mod tests {
     use super::*;
     use crate::placement::device::DeviceSpec;
     use burn::prelude::*;
+    use tvq_model::Pass;
 
     /// A rotary model's export records the channel width its weights have,
     /// also when its config left it to the default; and an export from
@@ -160,9 +161,10 @@ mod tests {
         let cfg = crate::checkpoint::tests::tiny_config().with_bias(RelativeBias::Rotary);
         let tokens = Tensor::<B, 2, Int>::from_data([[1, 2, 3, 4]], &device);
         let logits = |m: &Model| -> Vec<f32> {
-            m.forward(tokens.clone(), m.empty_state(), None)
+            m.forward(tokens.clone(), m.empty_state(), Pass::new())
                 .unwrap()
                 .logits
+                .unwrap()
                 .to_data()
                 .to_vec()
                 .unwrap()

@@ -1,10 +1,11 @@
 //! Using a trained model: bits per byte over a split ([`evaluate`]),
-//! accuracy on a recall task ([`recall`]),
-//! generation ([`sample`]), and weights in and out of safetensors
+//! accuracy on a recall task ([`recall`]), reading a prompt
+//! ([`prefill`]), generation ([`sample`]), and weights in and out of safetensors
 //! ([`export`]); [`load`] finds the model a path names.
 
 pub mod evaluate;
 pub mod export;
 pub mod load;
+pub mod prefill;
 pub mod recall;
 pub mod sample;

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use tvq_data::recall::RecallSet;
 use tvq_data::vocab::{EOS, PAD};
 use tvq_data::{Batch, TokenSplit};
-use tvq_model::{Loss, TransformerVq};
+use tvq_model::{Loss, Pass, TransformerVq};
 
 use crate::batch::BatchTensors;
 use crate::config::EvalSection;
@@ -126,10 +126,9 @@ pub fn evaluate_recall(
         for start in (0..len).step_by(seg) {
             let batch = segment(split, &group, len, start, seg);
             let t = BatchTensors::rows(&batch, 0..group.len(), &device);
-            let out = model.forward(t.inputs, state, Some(t.valid.clone()))?;
-            let guess: Vec<i64> = out
-                .logits
-                .clone()
+            let out = model.forward(t.inputs, state, Pass::new().with_valid(t.valid.clone()))?;
+            let guess: Vec<i64> = (out.logits.clone())
+                .expect("every position's logits")
                 .argmax(2) // [R, T, 1]
                 .into_data()
                 .convert::<i64>()

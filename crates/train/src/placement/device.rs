@@ -350,7 +350,7 @@ mod tests {
     use burn::module::Module;
     use burn::prelude::*;
     use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
-    use tvq_model::RelativeBias;
+    use tvq_model::{Pass, RelativeBias};
 
     use super::*;
     use crate::placement::B;
@@ -442,13 +442,14 @@ mod tests {
             let run = |m: &tvq_model::TransformerVq<B>, device: &DispatchDevice| {
                 let tokens =
                     Tensor::<B, 2, Int>::from_data(TensorData::new(data.clone(), [2, 16]), device);
-                let out = m.forward(tokens, m.empty_state(), None).unwrap();
-                let loss = out.logits.clone().square().mean() + out.commitment.mean();
+                let out = m.forward(tokens, m.empty_state(), Pass::new()).unwrap();
+                let logits = out.logits.unwrap();
+                let loss = logits.clone().square().mean() + out.commitment.mean();
                 let grads = loss.backward();
                 let g = m.sublayers[0].kvg_proj.weight.grad(&grads).unwrap();
                 let codes = out.codes[0].clone().into_data().convert::<i64>();
                 (
-                    floats(out.logits.inner().into_data()),
+                    floats(logits.inner().into_data()),
                     floats(g.into_data()),
                     codes.to_vec::<i64>().unwrap(),
                 )

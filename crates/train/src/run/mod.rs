@@ -93,7 +93,7 @@ pub fn train(
     let total = opts
         .max_steps
         .map_or(cfg.train.steps, |m| m.min(cfg.train.steps));
-    let resumed_at = trainer.progress().step;
+    let resumed_at = trainer.state().step;
     let mut log = match rank {
         0 => Some(MetricsLog::open(
             &opts.run_dir,
@@ -113,19 +113,19 @@ pub fn train(
     };
     let layout = cfg.data.train_layout(cfg.train.seed);
     let mut loader =
-        TrainBatches::new(train_split, layout, trainer.progress().cursor)?.with_rows(node_rows)?;
-    let bar = step_bar(opts.progress, total, trainer.progress().step);
+        TrainBatches::new(train_split, layout, trainer.state().cursor)?.with_rows(node_rows)?;
+    let bar = step_bar(opts.progress, total, trainer.state().step);
 
     // Alone, an interrupt stops before the next step; over several nodes it
     // travels with the next step's sum, so that every node stops after it.
     trainer.watch_interrupt(opts.interrupt.clone());
     let alone = opts.cluster.is_none();
-    while trainer.progress().step < total && !(alone && opts.interrupt.load(Ordering::SeqCst)) {
+    while trainer.state().step < total && !(alone && opts.interrupt.load(Ordering::SeqCst)) {
         let batch = tracing::debug_span!("data")
             .in_scope(|| loader.next().expect("training batches never end"));
-        let step_span = tracing::debug_span!("step", step = trainer.progress().step + 1);
+        let step_span = tracing::debug_span!("step", step = trainer.state().step + 1);
         let outcome = step_span.in_scope(|| trainer.step(&batch, loader.cursor()))?;
-        let m = StepMetrics::new(&outcome, &facts, trainer.progress().tokens);
+        let m = StepMetrics::new(&outcome, &facts, trainer.state().tokens);
         if let Some(log) = &mut log {
             log.append(&m)?;
         }
@@ -202,7 +202,7 @@ fn set_up_trainer(
         write_config(cfg, &opts.run_dir)?;
     }
     if let Some(old) = previous {
-        warn_if_the_past_schedule_changed(&old.train, &cfg.train, trainer.progress().step);
+        warn_if_the_past_schedule_changed(&old.train, &cfg.train, trainer.state().step);
     }
     if let Some(spec) = &opts.cluster {
         trainer.join(Collective::join(spec, &devices[0])?, fingerprint(cfg))?;
@@ -327,7 +327,7 @@ fn finish(
     run_dir: &Path,
     final_validation: impl FnOnce(&Trainer) -> Result<EvalReport, TrainError>,
 ) -> Result<TrainSummary, TrainError> {
-    let (step, interrupted) = (trainer.progress().step, trainer.progress().step < total);
+    let (step, interrupted) = (trainer.state().step, trainer.state().step < total);
     // Every node takes the same branch (all save, or none).
     let current = checkpoint::checkpoint_dir(run_dir, step);
     let checkpoint = match trainer.last_checkpoint() {
@@ -410,7 +410,7 @@ fn resume_latest(trainer: &mut Trainer, opts: &TrainOptions) -> Result<(), Train
     }
     if let Some(dir) = checkpoint::latest_valid(&opts.run_dir) {
         trainer.resume(&dir, opts.reshard)?;
-        let step = trainer.progress().step;
+        let step = trainer.state().step;
         tracing::info!("resuming from {} (step {step})", dir.display());
         return Ok(());
     }

@@ -12,7 +12,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
 use burn::tensor::backend::DeviceOps;
-use tvq_model::{CodebookStats, Loss, ModelState};
+use tvq_model::{CodebookStats, Loss, ModelState, Pass};
 
 use crate::batch::BatchTensors;
 use crate::config::ActivationCheckpointing;
@@ -71,7 +71,8 @@ fn run_shard(
         }
         ActivationCheckpointing::None | ActivationCheckpointing::Selective => {
             let forward = tracing::debug_span!("forward").entered();
-            let out = fork.forward_with_masks(inputs, state, Some(valid.clone()), masks)?;
+            let pass = Pass::new().with_masks(masks).with_valid(valid.clone());
+            let out = fork.forward(inputs, state, pass)?;
             let loss = Loss::new(&out, targets, Some(valid));
             drop(forward);
             // The step minimises the mean over shards of each shard's mean token loss.

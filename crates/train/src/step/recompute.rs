@@ -26,7 +26,7 @@
 
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
-use tvq_model::{DropoutMasks, Graph, Loss, ModelState, Pass, Recomputable};
+use tvq_model::{DropoutMasks, Graph, Logits, Loss, ModelState, Pass, Recomputable};
 
 use crate::error::TrainError;
 use crate::placement::{B, Model};
@@ -44,18 +44,16 @@ pub(crate) fn passes(
     masks: DropoutMasks<B>,
     plan: &ShardPlan,
 ) -> Result<ShardResult, TrainError> {
-    let valid = Some(valid);
     let forward = tracing::debug_span!("forward").entered();
     // 1: forward keeping only each sublayer's input, and the last
     // sublayer's graph, as its backward pass comes first (recomputing it
     // would save nothing).
-    let h = model.embed(inputs.clone())?; // [B, T, D]
-    let n = model.sublayers.len();
-    let pass = Pass {
-        graph: Graph::LastSublayer,
-        ..Pass::new(masks.sublayers.clone(), valid.clone())
-    };
-    let out = model.run_sublayers(0..n, h, state.sublayers.clone(), pass)?;
+    let pass = Pass::new()
+        .with_masks(masks.clone())
+        .with_graph(Graph::LastSublayer)
+        .with_logits(Logits::None)
+        .with_valid(valid.clone());
+    let out = model.forward(inputs.clone(), state.clone(), pass)?;
     let Recomputable {
         inputs: kept,
         last_input: x,
@@ -68,9 +66,14 @@ pub(crate) fn passes(
     // sublayer's commitment a constant (each adds its own term's gradient
     // below).
     let mut grads = GradientsAccumulator::<Model>::new();
-    let loss = Loss::from_parts(model.head(out.h), out.commitment, targets, valid.clone());
+    let loss = Loss::from_parts(
+        model.head(out.h),
+        out.commitment,
+        targets,
+        Some(valid.clone()),
+    );
     let objective =
-        plan.objective(&loss) + plan.commitment_objective(last_commitment, valid.clone());
+        plan.objective(&loss) + plan.commitment_objective(last_commitment, Some(valid.clone()));
     let mut g = backward(model, objective, &x, &mut grads); // [B, T, D]
 
     // 3: each other sublayer again, last to first, from its input.
@@ -78,15 +81,21 @@ pub(crate) fn passes(
     for (i, ((s, m), x)) in layers.zip(kept).enumerate().rev() {
         let x = x.require_grad();
         let recompute = tracing::debug_span!("recompute", sublayer = i).entered();
-        let out = model.sublayer_forward(i, x.clone(), s, valid.clone(), m, false)?;
+        let pass = Pass::new()
+            .with_masks(DropoutMasks { sublayers: vec![m] })
+            .with_sublayers(i..i + 1)
+            .with_logits(Logits::None)
+            .with_valid(valid.clone());
+        let one = ModelState { sublayers: vec![s] };
+        let out = model.forward(x.clone(), one, pass)?;
         drop(recompute);
         let objective =
-            (out.h * g).sum() + plan.commitment_objective(out.commitment, valid.clone());
+            (out.h * g).sum() + plan.commitment_objective(out.commitment, Some(valid.clone()));
         g = backward(model, objective, &x, &mut grads);
     }
 
     // 4: the embedding.
-    let h0 = model.embed(inputs)?;
+    let h0 = model.embedding.forward(inputs); // [B, T, D]
     let objective = (h0 * g).sum();
     grads.accumulate(
         model,
@@ -97,9 +106,7 @@ pub(crate) fn passes(
         ce: loss.ce.into_scalar().elem(),
         commitment: loss.commitment.into_scalar().elem(),
         stats: out.stats,
-        state: ModelState {
-            sublayers: out.states,
-        },
+        state: out.state,
     })
 }
 
