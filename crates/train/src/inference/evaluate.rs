@@ -467,6 +467,13 @@ fn score_rows(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::TrainSection;
+    use crate::gpu_under_test::two_wgpu_devices;
+    use crate::trainer::Trainer;
+    use crate::trainer::tests::line_corpus;
+    use burn::DispatchDevice;
+    use tvq_model::TransformerVqConfig;
+    use tvq_testkit::tiny_model;
 
     #[test]
     fn attention_figures_are_averaged_per_bucket_and_over_the_split() {
@@ -536,5 +543,54 @@ mod tests {
         carried.add(&next, &nll, &[], 1);
         assert_eq!(carried.buckets().iter().map(|b| b.tokens).sum::<u64>(), 24);
         assert_eq!(carried.buckets()[0].tokens, 4, "position 1 twice per row");
+    }
+
+    #[test]
+    fn evaluation_on_two_devices_scores_like_one() {
+        use crate::config::EvalSection;
+        use crate::inference::evaluate::{EvalOptions, evaluate};
+        use tvq_data::Split;
+        let Some([a, b]) = two_wgpu_devices("evaluation_on_two_devices_scores_like_one") else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let corpus = line_corpus(dir.path(), 600);
+        let split = corpus.split(Split::Validation);
+        let model = TransformerVqConfig {
+            vocab_size: corpus.vocab.size(),
+            ..tiny_model(11)
+        };
+        let settings = TrainSection {
+            workers: 2,
+            ..TrainSection::default()
+        };
+        let eval = EvalSection {
+            batch_size: 4,
+            update_len: 8,
+            ..EvalSection::default()
+        };
+        let opts = EvalOptions {
+            workers: 2,
+            attention: true,
+            ..EvalOptions::default()
+        };
+        let score = |devices: &[DispatchDevice]| {
+            let t = Trainer::new(&model, &settings, devices).unwrap();
+            let models = t.inference_models();
+            assert_eq!(models.len(), devices.len(), "one copy per device");
+            for (m, d) in models.iter().zip(devices) {
+                assert_eq!(m.embedding.weight.device(), *d);
+            }
+            evaluate(&models, &split, &eval, &opts).unwrap()
+        };
+        let one = score(std::slice::from_ref(&a));
+        let two = score(&[a, b]);
+        assert!(one.complete && one.tokens > 0 && one.tokens == two.tokens);
+        assert!(
+            (one.loss - two.loss).abs() <= 1e-5 * one.loss,
+            "{} {}",
+            one.loss,
+            two.loss
+        );
     }
 }

@@ -299,6 +299,11 @@ pub fn clip_global_norm(
 mod tests {
     use super::*;
     use crate::config::TrainSection;
+    use crate::placement::device::DeviceSpec;
+    use crate::trainer::Trainer;
+    use crate::trainer::tests::{batch, trainer};
+    use tvq_data::TrainCursor;
+    use tvq_testkit::tiny_model;
 
     fn schedule() -> TrainSection {
         TrainSection {
@@ -425,5 +430,51 @@ mod tests {
         };
         assert!(close(learning_rate(&t, 1000), 1e-4));
         assert!(learning_rate(&t, 999) > 1e-4);
+    }
+
+    #[test]
+    fn clipping_scales_the_global_gradient_norm_down_to_the_limit() {
+        let mut t = trainer(1, 1);
+        let mut grads = t.gradients(&batch(2, 8, true)).unwrap().grads;
+        let norm = clip_global_norm(t.model(), &mut grads, 0.0, 1.0); // 0: measure only
+        assert!(norm > 1e-3);
+        assert_eq!(clip_global_norm(t.model(), &mut grads, 0.0, 1.0), norm);
+        assert_eq!(clip_global_norm(t.model(), &mut grads, 1e-3, 1.0), norm);
+        let clipped = clip_global_norm(t.model(), &mut grads, 0.0, 1.0);
+        assert!((clipped - 1e-3).abs() < 1e-7, "{clipped}");
+        // A limit above the norm leaves the gradients alone.
+        assert_eq!(clip_global_norm(t.model(), &mut grads, 1.0, 1.0), clipped);
+        assert_eq!(clip_global_norm(t.model(), &mut grads, 0.0, 1.0), clipped);
+    }
+
+    #[test]
+    fn the_toeplitz_tables_step_at_their_own_learning_rate() {
+        let table = |t: &Trainer| -> Vec<f32> {
+            let p = t.model().sublayers[0].bias.toeplitz.as_ref().unwrap();
+            p.val().into_data().to_vec().unwrap()
+        };
+        let moved = |scale: f64| {
+            let settings = TrainSection {
+                toeplitz_lr_scale: scale,
+                lr: 1e-3,
+                warmup_steps: 0,
+                weight_decay: 0.1,
+                ..TrainSection::default()
+            };
+            let device = DeviceSpec::Cpu.init().unwrap().0;
+            let mut t = Trainer::new(&tiny_model(11), &settings, &[device]).unwrap();
+            let before = table(&t);
+            t.step(&batch(2, 8, true), TrainCursor::default()).unwrap();
+            let after = table(&t);
+            before
+                .iter()
+                .zip(&after)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max)
+        };
+        // Adam's first step moves every entry with a gradient by about lr.
+        let (slow, fast) = (moved(1.0), moved(10.0));
+        assert!((slow - 1e-3).abs() < 2e-4, "{slow}");
+        assert!((fast - 1e-2).abs() < 2e-3, "{fast}");
     }
 }
