@@ -53,8 +53,10 @@ enum Command {
     Import(commands::ImportArgs),
     /// Draw a run's loss curves (training and validation bits per byte) to a PNG.
     Plot(commands::PlotArgs),
-    /// Measure forward+backward throughput of the GAU stack, VQ attention
-    /// against the quadratic baseline, over several sequence lengths.
+    /// Benchmark one thing: the attention's passes, VQ against the
+    /// quadratic baseline, by sequence length (the default), the whole
+    /// training step, generation, the data loader, checkpoints, or the
+    /// device's peak.
     Bench(bench::BenchArgs),
     /// Check a device against the CPU: a small model's forward pass,
     /// gradients, AdamW and EMA updates, bf16 step, checkpoint and
