@@ -33,10 +33,12 @@ cleanup() {
 trap cleanup EXIT
 
 build() { # DIR OUT: builds tvq from DIR and copies the binary to OUT
-  # Touched so that cargo compiles and copies out this tree's binary: the
-  # trees share one target directory, and a build that finds its own
-  # artifacts fresh leaves target/release/tvq as the other tree built it.
-  touch "$1/crates/cli/src/main.rs"
+  # Every source touched so that cargo compiles this tree's crates and
+  # copies out its binary: the trees share one target directory, where a
+  # crate's artifacts are named alike in both, so a build that finds them
+  # fresh would link the other tree's libraries (touching only main.rs did
+  # that to the model, data and train crates).
+  find "$1/crates" -name '*.rs' -exec touch {} +
   (cd "$1" && cargo build --release -p tvq-cli >&2)
   cp "$CARGO_TARGET_DIR/release/tvq" "$2"
 }
