@@ -15,8 +15,10 @@
 # TVQ_BIN=PATH runs that binary instead of building this tree's.
 #
 # Writes OUT_DIR/results.jsonl (one line per run: the settings, the
-# accuracy, the accuracy by distance, the commit) and prints a Markdown
-# table, one row per setting, one column per seed. A run already in
+# accuracy, the accuracy by distance, the validation's accuracy at each
+# evaluation and the first step where it reached 90%, the commit) and
+# prints a Markdown table, one row per setting, one column per seed: the
+# accuracy, and in brackets the step where it first reached 90%. A run already in
 # results.jsonl is not run again, so an interrupted sweep continues.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -58,13 +60,18 @@ for form in $FORMS; do
           --set "eval.update_len=$seg" --set "train.seed=$seed" --set "data.mqar.seed=$seed" \
           $EXTRA > "$run.log" 2>&1 || { echo "recall-sweep: $name failed (see $run.log)" >&2; continue; }
         report="$("$tvq" eval --checkpoint "$run" --json 2>/dev/null)"
-        python3 - "$name" "$form" "$pairs" "$len" "$seed" "$commit" "$report" >> "$results" <<'PY'
+        python3 - "$name" "$form" "$pairs" "$len" "$seed" "$commit" "$report" "$run/metrics.jsonl" >> "$results" <<'PY'
 import json, sys
-name, form, pairs, length, seed, commit, report = sys.argv[1:]
+name, form, pairs, length, seed, commit, report, metrics = sys.argv[1:]
 r = json.loads(report)
+# The validation's accuracy at each evaluation of the run: how soon it learned.
+curve = [(m["step"], m["recall"]["accuracy"]) for m in map(json.loads, open(metrics))
+         if m.get("kind") == "eval" and "recall" in m]
 print(json.dumps({"name": name, "form": form, "pairs": int(pairs), "seq_len": int(length),
                   "seed": int(seed), "commit": commit, "accuracy": r["recall"]["accuracy"],
-                  "loss": r["loss"], "by_distance": r["recall"]["by_distance"]}))
+                  "loss": r["loss"], "by_distance": r["recall"]["by_distance"],
+                  "steps_to_90": next((s for s, a in curve if a >= 0.9), None),
+                  "curve": curve}))
 PY
         echo "recall-sweep: $name: accuracy $(python3 -c 'import json,sys; print(round(100*json.loads(sys.argv[1])["recall"]["accuracy"], 2))' "$report")%"
       done
@@ -81,6 +88,8 @@ print("|---|---|---|" + "---|" * len(seeds))
 keys = sorted({(r["form"], r["pairs"], r["seq_len"]) for r in rows}, key=lambda k: (k[1], k[2], k[0]))
 for k in keys:
     acc = {r["seed"]: r["accuracy"] for r in rows if (r["form"], r["pairs"], r["seq_len"]) == k}
-    cells = [f"{100 * acc[s]:.1f}%" if s in acc else "-" for s in seeds]
+    first = {r["seed"]: r.get("steps_to_90") for r in rows if (r["form"], r["pairs"], r["seq_len"]) == k}
+    cells = [f"{100 * acc[s]:.1f}%" + (f" ({first[s]:,})" if first.get(s) else "") if s in acc else "-"
+             for s in seeds]
     print(f"| {k[0]} | {k[1]} | {k[2]:,} | " + " | ".join(cells) + " |")
 PY

@@ -49,6 +49,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::DataError;
 use crate::hash::{SplitMix64, splitmix64};
+use crate::vocab::PAD;
 
 /// The `[data.mqar]` table: the task's shape and how many examples each
 /// split holds.
@@ -258,32 +259,46 @@ fn gather(
     len: usize,
     example: impl Fn(usize) -> Example,
 ) -> Result<(Vec<u8>, RecallSet), DataError> {
-    let total = n
-        .checked_mul(len)
-        .filter(|&t| t <= 1 << 32)
-        .ok_or_else(|| {
-            DataError::Unsupported(format!(
-                "{task}: {n} examples of {len} tokens are more than 2^32 tokens"
-            ))
-        })?;
-    let (mut symbols, mut scored, mut answers) =
-        (Vec::with_capacity(total), vec![false; total], vec![]);
-    for i in 0..n {
+    if n.checked_mul(len).is_none_or(|total| total > 1 << 32) {
+        return Err(DataError::Unsupported(format!(
+            "{task}: {n} examples of {len} tokens are more than 2^32 tokens"
+        )));
+    }
+    let examples = (0..n).map(|i| {
         let example = example(i);
         debug_assert_eq!(example.symbols.len(), len);
-        for a in example.answers {
+        (example.symbols, example.answers)
+    });
+    Ok(lay_out(n, len, 0, examples))
+}
+
+/// The `n` `examples` (tokens and answers, each answer's position within
+/// its example) back to back, each padded with `pad` to `len` tokens, and
+/// the recall set that finds their answers in the split.
+fn lay_out<T: Copy>(
+    n: usize,
+    len: usize,
+    pad: T,
+    examples: impl Iterator<Item = (Vec<T>, Vec<Answer>)>,
+) -> (Vec<T>, RecallSet) {
+    let (mut tokens, mut scored, mut answers) =
+        (Vec::with_capacity(n * len), vec![false; n * len], vec![]);
+    for (i, (example, example_answers)) in examples.enumerate() {
+        for a in example_answers {
             let pos = i * len + a.pos;
             scored[pos] = true;
             answers.push(Answer { pos, ..a });
         }
-        symbols.extend(example.symbols);
+        let real = example.len();
+        tokens.extend(example);
+        tokens.extend(std::iter::repeat_n(pad, len - real));
     }
     let set = RecallSet {
         example_len: len,
         answers,
         scored,
     };
-    Ok((symbols, set))
+    (tokens, set)
 }
 
 /// Most bytes of a task file (`tvq eval --task-file`): it is read whole.
@@ -346,24 +361,17 @@ pub fn read_task_file(path: &Path, vocab_size: usize) -> Result<(Vec<u32>, Recal
             examples.len()
         )));
     }
-    let (mut ids, mut scored, mut answers) = (vec![], vec![false; examples.len() * len], vec![]);
-    for (n, example) in examples.into_iter().enumerate() {
-        for a in example.answers {
-            let pos = n * len + a.pos;
-            scored[pos] = true;
-            let distance = a.distance.unwrap_or(a.pos);
-            answers.push(Answer { pos, distance });
-        }
-        let real = example.tokens.len();
-        ids.extend(example.tokens);
-        ids.extend(std::iter::repeat_n(0, len - real));
-    }
-    let set = RecallSet {
-        example_len: len,
-        answers,
-        scored,
-    };
-    Ok((ids, set))
+    let n = examples.len();
+    let examples = examples.into_iter().map(|line| {
+        let answers = (line.answers.iter())
+            .map(|a| Answer {
+                pos: a.pos,
+                distance: a.distance.unwrap_or(a.pos),
+            })
+            .collect();
+        (line.tokens, answers)
+    });
+    Ok(lay_out(n, len, PAD, examples))
 }
 
 /// What is wrong with one line of a task file, if anything.
@@ -412,6 +420,12 @@ pub struct PasskeyConfig {
     /// Seed of the examples (the training order is the run's `train.seed`).
     #[serde(default)]
     pub seed: u64,
+    /// Score every target, the filler text's too, not only the key's
+    /// digits: the text is then a language-modelling corpus with a passkey
+    /// mixed into every example, and the accuracy is still the digits'.
+    /// Written only when set, so configs from before it read the same.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub score_text: bool,
 }
 
 impl Default for PasskeyConfig {
@@ -421,6 +435,7 @@ impl Default for PasskeyConfig {
             train_examples: defaults::train_examples(),
             eval_examples: defaults::eval_examples(),
             seed: 0,
+            score_text: false,
         }
     }
 }
@@ -509,9 +524,13 @@ impl PasskeyConfig {
         text_len: usize,
     ) -> Result<(Vec<u8>, RecallSet), DataError> {
         self.check(len, text_len)?;
-        gather("data.passkey", n, len, |i| {
+        let (symbols, mut set) = gather("data.passkey", n, len, |i| {
             self.example(set, i, len, &text, text_len)
-        })
+        })?;
+        if self.score_text {
+            set.scored.fill(true);
+        }
+        Ok((symbols, set))
     }
 }
 
@@ -591,6 +610,7 @@ mod tests {
             train_examples: 6,
             eval_examples: 2,
             seed: 3,
+            score_text: false,
         };
         let len = 160;
         let (symbols, set) = cfg.examples(0, 6, len, |i| text[i], text.len()).unwrap();
@@ -619,6 +639,19 @@ mod tests {
         assert!(depths.len() > 1, "{depths:?}");
         let again = cfg.examples(0, 6, len, |i| text[i], text.len()).unwrap();
         assert_eq!(again.0, symbols);
+        // Only the digits are scored, unless the text is too: then every
+        // target is, and the examples and their answers are the same.
+        let scored = |set: &RecallSet| (0..6 * len).filter(|&i| set.is_scored(i)).count();
+        assert_eq!(scored(&set), 6 * 5);
+        let text_too = PasskeyConfig {
+            score_text: true,
+            ..cfg.clone()
+        };
+        let mixed = text_too
+            .examples(0, 6, len, |i| text[i], text.len())
+            .unwrap();
+        assert_eq!((&mixed.0, &mixed.1.answers), (&symbols, &set.answers));
+        assert_eq!(scored(&mixed.1), 6 * len);
         // Too short to hold the needle and the question, or a text shorter
         // than an example: one line each.
         for (len, text_len) in [(60, 1000), (160, 100)] {

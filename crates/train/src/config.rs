@@ -499,6 +499,22 @@ mod tests {
 
     const MINIMAL: &str = "[data]\nkind = \"text\"\npath = \"data/kjv.txt\"\n";
 
+    #[test]
+    fn every_shipped_config_loads() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        let mut loaded = vec![];
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                RunConfig::load(&path, &[]).unwrap_or_else(|e| panic!("{e}"));
+                loaded.push(path.file_name().unwrap().to_string_lossy().into_owned());
+            }
+        }
+        for name in ["quickstart.toml", "mqar.toml", "passkey-text.toml"] {
+            assert!(loaded.iter().any(|l| l == name), "{name} in {loaded:?}");
+        }
+    }
+
     fn error(text: &str, overrides: &[&str]) -> String {
         let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
         RunConfig::parse(text, &overrides).unwrap_err().to_string()

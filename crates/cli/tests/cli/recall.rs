@@ -256,3 +256,32 @@ fn a_text_model_is_measured_on_passkeys_hidden_in_its_own_text() {
         "--task mqar",
     );
 }
+
+#[test]
+fn passkeys_mixed_into_text_score_every_token_and_count_the_digits() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 2, 2);
+    let run = dir.path().join("run");
+    let set = |kv: &'static str| ["--set", kv];
+    let extra: Vec<&str> = [
+        "data.kind=passkey",
+        "data.passkey.score_text=true",
+        "data.passkey.train_examples=16",
+        "data.passkey.eval_examples=8",
+    ]
+    .into_iter()
+    .flat_map(set)
+    .collect();
+    train_quietly(config.to_str().unwrap(), &run, &extra);
+    let report: serde_json::Value = serde_json::from_str(&ok(&[
+        "eval",
+        "--checkpoint",
+        run.to_str().unwrap(),
+        "--json",
+    ]))
+    .unwrap();
+    // Every target of the 8 examples of 128 tokens is scored (the text is
+    // a language-modelling corpus), and the accuracy counts the digits.
+    assert_eq!(report["tokens"], 8 * 128, "{report}");
+    assert_eq!(report["recall"]["answers"], 8 * 5, "{report}");
+}

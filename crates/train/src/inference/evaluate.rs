@@ -265,7 +265,8 @@ impl EvalReport {
 /// `models[g mod len]`, where its state stays.
 ///
 /// A recall task's split is scored example by example instead
-/// ([`evaluate_recall`], on the first model): its loss per answer and its
+/// ([`evaluate_recall`], on the first model): its loss per scored target
+/// (the answers, or every token where the task scores its text) and its
 /// accuracy, of the first `max_segments x eval.batch_size` examples.
 pub fn evaluate(
     models: &[TransformerVq<B>],
@@ -283,13 +284,13 @@ pub fn evaluate(
             });
         }
         let examples = opts.max_segments.map(|m| m.saturating_mul(eval.batch_size));
-        let (report, nll) =
+        let (report, nll, scored) =
             evaluate_recall(&models[0], split, recall, eval, examples, opts.progress)?;
-        let loss = nll / report.answers.max(1) as f64;
+        let loss = nll / scored.max(1) as f64;
         let ln2 = std::f64::consts::LN_2;
         return Ok(EvalReport {
             split: split.split.to_string(),
-            tokens: report.answers,
+            tokens: scored,
             complete: examples.is_none_or(|n| n >= recall.examples()),
             loss,
             bits_per_token: loss / ln2,

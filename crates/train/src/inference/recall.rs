@@ -96,7 +96,9 @@ impl RecallTally {
 
 /// Scores the first `max_examples` examples (all when `None`) of recall
 /// split `split` with `model`: the accuracy report (which counts the
-/// answers), and the loss summed over the answers, nats.
+/// answers), the loss summed over the scored targets, nats, and their
+/// number (the answers', unless the task scores its text too:
+/// `data.passkey.score_text`).
 pub fn evaluate_recall(
     model: &TransformerVq<B>,
     split: &TokenSplit,
@@ -104,7 +106,7 @@ pub fn evaluate_recall(
     eval: &EvalSection,
     max_examples: Option<usize>,
     progress: bool,
-) -> Result<(RecallReport, f64), TrainError> {
+) -> Result<(RecallReport, f64, u64), TrainError> {
     let (len, seg) = (recall.example_len, eval.update_len);
     let examples = max_examples.map_or(recall.examples(), |m| m.min(recall.examples()));
     let rows = eval.batch_size.clamp(1, examples.max(1));
@@ -119,7 +121,7 @@ pub fn evaluate_recall(
     );
     let distance: std::collections::HashMap<usize, usize> =
         recall.answers.iter().map(|a| (a.pos, a.distance)).collect();
-    let (mut tally, mut nll) = (RecallTally::default(), 0f64);
+    let (mut tally, mut nll, mut scored) = (RecallTally::default(), 0f64, 0u64);
     for first in (0..examples).step_by(rows) {
         let group: Vec<usize> = (first..(first + rows).min(examples)).collect();
         let mut state = model.empty_state();
@@ -142,15 +144,18 @@ pub fn evaluate_recall(
                 if target == PAD || !batch.valid[i] {
                     continue;
                 }
+                scored += 1;
                 let pos = group[i / seg] * len + start + i % seg;
-                tally.add(distance[&pos], guess[i] == target as i64);
+                if let Some(&d) = distance.get(&pos) {
+                    tally.add(d, guess[i] == target as i64);
+                }
             }
             state = out.state;
         }
         bar.inc(group.len() as u64);
     }
     bar.finish_and_clear();
-    Ok((tally.report(), nll))
+    Ok((tally.report(), nll, scored))
 }
 
 /// Tokens `start..start + seg` of each example in `group` as one batch
