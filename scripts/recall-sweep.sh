@@ -18,8 +18,9 @@
 # accuracy, the accuracy by distance, the validation's accuracy at each
 # evaluation and the first step where it reached 90%, the commit) and
 # prints a Markdown table, one row per setting, one column per seed: the
-# accuracy, and in brackets the step where it first reached 90%. A run already in
-# results.jsonl is not run again, so an interrupted sweep continues.
+# accuracy, and in brackets the step where it first reached 90%. A run
+# already in results.jsonl is not run again, so an interrupted sweep
+# continues.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: scripts/recall-sweep.sh OUT_DIR}"
