@@ -186,7 +186,7 @@ pub struct EvalArgs {
     /// Also measure where each sublayer's attention goes: its share on the
     /// present block, the previous block and the compressed cache, and the
     /// attention entropy (over the whole split and, with --by-position, by
-    /// position).
+    /// position; on a recall task, at the answers, by distance).
     #[arg(long)]
     attention: bool,
     /// Evaluate on a synthetic task instead of the config's corpus (a run
@@ -206,7 +206,7 @@ pub struct EvalArgs {
     /// ID, "distance": D}]}, ids of the model's vocabulary (docs/data.md,
     /// "Recall tasks"). Needs no corpus: an export will do.
     #[arg(long, value_name = "F.jsonl",
-          conflicts_with_all = ["task", "pairs", "sequence_len", "split", "by_position", "attention"])]
+          conflicts_with_all = ["task", "pairs", "sequence_len", "split", "by_position"])]
     task_file: Option<PathBuf>,
     /// Print one JSON object instead of text.
     #[arg(long)]
@@ -545,6 +545,19 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
                 100.0 * b.accuracy,
                 b.answers
             );
+        }
+        if let Some(sublayers) = &report.attention {
+            print_attention(sublayers, &[]);
+            // The cache's share tells whether a far answer came from it.
+            println!("compressed cache's share at the answers, by distance (per sublayer):");
+            for b in &recall.by_distance {
+                let shares: Vec<_> = b
+                    .attention
+                    .iter()
+                    .map(|a| format!("{:.3}", a.share[2]))
+                    .collect();
+                println!("  {:>7}-{:<7} {}", b.first, b.last, shares.join(" "));
+            }
         }
     } else {
         println!(

@@ -68,7 +68,8 @@ pub mod trainer;
 
 pub use config::RunConfig;
 pub use error::TrainError;
-pub use inference::evaluate::{AttentionShare, EvalOptions, EvalReport, PositionBucket, evaluate};
+pub use inference::attention::AttentionShare;
+pub use inference::evaluate::{EvalOptions, EvalReport, PositionBucket, evaluate};
 pub use inference::sample::{SampleOptions, sample};
 pub use run::metrics::StepMetrics;
 pub use run::{TrainOptions, TrainSummary, train};

@@ -231,6 +231,66 @@ fn a_text_model_is_measured_on_passkeys_hidden_in_its_own_text() {
         .sum();
     assert_eq!(summed, 256 * 5);
     assert!(recall["accuracy"].as_f64().unwrap() < 0.5, "{report}");
+
+    // Where the attention went at the answers, on hand-made examples of one
+    // 64-token segment (blocks of 16) with an answer in block 0, where a
+    // token sees only its own block, and one in block 3, where it sees the
+    // previous block and the compressed cache (blocks 0-1).
+    let lines: String = (0..8)
+        .map(|n| {
+            let ids: Vec<u32> = (0..64).map(|i| 3 + (i * 7 + n * 13) % 200).collect();
+            let answers = [(5, 1), (50, 40)]
+                .map(|(pos, d)| serde_json::json!({"pos": pos, "token": ids[pos], "distance": d}));
+            serde_json::json!({"tokens": ids, "answers": answers}).to_string() + "\n"
+        })
+        .collect();
+    let file = dir.path().join("two-answers.jsonl");
+    std::fs::write(&file, lines).unwrap();
+    let eval_file = |extra: &[&str]| -> serde_json::Value {
+        let file = file.to_str().unwrap();
+        let args = [
+            &["eval", "--checkpoint", run, "--json", "--task-file", file],
+            extra,
+        ]
+        .concat();
+        serde_json::from_str(&ok(&args)).unwrap()
+    };
+    let (plain, measured) = (eval_file(&[]), eval_file(&["--attention"]));
+    assert_eq!(
+        plain["recall"]["correct"], measured["recall"]["correct"],
+        "measuring changes no answer"
+    );
+    let buckets = measured["recall"]["by_distance"].as_array().unwrap();
+    assert_eq!(buckets.len(), 2, "{measured}");
+    let shares = |a: &serde_json::Value| -> Vec<f64> {
+        (0..3).map(|g| a["share"][g].as_f64().unwrap()).collect()
+    };
+    let overall = measured["attention"].as_array().unwrap();
+    assert_eq!(overall.len(), 2, "one layer: two sublayers");
+    for (sublayer, total) in overall.iter().enumerate() {
+        let [near, far] = [0, 1].map(|b| shares(&buckets[b]["attention"][sublayer]));
+        assert!(
+            (near[0] - 1.0).abs() < 1e-5 && near[1] < 1e-6 && near[2] < 1e-6,
+            "{near:?}"
+        );
+        assert!(far[1] > 1e-3 && far[2] > 1e-3, "{far:?}");
+        // Over all answers: the mean of the two buckets (8 answers each).
+        for ((t, n), f) in shares(total).into_iter().zip(near).zip(far) {
+            assert!((t - (n + f) / 2.0).abs() < 1e-5);
+        }
+    }
+    let printed = ok(&[
+        "eval",
+        "--checkpoint",
+        run,
+        "--task-file",
+        file.to_str().unwrap(),
+        "--attention",
+    ]);
+    assert!(
+        printed.contains("compressed cache's share at the answers"),
+        "{printed}"
+    );
     fails(
         &[
             "eval",

@@ -11,6 +11,7 @@ use tvq_model::{Loss, ModelState, Pass, TransformerVq};
 use crate::batch::BatchTensors;
 use crate::config::EvalSection;
 use crate::error::TrainError;
+use crate::inference::attention::{self, AttentionShare};
 use crate::inference::recall::{RecallReport, evaluate_recall};
 use crate::parallel::workers::map_in_workers;
 use crate::placement::B;
@@ -43,8 +44,8 @@ pub struct EvalReport {
     /// The loss by position in the document, when asked for.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub by_position: Option<Vec<PositionBucket>>,
-    /// Where each sublayer's attention went over the whole split, when
-    /// asked for (VQ attention only).
+    /// Where each sublayer's attention went over the whole split (a recall
+    /// task: at its answers), when asked for (VQ attention only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub attention: Option<Vec<AttentionShare>>,
     /// For a recall task: the answers' exact-match accuracy (its loss and
@@ -69,35 +70,9 @@ pub struct EvalOptions {
     /// Also report the loss by position in the document ([`PositionBucket`]).
     pub by_position: bool,
     /// Also report where the attention went ([`AttentionShare`]), over the
-    /// whole split and, with `by_position`, by position.
+    /// whole split and, with `by_position`, by position (a recall task: at
+    /// its answers, overall and by distance).
     pub attention: bool,
-}
-
-/// Where one sublayer's attention went, averaged over its heads and the
-/// tokens scored ([`tvq_model::attention::AttentionGroups`]).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct AttentionShare {
-    /// Share of the attention weight on the present block, the previous
-    /// block and the compressed cache.
-    pub share: [f64; 3],
-    /// Each of the three groups' part of the attention entropy over keys,
-    /// nats (the entropy is their sum).
-    pub entropy: [f64; 3],
-}
-
-/// Per-token attention figures: for each sublayer the three shares, then
-/// the three entropies.
-const ATTENTION_FIGURES: usize = 6;
-
-/// Means of per-token attention figures summed over `tokens` tokens.
-fn attention_means(sums: &[f64], tokens: u64) -> Vec<AttentionShare> {
-    let n = tokens.max(1) as f64;
-    sums.chunks(ATTENTION_FIGURES)
-        .map(|f| AttentionShare {
-            share: [f[0] / n, f[1] / n, f[2] / n],
-            entropy: [f[3] / n, f[4] / n, f[5] / n],
-        })
-        .collect()
 }
 
 /// Mean loss of the tokens at positions `first..=last` of their document:
@@ -129,7 +104,7 @@ pub struct PositionBucket {
 struct Sums {
     nats: f64,
     tokens: u64,
-    /// Attention figures, [`ATTENTION_FIGURES`] per sublayer.
+    /// Attention figures, [`attention::FIGURES`] per sublayer.
     attention: Vec<f64>,
 }
 
@@ -137,10 +112,7 @@ impl Sums {
     fn add(&mut self, nats: f32, attention: &[f32]) {
         self.nats += nats as f64;
         self.tokens += 1;
-        self.attention.resize(attention.len(), 0.0);
-        for (sum, &x) in self.attention.iter_mut().zip(attention) {
-            *sum += x as f64;
-        }
+        attention::accumulate(&mut self.attention, attention);
     }
 }
 
@@ -171,7 +143,7 @@ impl PositionTally {
 
     /// Adds a batch's per-token losses `nll` (nats, row-major like the
     /// batch) and attention figures `attention` (the same tokens, each with
-    /// [`ATTENTION_FIGURES`] per sublayer; empty when not measured).
+    /// [`attention::FIGURES`] per sublayer; empty when not measured).
     fn add(&mut self, batch: &Batch, nll: &[f32], attention: &[f32], eos: u32) {
         let per_token = attention.len() / nll.len().max(1);
         for (i, (&input, &loss)) in batch.inputs.iter().zip(nll).enumerate() {
@@ -200,41 +172,10 @@ impl PositionTally {
                 last: 1 << k,
                 tokens: s.tokens,
                 bits_per_token: s.nats / s.tokens as f64 / std::f64::consts::LN_2,
-                attention: attention_means(&s.attention, s.tokens),
+                attention: attention::means(&s.attention, s.tokens),
             })
             .collect()
     }
-}
-
-/// The attention figures of a segment's tokens, `[B, T, sublayer, 6]`
-/// flattened: each sublayer's shares and entropies ([`AttentionShare`]),
-/// averaged over heads.
-fn per_token_attention(groups: &[tvq_model::attention::AttentionGroups<B>]) -> Vec<f32> {
-    let figures: Vec<[Vec<f32>; 2]> = groups
-        .iter()
-        .map(|g| {
-            let host = |t: &Tensor<B, 4>| -> Vec<f32> {
-                let [b, _, t_len, _] = t.dims();
-                t.clone()
-                    .mean_dim(1) // [B, 1, T, 3]
-                    .reshape([b * t_len * 3])
-                    .into_data()
-                    .convert::<f32>()
-                    .to_vec()
-                    .expect("f32")
-            };
-            [host(&g.share), host(&g.entropy)]
-        })
-        .collect();
-    let tokens = figures.first().map_or(0, |f| f[0].len() / 3);
-    let mut out = Vec::with_capacity(tokens * figures.len() * ATTENTION_FIGURES);
-    for i in 0..tokens {
-        for [share, entropy] in &figures {
-            out.extend_from_slice(&share[i * 3..i * 3 + 3]);
-            out.extend_from_slice(&entropy[i * 3..i * 3 + 3]);
-        }
-    }
-    out
 }
 
 impl EvalReport {
@@ -267,7 +208,8 @@ impl EvalReport {
 /// A recall task's split is scored example by example instead
 /// ([`evaluate_recall`], on the first model): its loss per scored target
 /// (the answers, or every token where the task scores its text) and its
-/// accuracy, of the first `max_segments x eval.batch_size` examples.
+/// accuracy, of the first `max_segments x eval.batch_size` examples, and
+/// with `opts.attention` where the attention went at the answers.
 pub fn evaluate(
     models: &[TransformerVq<B>],
     split: &TokenSplit,
@@ -275,23 +217,21 @@ pub fn evaluate(
     opts: &EvalOptions,
 ) -> Result<EvalReport, TrainError> {
     if let Some(recall) = &split.recall {
-        if opts.by_position || opts.attention || opts.reset_every.is_some() {
+        if opts.by_position || opts.reset_every.is_some() {
             return Err(TrainError::Config {
                 key: "eval".into(),
-                reason: "--by-position, --attention and --reset-every do not apply to a \
-                         recall task (each example is read from a fresh state)"
+                reason: "--by-position and --reset-every do not apply to a recall task \
+                         (each example is read from a fresh state)"
                     .into(),
             });
         }
-        let examples = opts.max_segments.map(|m| m.saturating_mul(eval.batch_size));
-        let (report, nll, scored) =
-            evaluate_recall(&models[0], split, recall, eval, examples, opts.progress)?;
-        let loss = nll / scored.max(1) as f64;
+        let scores = evaluate_recall(&models[0], split, recall, eval, opts)?;
+        let loss = scores.nll / scores.scored.max(1) as f64;
         let ln2 = std::f64::consts::LN_2;
         return Ok(EvalReport {
             split: split.split.to_string(),
-            tokens: scored,
-            complete: examples.is_none_or(|n| n >= recall.examples()),
+            tokens: scores.scored,
+            complete: scores.complete,
             loss,
             bits_per_token: loss / ln2,
             bits_per_byte: loss / ln2,
@@ -299,8 +239,8 @@ pub fn evaluate(
             word_perplexity: None,
             reset_every: None,
             by_position: None,
-            attention: None,
-            recall: Some(report),
+            attention: scores.attention,
+            recall: Some(scores.report),
         });
     }
     let devices: Vec<_> = models.iter().map(|m| m.embedding.weight.device()).collect();
@@ -414,7 +354,7 @@ fn report(
         by_position: opts.by_position.then(|| positions.buckets()),
         attention: opts
             .attention
-            .then(|| attention_means(&positions.total.attention, positions.total.tokens)),
+            .then(|| attention::means(&positions.total.attention, positions.total.tokens)),
         recall: None,
     }
 }
@@ -426,7 +366,7 @@ struct Scored {
     /// Each token's loss, nats, row-major (empty unless measured by position
     /// or attention).
     token_nll: Vec<f32>,
-    /// Each token's attention figures ([`per_token_attention`]).
+    /// Each token's attention figures ([`attention::per_token`]).
     attention: Vec<f32>,
     /// The state carried to the next segment.
     state: ModelState<B>,
@@ -460,7 +400,7 @@ fn score_rows(
     Ok(Scored {
         nll: loss.nll_sum.into_scalar().elem::<f64>(),
         token_nll,
-        attention: per_token_attention(&out.attention),
+        attention: attention::per_token(&out.attention),
         state: out.state,
     })
 }
@@ -488,7 +428,7 @@ mod tests {
             valid: vec![true, true, false],
             reset: true,
         };
-        let figures: Vec<f32> = (0..3 * 2 * ATTENTION_FIGURES).map(|i| i as f32).collect();
+        let figures: Vec<f32> = (0..3 * 2 * attention::FIGURES).map(|i| i as f32).collect();
         let mut tally = PositionTally::new(1);
         tally.add(&batch, &[0.0; 3], &figures, 1);
         let b = tally.buckets();
@@ -498,7 +438,7 @@ mod tests {
         assert_eq!(b[0].attention[1].entropy, [9.0, 10.0, 11.0]);
         // Position 2: token 1 (figures 12..24); the padding is left out.
         assert_eq!(b[1].attention[0].share, [12.0, 13.0, 14.0]);
-        let total = attention_means(&tally.total.attention, tally.total.tokens);
+        let total = attention::means(&tally.total.attention, tally.total.tokens);
         assert_eq!(total[1].share, [12.0, 13.0, 14.0], "(6 + 18) / 2, ...");
     }
 

@@ -1,8 +1,10 @@
 //! Using a trained model: bits per byte over a split ([`evaluate`]),
+//! where its attention went ([`attention`]),
 //! accuracy on a recall task ([`recall`]), reading a prompt
 //! ([`prefill`]), generation ([`sample`]), and weights in and out of safetensors
 //! ([`export`]); [`load`] finds the model a path names.
 
+pub mod attention;
 pub mod evaluate;
 pub mod export;
 pub mod load;

@@ -4,7 +4,9 @@
 //!
 //! Each example is read from a fresh state, segment by segment with the
 //! state carried (so an answer beyond the two-block window must come from
-//! the compressed cache), `eval.batch_size` examples at a time.
+//! the compressed cache), `eval.batch_size` examples at a time. Where the
+//! attention went at each answer can be measured too: a model that recalls
+//! from beyond its window should weigh the compressed cache there.
 
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -16,6 +18,8 @@ use tvq_model::{Loss, Pass, TransformerVq};
 use crate::batch::BatchTensors;
 use crate::config::EvalSection;
 use crate::error::TrainError;
+use crate::inference::attention::{self, AttentionShare};
+use crate::inference::evaluate::EvalOptions;
 use crate::placement::B;
 use crate::progress::progress_bar;
 
@@ -46,73 +50,119 @@ pub struct DistanceBucket {
     pub correct: u64,
     /// `correct / answers`.
     pub accuracy: f64,
+    /// Where each sublayer's attention went at these answers (the mean over
+    /// them), when measured.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attention: Vec<AttentionShare>,
 }
 
-/// Counts right answers by distance bucket (bucket `k` ends at `2^k`).
+/// Sums of the answers in one distance bucket (or of all of them).
+#[derive(Clone, Debug, Default)]
+struct AnswerSums {
+    answers: u64,
+    correct: u64,
+    /// Attention figures, [`attention::FIGURES`] per sublayer.
+    attention: Vec<f64>,
+}
+
+impl AnswerSums {
+    fn add(&mut self, right: bool, attention: &[f32]) {
+        self.answers += 1;
+        self.correct += right as u64;
+        attention::accumulate(&mut self.attention, attention);
+    }
+
+    fn accuracy(&self) -> f64 {
+        self.correct as f64 / self.answers.max(1) as f64
+    }
+}
+
+/// Counts right answers by distance bucket (bucket `k` ends at `2^k`), with
+/// the attention figures read at them.
 #[derive(Clone, Debug, Default)]
 pub struct RecallTally {
-    /// `(answers, correct)` per bucket.
-    buckets: Vec<(u64, u64)>,
+    /// Per bucket.
+    buckets: Vec<AnswerSums>,
+    /// Over every answer.
+    total: AnswerSums,
 }
 
 impl RecallTally {
-    /// One answer given `distance` tokens back, right or not.
-    pub fn add(&mut self, distance: usize, right: bool) {
+    /// One answer given `distance` tokens back, right or not, and the
+    /// attention figures at its position ([`attention::FIGURES`] per
+    /// sublayer; empty when not measured).
+    pub fn add(&mut self, distance: usize, right: bool, attention: &[f32]) {
         let k = distance.max(1).next_power_of_two().ilog2() as usize;
         if self.buckets.len() <= k {
-            self.buckets.resize(k + 1, (0, 0));
+            self.buckets.resize(k + 1, AnswerSums::default());
         }
-        self.buckets[k].0 += 1;
-        self.buckets[k].1 += right as u64;
+        self.buckets[k].add(right, attention);
+        self.total.add(right, attention);
     }
 
     /// The report of everything added.
     pub fn report(&self) -> RecallReport {
-        let ratio = |c: u64, n: u64| c as f64 / n.max(1) as f64;
-        let (answers, correct) = self
-            .buckets
-            .iter()
-            .fold((0, 0), |(n, c), &(bn, bc)| (n + bn, c + bc));
         RecallReport {
-            answers,
-            correct,
-            accuracy: ratio(correct, answers),
+            answers: self.total.answers,
+            correct: self.total.correct,
+            accuracy: self.total.accuracy(),
             by_distance: self
                 .buckets
                 .iter()
                 .enumerate()
-                .filter(|(_, (n, _))| *n > 0)
-                .map(|(k, &(n, c))| DistanceBucket {
+                .filter(|(_, s)| s.answers > 0)
+                .map(|(k, s)| DistanceBucket {
                     first: (1u64 << k) / 2 + 1,
                     last: 1 << k,
-                    answers: n,
-                    correct: c,
-                    accuracy: ratio(c, n),
+                    answers: s.answers,
+                    correct: s.correct,
+                    accuracy: s.accuracy(),
+                    attention: attention::means(&s.attention, s.answers),
                 })
                 .collect(),
         }
     }
+
+    /// Where each sublayer's attention went, the mean over every answer
+    /// (empty when not measured).
+    pub fn attention(&self) -> Vec<AttentionShare> {
+        attention::means(&self.total.attention, self.total.answers)
+    }
 }
 
-/// Scores the first `max_examples` examples (all when `None`) of recall
-/// split `split` with `model`: the accuracy report (which counts the
-/// answers), the loss summed over the scored targets, nats, and their
-/// number (the answers', unless the task scores its text too:
-/// `data.passkey.score_text`).
+/// What [`evaluate_recall`] measured.
+#[derive(Clone, Debug)]
+pub struct RecallScores {
+    /// The answers' accuracy.
+    pub report: RecallReport,
+    /// Where the attention went at the answers, when asked for.
+    pub attention: Option<Vec<AttentionShare>>,
+    /// Loss summed over the scored targets, nats.
+    pub nll: f64,
+    /// Targets scored: the answers, unless the task scores its text too
+    /// (`data.passkey.score_text`).
+    pub scored: u64,
+    /// Whether every example of the split was scored.
+    pub complete: bool,
+}
+
+/// Scores recall split `split` with `model`: its first
+/// `opts.max_segments x eval.batch_size` examples (all when `None`), and
+/// with `opts.attention` where the attention went at each answer.
 pub fn evaluate_recall(
     model: &TransformerVq<B>,
     split: &TokenSplit,
     recall: &RecallSet,
     eval: &EvalSection,
-    max_examples: Option<usize>,
-    progress: bool,
-) -> Result<(RecallReport, f64, u64), TrainError> {
+    opts: &EvalOptions,
+) -> Result<RecallScores, TrainError> {
     let (len, seg) = (recall.example_len, eval.update_len);
+    let max_examples = opts.max_segments.map(|m| m.saturating_mul(eval.batch_size));
     let examples = max_examples.map_or(recall.examples(), |m| m.min(recall.examples()));
     let rows = eval.batch_size.clamp(1, examples.max(1));
     let device = model.embedding.weight.device();
     let bar = progress_bar(
-        progress,
+        opts.progress,
         examples as u64,
         &format!(
             "recall {} [{{bar:30}}] {{pos}}/{{len}} eta {{eta}}",
@@ -128,7 +178,13 @@ pub fn evaluate_recall(
         for start in (0..len).step_by(seg) {
             let batch = segment(split, &group, len, start, seg);
             let t = BatchTensors::rows(&batch, 0..group.len(), &device);
-            let out = model.forward(t.inputs, state, Pass::new().with_valid(t.valid.clone()))?;
+            let pass = Pass::new().with_valid(t.valid.clone());
+            let pass = if opts.attention {
+                pass.with_attention()
+            } else {
+                pass
+            };
+            let out = model.forward(t.inputs, state, pass)?;
             let guess: Vec<i64> = (out.logits.clone())
                 .expect("every position's logits")
                 .argmax(2) // [R, T, 1]
@@ -136,6 +192,8 @@ pub fn evaluate_recall(
                 .convert::<i64>()
                 .to_vec()
                 .expect("i64");
+            let figures = attention::per_token(&out.attention); // [R, T, sublayer, FIGURES]
+            let per_token = figures.len() / batch.targets.len();
             nll += Loss::new(&out, t.targets, Some(t.valid))
                 .nll_sum
                 .into_scalar()
@@ -147,7 +205,8 @@ pub fn evaluate_recall(
                 scored += 1;
                 let pos = group[i / seg] * len + start + i % seg;
                 if let Some(&d) = distance.get(&pos) {
-                    tally.add(d, guess[i] == target as i64);
+                    let at = &figures[i * per_token..(i + 1) * per_token];
+                    tally.add(d, guess[i] == target as i64, at);
                 }
             }
             state = out.state;
@@ -155,7 +214,13 @@ pub fn evaluate_recall(
         bar.inc(group.len() as u64);
     }
     bar.finish_and_clear();
-    Ok((tally.report(), nll, scored))
+    Ok(RecallScores {
+        report: tally.report(),
+        attention: opts.attention.then(|| tally.attention()),
+        nll,
+        scored,
+        complete: examples == recall.examples(),
+    })
 }
 
 /// Tokens `start..start + seg` of each example in `group` as one batch
@@ -201,7 +266,7 @@ mod tests {
             (8, false),
             (100, true),
         ] {
-            tally.add(distance, right);
+            tally.add(distance, right, &[]);
         }
         let r = tally.report();
         assert_eq!((r.answers, r.correct), (7, 4));
@@ -222,5 +287,36 @@ mod tests {
             ]
         );
         assert_eq!(RecallTally::default().report().accuracy, 0.0);
+    }
+
+    #[test]
+    fn the_tally_averages_the_attention_at_the_answers_by_distance() {
+        // One sublayer: figures [present, previous, cache, 3 entropies].
+        let near = [0.9, 0.1, 0.0, 0.5, 0.1, 0.0];
+        let far = [0.1, 0.1, 0.8, 0.1, 0.1, 1.0];
+        let farther = [0.2, 0.2, 0.6, 0.1, 0.1, 2.0];
+        let mut tally = RecallTally::default();
+        tally.add(2, true, &near);
+        tally.add(40, true, &far);
+        tally.add(50, false, &farther);
+        let r = tally.report();
+        assert_eq!(r.by_distance.len(), 2);
+        let close = |a: [f64; 3], b: [f64; 3]| a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-6);
+        assert!(close(r.by_distance[0].attention[0].share, [0.9, 0.1, 0.0]));
+        // 33..=64: the mean of the two answers there.
+        let far_bucket = &r.by_distance[1].attention[0];
+        assert!(close(far_bucket.share, [0.15, 0.15, 0.7]));
+        assert!(close(far_bucket.entropy, [0.1, 0.1, 1.5]));
+        // Over every answer.
+        assert!(close(
+            tally.attention()[0].share,
+            [0.4, 0.4 / 3.0, 1.4 / 3.0]
+        ));
+        // Not measured: no figures, in the report or its JSON.
+        let mut plain = RecallTally::default();
+        plain.add(2, true, &[]);
+        assert!(plain.attention().is_empty());
+        let json = serde_json::to_string(&plain.report()).unwrap();
+        assert!(!json.contains("attention"), "{json}");
     }
 }
