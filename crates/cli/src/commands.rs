@@ -167,7 +167,7 @@ pub struct EvalArgs {
     split: SplitArg,
     #[command(flatten)]
     devices: Devices,
-    /// Threads that score groups of the batch's rows at once, group g on
+    /// Threads that score shards of the batch's rows at once, shard g on
     /// device g mod the number of devices (default: the config's
     /// train.workers).
     #[arg(long, value_parser = crate::at_least(1))]

@@ -61,7 +61,7 @@ pub struct EvalOptions {
     pub max_segments: Option<usize>,
     /// Draw a progress bar.
     pub progress: bool,
-    /// Threads that score groups of the batch's rows at once.
+    /// Threads that score shards of the batch's rows at once.
     pub workers: usize,
     /// Reset the state every this many tokens of a row (a multiple of
     /// `eval.update_len`), as the official validation does per sequence;
@@ -201,8 +201,8 @@ impl EvalReport {
 /// one per device) in batches of `eval.batch_size` rows of
 /// `eval.update_len` tokens ([`EvalBatches`]: each row walks its own
 /// contiguous region of the split). The rows are cut into up to
-/// `opts.workers` groups that run on their own threads
-/// ([`map_in_workers`]), each carrying its own state; group `g` runs on
+/// `opts.workers` shards that run on their own threads
+/// ([`map_in_workers`]), each carrying its own state; shard `g` runs on
 /// `models[g mod len]`, where its state stays.
 ///
 /// A recall task's split is scored example by example instead
@@ -258,14 +258,14 @@ pub fn evaluate(
             split.split
         ),
     );
-    let model_of = |group: usize| &models[group % models.len()];
+    let model_of = |shard: usize| &models[shard % models.len()];
     let per_token = opts.by_position || opts.attention;
-    // Rows [start, end) of every batch per group: as even as possible.
-    let groups = opts.workers.clamp(1, batch.max(1));
-    let bounds: Vec<_> = (0..groups)
-        .map(|g| g * batch / groups..(g + 1) * batch / groups)
+    // Rows [start, end) of every batch per shard: as even as possible.
+    let shards = opts.workers.clamp(1, batch.max(1));
+    let bounds: Vec<_> = (0..shards)
+        .map(|g| g * batch / shards..(g + 1) * batch / shards)
         .collect();
-    let empty_states = || (0..groups).map(|g| model_of(g).empty_state()).collect();
+    let empty_states = || (0..shards).map(|g| model_of(g).empty_state()).collect();
     let mut states: Vec<_> = empty_states();
     let mut positions = PositionTally::new(batch);
     let (mut nll, mut tokens) = (0f64, 0u64);
@@ -285,16 +285,16 @@ pub fn evaluate(
             .collect();
         let scored = map_in_workers(
             work,
-            groups,
+            shards,
             |_| (),
-            |_, (group, (rows, state))| score_rows(model_of(group), &b, rows, state, opts),
+            |_, (shard, (rows, state))| score_rows(model_of(shard), &b, rows, state, opts),
         )?;
         let (mut batch_nll, mut batch_attention) = (vec![], vec![]);
-        for group in scored {
-            nll += group.nll;
-            batch_nll.extend(group.token_nll);
-            batch_attention.extend(group.attention);
-            states.push(group.state);
+        for shard in scored {
+            nll += shard.nll;
+            batch_nll.extend(shard.token_nll);
+            batch_attention.extend(shard.attention);
+            states.push(shard.state);
         }
         if per_token {
             positions.add(&b, &batch_nll, &batch_attention, split.eos);
@@ -359,7 +359,7 @@ fn report(
     }
 }
 
-/// What one group of a batch's rows scored.
+/// What one shard of a batch's rows scored.
 struct Scored {
     /// Summed loss, nats.
     nll: f64,

@@ -117,10 +117,10 @@ fn pipeline_stages(model: &TransformerVq<B>, chunks: usize) -> usize {
 /// Reads `chunks` (`[rows, n]` tokens, `n` a multiple of `L`) with the block
 /// form from `state`: the logits `[rows, 1, vocab]` of the last chunk's last
 /// position (none without chunks) and the state after it. With `stages > 1` the
-/// sublayers are cut into that many consecutive groups, each on a thread of
+/// sublayers are cut into that many consecutive stages, each on a thread of
 /// a worker crew (`parallel::workers`) that owns their states, and a chunk
-/// passes from group to group, so that while group 2 reads chunk 1, group 1
-/// reads chunk 2. Every group
+/// passes from stage to stage, so that while stage 2 reads chunk 1, stage 1
+/// reads chunk 2. Every stage
 /// computes what it would in one pass, in the same order: the result is
 /// the one-thread result, bit for bit.
 fn read_blocks(
@@ -142,16 +142,16 @@ fn read_blocks(
         }
         return Ok((last, state));
     }
-    // Each group's sublayers, their states and its two ends, taken by the
+    // Each stage's sublayers, their states and its two ends, taken by the
     // crew thread that runs it. Bounded channels: at most one chunk waits
-    // between two groups.
+    // between two stages.
     let mut states = state.sublayers.into_iter();
     let (feed, mut input) = sync_channel::<PassInput<B>>(1);
     let mut stage_parts = Vec::with_capacity(stages);
     for g in 0..stages {
         let range = g * n / stages..(g + 1) * n / stages;
         let own: Vec<_> = states.by_ref().take(range.len()).collect();
-        // The last group keeps its output; the others pass it on.
+        // The last stage keeps its output; the others pass it on.
         let (output, next) = if g + 1 < stages {
             let (tx, rx) = sync_channel(1);
             (Some(tx), rx)
@@ -161,21 +161,21 @@ fn read_blocks(
         let input = std::mem::replace(&mut input, next);
         stage_parts.push(Mutex::new(Some((range, own, input, output))));
     }
-    // The groups run on a crew, so each computes its own matrix products
+    // The stages run on a crew, so each computes its own matrix products
     // (parallel::workers); this thread feeds them meanwhile. The crew is
-    // lent to this thread, which keeps the states the groups end with.
+    // lent to this thread, which keeps the states the stages end with.
     let crew = CREWS.lease(stages);
     std::thread::scope(|scope| {
         let stages_done = scope.spawn(|| {
             crew.run(|g| {
                 let (range, own, input, output) =
-                    lock(&stage_parts[g]).take().expect("each group runs once");
+                    lock(&stage_parts[g]).take().expect("each stage runs once");
                 read_stage(model, range, own, input, output)
             })
         });
         for tokens in chunks {
             let len = tokens.dims()[1] as u64;
-            // A failed send means a group failed: its error is reported.
+            // A failed send means a stage failed: its error is reported.
             match feed.send(PassInput::Tokens(tokens)) {
                 Ok(()) => bar.inc(len),
                 Err(_) => break,
@@ -222,7 +222,7 @@ fn read_stage(
         let out = model.forward(chunk, ModelState { sublayers: own }, pass)?;
         own = out.state.sublayers;
         match &output {
-            // A later group that failed hung up: its error is reported.
+            // A later stage that failed hung up: its error is reported.
             Some(tx) => {
                 if tx.send(PassInput::Hidden(out.h)).is_err() {
                     break;
@@ -372,7 +372,7 @@ pub(crate) mod tests {
             assert!(floats(&l2.unwrap()) == logits, "{stages} stages: logits");
             assert!(state_floats(&state2) == state, "{stages} stages: state");
         }
-        // A chunk that is not whole blocks fails in the first group: an
+        // A chunk that is not whole blocks fails in the first stage: an
         // error comes back, nothing hangs.
         let bad = (0..5).map(|c| chunk(c, if c == 2 { l + 1 } else { l }));
         for stages in [1, 2, 4] {
