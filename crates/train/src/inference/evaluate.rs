@@ -225,7 +225,16 @@ pub fn evaluate(
                     .into(),
             });
         }
-        let scores = evaluate_recall(&models[0], split, recall, eval, opts)?;
+        let examples = opts.max_segments.map(|m| m.saturating_mul(eval.batch_size));
+        let scores = evaluate_recall(
+            &models[0],
+            split,
+            recall,
+            eval,
+            examples,
+            opts.progress,
+            opts.attention,
+        )?;
         let loss = scores.nll / scores.scored.max(1) as f64;
         let ln2 = std::f64::consts::LN_2;
         return Ok(EvalReport {

@@ -19,7 +19,6 @@ use crate::batch::BatchTensors;
 use crate::config::EvalSection;
 use crate::error::TrainError;
 use crate::inference::attention::{self, AttentionShare};
-use crate::inference::evaluate::EvalOptions;
 use crate::placement::B;
 use crate::progress::progress_bar;
 
@@ -146,23 +145,24 @@ pub struct RecallScores {
     pub complete: bool,
 }
 
-/// Scores recall split `split` with `model`: its first
-/// `opts.max_segments x eval.batch_size` examples (all when `None`), and
-/// with `opts.attention` where the attention went at each answer.
+/// Scores the first `max_examples` examples (all when `None`) of recall
+/// split `split` with `model`, and with `with_attention` where the attention
+/// went at each answer.
 pub fn evaluate_recall(
     model: &TransformerVq<B>,
     split: &TokenSplit,
     recall: &RecallSet,
     eval: &EvalSection,
-    opts: &EvalOptions,
+    max_examples: Option<usize>,
+    progress: bool,
+    with_attention: bool,
 ) -> Result<RecallScores, TrainError> {
     let (len, seg) = (recall.example_len, eval.update_len);
-    let max_examples = opts.max_segments.map(|m| m.saturating_mul(eval.batch_size));
     let examples = max_examples.map_or(recall.examples(), |m| m.min(recall.examples()));
     let rows = eval.batch_size.clamp(1, examples.max(1));
     let device = model.embedding.weight.device();
     let bar = progress_bar(
-        opts.progress,
+        progress,
         examples as u64,
         &format!(
             "recall {} [{{bar:30}}] {{pos}}/{{len}} eta {{eta}}",
@@ -179,7 +179,7 @@ pub fn evaluate_recall(
             let batch = segment(split, &group, len, start, seg);
             let t = BatchTensors::rows(&batch, 0..group.len(), &device);
             let pass = Pass::new().with_valid(t.valid.clone());
-            let pass = if opts.attention {
+            let pass = if with_attention {
                 pass.with_attention()
             } else {
                 pass
@@ -216,7 +216,7 @@ pub fn evaluate_recall(
     bar.finish_and_clear();
     Ok(RecallScores {
         report: tally.report(),
-        attention: opts.attention.then(|| tally.attention()),
+        attention: with_attention.then(|| tally.attention()),
         nll,
         scored,
         complete: examples == recall.examples(),
