@@ -12,7 +12,9 @@
 #   FORMS="quadratic vq:32:toeplitz vq:128:toeplitz" PAIRS="4 8" LENS="64 256" SEEDS="0 1" \
 #     scripts/recall-sweep.sh runs/recall
 #
-# TVQ_BIN=PATH runs that binary instead of building this tree's.
+# TVQ_BIN=PATH runs that binary instead of building this tree's; the
+# results then record TVQ_COMMIT (the commit it was built from) if given,
+# else the binary's file name.
 #
 # Writes OUT_DIR/results.jsonl (one line per run: the settings, the
 # accuracy, the accuracy by distance, the validation's accuracy at each
@@ -35,7 +37,11 @@ if [ -z "$tvq" ]; then
   cargo build --release -p tvq-cli --quiet
   tvq="$CARGO_TARGET_DIR/release/tvq"
 fi
-commit="$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo '+dirty')"
+if [ -n "${TVQ_BIN:-}" ]; then
+  commit="${TVQ_COMMIT:-$(basename "$tvq")}"
+else
+  commit="$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo '+dirty')"
+fi
 mkdir -p "$out"
 results="$out/results.jsonl"
 touch "$results"
