@@ -88,8 +88,8 @@ pub struct RecallTally {
 
 impl RecallTally {
     /// One answer given `distance` tokens back, right or not, and the
-    /// attention figures at its position ([`attention::FIGURES`] per
-    /// sublayer; empty when not measured).
+    /// attention figures at its position (per sublayer its three shares,
+    /// then its three entropies; empty when not measured).
     pub fn add(&mut self, distance: usize, right: bool, attention: &[f32]) {
         let k = distance.max(1).next_power_of_two().ilog2() as usize;
         if self.buckets.len() <= k {
