@@ -23,7 +23,7 @@
 //! let out = model.forward(tokens.clone(), model.empty_state(), Pass::new())?;
 //! assert_eq!(out.logits.unwrap().dims(), [2, 8, 256]);
 //! // Only the last position's, with where the attention went.
-//! let pass = Pass::new().with_logits(Logits::Last).with_attention();
+//! let pass = Pass::new().with_logits(Logits::Last).with_attention(true);
 //! let out = model.forward(tokens, model.empty_state(), pass)?;
 //! assert_eq!(out.logits.unwrap().dims(), [2, 1, 256]);
 //! assert_eq!(out.attention.len(), 4); // one per sublayer
@@ -154,10 +154,11 @@ impl<B: Backend> Pass<B> {
         }
     }
 
-    /// The pass reporting where each sublayer's attention went.
-    pub fn with_attention(self) -> Self {
+    /// The pass reporting where each sublayer's attention went, or not
+    /// (`report`: a caller's flag passes straight through).
+    pub fn with_attention(self, report: bool) -> Self {
         Self {
-            with_attention: true,
+            with_attention: report,
             ..self
         }
     }

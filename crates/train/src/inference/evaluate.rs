@@ -394,12 +394,9 @@ fn score_rows(
         targets,
         valid,
     } = BatchTensors::rows(b, rows, &model.embedding.weight.device());
-    let pass = Pass::new().with_valid(valid.clone());
-    let pass = if opts.attention {
-        pass.with_attention()
-    } else {
-        pass
-    };
+    let pass = Pass::new()
+        .with_valid(valid.clone())
+        .with_attention(opts.attention);
     let out = model.forward(inputs, state, pass)?;
     let loss = Loss::new(&out, targets, Some(valid));
     let token_nll = match opts.by_position || opts.attention {

@@ -178,12 +178,9 @@ pub fn evaluate_recall(
         for start in (0..len).step_by(seg) {
             let batch = segment(split, &group, len, start, seg);
             let t = BatchTensors::rows(&batch, 0..group.len(), &device);
-            let pass = Pass::new().with_valid(t.valid.clone());
-            let pass = if with_attention {
-                pass.with_attention()
-            } else {
-                pass
-            };
+            let pass = Pass::new()
+                .with_valid(t.valid.clone())
+                .with_attention(with_attention);
             let out = model.forward(t.inputs, state, pass)?;
             let guess: Vec<i64> = (out.logits.clone())
                 .expect("every position's logits")
