@@ -154,8 +154,8 @@ impl<B: Backend> Pass<B> {
         }
     }
 
-    /// The pass reporting where each sublayer's attention went, or not
-    /// (`report`: a caller's flag passes straight through).
+    /// The pass reporting where each sublayer's attention went if
+    /// `report` is set (a diagnostic flag passes straight through).
     pub fn with_attention(self, report: bool) -> Self {
         Self {
             with_attention: report,
