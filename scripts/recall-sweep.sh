@@ -32,14 +32,12 @@ LENS=${LENS:-64}
 SEEDS=${SEEDS:-0 1}
 EXTRA=${EXTRA:-}
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/tvq/target}"
-tvq="${TVQ_BIN:-}"
-if [ -z "$tvq" ]; then
-  cargo build --release -p tvq-cli --quiet
-  tvq="$CARGO_TARGET_DIR/release/tvq"
-fi
 if [ -n "${TVQ_BIN:-}" ]; then
+  tvq="$TVQ_BIN"
   commit="${TVQ_COMMIT:-$(basename "$tvq")}"
 else
+  cargo build --release -p tvq-cli --quiet
+  tvq="$CARGO_TARGET_DIR/release/tvq"
   commit="$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo '+dirty')"
 fi
 mkdir -p "$out"
