@@ -12,6 +12,10 @@
 #   FORMS="quadratic vq:32:toeplitz vq:128:toeplitz" PAIRS="4 8" LENS="64 256" SEEDS="0 1" \
 #     scripts/recall-sweep.sh runs/recall
 #
+# FROM=DIR starts each run from the weights of the run of the same form,
+# pairs and seed in the sweep DIR, whatever its length (train.init_from):
+# a curriculum of lengths, e.g. FROM=runs/recall-t64 LENS=256.
+#
 # TVQ_BIN=PATH runs that binary instead of building this tree's; the
 # results then record TVQ_COMMIT (the commit it was built from) if given,
 # else the binary's file name.
@@ -59,11 +63,19 @@ for form in $FORMS; do
         rm -rf "$run"
         # Examples of `len` tokens, read in segments of at most 256.
         seg=$(( len < 256 ? len : 256 ))
+        init=()
+        if [ -n "${FROM:-}" ]; then
+          sources=("$FROM/$form-p$pairs"-t*-s"$seed")
+          if [ "${#sources[@]}" -ne 1 ] || [ ! -d "${sources[0]}" ]; then
+            echo "recall-sweep: $name: no single run to start from in $FROM" >&2; continue
+          fi
+          init=(--set "train.init_from=${sources[0]}")
+        fi
         # shellcheck disable=SC2086
         "$tvq" train --config configs/mqar.toml --run-dir "$run" --quiet "${set_form[@]}" \
           --set "data.mqar.pairs=$pairs" --set "data.sequence_len=$len" --set "data.update_len=$seg" \
           --set "eval.update_len=$seg" --set "train.seed=$seed" --set "data.mqar.seed=$seed" \
-          $EXTRA > "$run.log" 2>&1 || { echo "recall-sweep: $name failed (see $run.log)" >&2; continue; }
+          "${init[@]}" $EXTRA > "$run.log" 2>&1 || { echo "recall-sweep: $name failed (see $run.log)" >&2; continue; }
         report="$("$tvq" eval --checkpoint "$run" --json 2>/dev/null)"
         python3 - "$name" "$form" "$pairs" "$len" "$seed" "$commit" "$report" "$run/metrics.jsonl" >> "$results" <<'PY'
 import json, sys

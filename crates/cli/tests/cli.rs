@@ -344,6 +344,108 @@ fn killed_and_resumed_training_equals_uninterrupted_training() {
     assert!(wa == wb, "final weights differ");
 }
 
+/// `train.init_from`: a run starts from another run's weights, named by
+/// its run directory or an export of the same checkpoint alike, and so
+/// from a lower loss than a fresh start; it records the source in its
+/// config, resumes from its own checkpoints once the source is gone, and a
+/// source of another model or none at all is a one-line error.
+#[test]
+fn a_run_starts_from_another_runs_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 6, 3);
+    let config = config.to_str().unwrap();
+    let source = dir.path().join("source");
+    train_quietly(config, &source, &[]);
+    let export = dir.path().join("source.safetensors");
+    ok(&[
+        "export",
+        "--checkpoint",
+        source.to_str().unwrap(),
+        "--out",
+        export.to_str().unwrap(),
+    ]);
+    let init = |from: &Path| format!("train.init_from={}", from.display());
+    let fresh = dir.path().join("fresh");
+    let from_run = dir.path().join("from-run");
+    let from_export = dir.path().join("from-export");
+    train_quietly(config, &fresh, &[]);
+    train_quietly(
+        config,
+        &from_run,
+        &["--set", &init(&source), "--max-steps", "3"],
+    );
+    train_quietly(config, &from_export, &["--set", &init(&export)]);
+
+    let first = |run: &Path| {
+        losses(run)[0]
+            .1
+            .split(' ')
+            .next()
+            .unwrap()
+            .parse::<f64>()
+            .unwrap()
+    };
+    assert!(
+        first(&from_run) < first(&fresh) - 0.1,
+        "{} against a fresh start's {}",
+        first(&from_run),
+        first(&fresh)
+    );
+    let recorded = std::fs::read_to_string(from_run.join("config.toml")).unwrap();
+    assert!(recorded.contains("init_from"), "{recorded}");
+
+    // The source gone, the run resumes from its own step 3 and ends where
+    // the run from the export did.
+    std::fs::remove_dir_all(&source).unwrap();
+    let run = from_run.to_str().unwrap();
+    ok(&[
+        "train",
+        "--config",
+        config,
+        "--run-dir",
+        run,
+        "--resume",
+        "--quiet",
+        "--set",
+        &init(&source),
+    ]);
+    assert_eq!(losses(&from_run), losses(&from_export));
+
+    let other = dir.path().join("other");
+    let other = other.to_str().unwrap();
+    let from = init(&export);
+    fails(
+        &[
+            "train",
+            "--config",
+            config,
+            "--run-dir",
+            other,
+            "--quiet",
+            "--set",
+            &from,
+            "--set",
+            "model.n_code=8",
+        ],
+        "c_sum",
+    );
+    let missing = init(&source);
+    fails(
+        &[
+            "train",
+            "--config",
+            config,
+            "--run-dir",
+            other,
+            "--quiet",
+            "--force",
+            "--set",
+            &missing,
+        ],
+        "source",
+    );
+}
+
 #[test]
 fn worker_threads_train_exactly_like_sequential_micro_batches() {
     let dir = tempfile::tempdir().unwrap();

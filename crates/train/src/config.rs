@@ -6,7 +6,7 @@
 //! `--set`) are applied to the TOML before it is read, so they are checked
 //! the same way.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use tvq_data::DataConfig;
@@ -93,6 +93,15 @@ pub struct TrainSection {
     /// Type of the sublayers' matrix products ([`Precision`]); weights,
     /// optimizer moments, codebooks and the loss stay `f32`.
     pub precision: Precision,
+    /// Start from the weights and codebooks of this model instead of drawn
+    /// ones: a `tvq export` file, a checkpoint directory, or a run
+    /// directory (its newest valid checkpoint); relative to the working
+    /// directory. Every tensor of the run's model must be there, in its
+    /// shape, and nothing else; settings that shape no tensor (block and
+    /// sequence lengths, attention form, data) may differ. The optimizer,
+    /// the schedule and the data start afresh. Read only when the run
+    /// starts: a resumed run continues from its own checkpoint.
+    pub init_from: Option<PathBuf>,
 }
 
 /// The learning rate after the linear warm-up (docs/training.md,
@@ -265,6 +274,7 @@ impl Default for TrainSection {
             keep_checkpoints: 2,
             activation_checkpointing: ActivationCheckpointing::None,
             precision: Precision::F32,
+            init_from: None,
         }
     }
 }

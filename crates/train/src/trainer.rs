@@ -183,6 +183,24 @@ impl Trainer {
         })
     }
 
+    /// Replaces the drawn weights and codebooks with those of `source` (an
+    /// export, a checkpoint directory or a run directory:
+    /// [`checkpoint::read_weights_from`]), before the first step: the
+    /// optimizer and the progress stay fresh. `train.init_from`.
+    pub fn start_from(&mut self, source: &Path) -> Result<(), TrainError> {
+        if self.state.step != 0 {
+            return Err(TrainError::Config {
+                key: "train.init_from".into(),
+                reason: format!("the run is at step {}, not starting", self.state.step),
+            });
+        }
+        let drawn = self.model().clone();
+        let mut model = checkpoint::read_weights_from(source, drawn, &self.device)?;
+        model.set_precision(self.settings.precision);
+        self.model = Some(model);
+        Ok(())
+    }
+
     /// Makes this trainer node `rank` of `nodes`: it runs shards
     /// `rank * s .. (rank + 1) * s` of every batch (`s` = shards per node)
     /// and takes the batch rows of those shards. Call before
@@ -1083,6 +1101,43 @@ pub(crate) mod tests {
             assert!(m.loss.is_finite());
             path = Some(saved);
         }
+    }
+
+    /// `train.init_from`: a fresh trainer takes every weight and codebook
+    /// of another run's checkpoint, from its directory or the run's, but
+    /// not its progress; a checkpoint of another architecture is an error
+    /// naming the tensors, and the trainer keeps its drawn weights.
+    #[test]
+    fn a_trainer_starts_from_the_weights_and_codebooks_of_another_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut source = trainer(1, 1);
+        let drawn = every_parameter(source.model());
+        source
+            .step(&batch(2, 8, true), TrainCursor::default())
+            .unwrap();
+        source
+            .step(&batch(2, 8, false), TrainCursor::default())
+            .unwrap();
+        let trained = every_parameter(source.model());
+        let checkpoint = source.save(dir.path()).unwrap();
+        for from in [checkpoint.as_path(), dir.path()] {
+            let mut t = trainer(1, 1);
+            assert_eq!(every_parameter(t.model()), drawn, "the same draw");
+            t.start_from(from).unwrap();
+            assert_eq!(every_parameter(t.model()), trained, "from {from:?}");
+            assert_eq!(t.state().step, 0);
+            let m = t.step(&batch(2, 8, true), TrainCursor::default()).unwrap();
+            assert_eq!(m.step, 1);
+        }
+
+        let settings = TrainSection::default();
+        let device = DeviceSpec::Cpu.init().unwrap().0;
+        let other = tiny_model(11).with_n_code(7);
+        let mut t = Trainer::new(&other, &settings, &[device]).unwrap();
+        let before = every_parameter(t.model());
+        let err = t.start_from(&checkpoint).unwrap_err().to_string();
+        assert!(err.contains("c_sum") && !err.contains('\n'), "{err}");
+        assert_eq!(every_parameter(t.model()), before);
     }
 
     #[test]

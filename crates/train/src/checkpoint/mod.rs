@@ -383,6 +383,27 @@ pub fn load_model_of(
     }
 }
 
+/// `model` (on `device`) with the weights of `source`: a `.safetensors`
+/// export, a checkpoint directory, or a run directory's newest valid
+/// checkpoint. Every tensor of `model` must be in the file, in its shape,
+/// and no other (a source of another architecture is an error naming the
+/// tensors, not a half-loaded model).
+pub fn read_weights_from(
+    source: &Path,
+    model: Model,
+    device: &burn::DispatchDevice,
+) -> Result<Model, TrainError> {
+    if source.extension().is_some_and(|e| e == "safetensors") {
+        return read_weights(source, model);
+    }
+    let dir = if source.join("manifest.json").is_file() {
+        source.to_path_buf()
+    } else {
+        latest_valid(source).ok_or_else(|| TrainError::NoModel(source.to_path_buf()))?
+    };
+    read_model(&dir, verify(&dir)?, model, device)
+}
+
 fn read_model(
     dir: &Path,
     format: u32,
@@ -452,6 +473,13 @@ fn load_weights(path: &Path, bytes: Vec<u8>, mut model: Model) -> Result<Model, 
         return Err(fail(format!(
             "missing tensors {:?}, errors {:?}",
             result.missing, result.errors
+        )));
+    }
+    // Tensors the model has no place for: the file is of another model.
+    if !result.unused.is_empty() {
+        return Err(fail(format!(
+            "holds tensors its model has no place for: {:?}",
+            result.unused
         )));
     }
     Ok(model)

@@ -195,9 +195,16 @@ fn set_up_trainer(
         0 => prepare_run_dir(cfg, opts)?,
         _ => None,
     };
-    // Resumed before the config is written: a checkpoint that does not fit
-    // this config leaves the run directory as it was.
+    // Resumed (or started from train.init_from) before the config is
+    // written: weights that do not fit this config leave the run directory
+    // as it was.
     resume_latest(&mut trainer, opts)?;
+    if let Some(source) = cfg.train.init_from.as_deref()
+        && trainer.last_checkpoint().is_none()
+    {
+        trainer.start_from(source)?;
+        tracing::info!("starting from the weights of {}", source.display());
+    }
     if rank == 0 {
         write_config(cfg, &opts.run_dir)?;
     }
