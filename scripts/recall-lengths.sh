@@ -3,12 +3,15 @@
 # first"): evaluates trained MQAR runs on the validation examples of each
 # length in LENS, with no training at that length. Each run keeps its own
 # config (task, pairs, seed), with data.sequence_len set to the length and
-# the examples read in segments of at most 256 tokens.
+# the examples read in segments of at most SEG tokens (default 256). The
+# quadratic form keeps no state from one segment to the next, so it sees
+# a whole example only with SEG=0 (whole examples; BATCH=N rows per batch
+# keeps its [T, T] scores in memory).
 #
 #   LENS="256 1024 4096" scripts/recall-lengths.sh OUT.jsonl RUN_DIR...
 #
 # Appends one JSON line per run and length to OUT.jsonl (the run, the
-# length, the accuracy, the accuracy by distance; a pair already there is
+# length, the segment, the accuracy, the accuracy by distance; a pair already there is
 # not evaluated again) and prints a Markdown table, one row per run, one
 # column per length. TVQ_BIN=PATH runs that binary instead of building
 # this tree's.
@@ -34,19 +37,21 @@ for run in "$@"; do
   for len in $LENS; do
     if grep -qF "\"run\": \"$run\", \"seq_len\": $len," "$out"; then continue; fi
     config="$configs/t$len.toml"
-    seg=$(( len < 256 ? len : 256 ))
+    seg=${SEG:-256}
+    seg=$(( seg == 0 || len < seg ? len : seg ))
     # The run's config with the length changed: sequence_len in [data],
-    # update_len in [data] and [eval] (the only keys of these names).
+    # update_len (and batch_size) in [data] and [eval], the only keys of
+    # these names.
     sed -e "s/^sequence_len = .*/sequence_len = $len/" -e "s/^update_len = .*/update_len = $seg/" \
-      "$run/config.toml" > "$config"
+      -e "${BATCH:+s/^batch_size = .*/batch_size = $BATCH/}" "$run/config.toml" > "$config"
     report="$("$tvq" eval --checkpoint "$run" --config "$config" --json 2>/dev/null)" ||
       { echo "recall-lengths: $run at $len tokens failed" >&2; continue; }
-    python3 - "$run" "$len" "$report" >> "$out" <<'PY'
+    python3 - "$run" "$len" "$seg" "$report" >> "$out" <<'PY'
 import json, sys
-run, length, report = sys.argv[1:]
+run, length, segment, report = sys.argv[1:]
 r = json.loads(report)["recall"]
-print(json.dumps({"run": run, "seq_len": int(length), "accuracy": r["accuracy"],
-                  "by_distance": r["by_distance"]}))
+print(json.dumps({"run": run, "seq_len": int(length), "segment": int(segment),
+                  "accuracy": r["accuracy"], "by_distance": r["by_distance"]}))
 PY
     echo "recall-lengths: $run at $len tokens: $(tail -1 "$out" | python3 -c 'import json,sys; print(round(100*json.load(sys.stdin)["accuracy"], 1))')%"
   done
