@@ -11,8 +11,8 @@
 #   LENS="256 1024 4096" scripts/recall-lengths.sh OUT.jsonl RUN_DIR...
 #
 # Appends one JSON line per run and length to OUT.jsonl (the run, the
-# length, the segment, the accuracy, the accuracy by distance; a pair already there is
-# not evaluated again) and prints a Markdown table, one row per run, one
+# length, the segment, the accuracy, the accuracy by distance; a run,
+# length and segment already there are not evaluated again) and prints a Markdown table, one row per run, one
 # column per length. TVQ_BIN=PATH runs that binary instead of building
 # this tree's.
 set -euo pipefail
@@ -35,10 +35,10 @@ trap 'rm -rf "$configs"' EXIT
 
 for run in "$@"; do
   for len in $LENS; do
-    if grep -qF "\"run\": \"$run\", \"seq_len\": $len," "$out"; then continue; fi
-    config="$configs/t$len.toml"
     seg=${SEG:-256}
     seg=$(( seg == 0 || len < seg ? len : seg ))
+    if grep -qF "\"run\": \"$run\", \"seq_len\": $len, \"segment\": $seg," "$out"; then continue; fi
+    config="$configs/t$len.toml"
     # The run's config with the length changed: sequence_len in [data],
     # update_len (and batch_size) in [data] and [eval], the only keys of
     # these names.
