@@ -397,53 +397,23 @@ fn a_run_starts_from_another_runs_weights() {
     // The source gone, the run resumes from its own step 3 and ends where
     // the run from the export did.
     std::fs::remove_dir_all(&source).unwrap();
-    let run = from_run.to_str().unwrap();
-    ok(&[
+    train_quietly(config, &from_run, &["--resume", "--set", &init(&source)]);
+    assert_eq!(losses(&from_run), losses(&from_export));
+
+    let other = dir.path().join("other");
+    let train_other = [
         "train",
         "--config",
         config,
         "--run-dir",
-        run,
-        "--resume",
+        other.to_str().unwrap(),
         "--quiet",
-        "--set",
-        &init(&source),
-    ]);
-    assert_eq!(losses(&from_run), losses(&from_export));
-
-    let other = dir.path().join("other");
-    let other = other.to_str().unwrap();
-    let from = init(&export);
-    fails(
-        &[
-            "train",
-            "--config",
-            config,
-            "--run-dir",
-            other,
-            "--quiet",
-            "--set",
-            &from,
-            "--set",
-            "model.n_code=8",
-        ],
-        "c_sum",
-    );
-    let missing = init(&source);
-    fails(
-        &[
-            "train",
-            "--config",
-            config,
-            "--run-dir",
-            other,
-            "--quiet",
-            "--force",
-            "--set",
-            &missing,
-        ],
-        "source",
-    );
+    ];
+    let (from, missing) = (init(&export), init(&source));
+    let other_model = ["--set", &from, "--set", "model.n_code=8"];
+    fails(&[&train_other[..], &other_model].concat(), "c_sum");
+    let no_source = ["--force", "--set", &missing];
+    fails(&[&train_other[..], &no_source].concat(), "source");
 }
 
 #[test]
