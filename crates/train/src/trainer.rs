@@ -855,6 +855,49 @@ pub(crate) mod tests {
         );
     }
 
+    /// A group of keys with no key in it (the empty compressed cache, the
+    /// first block's previous block) takes no part in the softmax's row
+    /// maximum on the GPU either. Autodiff records a maximum as argmax then
+    /// gather, and cubecl's argmax of a row of `-inf` is no index at all:
+    /// the gather read out of bounds, an illegal address on CUDA (the H100
+    /// and H200 runs) and a stray value on wgpu. With the Toeplitz table
+    /// at -200 for distance 0, a block's first query scores about -200 on
+    /// its only key, so a stray maximum far above that (lavapipe's is)
+    /// underflows every `exp` of the row and the loss is NaN.
+    #[test]
+    fn a_group_without_keys_leaves_the_softmax_maximum_alone_on_the_gpu() {
+        use burn::module::Param;
+        let test = "a_group_without_keys_leaves_the_softmax_maximum_alone_on_the_gpu";
+        let Some(gpu) = gpu_under_test(test) else {
+            return;
+        };
+        let settings = TrainSection {
+            warmup_steps: 0,
+            ..TrainSection::default()
+        };
+        let losses = |device: DispatchDevice| {
+            let mut t = Trainer::new(&tiny_model(11), &settings, &[device]).unwrap();
+            let mut model = t.model.take().unwrap();
+            for gau in &mut model.sublayers {
+                let table = gau.bias.toeplitz.take().unwrap();
+                let (id, table, _) = table.consume();
+                let [h, d] = table.dims();
+                let far = Tensor::zeros([h, d], &table.device()).slice_fill(s![.., 0], -200.0);
+                gau.bias.toeplitz = Some(Param::initialized(id, far.require_grad()));
+            }
+            t.model = Some(model);
+            three_steps(&mut t)
+        };
+        let cpu = losses(DeviceSpec::Cpu.init().unwrap().0);
+        let on_gpu = losses(gpu);
+        for (c, g) in cpu.iter().zip(&on_gpu) {
+            assert!(
+                c.is_finite() && (c - g).abs() <= 1e-4 * c.abs(),
+                "cpu {cpu:?}, gpu {on_gpu:?}"
+            );
+        }
+    }
+
     #[test]
     fn a_non_finite_loss_stops_before_the_weights_change() {
         let mut t = trainer(1, 1);

@@ -199,16 +199,21 @@ pub fn cache_limit_bias(cached: usize, limit: Option<usize>) -> f64 {
 /// slices of its gradient, cost more than the softmax itself. The row maximum
 /// only keeps `exp` in range and cancels in the quotient, so it carries no
 /// gradient. Every query sees at least itself, so the maximum is finite.
+///
+/// The scores are detached *before* the maximum, not after: a group can be
+/// all `-inf` (the empty cache, the first block's previous block), and
+/// autodiff records a maximum as argmax-then-gather, whose argmax of an
+/// all-`-inf` row is no index at all. cubecl's gather then reads out of
+/// bounds: an illegal address on CUDA, a stray value on wgpu.
 pub(super) fn attend<B: Backend, const G: usize>(
     groups: [(Tensor<B, 5>, Tensor<B, 5>); G],
     cx: Compute,
 ) -> Tensor<B, 5> {
     let max = groups
         .iter()
-        .map(|(scores, _)| scores.clone().max_dim(4))
+        .map(|(scores, _)| scores.clone().detach().max_dim(4))
         .reduce(|a, b| a.max_pair(b))
-        .expect("at least one group")
-        .detach(); // [.., n, 1]
+        .expect("at least one group"); // [.., n, 1]
     let mut total: Option<(Tensor<B, 5>, Tensor<B, 5>)> = None; // (sum p v, sum p)
     for (scores, values) in groups {
         let p = (scores - max.clone()).exp(); // [.., n, N_g], unnormalised
