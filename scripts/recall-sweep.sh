@@ -12,9 +12,10 @@
 #   FORMS="quadratic vq:32:toeplitz vq:128:toeplitz" PAIRS="4 8" LENS="64 256" SEEDS="0 1" \
 #     scripts/recall-sweep.sh runs/recall
 #
-# FROM=DIR starts each run from the weights of the run of the same form,
-# pairs and seed in the sweep DIR, whatever its length (train.init_from):
-# a curriculum of lengths, e.g. FROM=runs/recall-t64 LENS=256.
+# FROM=DIR starts each run from the weights of the run of the same form and
+# seed in the sweep DIR, whatever its pairs and length (train.init_from; DIR
+# must hold one such run): a curriculum of lengths, e.g.
+# FROM=runs/recall-t64 LENS=256, or of pairs, e.g. FROM=runs/recall-p8 PAIRS=16.
 #
 # TVQ_BIN=PATH runs that binary instead of building this tree's; the
 # results then record TVQ_COMMIT (the commit it was built from) if given,
@@ -65,7 +66,7 @@ for form in $FORMS; do
         seg=$(( len < 256 ? len : 256 ))
         init=()
         if [ -n "${FROM:-}" ]; then
-          sources=("$FROM/$form-p$pairs"-t*-s"$seed")
+          sources=("$FROM/$form"-p*-t*-s"$seed")
           if [ "${#sources[@]}" -ne 1 ] || [ ! -d "${sources[0]}" ]; then
             echo "recall-sweep: $name: no single run to start from in $FROM" >&2; continue
           fi
