@@ -12,9 +12,9 @@
 #
 # Appends one JSON line per run and length to OUT.jsonl (the run, the
 # length, the segment, the accuracy, the accuracy by distance; a run,
-# length and segment already there are not evaluated again) and prints a Markdown table, one row per run, one
-# column per length. TVQ_BIN=PATH runs that binary instead of building
-# this tree's.
+# length and segment already there are not evaluated again) and prints a
+# Markdown table, one row per run, one column per length. TVQ_BIN=PATH runs
+# that binary instead of building this tree's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: scripts/recall-lengths.sh OUT.jsonl RUN_DIR...}"
