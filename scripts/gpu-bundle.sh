@@ -32,7 +32,7 @@ xz "${TVQ_BUNDLE_XZ:--9}" -T0 "$bundle/tvq"
 cp configs/*.toml "$bundle/configs/"
 cp data/kjv.txt "$bundle/data/"
 cp scripts/gpu-node/run.sh "$bundle/"
-cp scripts/gpu-node/find_cuda.py scripts/gpu-node/summary.py scripts/torch_reference.py "$bundle/scripts/"
+cp scripts/gpu-node/common.sh scripts/gpu-node/find_cuda.py scripts/gpu-node/summary.py scripts/torch_reference.py "$bundle/scripts/"
 chmod +x "$bundle/run.sh"
 {
   echo "tvq GPU bundle"

@@ -65,13 +65,10 @@ fi
 # --- CUDA: the driver from the system, NVRTC and headers from the system or
 # from the installed PyTorch's wheels ------------------------------------------
 python="$(command -v python3 || true)"
+. "$here/scripts/common.sh"
 if [ "$device" = cuda ]; then
-  found="$("$python" "$here/scripts/find_cuda.py" "$here/cuda" 2>&1)" || {
-    echo "run.sh: $found" >&2; exit 1; }
-  # find_cuda.py prints: the one-line summary, then LD_LIBRARY_PATH dirs, then CUDA_PATH.
-  echo "run.sh: $(echo "$found" | sed -n 1p)"
-  export LD_LIBRARY_PATH="$(echo "$found" | sed -n 2p)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  export CUDA_PATH="$(echo "$found" | sed -n 3p)"
+  use_cuda "$python" "$here/scripts/find_cuda.py" "$here/cuda" || { echo "run.sh: $cuda_found" >&2; exit 1; }
+  echo "run.sh: $cuda_found"
 fi
 echo "{\"form\": \"node\", \"device\": \"$device\", \"small\": $small, \"host\": \"$(hostname)\", \"tvq\": \"$("$tvq" --version)\"}" >> "$results"
 if command -v nvidia-smi >/dev/null && [ "$device" = cuda ]; then
@@ -122,9 +119,7 @@ fi
 
 # 0. First light: two steps of a tiny model, where every kernel of a step is
 # compiled (NVRTC) and autotuned for the first time.
-part first-light "$limit_first" "$tvq" bench step --device "$device" --json --batch 1 --form vq \
-  --precision f32 --steps 1 --seq-len 512 --set model.d_model=64 --set model.d_k=16 --set model.d_v=64 \
-  --set model.n_code=16 --set model.block_len=64 --set model.n_layer=1
+part first-light "$limit_first" "$tvq" "${first_light[@]}" --device "$device"
 if grep -q '"part": "first-light", "status": "failed"' "$results"; then
   echo "run.sh: first light failed, so the other parts are skipped (see $out/logs/first-light.log)" >&2
   parts=none

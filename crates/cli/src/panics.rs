@@ -10,6 +10,10 @@
 //!   device then panics too, hundreds of backtraces deep. The first failure
 //!   is printed as one error line, the cascade is silenced, and the first
 //!   panic it causes on any other thread ends the process with one line.
+//! - burn panics on the calling thread when reading a tensor back from a
+//!   device fails (`into_data`, `into_scalar`: "Error while reading data"),
+//!   which is how a GPU failure first shows where no device thread panicked
+//!   before it: one error line, and the process exits.
 
 use std::panic::PanicHookInfo;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,6 +36,9 @@ enum Verdict {
     Exit(String),
 }
 
+/// How burn's panics start when reading a tensor back from a device fails.
+const READ_FAILED: &str = "Error while reading data";
+
 /// Sorts a panic by its thread, its message and whether the device already
 /// failed.
 fn triage(thread: Option<&str>, message: &str, where_: &str, device_failed: bool) -> Verdict {
@@ -42,6 +49,15 @@ fn triage(thread: Option<&str>, message: &str, where_: &str, device_failed: bool
     let device = thread.starts_with("DSU-") || thread.starts_with("DSD-");
     match (engine, device, device_failed) {
         (true, _, _) => Verdict::Warn(format!("collective engine: {message}")),
+        (_, false, false) if message.starts_with(READ_FAILED) => {
+            // burn's advice to call `try_into_data` is for burn's users, not tvq's.
+            let cause = message
+                .split_once("at runtime: ")
+                .map_or(message, |(_, c)| c);
+            Verdict::Exit(format!(
+                "stopped: the GPU failed reading a result ({where_}): {cause}"
+            ))
+        }
         (_, true, false) => Verdict::DeviceFailed(format!(
             "the GPU failed ({where_}): {message}; further device errors are not shown"
         )),
@@ -124,6 +140,21 @@ mod tests {
                 triage(thread, "CallError", "", true),
                 Verdict::Exit(_)
             ));
+        }
+    }
+
+    #[test]
+    fn a_failed_read_on_the_main_thread_is_one_line_with_its_cause() {
+        // As burn 0.21's `into_data` panics when the CUDA stream has failed.
+        let message = "Error while reading data: use `try_into_data` instead to catch the \
+                       error at runtime: Generic { reason: \"CUDA_ERROR_ILLEGAL_ADDRESS\" }";
+        match triage(Some("main"), message, "base.rs:1900", false) {
+            Verdict::Exit(line) => assert_eq!(
+                line,
+                "stopped: the GPU failed reading a result (base.rs:1900): \
+                 Generic { reason: \"CUDA_ERROR_ILLEGAL_ADDRESS\" }"
+            ),
+            other => panic!("{other:?}"),
         }
     }
 
