@@ -382,21 +382,6 @@ impl<B: Backend> TransformerVq<B> {
         self
     }
 
-    /// Returns the model with the dead codes of every sublayer's codebook
-    /// (EMA count below `below` keys per step) revived by splitting busy
-    /// ones ([`crate::quantizer::VectorQuantizer::revive_dead_codes`]).
-    pub fn revive_dead_codes(mut self, below: f64) -> Self {
-        self.sublayers = self
-            .sublayers
-            .into_iter()
-            .map(|mut gau| {
-                gau.quantizer = gau.quantizer.revive_dead_codes(below);
-                gau
-            })
-            .collect();
-        self
-    }
-
     /// Whether a training-mode forward pass draws random numbers (any
     /// dropout active). Concurrent passes must seed the generator and draw
     /// their masks ([`Self::dropout_masks`]) one at a time to be

@@ -225,64 +225,6 @@ impl<B: Backend> VectorQuantizer<B> {
             c_count: Param::initialized(self.c_count.id, c_count).set_require_grad(false),
         }
     }
-
-    /// Revives the codes whose EMA count (keys per step, at steady state)
-    /// is below `below`, each by splitting a busy code in two, as the LBG
-    /// algorithm grows a codebook: the busiest codes with at least
-    /// `2 * below` keys, one per dead code, give each half their count,
-    /// and their codeword `c` becomes `(1 - eps) c` while the dead code's
-    /// becomes `(1 + eps) c`. The halves then take the keys on either side
-    /// of the plane `k . c = |c|^2` (whatever `eps`), and the EMA moves
-    /// each towards its side's mean. A dead code holds no keys, so the
-    /// compressed cache cannot tell apart the keys its busy neighbours
-    /// share; this puts it back to work.
-    ///
-    /// It depends on the codebook alone (no randomness, no step data), so
-    /// every node of a run revives alike and a resumed run as the
-    /// uninterrupted one. The codebook is read to the host and back: it is
-    /// small (`[H, S, K]`).
-    pub fn revive_dead_codes(self, below: f64) -> Self {
-        const EPS: f32 = 0.01;
-        let [h, s, k] = self.c_sum.dims();
-        let sum_param = self.c_sum.val().detach();
-        let count_param = self.c_count.val().detach();
-        let (device, sum_dtype, count_dtype) =
-            (sum_param.device(), sum_param.dtype(), count_param.dtype());
-        let host = |data: TensorData| data.convert::<f32>().to_vec::<f32>();
-        let (Ok(mut sums), Ok(mut counts)) =
-            (host(sum_param.into_data()), host(count_param.into_data()))
-        else {
-            unreachable!("a float tensor reads back as f32")
-        };
-        let below = below as f32;
-        for head in 0..h {
-            let count = |c: usize| counts[head * s + c];
-            let dead: Vec<usize> = (0..s).filter(|&c| count(c) < below).collect();
-            let mut donors: Vec<usize> = (0..s).filter(|&c| count(c) >= 2.0 * below).collect();
-            // Busiest first; ties by index, so every platform picks alike.
-            donors.sort_by(|&a, &b| count(b).total_cmp(&count(a)).then(a.cmp(&b)));
-            for (revived, donor) in dead.into_iter().zip(donors) {
-                let half = counts[head * s + donor] / 2.0;
-                let (d, r) = ((head * s + donor) * k, (head * s + revived) * k);
-                let scale = half / counts[head * s + donor].max(MIN_COUNT as f32);
-                for i in 0..k {
-                    let codeword = sums[d + i] * scale; // c * half
-                    sums[d + i] = codeword * (1.0 - EPS);
-                    sums[r + i] = codeword * (1.0 + EPS);
-                }
-                counts[head * s + donor] = half;
-                counts[head * s + revived] = half;
-            }
-        }
-        let c_sum =
-            Tensor::<B, 3>::from_data(TensorData::new(sums, [h, s, k]), &device).cast(sum_dtype);
-        let c_count =
-            Tensor::<B, 2>::from_data(TensorData::new(counts, [h, s]), &device).cast(count_dtype);
-        Self {
-            c_sum: Param::initialized(self.c_sum.id, c_sum).set_require_grad(false),
-            c_count: Param::initialized(self.c_count.id, c_count).set_require_grad(false),
-        }
-    }
 }
 
 impl<B: Backend> CodebookStats<B> {
@@ -347,64 +289,6 @@ mod tests {
     use burn::{Dispatch, DispatchDevice};
 
     use super::*;
-
-    #[test]
-    fn dead_codes_are_revived_by_splitting_the_busiest_codes() {
-        let device = DispatchDevice::Flex(FlexDevice);
-        // Two heads, S = 4, K = 2, codes dead below 1 key per step. Head 0:
-        // codes 1 and 3 are dead (counts 0.5 and 0), code 0 the busiest (8),
-        // code 2 next (4). Head 1: codes 1 and 2 are dead, and only code 0
-        // is busy enough to split (count >= 2), so code 2 stays as it is.
-        let counts = [[8.0f32, 0.5, 4.0, 0.0], [3.0, 0.5, 0.2, 1.9]];
-        let codewords = [
-            [[1.0f32, 2.0], [9.0, 9.0], [-3.0, 1.0], [7.0, 7.0]],
-            [[0.5, -0.5], [2.0, 2.0], [4.0, 4.0], [6.0, 6.0]],
-        ];
-        let mut sums = codewords;
-        for (h, head) in sums.iter_mut().enumerate() {
-            for (c, code) in head.iter_mut().enumerate() {
-                code.iter_mut().for_each(|x| *x *= counts[h][c]);
-            }
-        }
-        let quantizer = VectorQuantizer::<Dispatch> {
-            c_sum: Param::from_tensor(Tensor::from_data(sums, &device)),
-            c_count: Param::from_tensor(Tensor::from_data(counts, &device)),
-        };
-        let ids = (quantizer.c_sum.id, quantizer.c_count.id);
-        let revived = quantizer.revive_dead_codes(1.0);
-        assert_eq!((revived.c_sum.id, revived.c_count.id), ids);
-        revived.c_count.val().into_data().assert_approx_eq::<f32>(
-            &TensorData::from([[4.0f32, 4.0, 2.0, 2.0], [1.5, 1.5, 0.2, 1.9]]),
-            burn::tensor::Tolerance::absolute(1e-6),
-        );
-        // The dead code takes (1 + eps) c of its donor, the donor (1 - eps) c;
-        // live codes and codes with no donor left keep theirs.
-        let (up, down) = (1.01f32, 0.99f32);
-        let expected = [
-            [
-                [down, 2.0 * down],
-                [up, 2.0 * up],
-                [-3.0 * down, down],
-                [-3.0 * up, up],
-            ],
-            [
-                [0.5 * down, -0.5 * down],
-                [0.5 * up, -0.5 * up],
-                [4.0, 4.0],
-                [6.0, 6.0],
-            ],
-        ];
-        revived.codebook().into_data().assert_approx_eq::<f32>(
-            &TensorData::from(expected),
-            burn::tensor::Tolerance::absolute(1e-5),
-        );
-        // Nothing below the threshold: nothing changes.
-        let again = revived.revive_dead_codes(0.1);
-        again.codebook().into_data().assert_approx_eq::<f32>(
-            &TensorData::from(expected),
-            burn::tensor::Tolerance::absolute(1e-5),
-        );
-    }
 
     #[test]
     fn code_totals_count_and_sum_per_group_and_skip_empty_slots() {

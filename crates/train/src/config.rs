@@ -72,10 +72,6 @@ pub struct TrainSection {
     pub commit_weight: f64,
     /// EMA decay of the codebooks (gamma).
     pub codebook_decay: f64,
-    /// Revive the codes whose EMA count falls below this many keys per step
-    /// by splitting busy codes, after each EMA step (0: off, the paper's
-    /// and the official code's codebook).
-    pub revive_codes_below: f64,
     /// Micro-batches per step (gradient accumulation): each worker runs its
     /// rows in this many passes, one after another, to save memory.
     pub micro_batches: usize,
@@ -228,12 +224,6 @@ impl TrainSection {
                 "must be a positive number",
             ));
         }
-        if !(t.revive_codes_below.is_finite() && t.revive_codes_below >= 0.0) {
-            return Err(invalid(
-                "train.revive_codes_below",
-                "must be a number of keys per step, 0 or more (0: off)",
-            ));
-        }
         if t.grad_clip < 0.0 || t.weight_decay < 0.0 || t.commit_weight < 0.0 {
             return Err(invalid(
                 "train",
@@ -277,7 +267,6 @@ impl Default for TrainSection {
             grad_clip: 0.1,
             commit_weight: 1e-4,
             codebook_decay: 0.99,
-            revive_codes_below: 0.0,
             micro_batches: 1,
             workers: 1,
             seed: 0,
@@ -589,9 +578,6 @@ mod tests {
         let wsd_with_decay_steps = ["train.schedule=\"wsd\"", "train.decay_steps=10"];
         assert!(error(MINIMAL, &wsd_with_decay_steps).contains("train.decay_steps"));
         assert!(error(MINIMAL, &["train.decay_fraction=1.5"]).contains("train.decay_fraction"));
-        let revive = |v: &str| error(MINIMAL, &[&format!("train.revive_codes_below={v}")]);
-        assert!(revive("-1.0").contains("train.revive_codes_below"));
-        assert!(revive("nan").contains("train.revive_codes_below"));
         assert!(error(MINIMAL, &["data.kind.x=1"]).contains("not a section"));
         assert!(error("[model]\nd_model = 8\n", &[]).contains("data"));
     }

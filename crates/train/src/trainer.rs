@@ -502,12 +502,7 @@ impl Trainer {
         let model = self.optim.step(lr, model, grads);
         drop(optimizer);
         let _ema = tracing::debug_span!("ema").entered();
-        let mut model = model.update_codebooks(stats, self.settings.codebook_decay);
-        // Empty statistics: the quadratic form, whose codebooks are unused.
-        if self.settings.revive_codes_below > 0.0 && !stats.is_empty() {
-            model = model.revive_dead_codes(self.settings.revive_codes_below);
-        }
-        self.model = Some(model);
+        self.model = Some(model.update_codebooks(stats, self.settings.codebook_decay));
         (grad_norm, false)
     }
 
@@ -630,38 +625,6 @@ pub(crate) mod tests {
             8,
             "a reset batch starts from a fresh state"
         );
-    }
-
-    #[test]
-    fn revival_splits_busy_codes_into_the_dead_ones_keeping_the_counts() {
-        // With decay 0 a code's count is its keys in the last step.
-        let counts = |revive_codes_below: f64| {
-            let settings = TrainSection {
-                codebook_decay: 0.0,
-                revive_codes_below,
-                ..TrainSection::default()
-            };
-            let device = DeviceSpec::Cpu.init().unwrap().0;
-            let mut t = Trainer::new(&tiny_model(11), &settings, &[device]).unwrap();
-            t.step(&batch(4, 8, true), TrainCursor::default()).unwrap();
-            let counts: Vec<Vec<f32>> = t
-                .model()
-                .sublayers
-                .iter()
-                .map(|g| crate::placement::host_values(&g.quantizer.c_count.val()))
-                .collect();
-            counts.concat()
-        };
-        let dead = |c: &[f32]| c.iter().filter(|&&n| n < 1.0).count();
-        let (plain, revived) = (counts(0.0), counts(1.0));
-        assert!(
-            dead(&plain) > 0,
-            "the first step leaves codes unused: {plain:?}"
-        );
-        assert!(dead(&revived) < dead(&plain), "{plain:?} -> {revived:?}");
-        // Splitting moves keys between codes, never adds or removes any.
-        let sum = |c: &[f32]| c.iter().sum::<f32>();
-        assert!((sum(&plain) - sum(&revived)).abs() < 1e-4);
     }
 
     /// The losses of three steps on 4 rows of 8 tokens, the first starting
