@@ -21,13 +21,14 @@
 # results then record TVQ_COMMIT (the commit it was built from) if given,
 # else the binary's file name.
 #
-# Writes OUT_DIR/results.jsonl (one line per run: the settings, the
-# accuracy, the accuracy by distance, the validation's accuracy at each
+# Writes OUT_DIR/results.jsonl (one line per run: the settings, the window,
+# the accuracy, the accuracy by distance, the validation's accuracy at each
 # evaluation and the first step where it reached 90%, the commit) and
 # prints a Markdown table, one row per setting, one column per seed: the
-# accuracy, and in brackets the step where it first reached 90%. A run
-# already in results.jsonl is not run again, so an interrupted sweep
-# continues.
+# accuracy, in brackets the step where it first reached 90%, and "far", the
+# accuracy of the answers further back than the window (two blocks), which
+# only the compressed cache can give. A run already in results.jsonl is not
+# run again, so an interrupted sweep continues.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: scripts/recall-sweep.sh OUT_DIR}"
@@ -78,16 +79,19 @@ for form in $FORMS; do
           --set "eval.update_len=$seg" --set "train.seed=$seed" --set "data.mqar.seed=$seed" \
           "${init[@]}" $EXTRA > "$run.log" 2>&1 || { echo "recall-sweep: $name failed (see $run.log)" >&2; continue; }
         report="$("$tvq" eval --checkpoint "$run" --json 2>/dev/null)"
-        python3 - "$name" "$form" "$pairs" "$len" "$seed" "$commit" "$report" "$run/metrics.jsonl" >> "$results" <<'PY'
-import json, sys
-name, form, pairs, length, seed, commit, report, metrics = sys.argv[1:]
+        python3 - "$name" "$form" "$pairs" "$len" "$seed" "$commit" "$report" "$run" >> "$results" <<'PY'
+import json, re, sys
+name, form, pairs, length, seed, commit, report, run = sys.argv[1:]
 r = json.loads(report)
 # The validation's accuracy at each evaluation of the run: how soon it learned.
-curve = [(m["step"], m["recall"]["accuracy"]) for m in map(json.loads, open(metrics))
+curve = [(m["step"], m["recall"]["accuracy"]) for m in map(json.loads, open(f"{run}/metrics.jsonl"))
          if m.get("kind") == "eval" and "recall" in m]
+# The window: the present and the previous block (the run's own block_len).
+block = re.search(r"^block_len = (\d+)$", open(f"{run}/config.toml").read(), re.M)
 print(json.dumps({"name": name, "form": form, "pairs": int(pairs), "seq_len": int(length),
                   "seed": int(seed), "commit": commit, "accuracy": r["recall"]["accuracy"],
                   "loss": r["loss"], "by_distance": r["recall"]["by_distance"],
+                  "window": 2 * int(block.group(1)) if block else None,
                   "steps_to_90": next((s for s, a in curve if a >= 0.9), None),
                   "curve": curve}))
 PY
@@ -101,13 +105,24 @@ python3 - "$results" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 seeds = sorted({r["seed"] for r in rows})
+
+def beyond_window(r):
+    """The accuracy of the answers in the distance buckets wholly beyond the
+    window, where only the compressed cache holds their pair (None without
+    a window or such answers; for the quadratic form, the same distances)."""
+    far = [b for b in r["by_distance"] if r.get("window") and b["first"] > r["window"]]
+    answers = sum(b["answers"] for b in far)
+    return sum(b["correct"] for b in far) / answers if answers else None
+
 print("| form | pairs | T | " + " | ".join(f"seed {s}" for s in seeds) + " |")
 print("|---|---|---|" + "---|" * len(seeds))
 keys = sorted({(r["form"], r["pairs"], r["seq_len"]) for r in rows}, key=lambda k: (k[1], k[2], k[0]))
 for k in keys:
     acc = {r["seed"]: r["accuracy"] for r in rows if (r["form"], r["pairs"], r["seq_len"]) == k}
     first = {r["seed"]: r.get("steps_to_90") for r in rows if (r["form"], r["pairs"], r["seq_len"]) == k}
-    cells = [f"{100 * acc[s]:.1f}%" + (f" ({first[s]:,})" if first.get(s) else "") if s in acc else "-"
+    far = {r["seed"]: beyond_window(r) for r in rows if (r["form"], r["pairs"], r["seq_len"]) == k}
+    cells = [f"{100 * acc[s]:.1f}%" + (f" ({first[s]:,})" if first.get(s) else "")
+             + (f", far {100 * far[s]:.0f}%" if far.get(s) is not None else "") if s in acc else "-"
              for s in seeds]
     print(f"| {k[0]} | {k[1]} | {k[2]:,} | " + " | ".join(cells) + " |")
 PY
