@@ -117,12 +117,13 @@ def beyond_window(r):
 print("| form | pairs | T | " + " | ".join(f"seed {s}" for s in seeds) + " |")
 print("|---|---|---|" + "---|" * len(seeds))
 keys = sorted({(r["form"], r["pairs"], r["seq_len"]) for r in rows}, key=lambda k: (k[1], k[2], k[0]))
+def cell(r):
+    first, far = r.get("steps_to_90"), beyond_window(r)
+    return (f"{100 * r['accuracy']:.1f}%" + (f" ({first:,})" if first else "")
+            + (f", far {100 * far:.0f}%" if far is not None else ""))
+
 for k in keys:
-    acc = {r["seed"]: r["accuracy"] for r in rows if (r["form"], r["pairs"], r["seq_len"]) == k}
-    first = {r["seed"]: r.get("steps_to_90") for r in rows if (r["form"], r["pairs"], r["seq_len"]) == k}
-    far = {r["seed"]: beyond_window(r) for r in rows if (r["form"], r["pairs"], r["seq_len"]) == k}
-    cells = [f"{100 * acc[s]:.1f}%" + (f" ({first[s]:,})" if first.get(s) else "")
-             + (f", far {100 * far[s]:.0f}%" if far.get(s) is not None else "") if s in acc else "-"
-             for s in seeds]
+    by_seed = {r["seed"]: r for r in rows if (r["form"], r["pairs"], r["seq_len"]) == k}
+    cells = [cell(by_seed[s]) if s in by_seed else "-" for s in seeds]
     print(f"| {k[0]} | {k[1]} | {k[2]:,} | " + " | ".join(cells) + " |")
 PY

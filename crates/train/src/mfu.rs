@@ -142,25 +142,21 @@ mod tests {
 
     #[test]
     fn f32_on_tensor_cores_is_measured_against_tf32_where_the_gpu_has_it() {
-        let on_tensor_cores = |name| known_gpu_peak(name, Precision::F32, true);
-        assert_eq!(
-            on_tensor_cores("NVIDIA H100 80GB HBM3"),
-            Some((494.7e12, "TF32 tensor-core"))
-        );
-        assert_eq!(
-            on_tensor_cores("NVIDIA H200"),
-            Some((494.7e12, "TF32 tensor-core"))
-        );
-        assert_eq!(
-            on_tensor_cores("NVIDIA A100-SXM4-80GB"),
-            Some((156.0e12, "TF32 tensor-core"))
-        );
-        // Volta and Turing have no TF32: their f32 products use the f32 cores.
-        assert_eq!(
-            on_tensor_cores("Tesla V100-SXM2-16GB"),
-            Some((15.7e12, "f32"))
-        );
-        assert_eq!(on_tensor_cores("Tesla T4"), Some((8.1e12, "f32")));
+        let expected = [
+            ("NVIDIA H100 80GB HBM3", 494.7e12, "TF32 tensor-core"),
+            ("NVIDIA H200", 494.7e12, "TF32 tensor-core"),
+            ("NVIDIA A100-SXM4-80GB", 156.0e12, "TF32 tensor-core"),
+            // Volta and Turing have no TF32: their f32 products use the f32 cores.
+            ("Tesla V100-SXM2-16GB", 15.7e12, "f32"),
+            ("Tesla T4", 8.1e12, "f32"),
+        ];
+        for (name, peak, kind) in expected {
+            assert_eq!(
+                known_gpu_peak(name, Precision::F32, true),
+                Some((peak, kind)),
+                "{name}"
+            );
+        }
     }
 
     #[test]
