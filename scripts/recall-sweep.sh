@@ -22,7 +22,8 @@
 # else the binary's file name.
 #
 # Writes OUT_DIR/results.jsonl (one line per run: the settings, the window,
-# the accuracy, the accuracy by distance, the validation's accuracy at each
+# the accuracy, the accuracy by distance and by code sharing (VQ: how many
+# other pairs shared a cached answer's code), the validation's accuracy at each
 # evaluation and the first step where it reached 90%, the commit) and
 # prints a Markdown table, one row per setting, one column per seed: the
 # accuracy, in brackets the step where it first reached 90%, and "far", the
@@ -91,6 +92,7 @@ block = re.search(r"^block_len = (\d+)$", open(f"{run}/config.toml").read(), re.
 print(json.dumps({"name": name, "form": form, "pairs": int(pairs), "seq_len": int(length),
                   "seed": int(seed), "commit": commit, "accuracy": r["recall"]["accuracy"],
                   "loss": r["loss"], "by_distance": r["recall"]["by_distance"],
+                  "code_sharing": r["recall"].get("code_sharing", []),
                   "window": 2 * int(block.group(1)) if block else None,
                   "steps_to_90": next((s for s, a in curve if a >= 0.9), None),
                   "curve": curve}))

@@ -190,7 +190,9 @@ pub struct EvalArgs {
     #[arg(long)]
     attention: bool,
     /// Evaluate on a synthetic task instead of the config's corpus (a run
-    /// trained on one is evaluated on it without this flag).
+    /// trained on one is evaluated on it without this flag). Reports the
+    /// answers' accuracy by distance and, for VQ, by how many other pairs
+    /// of the example share a cached answer's code.
     #[arg(long, value_enum)]
     task: Option<TaskArg>,
     /// With --task mqar: key-value pairs per example (default: the
@@ -546,6 +548,7 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
                 b.answers
             );
         }
+        print_code_sharing(&recall.code_sharing);
         if let Some(sublayers) = &report.attention {
             print_attention(sublayers, &[]);
             // The cache's share tells whether a far answer came from it.
@@ -625,6 +628,36 @@ fn corpus_split(args: &EvalArgs, loaded: &Loaded) -> Result<TokenSplit> {
 
 /// The `--attention` tables: each sublayer's shares and entropy over the
 /// split, then the shares (mean over sublayers) by position.
+/// Accuracy of the answers recalled from the compressed cache, by how many
+/// other pairs of their example took the same code, one line per codebook.
+fn print_code_sharing(codebooks: &[tvq_train::inference::code_sharing::CodeSharing]) {
+    if codebooks.is_empty() {
+        return;
+    }
+    println!(
+        "answers from the compressed cache, by other pairs of the example on the pair's code \
+         (accuracy of answers; mean keys on the code):"
+    );
+    for c in codebooks {
+        let cells: Vec<String> = (c.buckets.iter())
+            .map(|b| {
+                let others = match (b.first, b.last) {
+                    (0, _) => "alone".to_string(),
+                    (f, l) if f == l => format!("{f} other"),
+                    (f, l) => format!("{f}-{l} others"),
+                };
+                format!(
+                    "{others} {:.1}% of {} ({:.1})",
+                    100.0 * b.accuracy,
+                    b.answers,
+                    b.mean_code_load
+                )
+            })
+            .collect();
+        println!("  sublayer {} head {}: {}", c.sublayer, c.head, cells.join(", "));
+    }
+}
+
 fn print_attention(sublayers: &[AttentionShare], by_position: &[PositionBucket]) {
     println!("attention share: present / previous / cache, entropy (nats)");
     for (i, a) in sublayers.iter().enumerate() {

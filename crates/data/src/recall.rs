@@ -124,7 +124,7 @@ pub struct Answer {
 pub struct RecallSet {
     /// Tokens per example; example `i` is tokens `i * example_len ..`.
     pub example_len: usize,
-    /// The scored targets, by position.
+    /// The scored targets, sorted by position.
     pub answers: Vec<Answer>,
     /// Whether the target at each position of the split is scored.
     scored: Vec<bool>,
@@ -283,7 +283,8 @@ fn lay_out<T: Copy>(
 ) -> (Vec<T>, RecallSet) {
     let (mut tokens, mut scored, mut answers) =
         (Vec::with_capacity(n * len), vec![false; n * len], vec![]);
-    for (i, (example, example_answers)) in examples.enumerate() {
+    for (i, (example, mut example_answers)) in examples.enumerate() {
+        example_answers.sort_by_key(|a| a.pos);
         for a in example_answers {
             let pos = i * len + a.pos;
             scored[pos] = true;

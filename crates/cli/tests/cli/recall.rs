@@ -93,6 +93,7 @@ fn the_quadratic_form_solves_a_small_mqar_task() {
         .map(|b| b["answers"].as_u64().unwrap())
         .sum();
     assert_eq!(summed, 1024);
+    assert!(recall.get("code_sharing").is_none(), "no codes: {recall}");
 
     // --task mqar with the run's own settings is the same evaluation; a
     // longer sequence than it was trained on is another.
@@ -262,6 +263,19 @@ fn a_text_model_is_measured_on_passkeys_hidden_in_its_own_text() {
     );
     let buckets = measured["recall"]["by_distance"].as_array().unwrap();
     assert_eq!(buckets.len(), 2, "{measured}");
+    // Each example's far answer was read at position 11 (block 0), in the
+    // cache when asked for at 50; being its example's only cached pair, it
+    // is alone on its code in each sublayer's codebook, a code that 1 to
+    // 32 cached keys (blocks 0-1) share. The near answer is not counted.
+    let sharing = plain["recall"]["code_sharing"].as_array().unwrap();
+    assert_eq!(sharing.len(), 2, "{plain}");
+    for c in sharing {
+        let b = c["buckets"].as_array().unwrap();
+        let row = (b.len(), b[0]["last"].as_u64(), b[0]["answers"].as_u64());
+        assert_eq!(row, (1, Some(0), Some(8)), "{c}");
+        let load = b[0]["mean_code_load"].as_f64().unwrap();
+        assert!((1.0..=32.0).contains(&load), "{c}");
+    }
     let shares = |a: &serde_json::Value| -> Vec<f64> {
         (0..3).map(|g| a["share"][g].as_f64().unwrap()).collect()
     };

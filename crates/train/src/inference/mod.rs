@@ -1,10 +1,12 @@
 //! Using a trained model: bits per byte over a split ([`evaluate`]),
 //! where its attention went ([`attention`]),
-//! accuracy on a recall task ([`recall`]), reading a prompt
+//! accuracy on a recall task ([`recall`]) and how its pairs share codes
+//! in the compressed cache ([`code_sharing`]), reading a prompt
 //! ([`prefill`]), generation ([`sample`]), and weights in and out of safetensors
 //! ([`export`]); [`load`] finds the model a path names.
 
 pub mod attention;
+pub mod code_sharing;
 pub mod evaluate;
 pub mod export;
 pub mod load;

@@ -10,7 +10,7 @@
 
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
-use tvq_data::recall::RecallSet;
+use tvq_data::recall::{Answer, RecallSet};
 use tvq_data::vocab::{EOS, PAD};
 use tvq_data::{Batch, TokenSplit};
 use tvq_model::{Loss, Pass, TransformerVq};
@@ -19,6 +19,7 @@ use crate::batch::BatchTensors;
 use crate::config::EvalSection;
 use crate::error::TrainError;
 use crate::inference::attention::{self, AttentionShare};
+use crate::inference::code_sharing::{CodeSharing, SharingTally};
 use crate::placement::B;
 use crate::progress::progress_bar;
 
@@ -34,6 +35,12 @@ pub struct RecallReport {
     /// The same by the distance between the answer and where it was given,
     /// in buckets ending on powers of two (as the loss by position).
     pub by_distance: Vec<DistanceBucket>,
+    /// The answers whose pair was in the compressed cache when asked for,
+    /// by how many other pairs of the example shared its code, per codebook
+    /// (VQ attention; empty for the quadratic form or when nothing was
+    /// cached).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub code_sharing: Vec<CodeSharing>,
 }
 
 /// Accuracy of the answers given `first..=last` tokens back.
@@ -119,6 +126,7 @@ impl RecallTally {
                     attention: attention::means(&s.attention, s.answers),
                 })
                 .collect(),
+            code_sharing: vec![],
         }
     }
 
@@ -172,9 +180,14 @@ pub fn evaluate_recall(
     let distance: std::collections::HashMap<usize, usize> =
         recall.answers.iter().map(|a| (a.pos, a.distance)).collect();
     let (mut tally, mut nll, mut scored) = (RecallTally::default(), 0f64, 0u64);
+    let (mut sharing, mut heads) = (SharingTally::default(), 1);
     for first in (0..examples).step_by(rows) {
         let group: Vec<usize> = (first..(first + rows).min(examples)).collect();
         let mut state = model.empty_state();
+        // Per row: every codebook's codes of the example, `[codebook][position]`,
+        // and whether the answer at each position of the example was right.
+        let mut codes: Vec<Vec<Vec<i64>>> = vec![vec![]; group.len()];
+        let mut right = vec![vec![false; len]; group.len()];
         for start in (0..len).step_by(seg) {
             let batch = segment(split, &group, len, start, seg);
             let t = BatchTensors::rows(&batch, 0..group.len(), &device);
@@ -203,16 +216,45 @@ pub fn evaluate_recall(
                 let pos = group[i / seg] * len + start + i % seg;
                 if let Some(&d) = distance.get(&pos) {
                     let at = &figures[i * per_token..(i + 1) * per_token];
-                    tally.add(d, guess[i] == target as i64, at);
+                    let ok = guess[i] == target as i64;
+                    tally.add(d, ok, at);
+                    right[i / seg][start + i % seg] = ok;
+                }
+            }
+            for (sublayer, c) in out.codes.iter().enumerate() {
+                let [r, h, t] = c.dims(); // [R, H, seg]
+                heads = h;
+                let c: Vec<i64> = c.clone().into_data().convert::<i64>().to_vec().expect("i64");
+                for (row, row_codes) in codes.iter_mut().enumerate().take(r) {
+                    row_codes.resize((sublayer + 1) * h, vec![]);
+                    for head in 0..h {
+                        let from = (row * h + head) * t;
+                        row_codes[sublayer * h + head].extend_from_slice(&c[from..from + t]);
+                    }
                 }
             }
             state = out.state;
         }
+        for (row, &e) in group.iter().enumerate() {
+            let base = e * len;
+            let lo = recall.answers.partition_point(|a| a.pos < base);
+            let hi = recall.answers.partition_point(|a| a.pos < base + len);
+            let answers: Vec<Answer> = (recall.answers[lo..hi].iter())
+                .map(|a| Answer {
+                    pos: a.pos - base,
+                    ..*a
+                })
+                .collect();
+            let ok: Vec<bool> = answers.iter().map(|a| right[row][a.pos]).collect();
+            sharing.add_example(&codes[row], heads, model.block_len(), &answers, &ok);
+        }
         bar.inc(group.len() as u64);
     }
+    let mut report = tally.report();
+    report.code_sharing = sharing.report();
     bar.finish_and_clear();
     Ok(RecallScores {
-        report: tally.report(),
+        report,
         attention: with_attention.then(|| tally.attention()),
         nll,
         scored,
