@@ -626,8 +626,6 @@ fn corpus_split(args: &EvalArgs, loaded: &Loaded) -> Result<TokenSplit> {
     Ok(split)
 }
 
-/// The `--attention` tables: each sublayer's shares and entropy over the
-/// split, then the shares (mean over sublayers) by position.
 /// Accuracy of the answers recalled from the compressed cache, by how many
 /// other pairs of their example took the same code, one line per codebook.
 fn print_code_sharing(codebooks: &[tvq_train::inference::code_sharing::CodeSharing]) {
@@ -654,10 +652,17 @@ fn print_code_sharing(codebooks: &[tvq_train::inference::code_sharing::CodeShari
                 )
             })
             .collect();
-        println!("  sublayer {} head {}: {}", c.sublayer, c.head, cells.join(", "));
+        println!(
+            "  sublayer {} head {}: {}",
+            c.sublayer,
+            c.head,
+            cells.join(", ")
+        );
     }
 }
 
+/// The `--attention` tables: each sublayer's shares and entropy over the
+/// split, then the shares (mean over sublayers) by position.
 fn print_attention(sublayers: &[AttentionShare], by_position: &[PositionBucket]) {
     println!("attention share: present / previous / cache, entropy (nats)");
     for (i, a) in sublayers.iter().enumerate() {

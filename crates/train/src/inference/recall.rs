@@ -224,9 +224,16 @@ pub fn evaluate_recall(
             for (sublayer, c) in out.codes.iter().enumerate() {
                 let [r, h, t] = c.dims(); // [R, H, seg]
                 heads = h;
-                let c: Vec<i64> = c.clone().into_data().convert::<i64>().to_vec().expect("i64");
+                let c: Vec<i64> = c
+                    .clone()
+                    .into_data()
+                    .convert::<i64>()
+                    .to_vec()
+                    .expect("i64");
                 for (row, row_codes) in codes.iter_mut().enumerate().take(r) {
-                    row_codes.resize((sublayer + 1) * h, vec![]);
+                    if row_codes.len() < (sublayer + 1) * h {
+                        row_codes.resize((sublayer + 1) * h, vec![]);
+                    }
                     for head in 0..h {
                         let from = (row * h + head) * t;
                         row_codes[sublayer * h + head].extend_from_slice(&c[from..from + t]);
