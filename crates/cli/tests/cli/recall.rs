@@ -247,7 +247,7 @@ fn a_text_model_is_measured_on_passkeys_hidden_in_its_own_text() {
         .collect();
     let file = dir.path().join("two-answers.jsonl");
     std::fs::write(&file, lines).unwrap();
-    let eval_file = |extra: &[&str]| -> serde_json::Value {
+    let eval_task_file = |file: &Path, extra: &[&str]| -> serde_json::Value {
         let file = file.to_str().unwrap();
         let args = [
             &["eval", "--checkpoint", run, "--json", "--task-file", file],
@@ -256,6 +256,7 @@ fn a_text_model_is_measured_on_passkeys_hidden_in_its_own_text() {
         .concat();
         serde_json::from_str(&ok(&args)).unwrap()
     };
+    let eval_file = |extra: &[&str]| eval_task_file(&file, extra);
     let (plain, measured) = (eval_file(&[]), eval_file(&["--attention"]));
     assert_eq!(
         plain["recall"]["correct"], measured["recall"]["correct"],
@@ -299,16 +300,8 @@ fn a_text_model_is_measured_on_passkeys_hidden_in_its_own_text() {
     let one_segment = dir.path().join("one-segment.toml");
     let eval = eval.replacen("update_len = 64", "update_len = 128", 1);
     std::fs::write(&one_segment, format!("{head}{eval}")).unwrap();
-    let sharing_of = |extra: &[&str]| -> serde_json::Value {
-        let file = long_file.to_str().unwrap();
-        let args = [
-            &["eval", "--checkpoint", run, "--json", "--task-file", file],
-            extra,
-        ]
-        .concat();
-        let report: serde_json::Value = serde_json::from_str(&ok(&args)).unwrap();
-        report["recall"]["code_sharing"].clone()
-    };
+    let sharing_of =
+        |extra: &[&str]| eval_task_file(&long_file, extra)["recall"]["code_sharing"].clone();
     let two = sharing_of(&[]);
     assert_eq!(two.as_array().map(Vec::len), Some(2), "{two}");
     assert_eq!(
