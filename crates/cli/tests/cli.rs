@@ -1149,11 +1149,17 @@ fn fixture_run(dir: &Path, name: &str) -> PathBuf {
     run
 }
 
-/// Runs of each checkpoint format evaluate and resume, continuing exactly:
-/// the resumed steps' loss, gradient norm and commitment equal what was
-/// logged when the format was current (format 1: the release before format
-/// 2 resuming this very directory; format 2: an uninterrupted run of the
-/// fixture's config). A resumed format-1 run writes format 2.
+/// Runs of each checkpoint format evaluate and resume, continuing as they
+/// did when the format was current: the bits per byte, and the resumed
+/// steps' loss, gradient norm and commitment, equal what was logged then
+/// (format 1: the release before format 2 resuming this very directory;
+/// format 2: an uninterrupted run of the fixture's config). Equal to float
+/// rounding, not bit for bit: the matrix kernels' accumulation order follows
+/// the CPU's vector width (AVX-512 or AVX2), so two machines part in the
+/// seventh digit, while a misread tensor or optimizer moment moves these
+/// figures by far more. (Bit-exact resume on one machine is
+/// `killed_and_resumed_training_equals_uninterrupted_training`.) A resumed
+/// format-1 run writes format 2.
 #[test]
 fn a_run_written_by_an_earlier_version_evaluates_and_resumes() {
     let logged = [
@@ -1161,19 +1167,20 @@ fn a_run_written_by_an_earlier_version_evaluates_and_resumes() {
             "run-format-1",
             8.589750307821747,
             [
-                "5.8521983801841735 0.8489067592440278 4.241644859313965",
-                "5.878555007719994 0.7602364618337236 3.773648977279663",
+                [5.8521983801841735, 0.8489067592440278, 4.241644859313965],
+                [5.878555007719994, 0.7602364618337236, 3.773648977279663],
             ],
         ),
         (
             "run-format-2",
             8.587114965655022,
             [
-                "5.861923299312592 0.8420039229879258 4.16837215423584",
-                "5.88014134759903 0.7562802348122404 3.6630029678344727",
+                [5.861923299312592, 0.8420039229879258, 4.16837215423584],
+                [5.88014134759903, 0.7562802348122404, 3.6630029678344727],
             ],
         ),
     ];
+    let close = |got: f64, want: f64| (got - want).abs() <= 1e-5 * want.abs();
     for (name, bits_per_byte, want) in logged {
         let dir = tempfile::tempdir().unwrap();
         let run = fixture_run(dir.path(), name);
@@ -1182,7 +1189,11 @@ fn a_run_written_by_an_earlier_version_evaluates_and_resumes() {
         let eval: serde_json::Value =
             serde_json::from_str(&ok(&["eval", "--checkpoint", run_s, "--json"])).unwrap();
         assert_eq!(eval["step"], 2, "{name}");
-        assert_eq!(eval["bits_per_byte"], bits_per_byte, "{name}");
+        let got = eval["bits_per_byte"].as_f64().unwrap();
+        assert!(
+            close(got, bits_per_byte),
+            "{name}: {got} bits per byte, logged {bits_per_byte}"
+        );
         ok(&[
             "train",
             "--config",
@@ -1192,16 +1203,20 @@ fn a_run_written_by_an_earlier_version_evaluates_and_resumes() {
             "--resume",
             "--quiet",
         ]);
-        let resumed: Vec<(u64, String)> = want
-            .iter()
-            .enumerate()
-            .map(|(i, l)| (3 + i as u64, l.to_string()))
-            .collect();
+        let resumed = losses(&run);
         assert_eq!(
-            losses(&run),
-            resumed,
-            "{name}: the run goes on from its step 2 as before"
+            resumed.iter().map(|(step, _)| *step).collect::<Vec<_>>(),
+            [3, 4],
+            "{name}: the run goes on from its step 2"
         );
+        for ((step, line), want) in resumed.iter().zip(want) {
+            let got: Vec<f64> = line.split(' ').map(|x| x.parse().unwrap()).collect();
+            assert!(
+                got.iter().zip(want).all(|(&g, w)| close(g, w)),
+                "{name}: step {step} logged loss, gradient norm and commitment {got:?}, \
+                 as before {want:?}"
+            );
+        }
         let manifest: serde_json::Value = serde_json::from_slice(
             &std::fs::read(run.join("checkpoints/step-00000004/manifest.json")).unwrap(),
         )
