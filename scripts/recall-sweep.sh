@@ -93,6 +93,7 @@ print(json.dumps({"name": name, "form": form, "pairs": int(pairs), "seq_len": in
                   "seed": int(seed), "commit": commit, "accuracy": r["recall"]["accuracy"],
                   "loss": r["loss"], "by_distance": r["recall"]["by_distance"],
                   "code_sharing": r["recall"].get("code_sharing", []),
+                  "code_sharing_joint": r["recall"].get("code_sharing_joint", []),
                   "window": 2 * int(block.group(1)) if block else None,
                   "steps_to_90": next((s for s, a in curve if a >= 0.9), None),
                   "curve": curve}))

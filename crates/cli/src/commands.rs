@@ -12,6 +12,7 @@ use tvq_data::recall::read_task_file;
 use tvq_data::{Corpus, CorpusKind, Split, TokenSplit, Vocab};
 use tvq_model::AttentionForm;
 use tvq_train::config::EvalSection;
+use tvq_train::inference::code_sharing::{CodeSharing, SharingBucket};
 use tvq_train::inference::export::{ExportInfo, export};
 use tvq_train::inference::load::{Loaded, load_for_inference};
 use tvq_train::parallel::collective::ClusterSpec;
@@ -548,7 +549,7 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
                 b.answers
             );
         }
-        print_code_sharing(&recall.code_sharing);
+        print_code_sharing(&recall.code_sharing, &recall.code_sharing_joint);
         if let Some(sublayers) = &report.attention {
             print_attention(sublayers, &[]);
             // The cache's share tells whether a far answer came from it.
@@ -627,8 +628,9 @@ fn corpus_split(args: &EvalArgs, loaded: &Loaded) -> Result<TokenSplit> {
 }
 
 /// Accuracy of the answers recalled from the compressed cache, by how many
-/// other pairs of their example took the same code, one line per codebook.
-fn print_code_sharing(codebooks: &[tvq_train::inference::code_sharing::CodeSharing]) {
+/// other pairs of their example took the same code, one line per codebook,
+/// then one for the pairs on the same code in every codebook.
+fn print_code_sharing(codebooks: &[CodeSharing], joint: &[SharingBucket]) {
     if codebooks.is_empty() {
         return;
     }
@@ -636,8 +638,8 @@ fn print_code_sharing(codebooks: &[tvq_train::inference::code_sharing::CodeShari
         "answers from the compressed cache, by other pairs of the example on the pair's code \
          (accuracy of answers; mean keys on the code):"
     );
-    for c in codebooks {
-        let cells: Vec<String> = (c.buckets.iter())
+    let cells = |buckets: &[SharingBucket]| -> String {
+        (buckets.iter())
             .map(|b| {
                 let others = match (b.first, b.last) {
                     (0, _) => "alone".to_string(),
@@ -651,14 +653,21 @@ fn print_code_sharing(codebooks: &[tvq_train::inference::code_sharing::CodeShari
                     b.mean_code_load
                 )
             })
-            .collect();
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    for c in codebooks {
         println!(
             "  sublayer {} head {}: {}",
             c.sublayer,
             c.head,
-            cells.join(", ")
+            cells(&c.buckets)
         );
     }
+    println!(
+        "  on the same code in every codebook (least loaded code): {}",
+        cells(joint)
+    );
 }
 
 /// The `--attention` tables: each sublayer's shares and entropy over the

@@ -282,6 +282,23 @@ fn a_text_model_is_measured_on_passkeys_hidden_in_its_own_text() {
             assert!((1.0..=32.0).contains(&load), "{c}");
         }
     }
+    // Jointly: the same 8 answers, sharing with no more others than in the
+    // codebook where they share least.
+    let joint = plain["recall"]["code_sharing_joint"].as_array().unwrap();
+    let alone = |buckets: &[serde_json::Value]| -> u64 {
+        (buckets.iter())
+            .filter(|b| b["last"] == 0)
+            .map(|b| b["answers"].as_u64().unwrap())
+            .sum()
+    };
+    let answers: u64 = joint.iter().map(|b| b["answers"].as_u64().unwrap()).sum();
+    assert_eq!(answers, 8, "{plain}");
+    for c in sharing {
+        assert!(
+            alone(joint) >= alone(c["buckets"].as_array().unwrap()),
+            "{plain}"
+        );
+    }
     // Examples longer than a segment: the codes of every segment count, so
     // reading them in two segments (the config's 64 tokens) or in one gives
     // the same tally.
@@ -300,10 +317,16 @@ fn a_text_model_is_measured_on_passkeys_hidden_in_its_own_text() {
     let one_segment = dir.path().join("one-segment.toml");
     let eval = eval.replacen("update_len = 64", "update_len = 128", 1);
     std::fs::write(&one_segment, format!("{head}{eval}")).unwrap();
-    let sharing_of =
-        |extra: &[&str]| eval_task_file(&long_file, extra)["recall"]["code_sharing"].clone();
+    let sharing_of = |extra: &[&str]| {
+        let recall = eval_task_file(&long_file, extra)["recall"].clone();
+        [
+            recall["code_sharing"].clone(),
+            recall["code_sharing_joint"].clone(),
+        ]
+    };
     let two = sharing_of(&[]);
-    assert_eq!(two.as_array().map(Vec::len), Some(2), "{two}");
+    assert_eq!(two[0].as_array().map(Vec::len), Some(2), "{two:?}");
+    assert!(two[1].as_array().is_some_and(|j| !j.is_empty()), "{two:?}");
     assert_eq!(
         two,
         sharing_of(&["--config", one_segment.to_str().unwrap()])

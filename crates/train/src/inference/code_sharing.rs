@@ -9,6 +9,10 @@
 //! other pairs of its example share the pair's code (per sublayer and
 //! head), and tallies accuracy by that count: the cache's capacity,
 //! measured example by example rather than guessed from the codebook size.
+//! A pair that shares its code in one codebook may still be told apart in
+//! another (each sublayer and head quantizes with its own), so a second,
+//! joint tally counts the other pairs that share the pair's code in every
+//! codebook at once: those no codebook of the model tells apart from it.
 //!
 //! Positions here are the model's: position `p` reads token `p - 1` and
 //! predicts token `p`. An answer at `p` given `d` tokens back was read at
@@ -34,7 +38,8 @@ pub struct SharingBucket {
     /// `correct / answers`.
     pub accuracy: f64,
     /// Mean number of cached positions of any kind on the pair's code, the
-    /// pair's own included: how many keys the code's value averages.
+    /// pair's own included: how many keys the code's value averages. In the
+    /// joint tally, of the least loaded of the pair's codes.
     pub mean_code_load: f64,
 }
 
@@ -56,12 +61,45 @@ struct Sums {
     load: u64,
 }
 
+/// Adds an answer sharing its code with `others` other pairs, on a code of
+/// `load` cached keys, to `row`'s bucket: 0, 1, 2-3, 4-7, ...
+fn add(row: &mut Vec<Sums>, others: usize, load: usize, ok: bool) {
+    let k = if others == 0 {
+        0
+    } else {
+        others.ilog2() as usize + 1
+    };
+    if row.len() <= k {
+        row.resize(k + 1, Sums::default());
+    }
+    row[k].answers += 1;
+    row[k].correct += ok as u64;
+    row[k].load += load as u64;
+}
+
+/// The non-empty buckets of `row`.
+fn buckets(row: &[Sums]) -> Vec<SharingBucket> {
+    (row.iter().enumerate())
+        .filter(|(_, s)| s.answers > 0)
+        .map(|(k, s)| SharingBucket {
+            first: if k == 0 { 0 } else { 1 << (k - 1) },
+            last: (1 << k) - 1,
+            answers: s.answers,
+            correct: s.correct,
+            accuracy: s.correct as f64 / s.answers as f64,
+            mean_code_load: s.load as f64 / s.answers as f64,
+        })
+        .collect()
+}
+
 /// Counts cached answers by how many other cached pairs share their code,
 /// per codebook.
 #[derive(Clone, Debug, Default)]
 pub struct SharingTally {
     /// `[codebook][bucket]`, codebook `sublayer * heads + head`.
     sums: Vec<Vec<Sums>>,
+    /// `[bucket]`, by the other pairs on the pair's code in every codebook.
+    joint: Vec<Sums>,
     heads: usize,
 }
 
@@ -94,6 +132,9 @@ impl SharingTally {
             if !cached(s) {
                 continue;
             }
+            // The other cached pairs on the pair's code in every codebook so far.
+            let mut everywhere: Option<Vec<usize>> = None;
+            let mut least_load = usize::MAX;
             for (c, code) in codes.iter().enumerate() {
                 if s >= code.len() {
                     continue;
@@ -107,15 +148,15 @@ impl SharingTally {
                 let load = (0..code.len().min(block(p).saturating_sub(1) * block_len))
                     .filter(|&t| code[t] == mine)
                     .count();
-                let n = others.len();
-                let k = if n == 0 { 0 } else { n.ilog2() as usize + 1 };
-                let row = &mut self.sums[c];
-                if row.len() <= k {
-                    row.resize(k + 1, Sums::default());
-                }
-                row[k].answers += 1;
-                row[k].correct += ok as u64;
-                row[k].load += load as u64;
+                add(&mut self.sums[c], others.len(), load, ok);
+                least_load = least_load.min(load);
+                everywhere = Some(match everywhere {
+                    None => others,
+                    Some(e) => e.into_iter().filter(|t| others.contains(t)).collect(),
+                });
+            }
+            if let Some(e) = everywhere {
+                add(&mut self.joint, e.len(), least_load, ok);
             }
         }
     }
@@ -127,19 +168,16 @@ impl SharingTally {
             .map(|(c, row)| CodeSharing {
                 sublayer: c / self.heads,
                 head: c % self.heads,
-                buckets: (row.iter().enumerate())
-                    .filter(|(_, s)| s.answers > 0)
-                    .map(|(k, s)| SharingBucket {
-                        first: if k == 0 { 0 } else { 1 << (k - 1) },
-                        last: (1 << k) - 1,
-                        answers: s.answers,
-                        correct: s.correct,
-                        accuracy: s.correct as f64 / s.answers as f64,
-                        mean_code_load: s.load as f64 / s.answers as f64,
-                    })
-                    .collect(),
+                buckets: buckets(row),
             })
             .collect()
+    }
+
+    /// The joint tally: by how many other cached pairs share the pair's code
+    /// in every codebook (bucket 0: some codebook tells the pair apart from
+    /// each other pair); empty when nothing was cached.
+    pub fn joint(&self) -> Vec<SharingBucket> {
+        buckets(&self.joint)
     }
 }
 
@@ -207,9 +245,37 @@ mod tests {
     }
 
     #[test]
+    fn the_joint_tally_counts_the_pairs_that_share_a_code_in_every_codebook() {
+        // L = 1: at position 10 the cache holds positions 0..=8; sources 1-4.
+        let answers = [answer(10, 10), answer(10, 9), answer(10, 8), answer(10, 7)];
+        // Codebook 0: sources 1, 2 and 3 on code 9. Codebook 1: 1 and 2 on
+        // code 8, 3 and 4 on code 6 (position 6 too, not a source).
+        let codes = vec![
+            vec![0, 9, 9, 9, 4, 0, 0, 0, 0, 0, 0],
+            vec![0, 8, 8, 6, 6, 0, 6, 0, 0, 0, 0],
+        ];
+        let mut tally = SharingTally::default();
+        tally.add_example(&codes, 1, 1, &answers, &[false, true, true, true]);
+        // 1 and 2 share in both codebooks; 3 shares with 1-2, then with 4,
+        // never with the same pair; 4 is alone in codebook 0.
+        let joint: Vec<_> = (tally.joint().iter())
+            .map(|b| (b.first, b.last, b.answers, b.correct, b.mean_code_load))
+            .collect();
+        // Least loads: 1 and 2: 2 (codebook 1); 3: 3 (codebook 1: 3, 4, 6);
+        // 4: 1 (codebook 0).
+        assert_eq!(joint, [(0, 0, 2, 2, 2.0), (1, 1, 2, 1, 2.0)]);
+        // Each codebook alone sees more sharing than the two together.
+        let per: Vec<Vec<_>> = (tally.report().iter())
+            .map(|c| c.buckets.iter().map(|b| (b.first, b.answers)).collect())
+            .collect();
+        assert_eq!(per, [vec![(0, 1), (2, 3)], vec![(1, 4)]]);
+    }
+
+    #[test]
     fn nothing_cached_reports_nothing() {
         let mut tally = SharingTally::default();
         tally.add_example(&[vec![0; 8]], 1, 4, &[answer(7, 2)], &[true]);
         assert!(tally.report().is_empty());
+        assert!(tally.joint().is_empty());
     }
 }

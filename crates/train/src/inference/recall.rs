@@ -19,7 +19,7 @@ use crate::batch::BatchTensors;
 use crate::config::EvalSection;
 use crate::error::TrainError;
 use crate::inference::attention::{self, AttentionShare};
-use crate::inference::code_sharing::{CodeSharing, SharingTally};
+use crate::inference::code_sharing::{CodeSharing, SharingBucket, SharingTally};
 use crate::placement::B;
 use crate::progress::progress_bar;
 
@@ -41,6 +41,10 @@ pub struct RecallReport {
     /// cached).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub code_sharing: Vec<CodeSharing>,
+    /// The same answers by how many other pairs shared the pair's code in
+    /// every codebook at once: those no codebook tells apart from it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub code_sharing_joint: Vec<SharingBucket>,
 }
 
 /// Accuracy of the answers given `first..=last` tokens back.
@@ -127,6 +131,7 @@ impl RecallTally {
                 })
                 .collect(),
             code_sharing: vec![],
+            code_sharing_joint: vec![],
         }
     }
 
@@ -259,6 +264,7 @@ pub fn evaluate_recall(
     }
     let mut report = tally.report();
     report.code_sharing = sharing.report();
+    report.code_sharing_joint = sharing.joint();
     bar.finish_and_clear();
     Ok(RecallScores {
         report,
