@@ -20,6 +20,8 @@
 //! carry it). Position `t` is in the cache at `p` when its block lies at
 //! least two blocks before `p`'s: `t / L + 2 <= p / L`.
 
+use std::collections::{HashMap, VecDeque};
+
 use serde::{Deserialize, Serialize};
 use tvq_data::recall::Answer;
 
@@ -63,7 +65,7 @@ struct Sums {
 
 /// Adds an answer sharing its code with `others` other pairs, on a code of
 /// `load` cached keys, to `row`'s bucket: 0, 1, 2-3, 4-7, ...
-fn add(row: &mut Vec<Sums>, others: usize, load: usize, ok: bool) {
+fn add(row: &mut Vec<Sums>, others: u64, load: u64, ok: bool) {
     let k = if others == 0 {
         0
     } else {
@@ -74,7 +76,7 @@ fn add(row: &mut Vec<Sums>, others: usize, load: usize, ok: bool) {
     }
     row[k].answers += 1;
     row[k].correct += ok as u64;
-    row[k].load += load as u64;
+    row[k].load += load;
 }
 
 /// The non-empty buckets of `row`.
@@ -93,7 +95,8 @@ fn buckets(row: &[Sums]) -> Vec<SharingBucket> {
 }
 
 /// Counts cached answers by how many other cached pairs share their code,
-/// per codebook.
+/// per codebook and in every codebook at once, over examples read through
+/// [`ExampleSharing`].
 #[derive(Clone, Debug, Default)]
 pub struct SharingTally {
     /// `[codebook][bucket]`, codebook `sublayer * heads + head`.
@@ -104,63 +107,6 @@ pub struct SharingTally {
 }
 
 impl SharingTally {
-    /// Adds one example: `codes[c]` is codebook `c`'s code of each of the
-    /// example's positions (`heads` codebooks per sublayer), `answers` its
-    /// answers (positions within the example) and `right` whether each was
-    /// answered right; `block_len` is the model's `L`.
-    ///
-    /// Answers whose source is not yet in the cache when asked for are not
-    /// counted: the window, not a code, serves them.
-    pub fn add_example(
-        &mut self,
-        codes: &[Vec<i64>],
-        heads: usize,
-        block_len: usize,
-        answers: &[Answer],
-        right: &[bool],
-    ) {
-        self.heads = heads.max(1);
-        if self.sums.len() < codes.len() {
-            self.sums.resize(codes.len(), vec![]);
-        }
-        let block = |p: usize| p / block_len.max(1);
-        let sources: Vec<Option<usize>> = answers.iter().map(source).collect();
-        for (i, (&src, &ok)) in sources.iter().zip(right).enumerate() {
-            let p = answers[i].pos;
-            let Some(s) = src else { continue };
-            let cached = |t: usize| block(t) + 2 <= block(p);
-            if !cached(s) {
-                continue;
-            }
-            // The other cached pairs on the pair's code in every codebook so far.
-            let mut everywhere: Option<Vec<usize>> = None;
-            let mut least_load = usize::MAX;
-            for (c, code) in codes.iter().enumerate() {
-                if s >= code.len() {
-                    continue;
-                }
-                let mine = code[s];
-                let mut others: Vec<usize> = (sources.iter().flatten().copied())
-                    .filter(|&t| t != s && cached(t) && code.get(t) == Some(&mine))
-                    .collect();
-                others.sort_unstable();
-                others.dedup();
-                let load = (0..code.len().min(block(p).saturating_sub(1) * block_len))
-                    .filter(|&t| code[t] == mine)
-                    .count();
-                add(&mut self.sums[c], others.len(), load, ok);
-                least_load = least_load.min(load);
-                everywhere = Some(match everywhere {
-                    None => others,
-                    Some(e) => e.into_iter().filter(|t| others.contains(t)).collect(),
-                });
-            }
-            if let Some(e) = everywhere {
-                add(&mut self.joint, e.len(), least_load, ok);
-            }
-        }
-    }
-
     /// The tally per codebook (empty when nothing was cached).
     pub fn report(&self) -> Vec<CodeSharing> {
         (self.sums.iter().enumerate())
@@ -181,6 +127,154 @@ impl SharingTally {
     }
 }
 
+/// One example's contribution to a [`SharingTally`], read segment by
+/// segment as the model reads it.
+///
+/// Time and memory grow with the example's length and answers, not with
+/// their product: positions enter running counts per code as they join
+/// the cache, and only the codes of the last two blocks and of the answers'
+/// sources are kept.
+#[derive(Clone, Debug)]
+pub struct ExampleSharing {
+    block_len: usize,
+    /// The example's answers, by position.
+    answers: Vec<Answer>,
+    /// Each answer's source, where it has one.
+    sources: Vec<Option<usize>>,
+    /// The distinct sources, ascending, and their codes (`[codebook]`, once read).
+    source_positions: Vec<usize>,
+    source_codes: Vec<Vec<u32>>,
+    /// Codebooks, once the first segment is read.
+    codebooks: usize,
+    /// Positions read so far.
+    read: usize,
+    /// Positions `..counted` are in the running counts below.
+    counted: usize,
+    /// Codes of positions `counted..read`, position-major.
+    pending: VecDeque<u32>,
+    /// `[codebook]`: cached keys on each code.
+    loads: Vec<HashMap<u32, u64>>,
+    /// `[codebook]`: cached sources on each code.
+    pairs: Vec<HashMap<u32, u64>>,
+    /// Cached sources on each tuple of codes, one code per codebook.
+    joint: HashMap<Vec<u32>, u64>,
+    /// Answers already tallied (they are by position).
+    next_answer: usize,
+}
+
+impl ExampleSharing {
+    /// An example about to be read by a model of blocks of `block_len`
+    /// tokens, with `answers` (positions within the example, ascending).
+    pub fn new(answers: Vec<Answer>, block_len: usize) -> Self {
+        let sources: Vec<Option<usize>> = answers.iter().map(source).collect();
+        let mut source_positions: Vec<usize> = sources.iter().flatten().copied().collect();
+        source_positions.sort_unstable();
+        source_positions.dedup();
+        Self {
+            block_len: block_len.max(1),
+            source_codes: vec![vec![]; source_positions.len()],
+            answers,
+            sources,
+            source_positions,
+            codebooks: 0,
+            read: 0,
+            counted: 0,
+            pending: VecDeque::new(),
+            loads: vec![],
+            pairs: vec![],
+            joint: HashMap::new(),
+            next_answer: 0,
+        }
+    }
+
+    /// Reads the next segment: `codes[c]` is codebook `c`'s code of each of
+    /// its positions (`heads` codebooks per sublayer, every one as long) and
+    /// `right[i]` whether an answer at its position `i` was right. Tallies
+    /// into `tally` the segment's answers whose source is in the cache when
+    /// they are asked for; the others the window, not a code, serves.
+    pub fn add_segment(
+        &mut self,
+        codes: &[Vec<u32>],
+        heads: usize,
+        right: &[bool],
+        tally: &mut SharingTally,
+    ) {
+        let len = codes.first().map_or(0, Vec::len);
+        if self.codebooks == 0 {
+            self.codebooks = codes.len();
+            self.loads = vec![HashMap::new(); codes.len()];
+            self.pairs = vec![HashMap::new(); codes.len()];
+        }
+        if codes.len() != self.codebooks || codes.iter().any(|c| c.len() != len) {
+            return; // not the layout of the segments before: nothing to count
+        }
+        tally.heads = heads.max(1);
+        if tally.sums.len() < self.codebooks {
+            tally.sums.resize(self.codebooks, vec![]);
+        }
+        let (start, end) = (self.read, self.read + len);
+        for i in 0..len {
+            self.pending.extend(codes.iter().map(|c| c[i]));
+        }
+        // The codes of the sources in this segment.
+        let from = self.source_positions.partition_point(|&t| t < start);
+        let to = self.source_positions.partition_point(|&t| t < end);
+        for k in from..to {
+            let t = self.source_positions[k] - start;
+            self.source_codes[k] = codes.iter().map(|c| c[t]).collect();
+        }
+        self.read = end;
+        while let Some(a) = self.answers.get(self.next_answer).copied() {
+            if a.pos >= end {
+                break;
+            }
+            let i = self.next_answer;
+            self.next_answer += 1;
+            if a.pos < start {
+                continue; // in a segment that came without its codes
+            }
+            // Position `t` is in the cache at `p` when its block lies at least
+            // two blocks before `p`'s: `t < (p / L - 1) L`.
+            let cache_end = (a.pos / self.block_len).saturating_sub(1) * self.block_len;
+            self.count_up_to(cache_end);
+            let Some(s) = self.sources[i].filter(|&s| s < cache_end) else {
+                continue;
+            };
+            let k = self.source_positions.partition_point(|&t| t < s);
+            let mine = &self.source_codes[k];
+            let ok = right.get(a.pos - start).copied().unwrap_or(false);
+            let mut least_load = u64::MAX;
+            for (c, &code) in mine.iter().enumerate() {
+                let load = self.loads[c].get(&code).copied().unwrap_or(0);
+                let others = self.pairs[c].get(&code).map_or(0, |n| n - 1);
+                add(&mut tally.sums[c], others, load, ok);
+                least_load = least_load.min(load);
+            }
+            let others = self.joint.get(mine).map_or(0, |n| n - 1);
+            add(&mut tally.joint, others, least_load, ok);
+        }
+    }
+
+    /// Moves positions `counted..end` (at most those read) into the counts.
+    fn count_up_to(&mut self, end: usize) {
+        let n = self.codebooks;
+        while self.counted < end.min(self.read) {
+            let t = self.counted;
+            let codes: Vec<u32> = self.pending.drain(..n).collect();
+            for (c, &code) in codes.iter().enumerate() {
+                *self.loads[c].entry(code).or_default() += 1;
+            }
+            if self.source_positions.binary_search(&t).is_ok() {
+                for (c, &code) in codes.iter().enumerate() {
+                    *self.pairs[c].entry(code).or_default() += 1;
+                }
+                *self.joint.entry(codes).or_default() += 1;
+            }
+            self.counted += 1;
+        }
+    }
+}
+
 /// The position that read an answer's pair: `pos - distance + 1`, where
 /// that lies before the answer.
 fn source(a: &Answer) -> Option<usize> {
@@ -195,67 +289,93 @@ mod tests {
         Answer { pos, distance }
     }
 
+    /// The tally of one example read in segments of `seg` positions, with
+    /// `right[i]` whether `answers[i]` was right.
+    fn read(
+        codes: &[Vec<u32>],
+        heads: usize,
+        block_len: usize,
+        answers: &[Answer],
+        right: &[bool],
+        seg: usize,
+    ) -> SharingTally {
+        let len = codes[0].len();
+        let mut at = vec![false; len];
+        for (a, &ok) in answers.iter().zip(right) {
+            at[a.pos] = ok;
+        }
+        let (mut tally, mut example) = (
+            SharingTally::default(),
+            ExampleSharing::new(answers.to_vec(), block_len),
+        );
+        for start in (0..len).step_by(seg) {
+            let end = (start + seg).min(len);
+            let part: Vec<Vec<u32>> = codes.iter().map(|c| c[start..end].to_vec()).collect();
+            example.add_segment(&part, heads, &at[start..end], &mut tally);
+        }
+        tally
+    }
+
+    /// Each bucket as `(first, last, answers, correct)`.
+    fn rows(buckets: &[SharingBucket]) -> Vec<(u64, u64, u64, u64)> {
+        (buckets.iter())
+            .map(|b| (b.first, b.last, b.answers, b.correct))
+            .collect()
+    }
+
     #[test]
-    fn sharing_is_counted_among_the_cached_pairs_only() {
-        // L = 2: at position 9 (block 4) the cache holds blocks 0-2, positions 0-5.
-        // Sources: 9-8+1 = 2, 9-6+1 = 4, 8-3+1 = 6 (block 3: window), 9-3+1 = 7.
-        let answers = [answer(9, 8), answer(9, 6), answer(8, 3), answer(9, 3)];
-        // One codebook: positions 2 and 4 share code 5; 6 has code 5 too but is
-        // not cached at 8 or 9; position 0 has code 5 (not a source).
-        let codes = vec![vec![5, 1, 5, 1, 5, 1, 5, 7, 1, 1]];
-        let mut tally = SharingTally::default();
-        tally.add_example(&codes, 1, 2, &answers, &[true, false, true, true]);
+    fn sharing_is_counted_among_the_pairs_cached_when_asked() {
+        // L = 2: an answer at p sees positions before (p / 2 - 1) * 2 cached.
+        // Answer 8 (source 6): cache 0-5, not counted. Answer 9 (source 2):
+        // cache 0-5. Answer 10 (source 4): cache 0-7. Answer 11 (source 9):
+        // not counted.
+        let answers = [answer(8, 3), answer(9, 8), answer(10, 7), answer(11, 3)];
+        // Sources 2, 4 and 6 on code 5, and position 0 (not a source).
+        let codes = vec![vec![5, 1, 5, 1, 5, 1, 5, 7, 1, 1, 1, 1]];
+        let tally = read(&codes, 1, 2, &answers, &[true, true, false, true], 12);
         let r = tally.report();
         assert_eq!(r.len(), 1);
-        // Only the two answers from 2 and 4 are cached; each shares with the other.
-        let b: Vec<_> = (r[0].buckets.iter())
-            .map(|b| (b.first, b.last, b.answers, b.correct))
-            .collect();
-        assert_eq!(b, [(1, 1, 2, 1)]);
-        // Code 5 among cached positions 0-5: positions 0, 2 and 4.
-        assert_eq!(r[0].buckets[0].mean_code_load, 3.0);
+        // At 9 source 2 shares with 4 (6 is not cached yet); at 10 source 4
+        // shares with 2 and 6.
+        assert_eq!(rows(&r[0].buckets), [(1, 1, 1, 1), (2, 3, 1, 0)]);
+        // Code 5 on 0, 2, 4 of 0-5; on 0, 2, 4, 6 of 0-7.
+        let loads: Vec<f64> = r[0].buckets.iter().map(|b| b.mean_code_load).collect();
+        assert_eq!(loads, [3.0, 4.0]);
     }
 
     #[test]
     fn pairs_alone_on_their_code_land_in_bucket_zero_and_heads_are_apart() {
-        // L = 1: at position 10 the cache holds positions 0..=8.
-        let answers = [answer(10, 10), answer(10, 9), answer(10, 8), answer(10, 7)];
-        // Sources 1, 2, 3, 4. Head 0: all distinct. Head 1: 1, 2, 3 share a code.
+        // L = 1: answers at 7-10 from sources 1-4, all cached.
+        let answers = [answer(7, 7), answer(8, 7), answer(9, 7), answer(10, 7)];
+        // Head 0: all distinct. Head 1: 1, 2, 3 share a code.
         let codes = vec![
             vec![0, 1, 2, 3, 4, 0, 0, 0, 0, 0, 0],
             vec![0, 9, 9, 9, 4, 0, 0, 0, 0, 0, 0],
         ];
-        let mut tally = SharingTally::default();
-        tally.add_example(&codes, 2, 1, &answers, &[true, true, false, true]);
+        let tally = read(&codes, 2, 1, &answers, &[true, true, false, true], 11);
         let r = tally.report();
         assert_eq!(
             (r[0].sublayer, r[0].head, r[1].sublayer, r[1].head),
             (0, 0, 0, 1)
         );
-        let rows = |c: &CodeSharing| -> Vec<_> {
-            (c.buckets.iter())
-                .map(|b| (b.first, b.last, b.answers, b.correct))
-                .collect()
-        };
-        assert_eq!(rows(&r[0]), [(0, 0, 4, 3)]);
+        assert_eq!(rows(&r[0].buckets), [(0, 0, 4, 3)]);
         // Head 1: source 4 alone (right); 1-3 each share with two others (2-3).
-        assert_eq!(rows(&r[1]), [(0, 0, 1, 1), (2, 3, 3, 2)]);
+        assert_eq!(rows(&r[1].buckets), [(0, 0, 1, 1), (2, 3, 3, 2)]);
         assert_eq!(r[1].buckets[1].mean_code_load, 3.0);
         assert_eq!(r[1].buckets[0].mean_code_load, 1.0);
     }
 
     #[test]
     fn the_joint_tally_counts_the_pairs_that_share_a_code_in_every_codebook() {
-        // L = 1: at position 10 the cache holds positions 0..=8; sources 1-4.
-        let answers = [answer(10, 10), answer(10, 9), answer(10, 8), answer(10, 7)];
+        // L = 1: answers at 8-11 from sources 1-4, with positions 0-6 cached.
+        let answers = [answer(8, 8), answer(9, 8), answer(10, 8), answer(11, 8)];
         // Codebook 0: sources 1, 2 and 3 on code 9. Codebook 1: 1 and 2 on
         // code 8, 3 and 4 on code 6 (position 6 too, not a source).
         let codes = vec![
-            vec![0, 9, 9, 9, 4, 0, 0, 0, 0, 0, 0],
-            vec![0, 8, 8, 6, 6, 0, 6, 0, 0, 0, 0],
+            vec![0, 9, 9, 9, 4, 0, 0, 0, 0, 0, 0, 0],
+            vec![0, 8, 8, 6, 6, 0, 6, 0, 0, 0, 0, 0],
         ];
-        let mut tally = SharingTally::default();
-        tally.add_example(&codes, 1, 1, &answers, &[false, true, true, true]);
+        let tally = read(&codes, 1, 1, &answers, &[false, true, true, true], 12);
         // 1 and 2 share in both codebooks; 3 shares with 1-2, then with 4,
         // never with the same pair; 4 is alone in codebook 0.
         let joint: Vec<_> = (tally.joint().iter())
@@ -273,9 +393,80 @@ mod tests {
 
     #[test]
     fn nothing_cached_reports_nothing() {
-        let mut tally = SharingTally::default();
-        tally.add_example(&[vec![0; 8]], 1, 4, &[answer(7, 2)], &[true]);
+        let tally = read(&[vec![0; 8]], 1, 4, &[answer(7, 2)], &[true], 8);
         assert!(tally.report().is_empty());
         assert!(tally.joint().is_empty());
+    }
+
+    /// The tally as defined, answer by answer over the whole example: the
+    /// oracle for the streaming count.
+    fn oracle(
+        codes: &[Vec<u32>],
+        heads: usize,
+        block_len: usize,
+        answers: &[Answer],
+        right: &[bool],
+    ) -> SharingTally {
+        let mut tally = SharingTally {
+            sums: vec![vec![]; codes.len()],
+            joint: vec![],
+            heads,
+        };
+        let sources: Vec<Option<usize>> = answers.iter().map(source).collect();
+        for (i, a) in answers.iter().enumerate() {
+            let cache_end = (a.pos / block_len).saturating_sub(1) * block_len;
+            let Some(s) = sources[i].filter(|&s| s < cache_end) else {
+                continue;
+            };
+            let mut cached: Vec<usize> = (sources.iter().flatten().copied())
+                .filter(|&t| t != s && t < cache_end)
+                .collect();
+            cached.sort_unstable();
+            cached.dedup();
+            let same = |c: usize, t: usize| codes[c][t] == codes[c][s];
+            let mut least_load = u64::MAX;
+            for c in 0..codes.len() {
+                let others = cached.iter().filter(|&&t| same(c, t)).count() as u64;
+                let load = (0..cache_end).filter(|&t| same(c, t)).count() as u64;
+                add(&mut tally.sums[c], others, load, right[i]);
+                least_load = least_load.min(load);
+            }
+            let everywhere = (cached.iter())
+                .filter(|&&t| (0..codes.len()).all(|c| same(c, t)))
+                .count() as u64;
+            add(&mut tally.joint, everywhere, least_load, right[i]);
+        }
+        tally
+    }
+
+    #[test]
+    fn reading_in_segments_counts_as_the_definition_does() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n as u64) as usize
+        };
+        for _ in 0..200 {
+            let (len, block_len, heads) = (8 + next(120), 1 + next(8), 1 + next(3));
+            let (codebooks, symbols) = (heads * (1 + next(3)), 1 + next(6));
+            let codes: Vec<Vec<u32>> = (0..codebooks)
+                .map(|_| (0..len).map(|_| next(symbols) as u32).collect())
+                .collect();
+            // Answers at distinct positions, ascending; some without a source.
+            let mut answers = vec![];
+            for pos in 1..len {
+                if next(3) == 0 {
+                    answers.push(answer(pos, next(pos + 2)));
+                }
+            }
+            let right: Vec<bool> = answers.iter().map(|_| next(2) == 0).collect();
+            let want = oracle(&codes, heads, block_len, &answers, &right);
+            let seg = 1 + next(len);
+            let got = read(&codes, heads, block_len, &answers, &right, seg);
+            assert_eq!(got.report(), want.report(), "{len} {block_len} {seg}");
+            assert_eq!(got.joint(), want.joint(), "{len} {block_len} {seg}");
+        }
     }
 }

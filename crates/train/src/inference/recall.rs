@@ -19,7 +19,7 @@ use crate::batch::BatchTensors;
 use crate::config::EvalSection;
 use crate::error::TrainError;
 use crate::inference::attention::{self, AttentionShare};
-use crate::inference::code_sharing::{CodeSharing, SharingBucket, SharingTally};
+use crate::inference::code_sharing::{CodeSharing, ExampleSharing, SharingBucket, SharingTally};
 use crate::placement::B;
 use crate::progress::progress_bar;
 
@@ -185,14 +185,26 @@ pub fn evaluate_recall(
     let distance: std::collections::HashMap<usize, usize> =
         recall.answers.iter().map(|a| (a.pos, a.distance)).collect();
     let (mut tally, mut nll, mut scored) = (RecallTally::default(), 0f64, 0u64);
-    let (mut sharing, mut heads) = (SharingTally::default(), 1);
+    let mut sharing = SharingTally::default();
     for first in (0..examples).step_by(rows) {
         let group: Vec<usize> = (first..(first + rows).min(examples)).collect();
         let mut state = model.empty_state();
-        // Per row: every codebook's codes of the example, `[codebook][position]`,
-        // and whether the answer at each position of the example was right.
-        let mut codes: Vec<Vec<Vec<i64>>> = vec![vec![]; group.len()];
-        let mut right = vec![vec![false; len]; group.len()];
+        // Per row: its example's answers (positions within the example),
+        // whose code sharing is counted as the segments are read.
+        let mut shares: Vec<ExampleSharing> = (group.iter())
+            .map(|&e| {
+                let base = e * len;
+                let lo = recall.answers.partition_point(|a| a.pos < base);
+                let hi = recall.answers.partition_point(|a| a.pos < base + len);
+                let answers = (recall.answers[lo..hi].iter())
+                    .map(|a| Answer {
+                        pos: a.pos - base,
+                        ..*a
+                    })
+                    .collect();
+                ExampleSharing::new(answers, model.block_len())
+            })
+            .collect();
         for start in (0..len).step_by(seg) {
             let batch = segment(split, &group, len, start, seg);
             let t = BatchTensors::rows(&batch, 0..group.len(), &device);
@@ -213,6 +225,8 @@ pub fn evaluate_recall(
                 .nll_sum
                 .into_scalar()
                 .elem::<f64>();
+            // Whether the answer at each position of the segment was right.
+            let mut right = vec![false; batch.targets.len()]; // [R * seg]
             for (i, &target) in batch.targets.iter().enumerate() {
                 if target == PAD || !batch.valid[i] {
                     continue;
@@ -221,44 +235,32 @@ pub fn evaluate_recall(
                 let pos = group[i / seg] * len + start + i % seg;
                 if let Some(&d) = distance.get(&pos) {
                     let at = &figures[i * per_token..(i + 1) * per_token];
-                    let ok = guess[i] == target as i64;
-                    tally.add(d, ok, at);
-                    right[i / seg][start + i % seg] = ok;
+                    right[i] = guess[i] == target as i64;
+                    tally.add(d, right[i], at);
                 }
             }
-            for (sublayer, c) in out.codes.iter().enumerate() {
+            // Every codebook's codes of each row, `[R][codebook][seg]`.
+            let mut codes: Vec<Vec<Vec<u32>>> = vec![vec![]; group.len()];
+            let mut heads = 1;
+            for c in &out.codes {
                 let [r, h, t] = c.dims(); // [R, H, seg]
                 heads = h;
-                let c: Vec<i64> = c
-                    .clone()
-                    .into_data()
-                    .convert::<i64>()
+                let c: Vec<u32> = (c.clone().into_data())
+                    .convert::<u32>()
                     .to_vec()
-                    .expect("i64");
+                    .expect("u32");
                 for (row, row_codes) in codes.iter_mut().enumerate().take(r) {
-                    if row_codes.len() < (sublayer + 1) * h {
-                        row_codes.resize((sublayer + 1) * h, vec![]);
-                    }
                     for head in 0..h {
                         let from = (row * h + head) * t;
-                        row_codes[sublayer * h + head].extend_from_slice(&c[from..from + t]);
+                        row_codes.push(c[from..from + t].to_vec());
                     }
                 }
             }
+            for (row, share) in shares.iter_mut().enumerate() {
+                let right = &right[row * seg..(row + 1) * seg];
+                share.add_segment(&codes[row], heads, right, &mut sharing);
+            }
             state = out.state;
-        }
-        for (row, &e) in group.iter().enumerate() {
-            let base = e * len;
-            let lo = recall.answers.partition_point(|a| a.pos < base);
-            let hi = recall.answers.partition_point(|a| a.pos < base + len);
-            let answers: Vec<Answer> = (recall.answers[lo..hi].iter())
-                .map(|a| Answer {
-                    pos: a.pos - base,
-                    ..*a
-                })
-                .collect();
-            let ok: Vec<bool> = answers.iter().map(|a| right[row][a.pos]).collect();
-            sharing.add_example(&codes[row], heads, model.block_len(), &answers, &ok);
         }
         bar.inc(group.len() as u64);
     }
