@@ -282,8 +282,8 @@ fn a_text_model_is_measured_on_passkeys_hidden_in_its_own_text() {
             assert!((1.0..=32.0).contains(&load), "{c}");
         }
     }
-    // Jointly: the same 8 answers, sharing with no more others than in the
-    // codebook where they share least.
+    // Jointly: the same 8 answers, at least as many of them alone as in any
+    // one codebook.
     let joint = plain["recall"]["code_sharing_joint"].as_array().unwrap();
     let alone = |buckets: &[serde_json::Value]| -> u64 {
         (buckets.iter())
