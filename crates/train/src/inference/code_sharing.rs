@@ -144,15 +144,14 @@ pub struct ExampleSharing {
     /// The distinct sources, ascending, and their codes (`[codebook]`, once read).
     source_positions: Vec<usize>,
     source_codes: Vec<Vec<u32>>,
-    /// Codebooks, once the first segment is read.
-    codebooks: usize,
     /// Positions read so far.
     read: usize,
     /// Positions `..counted` are in the running counts below.
     counted: usize,
     /// Codes of positions `counted..read`, position-major.
     pending: VecDeque<u32>,
-    /// `[codebook]`: cached keys on each code.
+    /// `[codebook]`: cached keys on each code (empty until the first
+    /// segment says how many codebooks there are).
     loads: Vec<HashMap<u32, u64>>,
     /// `[codebook]`: cached sources on each code.
     pairs: Vec<HashMap<u32, u64>>,
@@ -176,7 +175,6 @@ impl ExampleSharing {
             answers,
             sources,
             source_positions,
-            codebooks: 0,
             read: 0,
             counted: 0,
             pending: VecDeque::new(),
@@ -200,17 +198,17 @@ impl ExampleSharing {
         tally: &mut SharingTally,
     ) {
         let len = codes.first().map_or(0, Vec::len);
-        if self.codebooks == 0 {
-            self.codebooks = codes.len();
+        if self.loads.is_empty() {
             self.loads = vec![HashMap::new(); codes.len()];
             self.pairs = vec![HashMap::new(); codes.len()];
         }
-        if codes.len() != self.codebooks || codes.iter().any(|c| c.len() != len) {
+        let codebooks = self.loads.len();
+        if codes.len() != codebooks || codes.iter().any(|c| c.len() != len) {
             return; // not the layout of the segments before: nothing to count
         }
         tally.heads = heads.max(1);
-        if tally.sums.len() < self.codebooks {
-            tally.sums.resize(self.codebooks, vec![]);
+        if tally.sums.len() < codebooks {
+            tally.sums.resize(codebooks, vec![]);
         }
         let (start, end) = (self.read, self.read + len);
         for i in 0..len {
@@ -257,7 +255,7 @@ impl ExampleSharing {
 
     /// Moves positions `counted..end` (at most those read) into the counts.
     fn count_up_to(&mut self, end: usize) {
-        let n = self.codebooks;
+        let n = self.loads.len();
         while self.counted < end.min(self.read) {
             let t = self.counted;
             let codes: Vec<u32> = self.pending.drain(..n).collect();
