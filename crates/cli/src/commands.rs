@@ -2,8 +2,6 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{Context, Result, bail};
 use burn::DispatchDevice;
@@ -355,15 +353,7 @@ pub fn run_train(args: TrainArgs) -> Result<()> {
             .map_or("run".into(), |s| s.to_string_lossy().into_owned());
         PathBuf::from("runs").join(stem)
     });
-    let interrupt = Arc::new(AtomicBool::new(false));
-    let flag = interrupt.clone();
-    ctrlc::set_handler(move || {
-        if flag.swap(true, Ordering::SeqCst) {
-            std::process::exit(130); // a second Ctrl-C does not wait
-        }
-        eprintln!("\ninterrupt: writing a checkpoint, then stopping (Ctrl-C again to abort)");
-    })
-    .context("cannot install the Ctrl-C handler")?;
+    let interrupt = crate::interrupt::install()?;
     let opts = TrainOptions {
         run_dir: run_dir.clone(),
         resume: args.resume,

@@ -8,6 +8,7 @@
 mod bench;
 mod check;
 mod commands;
+mod interrupt;
 mod panics;
 mod tokenizer;
 

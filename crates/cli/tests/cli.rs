@@ -958,8 +958,13 @@ fn bad_input_is_a_one_line_error() {
 /// SIGINT as a terminal's Ctrl-C would.
 fn interrupt_once_under_way(run: &Path, child: &mut std::process::Child) {
     wait_for(child, "3 metrics lines", || metrics_lines(run) >= 3);
+    send_signal(child, "INT");
+}
+
+/// Sends `child` the signal `name` (`kill -NAME`).
+fn send_signal(child: &std::process::Child, name: &str) {
     let status = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
+        .args([&format!("-{name}"), &child.id().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
@@ -996,6 +1001,54 @@ fn ctrl_c_writes_a_checkpoint_and_exits_cleanly() {
     let mut child = spawn_train(config.to_str().unwrap(), &run, std::process::Stdio::piped);
     interrupt_once_under_way(&run, &mut child);
     assert_stopped_cleanly(&child.wait_with_output().unwrap(), "tvq train");
+    assert_checkpoint_at_last_step(&run);
+}
+
+#[test]
+fn sigterm_writes_a_checkpoint_and_exits_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 100_000, 100_000);
+    let run = dir.path().join("run");
+    let mut child = spawn_train(config.to_str().unwrap(), &run, std::process::Stdio::piped);
+    wait_for(&mut child, "3 metrics lines", || metrics_lines(&run) >= 3);
+    send_signal(&child, "TERM");
+    assert_stopped_cleanly(&child.wait_with_output().unwrap(), "tvq train");
+    assert_checkpoint_at_last_step(&run);
+}
+
+/// GNU `timeout -s INT` signals its child, then its process group: the
+/// same interrupt twice. A second signal right after the first has been
+/// handled (as a multi-threaded process may handle both) must not count as
+/// a second Ctrl-C, which exits without a checkpoint.
+#[test]
+fn an_interrupt_delivered_twice_still_writes_its_checkpoint() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 100_000, 100_000);
+    let run = dir.path().join("run");
+    let mut child = spawn_train(config.to_str().unwrap(), &run, std::process::Stdio::piped);
+    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let (heard, handled) = std::sync::mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        for line in stderr.lines().map_while(Result::ok) {
+            if line.starts_with("interrupt:") {
+                heard.send(()).ok();
+            }
+            text += &line;
+            text.push('\n');
+        }
+        text
+    });
+    interrupt_once_under_way(&run, &mut child);
+    handled
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("tvq train says it is stopping");
+    send_signal(&child, "INT");
+    let out = child.wait_with_output().unwrap();
+    let stderr = reader.join().unwrap();
+    assert!(out.status.success(), "tvq train exits cleanly: {stderr}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("--resume"));
     assert_checkpoint_at_last_step(&run);
 }
 
