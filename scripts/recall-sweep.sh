@@ -19,9 +19,14 @@
 #
 # TVQ_BIN=PATH runs that binary instead of building this tree's; the
 # results then record TVQ_COMMIT (the commit it was built from) if given,
-# else the binary's file name.
+# else the binary's file name. DEVICE=cuda (or wgpu) trains on that device
+# (the evaluation stays on the CPU, so its figures compare with CPU-trained
+# runs'); LIMIT=SECONDS stops each training run after that long, as Ctrl-C
+# does (a checkpoint, then stop), and evaluates it where it stopped: the
+# row's "steps" says how far it got (scripts/gpu-node/recall.sh).
 #
-# Writes OUT_DIR/results.jsonl (one line per run: the settings, the window,
+# Writes OUT_DIR/results.jsonl (one line per run: the settings, the device,
+# the steps trained, the window,
 # the accuracy, the accuracy by distance and by code sharing (VQ: how many
 # other pairs shared a cached answer's code), the validation's accuracy at each
 # evaluation and the first step where it reached 90%, the commit) and
@@ -38,6 +43,7 @@ PAIRS=${PAIRS:-4}
 LENS=${LENS:-64}
 SEEDS=${SEEDS:-0 1}
 EXTRA=${EXTRA:-}
+DEVICE=${DEVICE:-cpu}
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/tvq/target}"
 if [ -n "${TVQ_BIN:-}" ]; then
   tvq="$TVQ_BIN"
@@ -74,23 +80,32 @@ for form in $FORMS; do
           fi
           init=(--set "train.init_from=${sources[0]}")
         fi
+        limit=()
+        [ -n "${LIMIT:-}" ] && limit=(timeout -s INT --kill-after=60 "$LIMIT")
+        status=0
         # shellcheck disable=SC2086
-        "$tvq" train --config configs/mqar.toml --run-dir "$run" --quiet "${set_form[@]}" \
-          --set "data.mqar.pairs=$pairs" --set "data.sequence_len=$len" --set "data.update_len=$seg" \
-          --set "eval.update_len=$seg" --set "train.seed=$seed" --set "data.mqar.seed=$seed" \
-          "${init[@]}" $EXTRA > "$run.log" 2>&1 || { echo "recall-sweep: $name failed (see $run.log)" >&2; continue; }
+        "${limit[@]}" "$tvq" train --config configs/mqar.toml --run-dir "$run" --quiet --device "$DEVICE" \
+          "${set_form[@]}" --set "data.mqar.pairs=$pairs" --set "data.sequence_len=$len" \
+          --set "data.update_len=$seg" --set "eval.update_len=$seg" --set "train.seed=$seed" \
+          --set "data.mqar.seed=$seed" "${init[@]}" $EXTRA > "$run.log" 2>&1 || status=$?
+        # Stopped by LIMIT (timeout's 124) after its checkpoint: evaluated where it stopped.
+        if [ $status -ne 0 ] && { [ $status -ne 124 ] || ! grep -q "^stopped at step" "$run.log"; }; then
+          echo "recall-sweep: $name failed (see $run.log)" >&2; continue
+        fi
         report="$("$tvq" eval --checkpoint "$run" --json 2>/dev/null)"
-        python3 - "$name" "$form" "$pairs" "$len" "$seed" "$commit" "$report" "$run" >> "$results" <<'PY'
+        python3 - "$name" "$form" "$pairs" "$len" "$seed" "$commit" "$report" "$run" "$DEVICE" >> "$results" <<'PY'
 import json, re, sys
-name, form, pairs, length, seed, commit, report, run = sys.argv[1:]
+name, form, pairs, length, seed, commit, report, run, device = sys.argv[1:]
 r = json.loads(report)
 # The validation's accuracy at each evaluation of the run: how soon it learned.
-curve = [(m["step"], m["recall"]["accuracy"]) for m in map(json.loads, open(f"{run}/metrics.jsonl"))
-         if m.get("kind") == "eval" and "recall" in m]
+metrics = [json.loads(l) for l in open(f"{run}/metrics.jsonl")]
+curve = [(m["step"], m["recall"]["accuracy"]) for m in metrics if m.get("kind") == "eval" and "recall" in m]
 # The window: the present and the previous block (the run's own block_len).
 block = re.search(r"^block_len = (\d+)$", open(f"{run}/config.toml").read(), re.M)
 print(json.dumps({"name": name, "form": form, "pairs": int(pairs), "seq_len": int(length),
-                  "seed": int(seed), "commit": commit, "accuracy": r["recall"]["accuracy"],
+                  "seed": int(seed), "commit": commit, "device": device,
+                  "steps": max((m["step"] for m in metrics if m.get("kind") == "train"), default=0),
+                  "accuracy": r["recall"]["accuracy"],
                   "loss": r["loss"], "by_distance": r["recall"]["by_distance"],
                   "code_sharing": r["recall"].get("code_sharing", []),
                   "code_sharing_joint": r["recall"].get("code_sharing_joint", []),
