@@ -3,6 +3,11 @@
 //! ask the run to write a checkpoint and stop after the step under way; a
 //! second request exits at once, without a checkpoint.
 //!
+//! A stop signal that `tvq train` was started ignoring stays ignored, as
+//! `nohup` asks of SIGHUP, except SIGINT: a shell ignores it in every
+//! background job of a script without anyone asking, and `timeout -s INT`
+//! must still stop such a job.
+//!
 //! One request can arrive twice: GNU `timeout` signals its child and then
 //! its whole process group, the child included, and a multi-threaded
 //! process may handle both. A signal within [`SAME_REQUEST`] of the first
@@ -40,6 +45,10 @@ fn meaning(first: Option<Instant>, now: Instant) -> Meaning {
 /// Installs the stop-signal handler; the flag it returns is set by the
 /// first request (`TrainOptions::interrupt`).
 pub fn install() -> Result<Arc<AtomicBool>> {
+    let ignored: Vec<libc::c_int> = [libc::SIGTERM, libc::SIGHUP]
+        .into_iter()
+        .filter(|&sig| is_ignored(sig))
+        .collect();
     let interrupt = Arc::new(AtomicBool::new(false));
     let flag = interrupt.clone();
     let mut first = None;
@@ -54,7 +63,23 @@ pub fn install() -> Result<Arc<AtomicBool>> {
         Meaning::Abort => std::process::exit(130),
     })
     .context("cannot install the handler of Ctrl-C and SIGTERM")?;
+    for sig in ignored {
+        // SAFETY: setting a signal's disposition to SIG_IGN has no
+        // preconditions.
+        unsafe { libc::signal(sig, libc::SIG_IGN) };
+    }
     Ok(interrupt)
+}
+
+/// Whether the process ignores `sig` (inherited from its parent: `nohup`).
+fn is_ignored(sig: libc::c_int) -> bool {
+    // SAFETY: `sigaction` with no new action only reads the current one
+    // into a plain struct owned here, for which zeroes are a valid value.
+    unsafe {
+        let mut current: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(sig, std::ptr::null(), &mut current) == 0
+            && current.sa_sigaction == libc::SIG_IGN
+    }
 }
 
 #[cfg(test)]

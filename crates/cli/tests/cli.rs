@@ -1016,6 +1016,31 @@ fn sigterm_writes_a_checkpoint_and_exits_cleanly() {
     assert_checkpoint_at_last_step(&run);
 }
 
+/// `nohup` keeps a run going when its terminal closes (SIGHUP ignored),
+/// and Ctrl-C still stops it with a checkpoint.
+#[test]
+fn under_nohup_a_hangup_leaves_the_run_going() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 100_000, 100_000);
+    let run = dir.path().join("run");
+    let mut child = Command::new("nohup")
+        .args([TVQ, "train", "--config", config.to_str().unwrap()])
+        .args(["--run-dir", run.to_str().unwrap(), "--quiet"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for(&mut child, "3 metrics lines", || metrics_lines(&run) >= 3);
+    send_signal(&child, "HUP");
+    let after = metrics_lines(&run);
+    wait_for(&mut child, "more steps after the hangup", || {
+        metrics_lines(&run) >= after + 3
+    });
+    send_signal(&child, "INT");
+    assert_stopped_cleanly(&child.wait_with_output().unwrap(), "tvq train under nohup");
+    assert_checkpoint_at_last_step(&run);
+}
+
 /// GNU `timeout -s INT` signals its child, then its process group: the
 /// same interrupt twice. A second signal right after the first has been
 /// handled (as a multi-threaded process may handle both) must not count as
