@@ -48,7 +48,6 @@ while read -r name vars; do
   names+=("$name")
   mkdir -p "$work/$name/cache"
   note "$name: $vars"
-  # shellcheck disable=SC2086
   (eval "export $vars" && XDG_CACHE_HOME="$work/$name/cache" scripts/recall-sweep.sh "$work/$name") \
     < /dev/null > "$work/$name.log" 2>&1 &
   pids+=($!)
