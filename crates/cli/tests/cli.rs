@@ -7,16 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use tvq_testkit::{Gpu, wait_for};
+use tvq_testkit::{Gpu, crate_dir, wait_for};
 
 const TVQ: &str = env!("CARGO_BIN_EXE_tvq");
-
-/// This crate's directory, read when the test runs: a test binary reused
-/// from a build of another checkout into the same target directory would
-/// otherwise read that checkout's files.
-fn crate_dir() -> PathBuf {
-    PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("tests run by cargo"))
-}
 
 fn repo() -> PathBuf {
     crate_dir().join("../..")

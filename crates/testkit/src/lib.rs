@@ -1,13 +1,15 @@
 //! Test support shared by the tests of tvq's crates, and by nothing else
 //! (a dev-dependency only): which GPU the backend tests compare with the
 //! CPU and what a test does when it is missing, the tiny model of the unit
-//! tests, waiting on a child process, and a heap allocator that counts.
+//! tests, waiting on a child process, the directory of the crate under
+//! test, and a heap allocator that counts.
 //!
 //! It knows nothing of how a device is probed: each crate probes with its
 //! own code (a second copy of the probes in one test binary would set up a
 //! GPU runtime twice), and asks here what the answer means.
 
 use std::io::Write;
+use std::path::PathBuf;
 use std::process::Child;
 use std::time::{Duration, Instant};
 
@@ -109,6 +111,14 @@ pub fn wait_for(child: &mut Child, what: &str, done: impl Fn() -> bool) {
         assert!(start.elapsed() < Duration::from_secs(300), "no {what}");
         std::thread::sleep(Duration::from_millis(2));
     }
+}
+
+/// The directory of the crate under test, read when the test runs (cargo
+/// sets `CARGO_MANIFEST_DIR` for it): a test binary reused from a build of
+/// another checkout into the same target directory would otherwise read
+/// that checkout's files, or fail where it no longer exists.
+pub fn crate_dir() -> PathBuf {
+    PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("tests run by cargo"))
 }
 
 /// The system allocator, counting the bytes held now and the most held: a

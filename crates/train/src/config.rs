@@ -511,7 +511,7 @@ mod tests {
 
     #[test]
     fn every_shipped_config_loads() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        let dir = tvq_testkit::crate_dir().join("../../configs");
         let mut loaded = vec![];
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();

@@ -3,7 +3,7 @@
 //! `attention_map` and `embed` read that export. Each must succeed and
 //! print what it promises.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 /// The built example `name` (cargo builds the examples with the tests).
@@ -18,7 +18,7 @@ fn example(name: &str) -> PathBuf {
 }
 
 fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+    tvq_testkit::crate_dir().join("../..")
 }
 
 /// Runs example `name` with `args` from the repository root; its stdout.

@@ -40,7 +40,7 @@ fn cases() -> u64 {
 
 /// The committed run whose checkpoint seeds the mutations.
 fn fixture() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../cli/tests/fixtures/run-format-2")
+    tvq_testkit::crate_dir().join("../cli/tests/fixtures/run-format-2")
 }
 
 /// `bytes` changed by one to four seeded mutations.
