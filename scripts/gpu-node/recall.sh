@@ -18,7 +18,8 @@
 #   OUT=DIR LIMIT=60 DEVICE=cpu scripts/gpu-node/recall.sh PLAN   # the script's own test
 #
 # PLAN: one sweep per line, "NAME VAR=VALUE ...", with recall-sweep.sh's
-# variables (FORMS, PAIRS, LENS, SEEDS, EXTRA, FROM; shell quoting); "#"
+# variables (FORMS, PAIRS, LENS, SEEDS, EXTRA, FROM; shell quoting, run by
+# eval: a plan is a script of its own, trusted as one); "#"
 # starts a comment. Sweep NAME writes /tmp/tvq-recall/NAME/, its own kernel
 # cache beside it (several processes never share one cache file).
 set -uo pipefail
