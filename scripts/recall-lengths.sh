@@ -11,7 +11,8 @@
 #   LENS="256 1024 4096" scripts/recall-lengths.sh OUT.jsonl RUN_DIR...
 #
 # Appends one JSON line per run and length to OUT.jsonl (the run, the
-# length, the segment, the accuracy, the accuracy by distance; a run,
+# length, the segment, the accuracy, the accuracy by distance and, for
+# Transformer-VQ, by code sharing (docs/data.md, "Code sharing"); a run,
 # length and segment already there are not evaluated again) and prints a
 # Markdown table, one row per run, one column per length. TVQ_BIN=PATH runs
 # that binary instead of building this tree's.
@@ -50,8 +51,12 @@ for run in "$@"; do
 import json, sys
 run, length, segment, report = sys.argv[1:]
 r = json.loads(report)["recall"]
-print(json.dumps({"run": run, "seq_len": int(length), "segment": int(segment),
-                  "accuracy": r["accuracy"], "by_distance": r["by_distance"]}))
+row = {"run": run, "seq_len": int(length), "segment": int(segment),
+       "accuracy": r["accuracy"], "by_distance": r["by_distance"]}
+for key in ("code_sharing", "code_sharing_joint"):
+    if key in r:
+        row[key] = r[key]
+print(json.dumps(row))
 PY
     echo "recall-lengths: $run at $len tokens: $(tail -1 "$out" | python3 -c 'import json,sys; print(round(100*json.load(sys.stdin)["accuracy"], 1))')%"
   done

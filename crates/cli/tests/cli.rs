@@ -950,8 +950,25 @@ fn bad_input_is_a_one_line_error() {
 /// Waits until the run in `run` has logged 3 lines, then sends `child`
 /// SIGINT as a terminal's Ctrl-C would.
 fn interrupt_once_under_way(run: &Path, child: &mut std::process::Child) {
+    signal_once_under_way(run, child, "INT");
+}
+
+/// Waits until the run in `run` has logged 3 lines, then sends `child` the
+/// signal `name`.
+fn signal_once_under_way(run: &Path, child: &mut std::process::Child, name: &str) {
     wait_for(child, "3 metrics lines", || metrics_lines(run) >= 3);
-    send_signal(child, "INT");
+    send_signal(child, name);
+}
+
+/// A tiny `tvq train` of 100,000 steps, there to be stopped, in a fresh
+/// directory (kept while the returned guard lives), its output piped: the
+/// directory, the run directory and the process.
+fn endless_run() -> (tempfile::TempDir, PathBuf, std::process::Child) {
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 100_000, 100_000);
+    let run = dir.path().join("run");
+    let child = spawn_train(config.to_str().unwrap(), &run, std::process::Stdio::piped);
+    (dir, run, child)
 }
 
 /// Sends `child` the signal `name` (`kill -NAME`).
@@ -988,10 +1005,7 @@ fn assert_checkpoint_at_last_step(run: &Path) {
 
 #[test]
 fn ctrl_c_writes_a_checkpoint_and_exits_cleanly() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = tiny_config(dir.path(), 100_000, 100_000);
-    let run = dir.path().join("run");
-    let mut child = spawn_train(config.to_str().unwrap(), &run, std::process::Stdio::piped);
+    let (_dir, run, mut child) = endless_run();
     interrupt_once_under_way(&run, &mut child);
     assert_stopped_cleanly(&child.wait_with_output().unwrap(), "tvq train");
     assert_checkpoint_at_last_step(&run);
@@ -999,12 +1013,8 @@ fn ctrl_c_writes_a_checkpoint_and_exits_cleanly() {
 
 #[test]
 fn sigterm_writes_a_checkpoint_and_exits_cleanly() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = tiny_config(dir.path(), 100_000, 100_000);
-    let run = dir.path().join("run");
-    let mut child = spawn_train(config.to_str().unwrap(), &run, std::process::Stdio::piped);
-    wait_for(&mut child, "3 metrics lines", || metrics_lines(&run) >= 3);
-    send_signal(&child, "TERM");
+    let (_dir, run, mut child) = endless_run();
+    signal_once_under_way(&run, &mut child, "TERM");
     assert_stopped_cleanly(&child.wait_with_output().unwrap(), "tvq train");
     assert_checkpoint_at_last_step(&run);
 }
@@ -1041,10 +1051,7 @@ fn under_nohup_a_hangup_leaves_the_run_going() {
 #[test]
 fn an_interrupt_delivered_twice_still_writes_its_checkpoint() {
     use std::io::BufRead;
-    let dir = tempfile::tempdir().unwrap();
-    let config = tiny_config(dir.path(), 100_000, 100_000);
-    let run = dir.path().join("run");
-    let mut child = spawn_train(config.to_str().unwrap(), &run, std::process::Stdio::piped);
+    let (_dir, run, mut child) = endless_run();
     let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
     let (heard, handled) = std::sync::mpsc::channel();
     let reader = std::thread::spawn(move || {
