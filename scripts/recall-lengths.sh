@@ -15,7 +15,9 @@
 # Transformer-VQ, by code sharing (docs/data.md, "Code sharing"); a run,
 # length and segment already there are not evaluated again) and prints a
 # Markdown table, one row per run, one column per length. TVQ_BIN=PATH runs
-# that binary instead of building this tree's.
+# that binary instead of building this tree's. EVAL_FLAGS="--code-limit 4"
+# passes flags to `tvq eval` (recorded as "flags"; give each set of flags
+# its own OUT.jsonl, as a run and length already there are skipped).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: scripts/recall-lengths.sh OUT.jsonl RUN_DIR...}"
@@ -45,14 +47,15 @@ for run in "$@"; do
     # these names.
     sed -e "s/^sequence_len = .*/sequence_len = $len/" -e "s/^update_len = .*/update_len = $seg/" \
       -e "${BATCH:+s/^batch_size = .*/batch_size = $BATCH/}" "$run/config.toml" > "$config"
-    report="$("$tvq" eval --checkpoint "$run" --config "$config" --json 2>/dev/null)" ||
+    # shellcheck disable=SC2086 # EVAL_FLAGS is a list of flags
+    report="$("$tvq" eval --checkpoint "$run" --config "$config" --json ${EVAL_FLAGS:-} 2>/dev/null)" ||
       { echo "recall-lengths: $run at $len tokens failed" >&2; continue; }
-    python3 - "$run" "$len" "$seg" "$report" >> "$out" <<'PY'
+    python3 - "$run" "$len" "$seg" "$report" "${EVAL_FLAGS:-}" >> "$out" <<'PY'
 import json, sys
-run, length, segment, report = sys.argv[1:]
+run, length, segment, report, flags = sys.argv[1:]
 r = json.loads(report)["recall"]
 row = {"run": run, "seq_len": int(length), "segment": int(segment),
-       "accuracy": r["accuracy"], "by_distance": r["by_distance"]}
+       "accuracy": r["accuracy"], "by_distance": r["by_distance"], "flags": flags}
 for key in ("code_sharing", "code_sharing_joint"):
     if key in r:
         row[key] = r[key]

@@ -177,7 +177,7 @@ pub struct EvalArgs {
     #[arg(long, value_name = "N")]
     reset_every: Option<usize>,
     #[command(flatten)]
-    cache_limit: CacheLimit,
+    cache_limits: CacheLimits,
     /// Also measure the loss by position in the document (log2 buckets):
     /// written as JSON to this file, and drawn to the same name with .png.
     #[arg(long, value_name = "FILE.json")]
@@ -254,7 +254,7 @@ pub struct SampleArgs {
     #[arg(long, default_value_t = 1, value_name = "N", value_parser = crate::at_least(1))]
     num_samples: usize,
     #[command(flatten)]
-    cache_limit: CacheLimit,
+    cache_limits: CacheLimits,
     /// Device: cpu, wgpu, wgpu:N, cuda or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
     device: DeviceSpec,
@@ -437,22 +437,31 @@ impl Drop for SilencedStdout {
     }
 }
 
-/// The `--cache-limit` flag of `tvq eval` and `tvq sample`.
+/// The `--cache-limit` and `--code-limit` flags of `tvq eval` and `tvq sample`.
 #[derive(Args, Debug)]
-struct CacheLimit {
+struct CacheLimits {
     /// Weigh at most N keys of each compressed cache, whatever the model
     /// was trained with (model.cache_limit; 0: no limit): for streams far
     /// longer than the training sequences, give the most keys a training
     /// sequence cached (docs/learning.md).
     #[arg(long, value_name = "N")]
     cache_limit: Option<usize>,
+    /// Weigh each code of the compressed cache as at most N keys, whatever
+    /// the model was trained with (model.code_limit; 0: no limit): 1 keeps
+    /// recall learned on short examples at far longer ones
+    /// (docs/learning.md, "The cache's counts").
+    #[arg(long, value_name = "N")]
+    code_limit: Option<usize>,
 }
 
-impl CacheLimit {
-    /// Sets the flag's limit on `model`, if given (0: no limit).
+impl CacheLimits {
+    /// Sets the flags' limits on `model`, where given (0: no limit).
     fn apply(&self, model: &mut Model) {
         if let Some(n) = self.cache_limit {
             model.set_cache_limit((n > 0).then_some(n));
+        }
+        if let Some(n) = self.code_limit {
+            model.set_code_limit((n > 0).then_some(n));
         }
     }
 }
@@ -461,7 +470,7 @@ impl CacheLimit {
 pub fn run_eval(args: EvalArgs) -> Result<()> {
     let devices = args.devices.init()?;
     let mut loaded = load_for_inference(&args.checkpoint, args.config.as_deref(), &devices[0])?;
-    args.cache_limit.apply(&mut loaded.model);
+    args.cache_limits.apply(&mut loaded.model);
     let split = match &args.task_file {
         Some(path) => {
             let (ids, recall) = read_task_file(path, loaded.model.vocab_size())?;
@@ -709,7 +718,7 @@ pub fn run_sample(args: SampleArgs) -> Result<()> {
     let rows = args.num_samples.saturating_mul(texts.len());
     let estimate = memory::sampling(&loaded.model_config, rows, args.max_tokens);
     memory::check(&estimate, memory::available(&device), args.force)?;
-    args.cache_limit.apply(&mut loaded.model);
+    args.cache_limits.apply(&mut loaded.model);
     let prompts = texts
         .iter()
         .map(|t| loaded.vocab.encode(t))

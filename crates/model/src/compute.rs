@@ -9,6 +9,7 @@ use crate::precision::{Precision, product_in, to_f32};
 
 /// How a sublayer computes. Not parameters: a loaded model's can be
 /// changed ([`crate::TransformerVq::set_cache_limit`],
+/// [`crate::TransformerVq::set_code_limit`],
 /// [`crate::TransformerVq::set_precision`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Compute {
@@ -18,6 +19,9 @@ pub struct Compute {
     /// ([`crate::attention::cache_limit_bias`]; `None`: all of them, the
     /// paper's cache).
     pub cache_limit: Option<usize>,
+    /// Most keys one code of the compressed cache weighs as
+    /// ([`crate::TransformerVqConfig::code_limit`]; `None`: all of them).
+    pub code_limit: Option<usize>,
     /// Type of the matrix products (projections, scores, weighted values);
     /// statistics, the softmax and the compressed cache stay `f32`
     /// ([`crate::precision`]).

@@ -128,6 +128,18 @@ pub struct TransformerVqConfig {
     /// Absent: no limit, the paper's cache.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache_limit: Option<usize>,
+    /// Most keys one code of the compressed cache weighs as: a code that
+    /// stands for `n` cached keys scores `q . C_s + ln min(n, code_limit)`
+    /// rather than `+ ln n`, so a code that many keys took (filler, frequent
+    /// tokens) no longer outweighs one that a single key took by their
+    /// counts, however long the stream. At 1, every code in use weighs
+    /// alike: the cache's attention then depends on which codes are in use,
+    /// not on how often, and recall learned on short examples holds at 64
+    /// times their length (docs/learning.md, "The cache's counts"). Absent:
+    /// the paper's cache, where every key weighs in full. Ignored by the
+    /// quadratic form, which has no codes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub code_limit: Option<usize>,
     /// Attention form (VQ, or the quadratic baseline).
     pub attention: AttentionForm,
     /// Which keys the two-block window scores against (quantized, as in the
@@ -177,6 +189,7 @@ impl Default for TransformerVqConfig {
             rotary_channel: None,
             cache_grad: CacheGrad::Window,
             cache_limit: None,
+            code_limit: None,
             attention: AttentionForm::Vq,
             window_keys: WindowKeys::Quantized,
             final_norm: false,
@@ -226,6 +239,7 @@ impl TransformerVqConfig {
         with_rotary_channel => rotary_channel: Option<usize>,
         with_cache_grad => cache_grad: CacheGrad,
         with_cache_limit => cache_limit: Option<usize>,
+        with_code_limit => code_limit: Option<usize>,
         with_attention => attention: AttentionForm,
         with_window_keys => window_keys: WindowKeys,
         with_final_norm => final_norm: bool,
@@ -265,6 +279,12 @@ impl TransformerVqConfig {
         if self.cache_limit == Some(0) {
             return Err(ConfigError::new(
                 "cache_limit",
+                "must be at least 1 (leave it out for no limit)",
+            ));
+        }
+        if self.code_limit == Some(0) {
+            return Err(ConfigError::new(
+                "code_limit",
                 "must be at least 1 (leave it out for no limit)",
             ));
         }

@@ -113,6 +113,7 @@ impl<B: Backend> Gau<B> {
             compute: Compute {
                 cache_grad: cfg.cache_grad,
                 cache_limit: cfg.cache_limit,
+                code_limit: cfg.code_limit,
                 precision: Precision::F32,
                 window_keys: cfg.window_keys,
             },

@@ -452,4 +452,14 @@ impl<B: Backend> TransformerVq<B> {
             g.compute.cache_limit = limit;
         }
     }
+
+    /// Sets every sublayer's code limit
+    /// ([`crate::TransformerVqConfig::code_limit`]), e.g. to read examples
+    /// far longer than the training ones with a model trained without one.
+    /// It is not a weight: the model computes as if configured so.
+    pub fn set_code_limit(&mut self, limit: Option<usize>) {
+        for g in &mut self.sublayers {
+            g.compute.code_limit = limit;
+        }
+    }
 }

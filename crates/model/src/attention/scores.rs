@@ -153,8 +153,9 @@ fn window_scores<B: Backend>(
 
 /// Scores of the compressed cache for each block's queries, from its
 /// counts `[B, H, R, S]`: `[B, H, R, n, S]`, `q . C_s + ln n_s` (`-inf`
-/// where `n_s = 0`), plus [`cache_limit_bias`] of the `N` keys cached; in
-/// `f32`, the product in the compute type.
+/// where `n_s = 0`; `ln min(n_s, code_limit)` under a code limit), plus
+/// [`cache_limit_bias`] of the `N` keys cached; in `f32`, the product in
+/// the compute type.
 pub(super) fn cache_scores<B: Backend>(
     q: Tensor<B, 5>,
     codebook: Tensor<B, 3>,
@@ -167,7 +168,11 @@ pub(super) fn cache_scores<B: Backend>(
         .unsqueeze_dim::<5>(0); // [1, H, 1, K, S]
     let scores = cx.product_f32(q, c_t); // [B, H, R, n, S]
     // ln 0 = -inf masks the empty codes; counts carry no gradient.
-    let mut log_n = counts.clone().log(); // [B, H, R, S]
+    let weight = match cx.code_limit {
+        Some(limit) => counts.clone().clamp_max(limit as f64),
+        None => counts.clone(),
+    };
+    let mut log_n = weight.log(); // [B, H, R, S]
     if let Some(limit) = cx.cache_limit {
         let cached = counts.sum_dim(3); // [B, H, R, 1]: N, the same for every head
         log_n = log_n - (cached / limit as f64).clamp_min(1.0).log();

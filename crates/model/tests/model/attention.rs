@@ -28,6 +28,8 @@ struct Shape {
     rotary: bool,
     /// The compressed cache's key limit.
     cache_limit: Option<usize>,
+    /// The most keys one code of the cache weighs as.
+    code_limit: Option<usize>,
 }
 
 const SHAPES: [Shape; 8] = [
@@ -43,6 +45,7 @@ const SHAPES: [Shape; 8] = [
         per_query_bias: false,
         rotary: false,
         cache_limit: None,
+        code_limit: None,
     },
     // two blocks
     Shape {
@@ -56,6 +59,7 @@ const SHAPES: [Shape; 8] = [
         per_query_bias: true,
         rotary: false,
         cache_limit: None,
+        code_limit: None,
     },
     // many blocks, batch > 1
     Shape {
@@ -69,6 +73,7 @@ const SHAPES: [Shape; 8] = [
         per_query_bias: false,
         rotary: false,
         cache_limit: None,
+        code_limit: Some(1),
     },
     // many blocks, several heads, per-query bias
     Shape {
@@ -82,6 +87,7 @@ const SHAPES: [Shape; 8] = [
         per_query_bias: true,
         rotary: false,
         cache_limit: Some(5),
+        code_limit: None,
     },
     // block length 1 (every earlier key but one is in the cache)
     Shape {
@@ -95,6 +101,7 @@ const SHAPES: [Shape; 8] = [
         per_query_bias: true,
         rotary: false,
         cache_limit: Some(2),
+        code_limit: Some(2),
     },
     // rotary: one block
     Shape {
@@ -108,6 +115,7 @@ const SHAPES: [Shape; 8] = [
         per_query_bias: false,
         rotary: true,
         cache_limit: None,
+        code_limit: None,
     },
     // rotary: many blocks, several heads
     Shape {
@@ -121,6 +129,7 @@ const SHAPES: [Shape; 8] = [
         per_query_bias: false,
         rotary: true,
         cache_limit: Some(3),
+        code_limit: Some(1),
     },
     // rotary: block length 1, per-query bias
     Shape {
@@ -134,6 +143,7 @@ const SHAPES: [Shape; 8] = [
         per_query_bias: true,
         rotary: true,
         cache_limit: None,
+        code_limit: None,
     },
 ];
 
@@ -147,6 +157,7 @@ struct Problem {
     quantizer: VectorQuantizer<B>,
     rotary: Option<Rotary>,
     cache_limit: Option<usize>,
+    code_limit: Option<usize>,
     /// Which keys the window scores against.
     window_keys: WindowKeys,
 }
@@ -174,6 +185,7 @@ impl Problem {
             quantizer: VectorQuantizer::new(sh.h, sh.s, sh.k, device),
             rotary: sh.rotary.then(|| Rotary::new(sh.l)),
             cache_limit: sh.cache_limit,
+            code_limit: sh.code_limit,
             window_keys: WindowKeys::Quantized,
         }
     }
@@ -207,11 +219,12 @@ impl Problem {
         }
     }
 
-    /// How the problem computes under `cache_grad`: in `f32`, with its cache limit.
+    /// How the problem computes under `cache_grad`: in `f32`, with its cache and code limits.
     fn cx(&self, cache_grad: CacheGrad) -> Compute {
         Compute {
             cache_grad,
             cache_limit: self.cache_limit,
+            code_limit: self.code_limit,
             precision: Precision::F32,
             window_keys: self.window_keys,
         }
@@ -465,6 +478,7 @@ fn block_grad_norms(mode: CacheGrad, rotary: bool) -> (Vec<f32>, Vec<f32>) {
         per_query_bias: false,
         rotary,
         cache_limit: None,
+        code_limit: None,
     };
     let device = cpu_ad();
     let p = Problem::new(sh, 50, &device);

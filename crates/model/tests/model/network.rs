@@ -231,6 +231,42 @@ fn a_cache_limit_changes_only_the_queries_whose_cache_exceeds_it() {
     }
 }
 
+/// The code limit reaches every sublayer of a loaded model: no output moves
+/// while nothing is cached (the first two blocks) or when the limit is above
+/// every count; once codes are shared in the cache, weighing each as one
+/// key moves the later outputs. (What it computes is the oracle's, in the
+/// attention tests.)
+#[test]
+fn a_code_limit_changes_only_the_outputs_that_read_a_shared_code() {
+    let device = cpu();
+    let cfg = config(RelativeBias::Xl);
+    let mut m = model(&cfg, 4, &device);
+    let (b, t, l) = (2, 28, cfg.block_len);
+    let data = random_tokens(b, t, cfg.vocab_size, 9);
+    let mut logits = |limit: Option<usize>| -> Tensor<B, 3> {
+        m.set_code_limit(limit);
+        let out = m.forward(tokens(&data, b, &device), m.empty_state(), Pass::new());
+        out.unwrap().logits.unwrap()
+    };
+    let exact = logits(None);
+    assert_close(
+        logits(Some(t)),
+        exact.clone(),
+        0.0,
+        "limit above every count",
+    );
+    let one = logits(Some(1));
+    let cut = |x: Tensor<B, 3>, r: std::ops::Range<usize>| x.slice([0..b, r, 0..cfg.vocab_size]);
+    assert_close(
+        cut(one.clone(), 0..2 * l),
+        cut(exact.clone(), 0..2 * l),
+        0.0,
+        "nothing cached yet",
+    );
+    let moved = max_abs_diff(cut(one, 3 * l..t), cut(exact, 3 * l..t));
+    assert!(moved > 1e-4, "the limit is ignored ({moved:e})");
+}
+
 #[test]
 fn changing_a_token_changes_no_earlier_output() {
     let device = cpu();
@@ -474,6 +510,10 @@ fn config_validation_names_the_key() {
         (
             config(RelativeBias::Toeplitz).with_cache_limit(Some(0)),
             "cache_limit",
+        ),
+        (
+            config(RelativeBias::Toeplitz).with_code_limit(Some(0)),
+            "code_limit",
         ),
     ];
     for (cfg, key) in bad {
