@@ -59,6 +59,19 @@ fn tokens(data: &[i64], b: usize, device: &burn::DispatchDevice) -> Tensor<B, 2,
     Tensor::from_data(TensorData::new(data.to_vec(), [b, data.len() / b]), device)
 }
 
+/// The logits of `m` on `data` (`b` rows) from an empty state, `[b, T, vocab]`.
+fn logits_of(
+    m: &TransformerVq<B>,
+    data: &[i64],
+    b: usize,
+    device: &burn::DispatchDevice,
+) -> Tensor<B, 3> {
+    m.forward(tokens(data, b, device), m.empty_state(), Pass::new())
+        .unwrap()
+        .logits
+        .unwrap()
+}
+
 #[test]
 fn recurrent_network_matches_block_network() {
     let device = cpu();
@@ -112,10 +125,7 @@ fn exact_window_keys_are_the_quadratic_form_within_the_window() {
             gau.form = form;
             gau.compute.window_keys = keys;
         }
-        m.forward(tokens(&data, b, &device), m.empty_state(), Pass::new())
-            .unwrap()
-            .logits
-            .unwrap()
+        logits_of(&m, &data, b, &device)
     };
     let quadratic = logits(AttentionForm::Quadratic, WindowKeys::Quantized);
     let exact = logits(AttentionForm::Vq, WindowKeys::Exact);
@@ -199,8 +209,7 @@ fn a_cache_limit_changes_only_the_queries_whose_cache_exceeds_it() {
         let data = random_tokens(b, t, cfg.vocab_size, 9);
         let mut logits = |limit: Option<usize>| -> Tensor<B, 3> {
             m.set_cache_limit(limit);
-            let out = m.forward(tokens(&data, b, &device), m.empty_state(), Pass::new());
-            out.unwrap().logits.unwrap()
+            logits_of(&m, &data, b, &device)
         };
         let exact = logits(None);
         // The last block's cache holds t - 2L keys: a limit that large binds nowhere.
@@ -245,8 +254,7 @@ fn a_code_limit_changes_only_the_outputs_that_read_a_shared_code() {
     let data = random_tokens(b, t, cfg.vocab_size, 9);
     let mut logits = |limit: Option<usize>| -> Tensor<B, 3> {
         m.set_code_limit(limit);
-        let out = m.forward(tokens(&data, b, &device), m.empty_state(), Pass::new());
-        out.unwrap().logits.unwrap()
+        logits_of(&m, &data, b, &device)
     };
     let exact = logits(None);
     assert_close(
@@ -343,13 +351,7 @@ fn dropout_is_off_in_evaluation_and_on_in_training() {
         0.0,
         "dropout must not act in evaluation"
     );
-    let train = |m: &TransformerVq<B>| {
-        m.forward(tokens(&data, 2, &device), m.empty_state(), Pass::new())
-            .unwrap()
-            .logits
-            .unwrap()
-            .inner()
-    };
+    let train = |m: &TransformerVq<B>| logits_of(m, &data, 2, &device).inner();
     assert!(
         max_abs_diff(train(&plain), eval(&plain)) <= 1e-6,
         "p = 0 trains like it evaluates"
@@ -623,12 +625,7 @@ fn the_rotary_position_channel_scores_and_learns() {
         gau.q_proj.weight =
             burn::module::Param::from_tensor(w.slice_assign([0..d, content..width], zeros));
     }
-    let run = |m: &TransformerVq<B>| {
-        m.forward(tokens(&data, 2, &cpu()), m.empty_state(), Pass::new())
-            .unwrap()
-            .logits
-            .unwrap()
-    };
+    let run = |m: &TransformerVq<B>| logits_of(m, &data, 2, &cpu());
     assert!(max_abs_diff(run(&m), run(&zeroed)) > 1e-3);
 }
 
