@@ -564,6 +564,14 @@ fn eval_sample_and_export_on_a_trained_run() {
     );
     assert_eq!(bits(&["--cache-limit", "0"]), bpb);
     assert_ne!(bits(&["--cache-limit", "96"]), bpb);
+    // So does a code limit: no code of such a cache holds more than its 96
+    // keys, and carried rows' codes do.
+    assert_eq!(
+        bits(&["--reset-every", "128", "--code-limit", "96"]),
+        bits(&["--reset-every", "128"])
+    );
+    assert_eq!(bits(&["--code-limit", "0"]), bpb);
+    assert_ne!(bits(&["--code-limit", "1"]), bpb);
     // A device list is checked as training checks it (scoring on two
     // devices is tested in the train crate, on two wgpu adapters).
     fails(
@@ -682,6 +690,20 @@ fn eval_sample_and_export_on_a_trained_run() {
     };
     let streamed = long("1");
     assert!(streamed.trim_end().contains('\n'), "{streamed}");
+    // Sampling reads the limits too: a code that weighs one key changes
+    // the distributions a 400-token sample draws from.
+    let limited = ok(&[
+        "sample",
+        "--checkpoint",
+        run_s,
+        "--max-tokens",
+        "400",
+        "--seed",
+        "5",
+        "--code-limit",
+        "1",
+    ]);
+    assert_ne!(limited, streamed);
     let batched = long("2");
     let first = batched.split("--- sample 2 ---").next().unwrap();
     assert_eq!(first, format!("--- sample 1 ---\n{streamed}"));
