@@ -25,8 +25,9 @@
 # does (a checkpoint, then stop), and evaluates it where it stopped: the
 # row's "steps" says how far it got (scripts/gpu-node/recall.sh).
 #
-# Writes OUT_DIR/results.jsonl (one line per run: the settings, the device,
-# the steps trained, the window, the accuracy, the accuracy by distance and
+# Writes OUT_DIR/results.jsonl (one line per run: the settings with FROM and
+# EXTRA, the device, the steps trained, the window, the accuracy, the
+# accuracy by distance and
 # by code sharing (VQ: how many other pairs shared a cached answer's code),
 # the validation's accuracy at each evaluation and the first step where it
 # reached 90%, the commit) and
@@ -93,9 +94,10 @@ for form in $FORMS; do
           echo "recall-sweep: $name failed (see $run.log)" >&2; continue
         fi
         report="$("$tvq" eval --checkpoint "$run" --json 2>/dev/null)"
-        python3 - "$name" "$form" "$pairs" "$len" "$seed" "$commit" "$report" "$run" "$DEVICE" >> "$results" <<'PY'
+        python3 - "$name" "$form" "$pairs" "$len" "$seed" "$commit" "$report" "$run" "$DEVICE" \
+          "${FROM:-}" "$EXTRA" >> "$results" <<'PY'
 import json, re, sys
-name, form, pairs, length, seed, commit, report, run, device = sys.argv[1:]
+name, form, pairs, length, seed, commit, report, run, device, start, extra = sys.argv[1:]
 r = json.loads(report)
 # The validation's accuracy at each evaluation of the run: how soon it learned.
 metrics = [json.loads(l) for l in open(f"{run}/metrics.jsonl")]
@@ -104,6 +106,7 @@ curve = [(m["step"], m["recall"]["accuracy"]) for m in metrics if m.get("kind") 
 block = re.search(r"^block_len = (\d+)$", open(f"{run}/config.toml").read(), re.M)
 print(json.dumps({"name": name, "form": form, "pairs": int(pairs), "seq_len": int(length),
                   "seed": int(seed), "commit": commit, "device": device,
+                  "from": start or None, "extra": extra,
                   "steps": max((m["step"] for m in metrics if m.get("kind") == "train"), default=0),
                   "accuracy": r["recall"]["accuracy"],
                   "loss": r["loss"], "by_distance": r["recall"]["by_distance"],
