@@ -27,10 +27,9 @@
 #
 # Writes OUT_DIR/results.jsonl (one line per run: the settings with FROM and
 # EXTRA, the device, the steps trained, the window, the accuracy, the
-# accuracy by distance and
-# by code sharing (VQ: how many other pairs shared a cached answer's code),
-# the validation's accuracy at each evaluation and the first step where it
-# reached 90%, the commit) and
+# accuracy by distance and by code sharing (VQ: how many other pairs shared
+# a cached answer's code), the validation's accuracy at each evaluation and
+# the first step where it reached 90%, the commit) and
 # prints a Markdown table, one row per setting, one column per seed: the
 # accuracy, in brackets the step where it first reached 90%, and "far", the
 # accuracy of the answers further back than the window (two blocks), which
