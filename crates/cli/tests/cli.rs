@@ -675,8 +675,8 @@ fn eval_sample_and_export_on_a_trained_run() {
     assert_ne!(a, c, "another seed, another sample");
     assert!(a.starts_with("And God"));
     // A long sample streamed line by line reads as the batch decodes it whole.
-    let long = |n: &str| {
-        ok(&[
+    let long = |n: &str, extra: &[&str]| {
+        let args = [
             "sample",
             "--checkpoint",
             run_s,
@@ -686,25 +686,15 @@ fn eval_sample_and_export_on_a_trained_run() {
             "5",
             "--num-samples",
             n,
-        ])
+        ];
+        ok(&[&args[..], extra].concat())
     };
-    let streamed = long("1");
+    let streamed = long("1", &[]);
     assert!(streamed.trim_end().contains('\n'), "{streamed}");
     // Sampling reads the limits too: a code that weighs one key changes
     // the distributions a 400-token sample draws from.
-    let limited = ok(&[
-        "sample",
-        "--checkpoint",
-        run_s,
-        "--max-tokens",
-        "400",
-        "--seed",
-        "5",
-        "--code-limit",
-        "1",
-    ]);
-    assert_ne!(limited, streamed);
-    let batched = long("2");
+    assert_ne!(long("1", &["--code-limit", "1"]), streamed);
+    let batched = long("2", &[]);
     let first = batched.split("--- sample 2 ---").next().unwrap();
     assert_eq!(first, format!("--- sample 1 ---\n{streamed}"));
     // --no-echo prints the same continuation without the prompt.
