@@ -228,7 +228,7 @@ fn a_cache_limit_changes_only_the_queries_whose_cache_exceeds_it() {
             cut(limited.clone(), 0..4 * l),
             cut(exact.clone(), 0..4 * l),
             0.0,
-            "{bias:?}: within the limit",
+            &format!("{bias:?}: within the limit"),
         );
         for i in 4 * l..t {
             let moved = max_abs_diff(cut(limited.clone(), i..i + 1), cut(exact.clone(), i..i + 1));
