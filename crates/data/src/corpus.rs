@@ -636,7 +636,15 @@ impl Corpus {
         Self::recall(spec, "a passkey task", counts, |split, n| {
             let source = text.split(split);
             let byte = |i: usize| (source.get(i) - crate::vocab::N_SPECIAL) as u8;
-            task.examples(split as u64, n, spec.sequence_len, byte, source.len())
+            let training = split == Split::Train;
+            task.examples(
+                split as u64,
+                training,
+                n,
+                spec.sequence_len,
+                byte,
+                source.len(),
+            )
         })
     }
 

@@ -427,6 +427,18 @@ pub struct PasskeyConfig {
     /// Written only when set, so configs from before it read the same.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub score_text: bool,
+    /// With `score_text`, the share of the training examples (spread
+    /// evenly over them) scored on their digits only: answer-only passkeys
+    /// mixed into language modelling. The validation and test examples are
+    /// scored whole, so their bits per byte stay comparable. With
+    /// `train.loss_mean = "row"` an answer-only example's digits weigh as
+    /// much as a text example's tokens. Written only when set.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub answer_only_share: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 impl Default for PasskeyConfig {
@@ -437,6 +449,7 @@ impl Default for PasskeyConfig {
             eval_examples: defaults::eval_examples(),
             seed: 0,
             score_text: false,
+            answer_only_share: 0.0,
         }
     }
 }
@@ -475,6 +488,16 @@ impl PasskeyConfig {
         }
         if self.train_examples == 0 || self.eval_examples == 0 {
             return bad("train_examples and eval_examples must be at least 1".into());
+        }
+        if !(0.0..=1.0).contains(&self.answer_only_share) {
+            return bad("answer_only_share must be within [0, 1]".into());
+        }
+        if self.answer_only_share > 0.0 && !self.score_text {
+            return bad(
+                "answer_only_share needs score_text = true (without it every example is \
+                 answer-only)"
+                    .into(),
+            );
         }
         Ok(())
     }
@@ -515,23 +538,38 @@ impl PasskeyConfig {
 
     /// `n` examples of `len` tokens of set `set` (each split its own), with
     /// filler from `text` (`text_len` bytes), back to back, and which
-    /// targets are scored.
+    /// targets are scored; `training` says whether the set is the
+    /// training split, of which `answer_only_share` score their digits
+    /// alone.
     pub fn examples(
         &self,
         set: u64,
+        training: bool,
         n: usize,
         len: usize,
         text: impl Fn(usize) -> u8,
         text_len: usize,
     ) -> Result<(Vec<u8>, RecallSet), DataError> {
         self.check(len, text_len)?;
-        let (symbols, mut set) = gather("data.passkey", n, len, |i| {
+        let (symbols, mut recall) = gather("data.passkey", n, len, |i| {
             self.example(set, i, len, &text, text_len)
         })?;
         if self.score_text {
-            set.scored.fill(true);
+            for (i, example) in recall.scored.chunks_mut(len).enumerate() {
+                if !(training && self.is_answer_only(i)) {
+                    example.fill(true);
+                }
+            }
         }
-        Ok((symbols, set))
+        Ok((symbols, recall))
+    }
+
+    /// Whether training example `index` is scored on its digits only:
+    /// where `index * answer_only_share` passes a whole number, so that
+    /// every run of examples holds its share of them.
+    fn is_answer_only(&self, index: usize) -> bool {
+        let s = self.answer_only_share;
+        ((index + 1) as f64 * s).floor() > (index as f64 * s).floor()
     }
 }
 
@@ -612,9 +650,12 @@ mod tests {
             eval_examples: 2,
             seed: 3,
             score_text: false,
+            answer_only_share: 0.0,
         };
         let len = 160;
-        let (symbols, set) = cfg.examples(0, 6, len, |i| text[i], text.len()).unwrap();
+        let (symbols, set) = cfg
+            .examples(0, true, 6, len, |i| text[i], text.len())
+            .unwrap();
         assert_eq!((symbols.len(), set.answers.len()), (6 * len, 6 * 5));
         let mut depths = vec![];
         for (e, example) in symbols.chunks(len).enumerate() {
@@ -638,7 +679,9 @@ mod tests {
         // Needles at several depths, and the same examples again.
         depths.dedup();
         assert!(depths.len() > 1, "{depths:?}");
-        let again = cfg.examples(0, 6, len, |i| text[i], text.len()).unwrap();
+        let again = cfg
+            .examples(0, true, 6, len, |i| text[i], text.len())
+            .unwrap();
         assert_eq!(again.0, symbols);
         // Only the digits are scored, unless the text is too: then every
         // target is, and the examples and their answers are the same.
@@ -649,10 +692,46 @@ mod tests {
             ..cfg.clone()
         };
         let mixed = text_too
-            .examples(0, 6, len, |i| text[i], text.len())
+            .examples(0, true, 6, len, |i| text[i], text.len())
             .unwrap();
         assert_eq!((&mixed.0, &mixed.1.answers), (&symbols, &set.answers));
         assert_eq!(scored(&mixed.1), 6 * len);
+        // A third of the training examples answer-only: examples 2 and 5
+        // score their digits alone, the others every target; validation
+        // examples are scored whole.
+        let a_third = PasskeyConfig {
+            answer_only_share: 1.0 / 3.0,
+            ..text_too.clone()
+        };
+        let train = a_third
+            .examples(0, true, 6, len, |i| text[i], text.len())
+            .unwrap();
+        assert_eq!((&train.0, &train.1.answers), (&symbols, &set.answers));
+        let per_example: Vec<usize> = (0..6)
+            .map(|e| {
+                (e * len..(e + 1) * len)
+                    .filter(|&i| train.1.is_scored(i))
+                    .count()
+            })
+            .collect();
+        assert_eq!(per_example, [len, len, 5, len, len, 5]);
+        let valid = a_third
+            .examples(1, false, 6, len, |i| text[i], text.len())
+            .unwrap();
+        assert_eq!(scored(&valid.1), 6 * len);
+        for bad in [
+            PasskeyConfig {
+                answer_only_share: 1.5,
+                ..text_too.clone()
+            },
+            PasskeyConfig {
+                answer_only_share: 0.5,
+                ..cfg.clone()
+            },
+        ] {
+            let e = bad.check(len, text.len()).unwrap_err().to_string();
+            assert!(e.contains("answer_only_share") && !e.contains('\n'), "{e}");
+        }
         // Too short to hold the needle and the question, or a text shorter
         // than an example: one line each.
         for (len, text_len) in [(60, 1000), (160, 100)] {

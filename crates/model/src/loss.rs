@@ -22,20 +22,19 @@ pub fn token_nll<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -
         .neg()
 }
 
-/// The sum and the mean of `x` `[B, T]` over the tokens `valid` marks (all
-/// when `None`), `[1]` each.
+/// The sum and the mean of `x` `[B, T]` over the tokens `marked` marks
+/// with 1 (`[B, T]`, 0 elsewhere; all when `None`), `[1]` each.
 fn sum_and_mean<B: Backend>(
     x: Tensor<B, 2>,
-    valid: Option<Tensor<B, 2, Bool>>,
+    marked: Option<Tensor<B, 2>>,
 ) -> (Tensor<B, 1>, Tensor<B, 1>) {
-    match valid {
+    match marked {
         None => {
             let n = x.dims().iter().product::<usize>() as f64;
             let sum = x.sum();
             (sum.clone(), sum / n)
         }
-        Some(valid) => {
-            let w = bool_to_float(valid, &x.device()); // [B, T]
+        Some(w) => {
             let count = w.clone().sum().clamp_min(1.0); // [1]
             let sum = (x * w).sum();
             (sum.clone(), sum / count)
@@ -56,6 +55,8 @@ pub struct Loss<B: Backend> {
     pub nll_sum: Tensor<B, 1>,
     /// Mean cross-entropy per scored token, nats, `[1]` (0 where none is).
     pub ce: Tensor<B, 1>,
+    /// Which tokens are scored, `[B, T]`: 1 where so, 0 elsewhere.
+    pub scored: Tensor<B, 2>,
     /// Mean commitment error per valid token (summed over sublayers), `[1]`.
     pub commitment: Tensor<B, 1>,
 }
@@ -98,9 +99,11 @@ impl<B: Backend> Loss<B> {
             None => scored,
         };
         let nll = token_nll(logits, targets); // [B, T]
-        let (nll_sum, ce) = sum_and_mean(nll.clone(), Some(scored));
+        let scored = bool_to_float(scored, &nll.device()); // [B, T]
+        let (nll_sum, ce) = sum_and_mean(nll.clone(), Some(scored.clone()));
         Self {
             ce,
+            scored,
             commitment: Self::commitment_mean(commitment, valid),
             nll_sum,
             nll,
@@ -115,12 +118,25 @@ impl<B: Backend> Loss<B> {
         commitment: Tensor<B, 2>,
         valid: Option<Tensor<B, 2, Bool>>,
     ) -> Tensor<B, 1> {
+        let valid = valid.map(|v| bool_to_float(v, &commitment.device()));
         sum_and_mean(commitment, valid).1
     }
 
     /// `ce + commit_weight * commitment`: what training minimises, `[1]`.
     pub fn total(&self, commit_weight: f64) -> Tensor<B, 1> {
         self.ce.clone() + self.commitment.clone() * commit_weight
+    }
+
+    /// The cross-entropy with every row weighed alike, `[1]`: the mean over
+    /// the rows of each row's mean over its scored tokens (0 for a row with
+    /// none). Where every row has as many scored tokens, it is
+    /// [`Self::ce`]; where one row is scored on 5 answers and another on 256
+    /// text tokens, the 5 weigh as much as the 256. As a mean over rows, it
+    /// is the same whichever shards the rows are cut into.
+    pub fn ce_per_row(&self) -> Tensor<B, 1> {
+        let count = self.scored.clone().sum_dim(1).clamp_min(1.0); // [B, 1]
+        let sum = (self.nll.clone() * self.scored.clone()).sum_dim(1); // [B, 1]
+        (sum / count).mean()
     }
 }
 
@@ -131,13 +147,22 @@ mod tests {
 
     use super::*;
 
+    /// Logits `[R, 4, 5]` sure of token `sure[r][t]` at each position of
+    /// each row.
+    fn sure_of_rows<const R: usize>(
+        sure: [[i64; 4]; R],
+        device: &DispatchDevice,
+    ) -> Tensor<Dispatch, 3> {
+        let mut logits = vec![0.0f32; R * 4 * 5];
+        for (i, &s) in sure.iter().flatten().enumerate() {
+            logits[i * 5 + s as usize] = 100.0;
+        }
+        Tensor::from_data(TensorData::new(logits, [R, 4, 5]), device)
+    }
+
     /// Logits `[1, 4, 5]` sure of token `sure[t]` at each position.
     fn sure_of(sure: [i64; 4], device: &DispatchDevice) -> Tensor<Dispatch, 3> {
-        let mut logits = vec![0.0f32; 4 * 5];
-        for (t, &s) in sure.iter().enumerate() {
-            logits[t * 5 + s as usize] = 100.0;
-        }
-        Tensor::from_data(TensorData::new(logits, [1, 4, 5]), device)
+        sure_of_rows([sure], device)
     }
 
     #[test]
@@ -164,5 +189,23 @@ mod tests {
         let loss = Loss::from_parts(wrong, commitment, targets, Some(valid));
         assert!(loss.ce.into_scalar().elem::<f32>() < 1e-6);
         assert!((loss.commitment.into_scalar().elem::<f32>() - 2.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn per_row_every_row_weighs_alike() {
+        let device = DispatchDevice::Flex(FlexDevice);
+        let commitment = Tensor::<Dispatch, 2>::zeros([3, 4], &device);
+        // Row 0: one answer (position 1), wrong by 100 nats. Row 1: four
+        // text targets, all right. Row 2: nothing scored.
+        let targets =
+            Tensor::<Dispatch, 2, Int>::from_data([[0, 2, 0, 0], [1, 1, 1, 1], [0; 4]], &device);
+        let logits = sure_of_rows([[4, 1, 4, 4], [1, 1, 1, 1], [4; 4]], &device);
+        let loss = Loss::from_parts(logits, commitment, targets, None);
+        // Per token, the answer is one of five scored targets.
+        let ce = loss.ce.clone().into_scalar().elem::<f32>();
+        assert!((ce - 20.0).abs() < 1e-3, "{ce}");
+        // Per row, it is all of one row of three.
+        let per_row = loss.ce_per_row().into_scalar().elem::<f32>();
+        assert!((per_row - 100.0 / 3.0).abs() < 1e-3, "{per_row}");
     }
 }

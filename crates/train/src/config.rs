@@ -70,6 +70,9 @@ pub struct TrainSection {
     pub grad_clip: f64,
     /// Weight of the commitment loss (beta).
     pub commit_weight: f64,
+    /// How the cross-entropy of a step's scored tokens is averaged
+    /// ([`LossMean`]).
+    pub loss_mean: LossMean,
     /// EMA decay of the codebooks (gamma).
     pub codebook_decay: f64,
     /// Micro-batches per step (gradient accumulation): each worker runs its
@@ -135,6 +138,25 @@ pub enum DecayShape {
     Sqrt,
     /// `(1 + cos(pi p)) / 2`.
     Cosine,
+}
+
+/// How the step averages the cross-entropy of its scored tokens. The two
+/// agree wherever every row has as many scored tokens (text); they differ
+/// where rows are scored on different numbers of tokens, as when
+/// answer-only passkey examples are mixed into text
+/// (`data.passkey.answer_only_share`). The logged training loss is the
+/// per-token mean either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LossMean {
+    /// The mean over every scored token of the batch (the official code's).
+    /// Default.
+    #[default]
+    Token,
+    /// The mean over the batch's rows of each row's mean over its scored
+    /// tokens (0 for a row with none in this segment): a row scored on 5
+    /// digits weighs as much as a row of 256 text tokens.
+    Row,
 }
 
 /// What the backward pass recomputes instead of keeping (torchtitan's
@@ -266,6 +288,7 @@ impl Default for TrainSection {
             toeplitz_lr_scale: 30.0,
             grad_clip: 0.1,
             commit_weight: 1e-4,
+            loss_mean: LossMean::Token,
             codebook_decay: 0.99,
             micro_batches: 1,
             workers: 1,

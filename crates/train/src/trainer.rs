@@ -363,6 +363,7 @@ impl Trainer {
             total: n_shards * self.nodes,
             seed: step_seed(self.settings.seed, self.state.step + 1),
             commit_weight: self.settings.commit_weight,
+            loss_mean: self.settings.loss_mean,
             loss_scale: self.state.loss_scale.map_or(1.0, |s| s.scale),
             checkpointing: self.settings.activation_checkpointing,
         };
@@ -683,6 +684,41 @@ pub(crate) mod tests {
             (three_steps(&mut t), weights(&t))
         };
         assert_eq!(run(2, 1), run(1, 2));
+    }
+
+    /// `train.loss_mean = "row"` weighs every row alike: on a batch whose
+    /// first row is scored on one target and the second on all eight, its
+    /// gradients are those of the per-token mean with each row a shard of
+    /// its own (the step's objective is the mean over shards of each
+    /// shard's per-token mean), and not those of the per-token mean over
+    /// the batch, where the first row weighs an eighth as much.
+    #[test]
+    fn the_per_row_mean_weighs_every_row_alike() {
+        use crate::config::LossMean;
+        let mut b = batch(2, 8, true);
+        for t in &mut b.targets[..7] {
+            *t = tvq_data::vocab::PAD;
+        }
+        let grads = |loss_mean, micro_batches| {
+            let mut t = trainer(1, micro_batches);
+            t.settings.loss_mean = loss_mean;
+            step_outcome(&mut t, &b).1.concat()
+        };
+        let largest_gap = |a: &[f32], b: &[f32]| {
+            let worst = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            worst / b.iter().map(|x| x.abs()).fold(0f32, f32::max)
+        };
+        let per_row = grads(LossMean::Row, 1);
+        let row_shards = grads(LossMean::Token, 2);
+        let per_token = grads(LossMean::Token, 1);
+        assert!(largest_gap(&per_row, &row_shards) < 1e-5);
+        assert!(largest_gap(&per_token, &row_shards) > 1e-2);
+        // The mean over rows does not depend on the shards.
+        assert!(largest_gap(&grads(LossMean::Row, 2), &per_row) < 1e-5);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use burn::prelude::*;
 use tvq_data::Batch;
 use tvq_model::{CodebookStats, Loss, ModelState};
 
-use crate::config::ActivationCheckpointing;
+use crate::config::{ActivationCheckpointing, LossMean};
 use crate::placement::B;
 
 /// One shard of a batch: some of its rows and the state they carry from
@@ -39,6 +39,8 @@ pub struct ShardPlan {
     pub seed: u64,
     /// Weight of the commitment loss.
     pub commit_weight: f64,
+    /// How a shard averages its cross-entropy.
+    pub loss_mean: LossMean,
     /// Factor on the objective before the backward pass (dynamic loss
     /// scaling, [`crate::step::optim::LossScale`]; 1 without): the gradients come
     /// back multiplied by it.
@@ -62,7 +64,11 @@ impl ShardPlan {
     /// A shard's part of the step's objective: its loss over the run's
     /// shards, scaled.
     pub(crate) fn objective(&self, loss: &Loss<B>) -> Tensor<B, 1> {
-        self.scaled(loss.total(self.commit_weight) / self.total as f64)
+        let total = match self.loss_mean {
+            LossMean::Token => loss.total(self.commit_weight),
+            LossMean::Row => loss.ce_per_row() + loss.commitment.clone() * self.commit_weight,
+        };
+        self.scaled(total / self.total as f64)
     }
 
     /// The part of the objective a per-token commitment `[B, T]` (one
