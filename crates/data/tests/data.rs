@@ -683,6 +683,31 @@ fn a_passkey_corpus_hides_keys_in_each_splits_text_and_scores_their_digits() {
     assert_eq!(batches.steps_per_epoch(), 8);
     let again = Corpus::open(&cfg).unwrap().split(Split::Train);
     assert_eq!(all_tokens_of(&again), all_tokens_of(&train));
+    // Text scored too, half the training examples answer-only: every
+    // other training example scores its 5 digits alone, the validation
+    // examples every target, and the tokens are the same.
+    let mixed = Corpus::open(&DataConfig {
+        passkey: Some(tvq_data::recall::PasskeyConfig {
+            train_examples: 8,
+            eval_examples: 3,
+            score_text: true,
+            answer_only_share: 0.5,
+            ..Default::default()
+        }),
+        ..cfg.clone()
+    })
+    .unwrap();
+    let scored = |s: &tvq_data::TokenSplit, e: usize| {
+        (e * 256..(e + 1) * 256)
+            .filter(|&p| s.target(p) != PAD)
+            .count()
+    };
+    let mixed_train = mixed.split(Split::Train);
+    assert_eq!(all_tokens_of(&mixed_train), all_tokens_of(&train));
+    let per_example: Vec<usize> = (0..8).map(|e| scored(&mixed_train, e)).collect();
+    assert_eq!(per_example, [256, 5, 256, 5, 256, 5, 256, 5]);
+    let validation = mixed.split(Split::Validation);
+    assert!((0..3).all(|e| scored(&validation, e) == 256));
     // A directory is not one text file.
     let e = Corpus::open(&DataConfig {
         path: dir.path().to_path_buf(),
