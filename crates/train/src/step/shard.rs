@@ -64,10 +64,11 @@ impl ShardPlan {
     /// A shard's part of the step's objective: its loss over the run's
     /// shards, scaled.
     pub(crate) fn objective(&self, loss: &Loss<B>) -> Tensor<B, 1> {
-        let total = match self.loss_mean {
-            LossMean::Token => loss.total(self.commit_weight),
-            LossMean::Row => loss.ce_per_row() + loss.commitment.clone() * self.commit_weight,
+        let ce = match self.loss_mean {
+            LossMean::Token => loss.ce.clone(),
+            LossMean::Row => loss.ce_per_row(),
         };
+        let total = ce + loss.commitment.clone() * self.commit_weight;
         self.scaled(total / self.total as f64)
     }
 
