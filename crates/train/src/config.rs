@@ -403,13 +403,38 @@ pub fn parse_toml<T: serde::de::DeserializeOwned>(
     overrides: &[String],
 ) -> Result<T, TrainError> {
     let mut table: toml::Table =
-        toml::from_str(text).map_err(|e| TrainError::Toml(e.to_string()))?;
+        toml::from_str(text).map_err(|e| TrainError::Toml(one_line(&e, text)))?;
     for o in overrides {
         set_key(&mut table, o)?;
     }
     toml::Value::Table(table)
         .try_into()
-        .map_err(|e: toml::de::Error| TrainError::Toml(e.to_string()))
+        .map_err(|e: toml::de::Error| TrainError::Toml(one_line(&e, text)))
+}
+
+/// A TOML error as one line: `line L, column C: message` where the parser
+/// knows the place, `` `section.key`: message `` where the deserializer
+/// knows the key. The `toml` crate's own rendering spans several lines (a
+/// source excerpt with a caret), which a one-line error report cannot hold.
+fn one_line(e: &toml::de::Error, text: &str) -> String {
+    let message = e.message().lines().map(str::trim).filter(|l| !l.is_empty());
+    let message = message.collect::<Vec<_>>().join("; ");
+    if let Some(span) = e.span() {
+        let before = &text[..span.start.min(text.len())];
+        let line = before.matches('\n').count() + 1;
+        let column = before.rsplit('\n').next().unwrap_or("").chars().count() + 1;
+        return format!("line {line}, column {column}: {message}");
+    }
+    // Without a place, the rendering ends with "in `key`" when the key is known.
+    let key = e.to_string();
+    let key = key
+        .lines()
+        .last()
+        .and_then(|l| l.strip_prefix("in `")?.strip_suffix('`'));
+    match key {
+        Some(key) => format!("`{key}`: {message}"),
+        None => message,
+    }
 }
 
 impl RunConfig {
@@ -603,5 +628,19 @@ mod tests {
         assert!(error(MINIMAL, &["train.decay_fraction=1.5"]).contains("train.decay_fraction"));
         assert!(error(MINIMAL, &["data.kind.x=1"]).contains("not a section"));
         assert!(error("[model]\nd_model = 8\n", &[]).contains("data"));
+    }
+
+    #[test]
+    fn toml_errors_are_one_line_naming_the_place_or_the_key() {
+        let e = error(MINIMAL, &["train.loss_mean=mode"]);
+        assert!(
+            e.contains("`train.loss_mean`: unknown variant `mode`"),
+            "{e}"
+        );
+        let e = error("[data]\nkind = \"text\"\npath = \n", &[]);
+        assert!(e.contains("line 3, column 8: "), "{e}");
+        for e in [e, error(MINIMAL, &["model.bias=sine"])] {
+            assert!(!e.contains('\n'), "{e:?}");
+        }
     }
 }
