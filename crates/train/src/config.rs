@@ -420,7 +420,11 @@ fn one_line(e: &toml::de::Error, text: &str) -> String {
     let message = e.message().lines().map(str::trim).filter(|l| !l.is_empty());
     let message = message.collect::<Vec<_>>().join("; ");
     if let Some(span) = e.span() {
-        let before = &text[..span.start.min(text.len())];
+        // The text before the error, cut at a character boundary.
+        let end = (0..=span.start.min(text.len()))
+            .rev()
+            .find(|&i| text.is_char_boundary(i));
+        let before = &text[..end.unwrap_or(0)];
         let line = before.matches('\n').count() + 1;
         let column = before.rsplit('\n').next().unwrap_or("").chars().count() + 1;
         return format!("line {line}, column {column}: {message}");
@@ -639,7 +643,12 @@ mod tests {
         );
         let e = error("[data]\nkind = \"text\"\npath = \n", &[]);
         assert!(e.contains("line 3, column 8: "), "{e}");
-        for e in [e, error(MINIMAL, &["model.bias=sine"])] {
+        let past_non_ascii = error("[data]\nkind = \"ü\" ü\n", &[]);
+        assert!(
+            past_non_ascii.contains("line 2, column "),
+            "{past_non_ascii}"
+        );
+        for e in [e, past_non_ascii, error(MINIMAL, &["model.bias=sine"])] {
             assert!(!e.contains('\n'), "{e:?}");
         }
     }
