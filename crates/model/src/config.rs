@@ -57,6 +57,24 @@ pub enum WindowKeys {
     Exact,
 }
 
+/// How much a code's count weighs in the compressed cache's scores,
+/// `q . C_s + w ln n_s`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum CountWeight {
+    /// `w = 1`: the paper's cache, exact attention over the quantized keys,
+    /// where a code that `n_s` keys took weighs as those `n_s` keys. Default.
+    #[default]
+    Fixed,
+    /// `w = 2 sigmoid(x W_w)` in `(0, 2)`, learned per query and head from
+    /// the sublayer's input (`H` more columns of the query projection,
+    /// initialised to zero, so training starts from the paper's cache): a
+    /// query that retrieves one key can drop the counts, which outweigh a
+    /// key's code by the filler's in long streams, while one that predicts
+    /// text keeps them (docs/learning.md, "A count weight per query").
+    Learned,
+}
+
 /// Which attention the GAU sublayers compute.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -140,6 +158,11 @@ pub struct TransformerVqConfig {
     /// quadratic form, which has no codes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub code_limit: Option<usize>,
+    /// How much a code's count weighs in the compressed cache's scores:
+    /// fixed (the paper's) or learned per query ([`CountWeight`]). Needs
+    /// the VQ form. Written only when not the default.
+    #[serde(skip_serializing_if = "is_default")]
+    pub count_weight: CountWeight,
     /// Attention form (VQ, or the quadratic baseline).
     pub attention: AttentionForm,
     /// Which keys the two-block window scores against (quantized, as in the
@@ -190,6 +213,7 @@ impl Default for TransformerVqConfig {
             cache_grad: CacheGrad::Window,
             cache_limit: None,
             code_limit: None,
+            count_weight: CountWeight::Fixed,
             attention: AttentionForm::Vq,
             window_keys: WindowKeys::Quantized,
             final_norm: false,
@@ -240,6 +264,7 @@ impl TransformerVqConfig {
         with_cache_grad => cache_grad: CacheGrad,
         with_cache_limit => cache_limit: Option<usize>,
         with_code_limit => code_limit: Option<usize>,
+        with_count_weight => count_weight: CountWeight,
         with_attention => attention: AttentionForm,
         with_window_keys => window_keys: WindowKeys,
         with_final_norm => final_norm: bool,
@@ -249,6 +274,12 @@ impl TransformerVqConfig {
         with_dropout_layer => dropout_layer: f64,
         with_dropout_sinusoid => dropout_sinusoid: f64,
         with_sinusoid_base => sinusoid_base: f64,
+    }
+
+    /// Columns of the query projection per head that give the learned
+    /// count weight ([`CountWeight::Learned`]): 1, or 0.
+    pub fn count_weight_width(&self) -> usize {
+        usize::from(self.count_weight == CountWeight::Learned)
     }
 
     /// Features of the rotary position channel each sublayer gets: `P`
@@ -286,6 +317,12 @@ impl TransformerVqConfig {
             return Err(ConfigError::new(
                 "code_limit",
                 "must be at least 1 (leave it out for no limit)",
+            ));
+        }
+        if self.count_weight == CountWeight::Learned && self.attention == AttentionForm::Quadratic {
+            return Err(ConfigError::new(
+                "count_weight",
+                "weighs the compressed cache's counts; the quadratic form has no cache (use \"fixed\")",
             ));
         }
         if self.n_code < 2 {
@@ -345,7 +382,8 @@ impl TransformerVqConfig {
     /// statistics included), from the config alone: nothing is allocated,
     /// so a size can be checked before a model is built. Saturates instead
     /// of overflowing. Per GAU sublayer (`Q = K + P`, `P` the rotary
-    /// position channel): the input norm `2 D`, projections `D H Q`,
+    /// position channel): the input norm `2 D`, projections `D H (Q + W)`
+    /// (`W` 1 with the learned count weight, else 0),
     /// `D H (K + 2 V)` and `H V D`, the codebook `H S K + H S`, and the
     /// position term (Toeplitz `H (L + 1)`; XL `D H K + 2 H K`; rotary
     /// none); then the embedding `vocab D`, the final norm `2 D` and the
@@ -370,7 +408,7 @@ impl TransformerVqConfig {
         };
         let sublayer = sum(&[
             mul(&[2, d]),
-            mul(&[d, h, q]),
+            mul(&[d, h, q.saturating_add(self.count_weight_width())]),
             mul(&[d, h, k.saturating_add(mul(&[2, v]))]),
             mul(&[h, v, d]),
             mul(&[h, s, k]),
@@ -394,7 +432,8 @@ impl TransformerVqConfig {
     /// Per GAU sublayer (`Q = K + P` the query and key width with the
     /// rotary position channel `P`):
     ///
-    /// - projections `2 D (H Q + H K + 2 H V)` in, `2 H V D` out;
+    /// - projections `2 D (H (Q + W) + H K + 2 H V)` in (`W` the learned
+    ///   count weight's column, 1 or 0), `2 H V D` out;
     /// - VQ attention: the codebook distances `2 H S K`, the window of
     ///   `2 L` keys `2 H 2L (Q + V)` and the compressed cache of `S` codes
     ///   `2 H S (K + V)`; the quadratic form instead scores all `seq_len`
@@ -416,7 +455,8 @@ impl TransformerVqConfig {
         ]
         .map(|x| x as f64);
         let q = k + self.rotary_channel_width() as f64;
-        let projections = 2.0 * d * (h * q + h * k + 2.0 * h * v) + 2.0 * h * v * d;
+        let w = self.count_weight_width() as f64;
+        let projections = 2.0 * d * (h * (q + w) + h * k + 2.0 * h * v) + 2.0 * h * v * d;
         let attention = match self.attention {
             AttentionForm::Vq => {
                 2.0 * h * s * k + 2.0 * h * 2.0 * l * (q + v) + 2.0 * h * s * (k + v)

@@ -1,14 +1,14 @@
 //! One gated attention unit (GAU) sublayer with VQ attention.
 
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
 use burn::prelude::*;
-use burn::tensor::activation::silu;
+use burn::tensor::activation::{sigmoid, silu};
 
 use crate::attention::{self, AttentionInput, AttentionState};
 use crate::bias::PositionBias;
 use crate::compute::Compute;
-use crate::config::{AttentionForm, TransformerVqConfig, WindowKeys};
+use crate::config::{AttentionForm, CountWeight, TransformerVqConfig, WindowKeys};
 use crate::dropout::{self, SublayerDropout, SublayerMasks};
 use crate::error::ModelError;
 use crate::layout::{merge_heads, split_heads};
@@ -32,7 +32,8 @@ pub(crate) fn projection<B: Backend>(d_in: usize, d_out: usize, device: &B::Devi
 pub struct Gau<B: Backend> {
     /// RMS norm with gain and bias on the input.
     pub input_norm: RmsNorm<B>,
-    /// `W_q`: `D -> H K`.
+    /// `W_q`: `D -> H K` (then `H P` for the rotary position channel and
+    /// `H` for the learned count weight, when the config has them).
     pub q_proj: Linear<B>,
     /// Fused `[W_k | W_v | W_g]`: `D -> H K + H V + H V` (the official layout).
     pub kvg_proj: Linear<B>,
@@ -91,6 +92,7 @@ struct Projected<B: Backend> {
     k: Tensor<B, 4>,    // [B, H, T, K], likewise
     v: Tensor<B, 4>,    // [B, H, T, V], silu
     gate: Tensor<B, 3>, // [B, T, H V], silu (not split by head)
+    count_weight: Option<Tensor<B, 4>>, // [B, H, T, 1], in (0, 2), f32
 }
 
 impl<B: Backend> Gau<B> {
@@ -98,9 +100,17 @@ impl<B: Backend> Gau<B> {
     pub fn new(cfg: &TransformerVqConfig, device: &B::Device) -> Self {
         let (d, h, k, v) = (cfg.d_model, cfg.n_head, cfg.d_k, cfg.d_v);
         let channel = cfg.rotary_channel_width();
+        let mut q_proj = projection(d, h * (k + channel + cfg.count_weight_width()), device);
+        if cfg.count_weight == CountWeight::Learned {
+            // Zero columns: every weight starts at 2 sigmoid(0) = 1, the paper's cache.
+            let cols = h * (k + channel);
+            let w = q_proj.weight.val();
+            let w = w.slice_assign([0..d, cols..cols + h], Tensor::zeros([d, h], device));
+            q_proj.weight = Param::from_tensor(w.detach());
+        }
         Self {
             input_norm: RmsNorm::new(d, device),
-            q_proj: projection(d, h * (k + channel), device),
+            q_proj,
             kvg_proj: projection(d, h * (k + 2 * v), device),
             out_proj: projection(h * v, d, device),
             quantizer: VectorQuantizer::new(h, cfg.n_code, k, device),
@@ -114,6 +124,7 @@ impl<B: Backend> Gau<B> {
                 cache_grad: cfg.cache_grad,
                 cache_limit: cfg.cache_limit,
                 code_limit: cfg.code_limit,
+                count_weight: cfg.count_weight,
                 precision: Precision::F32,
                 window_keys: cfg.window_keys,
             },
@@ -148,11 +159,19 @@ impl<B: Backend> Gau<B> {
             with_channel(content, pos)
         };
         let [k_raw, v_raw, g_raw] = column_blocks(&x, self.kvg_proj.weight.val(), [hk, hv, hv], cx);
+        let count_weight = (self.compute.count_weight == CountWeight::Learned).then(|| {
+            let w = self.q_proj.weight.val();
+            let [d, cols] = w.dims();
+            let w = w.slice([0..d, cols - h..cols]).unsqueeze::<3>(); // [1, D, H]
+            let z = heads(cx.product(x.clone(), w)); // [B, H, T, 1]
+            sigmoid(z) * 2.0
+        });
         Projected {
             q,
             k: rms_normalize(heads(k_raw)) * scale,
             v: split_heads(silu(v_raw), h),
             gate: silu(g_raw),
+            count_weight,
         }
     }
 
@@ -191,7 +210,8 @@ impl<B: Backend> Gau<B> {
     /// projection's width (`H (K + P)`), so a model saved before the
     /// channel existed loads as one without it.
     pub fn rotary_channel(&self) -> usize {
-        self.q_proj.weight.dims()[1] / self.n_head - self.d_k
+        let count_weight = usize::from(self.compute.count_weight == CountWeight::Learned);
+        self.q_proj.weight.dims()[1] / self.n_head - self.d_k - count_weight
     }
 
     /// Keys (or codewords) `[.., K]` with the position channel's constant
@@ -283,6 +303,7 @@ impl<B: Backend> Gau<B> {
             v: p.v,
             codebook: self.keys_with_channel(self.quantizer.codebook()),
             rotary: self.rotary(),
+            count_weight: p.count_weight,
         };
         let (o, state, attention) = if with_attention {
             let a = attention::block_attention_with_groups(input, state, self.block_len, cx)?;
@@ -324,6 +345,7 @@ impl<B: Backend> Gau<B> {
             v: p.v,
             codebook: self.keys_with_channel(self.quantizer.codebook()),
             rotary: self.rotary(),
+            count_weight: p.count_weight,
         };
         let (o, state) = attention::recurrent_attention(input, state, self.block_len, cx)?;
         Ok((self.finish(o, p.gate, masks.residual.take(), cx), state))

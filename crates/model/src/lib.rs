@@ -30,7 +30,9 @@ pub mod quantizer;
 
 pub use attention::AttentionState;
 pub use compute::Compute;
-pub use config::{AttentionForm, CacheGrad, RelativeBias, TransformerVqConfig, WindowKeys};
+pub use config::{
+    AttentionForm, CacheGrad, CountWeight, RelativeBias, TransformerVqConfig, WindowKeys,
+};
 pub use dropout::DropoutMasks;
 pub use error::{ConfigError, ModelError};
 pub use gau::GauOutput;

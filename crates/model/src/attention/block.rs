@@ -243,6 +243,7 @@ fn block_attention_impl<B: Backend>(
         v,
         codebook,
         rotary,
+        count_weight,
     } = input;
     let [b, h, t, dk] = q.dims();
     let (dv, s, l) = (v.dims()[3], codebook.dims()[1], block_len);
@@ -280,7 +281,8 @@ fn block_attention_impl<B: Backend>(
     // 4: compressed cache by cumulative sum, [B, H, R, S] and [B, H, R, S, V].
     let (cache_counts, cache_means, cache_after) =
         block_caches(carried.cache, &prev, s, cx.cache_grad);
-    let cache_scores = cache_scores(q, codebook, cache_counts.clone(), cx); // [B, H, R, L, S]
+    let count_weight = count_weight.map(|w| w.reshape([b, h, r, l, 1]));
+    let cache_scores = cache_scores(q, codebook, cache_counts.clone(), count_weight, cx); // [B, H, R, L, S]
     let groups = with_groups.then(|| {
         attention_groups(
             present_scores.clone(),

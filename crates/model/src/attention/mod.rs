@@ -8,7 +8,8 @@
 //! so those keys can be grouped by code: a code `s` seen `n_s` times with mean
 //! value `mu_s` contributes `exp(q . C_s + ln n_s)` with value `mu_s`, exactly
 //! what the individual keys would have contributed. Each query therefore sees
-//! three groups of keys:
+//! three groups of keys (a learned count weight `w` per query makes that
+//! `exp(q . C_s + w ln n_s)`: the code's keys weigh as `n_s^w` of them):
 //!
 //! 1. the present block (causal), with bias;
 //! 2. the previous block (all `L` keys; bias where the distance is `<= L`);
@@ -72,4 +73,8 @@ pub struct AttentionInput<B: Backend> {
     /// The windowed rotary position, when it is the position term (then
     /// `bias` is all zero).
     pub rotary: Option<Rotary>,
+    /// Each query's weight `w` of the compressed cache's counts, `q . C_s +
+    /// w ln n_s`, `[B, H, T, 1]` ([`crate::CountWeight::Learned`]); `None`:
+    /// 1, the paper's cache.
+    pub count_weight: Option<Tensor<B, 4>>,
 }

@@ -42,6 +42,7 @@ pub fn recurrent_attention<B: Backend>(
         v,
         codebook,
         rotary,
+        count_weight,
     } = input;
     let [b, h, t, dk] = q.dims();
     let dv = v.dims()[3];
@@ -83,7 +84,8 @@ pub fn recurrent_attention<B: Backend>(
         .cache
         .unwrap_or_else(|| CompressedCache::empty(b, h, s, dv, &device));
     let counts = cache.counts.clone().unsqueeze_dim(2); // [B, H, 1, S]
-    let c_scores = cache_scores(q, codebook, counts, cx); // [B, H, 1, 1, S]
+    let count_weight = count_weight.map(|w| w.unsqueeze_dim::<5>(2)); // [B, H, 1, 1, 1]
+    let c_scores = cache_scores(q, codebook, counts, count_weight, cx); // [B, H, 1, 1, S]
     let out = attend(
         [
             (present_scores, block(&current.v)),

@@ -152,14 +152,16 @@ fn window_scores<B: Backend>(
 }
 
 /// Scores of the compressed cache for each block's queries, from its
-/// counts `[B, H, R, S]`: `[B, H, R, n, S]`, `q . C_s + ln n_s` (`-inf`
-/// where `n_s = 0`; `ln min(n_s, code_limit)` under a code limit), plus
+/// counts `[B, H, R, S]`: `[B, H, R, n, S]`, `q . C_s + w ln n_s` (`-inf`
+/// where `n_s = 0`; `ln min(n_s, code_limit)` under a code limit; `w` each
+/// query's `count_weight` `[B, H, R, n, 1]`, 1 when `None`), plus
 /// [`cache_limit_bias`] of the `N` keys cached; in `f32`, the product in
 /// the compute type.
 pub(super) fn cache_scores<B: Backend>(
     q: Tensor<B, 5>,
     codebook: Tensor<B, 3>,
     counts: Tensor<B, 4>,
+    count_weight: Option<Tensor<B, 5>>,
     cx: Compute,
 ) -> Tensor<B, 5> {
     let c_t = codebook
@@ -172,12 +174,28 @@ pub(super) fn cache_scores<B: Backend>(
         Some(limit) => counts.clone().clamp_max(limit as f64),
         None => counts.clone(),
     };
-    let mut log_n = weight.log(); // [B, H, R, S]
-    if let Some(limit) = cx.cache_limit {
-        let cached = counts.sum_dim(3); // [B, H, R, 1]: N, the same for every head
-        log_n = log_n - (cached / limit as f64).clamp_min(1.0).log();
+    // The cache limit's score, the same for every code: [B, H, R, 1].
+    let shift = cx.cache_limit.map(|limit| {
+        let cached = counts.clone().sum_dim(3); // N, the same for every head
+        -(cached / limit as f64).clamp_min(1.0).log()
+    });
+    let Some(w) = count_weight else {
+        let log_n = match shift {
+            Some(shift) => weight.log() + shift,
+            None => weight.log(),
+        };
+        return scores + log_n.unsqueeze_dim::<5>(3); // [B, H, R, 1, S]
+    };
+    // w ln 0 would be NaN where w underflows to 0: weigh ln max(n, 1), then
+    // mask the empty codes.
+    let log_n = weight.clamp_min(1.0).log().unsqueeze_dim::<5>(3); // [B, H, R, 1, S]
+    let mut scores = scores + w * log_n; // [B, H, R, n, S]
+    if let Some(shift) = shift {
+        scores = scores + shift.unsqueeze_dim::<5>(3); // [B, H, R, 1, 1]
     }
-    scores + log_n.unsqueeze_dim::<5>(3) // [B, H, R, 1, S]
+    let empty = counts.equal_elem(0.0).unsqueeze_dim::<5>(3); // [B, H, R, 1, S]
+    let dims = scores.dims();
+    scores.mask_fill(empty.expand(dims), f32::NEG_INFINITY)
 }
 
 /// The score added to every key of the compressed cache when it holds

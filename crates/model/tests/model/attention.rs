@@ -1,6 +1,7 @@
 //! The block-parallel and recurrent forms against the quadratic oracle.
 
 use burn::prelude::*;
+use burn::tensor::Distribution;
 use tvq_model::attention::{
     AttentionInput, AttentionState, Rotary, block_attention, block_attention_with_groups,
     recurrent_attention, rotary_scores,
@@ -30,6 +31,8 @@ struct Shape {
     cache_limit: Option<usize>,
     /// The most keys one code of the cache weighs as.
     code_limit: Option<usize>,
+    /// A weight of the cache's counts per query (random in (0, 2)).
+    count_weight: bool,
 }
 
 const SHAPES: [Shape; 8] = [
@@ -46,6 +49,7 @@ const SHAPES: [Shape; 8] = [
         rotary: false,
         cache_limit: None,
         code_limit: None,
+        count_weight: false,
     },
     // two blocks
     Shape {
@@ -60,6 +64,7 @@ const SHAPES: [Shape; 8] = [
         rotary: false,
         cache_limit: None,
         code_limit: None,
+        count_weight: false,
     },
     // many blocks, batch > 1
     Shape {
@@ -74,6 +79,7 @@ const SHAPES: [Shape; 8] = [
         rotary: false,
         cache_limit: None,
         code_limit: Some(1),
+        count_weight: false,
     },
     // many blocks, several heads, per-query bias
     Shape {
@@ -88,6 +94,7 @@ const SHAPES: [Shape; 8] = [
         rotary: false,
         cache_limit: Some(5),
         code_limit: None,
+        count_weight: true,
     },
     // block length 1 (every earlier key but one is in the cache)
     Shape {
@@ -102,6 +109,7 @@ const SHAPES: [Shape; 8] = [
         rotary: false,
         cache_limit: Some(2),
         code_limit: Some(2),
+        count_weight: true,
     },
     // rotary: one block
     Shape {
@@ -116,6 +124,7 @@ const SHAPES: [Shape; 8] = [
         rotary: true,
         cache_limit: None,
         code_limit: None,
+        count_weight: false,
     },
     // rotary: many blocks, several heads
     Shape {
@@ -130,6 +139,7 @@ const SHAPES: [Shape; 8] = [
         rotary: true,
         cache_limit: Some(3),
         code_limit: Some(1),
+        count_weight: false,
     },
     // rotary: block length 1, per-query bias
     Shape {
@@ -144,6 +154,7 @@ const SHAPES: [Shape; 8] = [
         rotary: true,
         cache_limit: None,
         code_limit: None,
+        count_weight: true,
     },
 ];
 
@@ -158,6 +169,8 @@ struct Problem {
     rotary: Option<Rotary>,
     cache_limit: Option<usize>,
     code_limit: Option<usize>,
+    /// Each query's weight of the cache's counts, `[B, H, T, 1]`.
+    count_weight: Option<Tensor<B, 4>>,
     /// Which keys the window scores against.
     window_keys: WindowKeys,
 }
@@ -186,6 +199,14 @@ impl Problem {
             rotary: sh.rotary.then(|| Rotary::new(sh.l)),
             cache_limit: sh.cache_limit,
             code_limit: sh.code_limit,
+            count_weight: sh.count_weight.then(|| {
+                let w = Tensor::random(
+                    [sh.b, sh.h, sh.t, 1],
+                    Distribution::Uniform(0.05, 1.95),
+                    device,
+                );
+                leaf(w)
+            }),
             window_keys: WindowKeys::Quantized,
         }
     }
@@ -216,6 +237,7 @@ impl Problem {
             v: cut(&self.v),
             codebook: self.quantizer.codebook(),
             rotary: self.rotary,
+            count_weight: self.count_weight.as_ref().map(cut),
         }
     }
 
@@ -225,6 +247,7 @@ impl Problem {
             cache_grad,
             cache_limit: self.cache_limit,
             code_limit: self.code_limit,
+            count_weight: Default::default(),
             precision: Precision::F32,
             window_keys: self.window_keys,
         }
@@ -258,7 +281,9 @@ fn block_form_matches_oracle_forward_and_gradients() {
             let w = randn(out.dims(), &device);
             let g_block = (out * w.clone()).sum().backward();
             let g_oracle = (want * w).sum().backward();
-            for (name, leaf) in [("q", &p.q), ("k", &p.k), ("v", &p.v), ("bias", &p.bias)] {
+            let leaves = [("q", &p.q), ("k", &p.k), ("v", &p.v), ("bias", &p.bias)];
+            let count_weight = p.count_weight.as_ref().map(|w| ("count weight", w));
+            for (name, leaf) in leaves.into_iter().chain(count_weight) {
                 let a = leaf.grad(&g_block).expect("block gradient");
                 let b = leaf.grad(&g_oracle).expect("oracle gradient");
                 assert!(
@@ -479,6 +504,7 @@ fn block_grad_norms(mode: CacheGrad, rotary: bool) -> (Vec<f32>, Vec<f32>) {
         rotary,
         cache_limit: None,
         code_limit: None,
+        count_weight: false,
     };
     let device = cpu_ad();
     let p = Problem::new(sh, 50, &device);

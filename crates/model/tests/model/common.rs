@@ -59,6 +59,8 @@ pub fn assert_close<const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>, tol: f32, 
 /// compressed cache holds) each score `ln(limit / N)` less when `N > limit`.
 /// Under a code limit, a cached key whose code `n` cached keys share scores
 /// `ln(min(n, limit) / n)` less: the `n` together weigh `min(n, limit)`.
+/// With a count weight `w` per query, they weigh `min(n, limit)^w`: each
+/// scores `w ln min(n, limit) - ln n`.
 pub fn oracle_attention(input: AttentionInput<B>, block_len: usize, cx: Compute) -> Tensor<B, 4> {
     let AttentionInput {
         q,
@@ -68,6 +70,7 @@ pub fn oracle_attention(input: AttentionInput<B>, block_len: usize, cx: Compute)
         v,
         codebook,
         rotary,
+        count_weight,
     } = input;
     let (mode, cache_limit) = (cx.cache_grad, cx.cache_limit);
     let [b, h, t, _] = q.dims();
@@ -119,24 +122,31 @@ pub fn oracle_attention(input: AttentionInput<B>, block_len: usize, cx: Compute)
         .collect();
     let pos = pos
         + Tensor::<B, 2>::from_data(TensorData::new(limit, [t, t]), &device).reshape([1, 1, t, t]);
-    // The code limit, key by key: count the cached keys on each key's code.
+    // The code limit and the count weight, key by key: count the cached
+    // keys on each key's code; `weighed` is ln min(n, limit), `own` ln n.
     let code: Vec<i64> = codes.clone().into_data().convert::<i64>().to_vec().unwrap();
-    let mut shared = vec![0f32; b * h * t * t];
-    if let Some(code_limit) = cx.code_limit {
-        for bh in 0..b * h {
-            let code = &code[bh * t..(bh + 1) * t];
-            for i in 0..t {
-                let cached = if i / l >= 2 { (i / l - 1) * l } else { 0 };
-                for j in 0..cached {
-                    let n = code[..cached].iter().filter(|&&c| c == code[j]).count();
-                    shared[(bh * t + i) * t + j] = ((n.min(code_limit) as f32) / n as f32).ln();
-                }
+    let (mut weighed, mut own) = (vec![0f32; b * h * t * t], vec![0f32; b * h * t * t]);
+    for bh in 0..b * h {
+        let code = &code[bh * t..(bh + 1) * t];
+        for i in 0..t {
+            let cached = if i / l >= 2 { (i / l - 1) * l } else { 0 };
+            for j in 0..cached {
+                let n = code[..cached].iter().filter(|&&c| c == code[j]).count();
+                let at = (bh * t + i) * t + j;
+                weighed[at] = (n.min(cx.code_limit.unwrap_or(n)) as f32).ln();
+                own[at] = (n as f32).ln();
             }
         }
     }
-    let pos = pos
-        + Tensor::<B, 1>::from_data(TensorData::new(shared, [b * h * t * t]), &device)
-            .reshape([b, h, t, t]);
+    let keys = |x: Vec<f32>| {
+        Tensor::<B, 1>::from_data(TensorData::new(x, [b * h * t * t]), &device)
+            .reshape([b, h, t, t])
+    };
+    let weighed = match count_weight {
+        Some(w) => keys(weighed) * w, // w [B, H, T, 1]: one per query (row)
+        None => keys(weighed),
+    };
+    let pos = pos + weighed - keys(own);
 
     let content = |k: Tensor<B, 4>| match rotary {
         Some(rot) => rotary_scores(rot, q.clone(), k, Compute::default()),

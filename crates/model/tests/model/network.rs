@@ -3,7 +3,7 @@
 use burn::nn::DropoutConfig;
 use burn::prelude::*;
 use tvq_model::{
-    AttentionForm, CacheGrad, Logits, ModelError, Pass, RelativeBias, TransformerVq,
+    AttentionForm, CacheGrad, CountWeight, Logits, ModelError, Pass, RelativeBias, TransformerVq,
     TransformerVqConfig, WindowKeys,
 };
 
@@ -275,6 +275,75 @@ fn a_code_limit_changes_only_the_outputs_that_read_a_shared_code() {
     assert!(moved > 1e-4, "the limit is ignored ({moved:e})");
 }
 
+/// The learned count weight: its columns start at zero, so a new model is
+/// the paper's cache (the same weights without the columns); once they
+/// are not zero, the outputs that read the compressed cache move and no
+/// other, and the recurrent form still computes what the block form does
+/// (what the weight computes is the oracle's, in the attention tests).
+#[test]
+fn a_learned_count_weight_starts_as_the_paper_cache_and_moves_only_cache_reads() {
+    use burn::module::Param;
+    let device = cpu();
+    for bias in [RelativeBias::Toeplitz, RelativeBias::Rotary] {
+        let cfg = config(bias).with_count_weight(CountWeight::Learned);
+        let m = model(&cfg, 5, &device);
+        let (b, t, l) = (2, 28, cfg.block_len);
+        let data = random_tokens(b, t, cfg.vocab_size, 11);
+        let learned = logits_of(&m, &data, b, &device);
+        let mut paper = m.clone();
+        for gau in &mut paper.sublayers {
+            let w = gau.q_proj.weight.val();
+            let [d, cols] = w.dims();
+            gau.q_proj.weight = Param::from_tensor(w.slice([0..d, 0..cols - cfg.n_head]));
+            gau.compute.count_weight = CountWeight::Fixed;
+        }
+        assert_close(
+            learned.clone(),
+            logits_of(&paper, &data, b, &device),
+            1e-6,
+            &format!("{bias:?}: a new model against the paper's cache"),
+        );
+
+        let mut m = m;
+        for gau in &mut m.sublayers {
+            let w = gau.q_proj.weight.val();
+            let [d, cols] = w.dims();
+            let columns = randn([d, cfg.n_head], &device) * 3.0;
+            let w = w.slice_assign([0..d, cols - cfg.n_head..cols], columns);
+            gau.q_proj.weight = Param::from_tensor(w);
+        }
+        let weighed = logits_of(&m, &data, b, &device);
+        let cut =
+            |x: Tensor<B, 3>, r: std::ops::Range<usize>| x.slice([0..b, r, 0..cfg.vocab_size]);
+        assert_close(
+            cut(weighed.clone(), 0..2 * l),
+            cut(learned.clone(), 0..2 * l),
+            0.0,
+            &format!("{bias:?}: nothing cached yet"),
+        );
+        let moved = max_abs_diff(cut(weighed.clone(), 3 * l..t), cut(learned, 3 * l..t));
+        assert!(
+            moved > 1e-4,
+            "{bias:?}: the count weight is ignored ({moved:e})"
+        );
+
+        let mut state = m.empty_state();
+        let mut steps = vec![];
+        for i in 0..t {
+            let col: Vec<i64> = (0..b).map(|r| data[r * t + i]).collect();
+            let (logits, s) = m.decode(tokens(&col, b, &device), state).unwrap();
+            steps.push(logits);
+            state = s;
+        }
+        assert_close(
+            Tensor::cat(steps, 1),
+            weighed,
+            1e-5,
+            &format!("{bias:?}: token by token vs block"),
+        );
+    }
+}
+
 #[test]
 fn changing_a_token_changes_no_earlier_output() {
     let device = cpu();
@@ -517,6 +586,12 @@ fn config_validation_names_the_key() {
             config(RelativeBias::Toeplitz).with_code_limit(Some(0)),
             "code_limit",
         ),
+        (
+            config(RelativeBias::Toeplitz)
+                .with_attention(AttentionForm::Quadratic)
+                .with_count_weight(CountWeight::Learned),
+            "count_weight",
+        ),
     ];
     for (cfg, key) in bad {
         let err = cfg.init::<B>(&cpu()).expect_err("invalid config accepted");
@@ -643,6 +718,10 @@ fn the_config_counts_the_parameters_of_the_model_it_builds() {
             .with_bias(RelativeBias::Rotary)
             .with_rotary_channel(Some(4)),
         base.clone().with_bias(RelativeBias::Rotary),
+        base.clone()
+            .with_bias(RelativeBias::Rotary)
+            .with_n_head(2)
+            .with_count_weight(CountWeight::Learned),
         base.clone().with_tie_embeddings(true).with_final_norm(true),
         base.with_attention(AttentionForm::Quadratic)
             .with_block_len(3),
