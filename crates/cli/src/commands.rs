@@ -184,7 +184,8 @@ pub struct EvalArgs {
     by_position: Option<PathBuf>,
     /// Also measure where each sublayer's attention goes: its share on the
     /// present block, the previous block and the compressed cache, and the
-    /// attention entropy (over the whole split and, with --by-position, by
+    /// attention entropy, and the queries' learned count weight when the
+    /// model has one (over the whole split and, with --by-position, by
     /// position; on a recall task, at the answers, by distance).
     #[arg(long)]
     attention: bool,
@@ -561,6 +562,17 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
                     .collect();
                 println!("  {:>7}-{:<7} {}", b.first, b.last, shares.join(" "));
             }
+            if learned_count_weight(sublayers) {
+                println!("count weight at the answers, by distance (per sublayer):");
+                for b in &recall.by_distance {
+                    let w: Vec<_> = b
+                        .attention
+                        .iter()
+                        .map(|a| format!("{:.3}", a.count_weight))
+                        .collect();
+                    println!("  {:>7}-{:<7} {}", b.first, b.last, w.join(" "));
+                }
+            }
         }
     } else {
         println!(
@@ -669,13 +681,30 @@ fn print_code_sharing(codebooks: &[CodeSharing], joint: &[SharingBucket]) {
     );
 }
 
+/// Whether the figures come from a model whose queries weigh the cache's
+/// counts by a learned weight (`model.count_weight`); in the paper's cache
+/// it is 1 exactly.
+fn learned_count_weight(sublayers: &[AttentionShare]) -> bool {
+    sublayers.iter().any(|a| a.count_weight != 1.0)
+}
+
 /// The `--attention` tables: each sublayer's shares and entropy over the
-/// split, then the shares (mean over sublayers) by position.
+/// split (and its mean count weight, when learned), then the shares (mean
+/// over sublayers) by position.
 fn print_attention(sublayers: &[AttentionShare], by_position: &[PositionBucket]) {
-    println!("attention share: present / previous / cache, entropy (nats)");
+    let learned = learned_count_weight(sublayers);
+    println!(
+        "attention share: present / previous / cache, entropy (nats){}",
+        if learned { ", count weight" } else { "" }
+    );
     for (i, a) in sublayers.iter().enumerate() {
+        let w = if learned {
+            format!(", {:.3}", a.count_weight)
+        } else {
+            String::new()
+        };
         println!(
-            "  sublayer {i}: {:.3} / {:.3} / {:.3}, {:.2}",
+            "  sublayer {i}: {:.3} / {:.3} / {:.3}, {:.2}{w}",
             a.share[0],
             a.share[1],
             a.share[2],

@@ -69,9 +69,9 @@ pub enum CountWeight {
     /// `w = 2 sigmoid(x W_w)` in `(0, 2)`, learned per query and head from
     /// the sublayer's input (`H` more columns of the query projection,
     /// initialised to zero, so training starts from the paper's cache): a
-    /// query that retrieves one key can drop the counts, which outweigh a
-    /// key's code by the filler's in long streams, while one that predicts
-    /// text keeps them (docs/learning.md, "A count weight per query").
+    /// query can damp the counts, by which the filler's codes outweigh a
+    /// retrieved key's in long streams, as far as it needs
+    /// (docs/learning.md, "A count weight per query").
     Learned,
 }
 

@@ -282,13 +282,14 @@ fn block_attention_impl<B: Backend>(
     let (cache_counts, cache_means, cache_after) =
         block_caches(carried.cache, &prev, s, cx.cache_grad);
     let count_weight = count_weight.map(|w| w.reshape([b, h, r, l, 1]));
-    let cache_scores = cache_scores(q, codebook, cache_counts.clone(), count_weight, cx); // [B, H, R, L, S]
+    let cache_scores = cache_scores(q, codebook, cache_counts.clone(), count_weight.clone(), cx); // [B, H, R, L, S]
     let groups = with_groups.then(|| {
         attention_groups(
             present_scores.clone(),
             prev_scores.clone(),
             cache_scores.clone(),
             cache_counts,
+            count_weight,
         )
     });
     // 5: one softmax over the three groups.

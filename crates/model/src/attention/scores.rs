@@ -265,18 +265,27 @@ pub struct AttentionGroups<B: Backend> {
     /// weight (as in the quadratic form on quantized keys). The entropy of a
     /// query's attention is the sum over the groups.
     pub entropy: Tensor<B, 4>,
+    /// Each query's weight of the cache's counts, `[B, H, T, 1]`: 1 in
+    /// the paper's cache, learned under [`crate::CountWeight::Learned`].
+    pub count_weight: Tensor<B, 4>,
 }
 
 /// [`AttentionGroups`] from the three groups' scores as [`attend`] sees
 /// them: present and previous block `[B, H, R, L, L]`, cache `[B, H, R, L, S]`
-/// (which include `ln n_s`), with the cache's counts `[B, H, R, S]`.
+/// (which include `w ln n_s`), with the cache's counts `[B, H, R, S]` and
+/// the queries' count weights `[B, H, R, L, 1]` (`None`: 1).
 pub(super) fn attention_groups<B: Backend>(
     present: Tensor<B, 5>,
     previous: Tensor<B, 5>,
     cache: Tensor<B, 5>,
     cache_counts: Tensor<B, 4>,
+    count_weight: Option<Tensor<B, 5>>,
 ) -> AttentionGroups<B> {
     let [b, h, r, l, _] = present.dims();
+    let count_weight = match count_weight {
+        Some(w) => w.detach().reshape([b, h, r * l, 1]),
+        None => Tensor::ones([b, h, r * l, 1], &present.device()),
+    };
     // A key's own log weight (up to the normaliser): its score, less ln n_s
     // for a code that stands for n_s keys. Masked keys (score -inf) get a
     // finite stand-in so that 0 * it stays 0.
@@ -311,5 +320,6 @@ pub(super) fn attention_groups<B: Backend>(
     AttentionGroups {
         share: share.reshape([b, h, r * l, 3]),
         entropy: entropy.reshape([b, h, r * l, 3]),
+        count_weight,
     }
 }

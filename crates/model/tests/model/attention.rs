@@ -770,6 +770,16 @@ fn attention_groups_match_the_oracle_weights_in_one_segment_and_carried() {
         for (start, a) in parts {
             let groups = a.groups.expect("groups were asked for");
             let ctx = format!("{sh:?} from token {start}");
+            let want_weight = match &p.count_weight {
+                Some(w) => w.clone().slice([0..sh.b, 0..sh.h, start..sh.t, 0..1]),
+                None => Tensor::ones([sh.b, sh.h, sh.t - start, 1], &device),
+            };
+            assert_close(
+                groups.count_weight,
+                want_weight,
+                0.0,
+                &format!("count weight, {ctx}"),
+            );
             let rows = |v: &[f32]| -> Vec<f32> {
                 v.chunks(sh.t * 3)
                     .flat_map(|head| head[start * 3..].to_vec())

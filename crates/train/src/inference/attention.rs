@@ -1,7 +1,7 @@
 //! Where the attention went: for each sublayer, the share of its weight on
 //! the present block, the previous block and the compressed cache, and the
-//! three groups' parts of the attention entropy
-//! ([`tvq_model::attention::AttentionGroups`]), read per token and averaged
+//! three groups' parts of the attention entropy, and the queries' weight of
+//! the cache's counts ([`tvq_model::attention::AttentionGroups`]), read per token and averaged
 //! over whichever tokens a report groups (a position bucket, a recall
 //! task's answers at one distance, a whole split).
 
@@ -20,11 +20,19 @@ pub struct AttentionShare {
     /// Each of the three groups' part of the attention entropy over keys,
     /// nats (the entropy is their sum).
     pub entropy: [f64; 3],
+    /// The queries' weight of the compressed cache's counts (1 in the
+    /// paper's cache; learned under `model.count_weight = "learned"`).
+    #[serde(default = "one")]
+    pub count_weight: f64,
 }
 
-/// Per-token attention figures: for each sublayer the three shares, then
-/// the three entropies.
-pub(crate) const FIGURES: usize = 6;
+fn one() -> f64 {
+    1.0
+}
+
+/// Per-token attention figures: for each sublayer the three shares, the
+/// three entropies and the count weight.
+pub(crate) const FIGURES: usize = 7;
 
 /// Adds one token's figures (`FIGURES` per sublayer; empty when not
 /// measured) to running sums.
@@ -42,35 +50,38 @@ pub(crate) fn means(sums: &[f64], tokens: u64) -> Vec<AttentionShare> {
         .map(|f| AttentionShare {
             share: [f[0] / n, f[1] / n, f[2] / n],
             entropy: [f[3] / n, f[4] / n, f[5] / n],
+            count_weight: f[6] / n,
         })
         .collect()
 }
 
 /// The attention figures of a segment's tokens, `[B, T, sublayer, FIGURES]`
-/// flattened: each sublayer's shares and entropies, averaged over heads.
+/// flattened: each sublayer's shares, entropies and count weight, averaged
+/// over heads.
 pub(crate) fn per_token(groups: &[tvq_model::attention::AttentionGroups<B>]) -> Vec<f32> {
-    let figures: Vec<[Vec<f32>; 2]> = groups
+    let figures: Vec<[Vec<f32>; 3]> = groups
         .iter()
         .map(|g| {
             let host = |t: &Tensor<B, 4>| -> Vec<f32> {
-                let [b, _, t_len, _] = t.dims();
+                let [b, _, t_len, w] = t.dims();
                 t.clone()
-                    .mean_dim(1) // [B, 1, T, 3]
-                    .reshape([b * t_len * 3])
+                    .mean_dim(1) // [B, 1, T, W]
+                    .reshape([b * t_len * w])
                     .into_data()
                     .convert::<f32>()
                     .to_vec()
                     .expect("f32")
             };
-            [host(&g.share), host(&g.entropy)]
+            [host(&g.share), host(&g.entropy), host(&g.count_weight)]
         })
         .collect();
-    let tokens = figures.first().map_or(0, |f| f[0].len() / 3);
+    let tokens = figures.first().map_or(0, |f| f[2].len());
     let mut out = Vec::with_capacity(tokens * figures.len() * FIGURES);
     for i in 0..tokens {
-        for [share, entropy] in &figures {
+        for [share, entropy, count_weight] in &figures {
             out.extend_from_slice(&share[i * 3..i * 3 + 3]);
             out.extend_from_slice(&entropy[i * 3..i * 3 + 3]);
+            out.push(count_weight[i]);
         }
     }
     out

@@ -439,13 +439,21 @@ mod tests {
         tally.add(&batch, &[0.0; 3], &figures, 1);
         let b = tally.buckets();
         assert_eq!(b.len(), 2);
-        // Position 1 alone: token 0's figures; sublayer 1 starts at 6.
+        // Position 1 alone: token 0's figures; sublayer 1 starts at F, token
+        // 1 at 2 F (F figures per sublayer: 3 shares, 3 entropies, the count
+        // weight).
+        let f = attention::FIGURES as f64;
         assert_eq!(b[0].attention[0].share, [0.0, 1.0, 2.0]);
-        assert_eq!(b[0].attention[1].entropy, [9.0, 10.0, 11.0]);
-        // Position 2: token 1 (figures 12..24); the padding is left out.
-        assert_eq!(b[1].attention[0].share, [12.0, 13.0, 14.0]);
+        assert_eq!(b[0].attention[1].entropy, [f + 3.0, f + 4.0, f + 5.0]);
+        assert_eq!(b[0].attention[1].count_weight, f + 6.0);
+        // Position 2: token 1; the padding is left out.
+        assert_eq!(
+            b[1].attention[0].share,
+            [2.0 * f, 2.0 * f + 1.0, 2.0 * f + 2.0]
+        );
         let total = attention::means(&tally.total.attention, tally.total.tokens);
-        assert_eq!(total[1].share, [12.0, 13.0, 14.0], "(6 + 18) / 2, ...");
+        let want = [2.0 * f, 2.0 * f + 1.0, 2.0 * f + 2.0];
+        assert_eq!(total[1].share, want, "(F + 3 F) / 2, ...");
     }
 
     #[test]

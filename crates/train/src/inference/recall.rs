@@ -345,10 +345,11 @@ mod tests {
 
     #[test]
     fn the_tally_averages_the_attention_at_the_answers_by_distance() {
-        // One sublayer: figures [present, previous, cache, 3 entropies].
-        let near = [0.9, 0.1, 0.0, 0.5, 0.1, 0.0];
-        let far = [0.1, 0.1, 0.8, 0.1, 0.1, 1.0];
-        let farther = [0.2, 0.2, 0.6, 0.1, 0.1, 2.0];
+        // One sublayer: figures [present, previous, cache, 3 entropies,
+        // count weight].
+        let near = [0.9, 0.1, 0.0, 0.5, 0.1, 0.0, 1.0];
+        let far = [0.1, 0.1, 0.8, 0.1, 0.1, 1.0, 0.2];
+        let farther = [0.2, 0.2, 0.6, 0.1, 0.1, 2.0, 0.4];
         let mut tally = RecallTally::default();
         tally.add(2, true, &near);
         tally.add(40, true, &far);
@@ -361,6 +362,7 @@ mod tests {
         let far_bucket = &r.by_distance[1].attention[0];
         assert!(close(far_bucket.share, [0.15, 0.15, 0.7]));
         assert!(close(far_bucket.entropy, [0.1, 0.1, 1.5]));
+        assert!((far_bucket.count_weight - 0.3).abs() < 1e-6);
         // Over every answer.
         assert!(close(
             tally.attention()[0].share,
