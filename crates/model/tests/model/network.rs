@@ -3,8 +3,8 @@
 use burn::nn::DropoutConfig;
 use burn::prelude::*;
 use tvq_model::{
-    AttentionForm, CacheGrad, CountWeight, Logits, ModelError, Pass, RelativeBias, TransformerVq,
-    TransformerVqConfig, WindowKeys,
+    AttentionForm, CacheGrad, CountWeight, Logits, ModelError, ModelState, Pass, RelativeBias,
+    TransformerVq, TransformerVqConfig, WindowKeys,
 };
 
 use crate::common::*;
@@ -72,6 +72,32 @@ fn logits_of(
         .unwrap()
 }
 
+/// The logits of `m` on `data` (`b` rows) read token by token with the
+/// recurrent form from an empty state, `[b, T, vocab]`, and the state after.
+fn decoded_logits(
+    m: &TransformerVq<B>,
+    data: &[i64],
+    b: usize,
+    device: &burn::DispatchDevice,
+) -> (Tensor<B, 3>, ModelState<B>) {
+    let t = data.len() / b;
+    let mut state = m.empty_state();
+    let mut steps = vec![];
+    for i in 0..t {
+        let col: Vec<i64> = (0..b).map(|r| data[r * t + i]).collect();
+        let (logits, s) = m.decode(tokens(&col, b, device), state).unwrap();
+        steps.push(logits);
+        state = s;
+    }
+    (Tensor::cat(steps, 1), state)
+}
+
+/// Positions `r` of logits `[B, T, vocab]`.
+fn at(x: Tensor<B, 3>, r: std::ops::Range<usize>) -> Tensor<B, 3> {
+    let [b, _, v] = x.dims();
+    x.slice([0..b, r, 0..v])
+}
+
 #[test]
 fn recurrent_network_matches_block_network() {
     let device = cpu();
@@ -91,17 +117,10 @@ fn recurrent_network_matches_block_network() {
             .unwrap()
             .logits
             .unwrap();
-        let mut state = m.empty_state();
-        let mut steps = vec![];
-        for i in 0..t {
-            let col: Vec<i64> = (0..b).map(|r| data[r * t + i]).collect();
-            let (logits, s) = m.decode(tokens(&col, b, &device), state).unwrap();
-            steps.push(logits);
-            state = s;
-        }
+        let (steps, state) = decoded_logits(&m, &data, b, &device);
         assert_eq!(state.pos(), t);
         assert_close(
-            Tensor::cat(steps, 1),
+            steps,
             block,
             1e-5,
             &format!("{bias:?}, {keys:?} keys: token by token vs block"),
@@ -222,16 +241,14 @@ fn a_cache_limit_changes_only_the_queries_whose_cache_exceeds_it() {
         // Limit 2L: blocks 0..=3 cache at most 2L keys and are unchanged;
         // from block 4 on (3L cached and more) every output moves.
         let limited = logits(Some(2 * l));
-        let cut =
-            |x: Tensor<B, 3>, r: std::ops::Range<usize>| x.slice([0..b, r, 0..cfg.vocab_size]);
         assert_close(
-            cut(limited.clone(), 0..4 * l),
-            cut(exact.clone(), 0..4 * l),
+            at(limited.clone(), 0..4 * l),
+            at(exact.clone(), 0..4 * l),
             0.0,
             &format!("{bias:?}: within the limit"),
         );
         for i in 4 * l..t {
-            let moved = max_abs_diff(cut(limited.clone(), i..i + 1), cut(exact.clone(), i..i + 1));
+            let moved = max_abs_diff(at(limited.clone(), i..i + 1), at(exact.clone(), i..i + 1));
             assert!(
                 moved > 1e-4,
                 "{bias:?}: token {i} ignores the limit ({moved:e})"
@@ -264,14 +281,13 @@ fn a_code_limit_changes_only_the_outputs_that_read_a_shared_code() {
         "limit above every count",
     );
     let one = logits(Some(1));
-    let cut = |x: Tensor<B, 3>, r: std::ops::Range<usize>| x.slice([0..b, r, 0..cfg.vocab_size]);
     assert_close(
-        cut(one.clone(), 0..2 * l),
-        cut(exact.clone(), 0..2 * l),
+        at(one.clone(), 0..2 * l),
+        at(exact.clone(), 0..2 * l),
         0.0,
         "nothing cached yet",
     );
-    let moved = max_abs_diff(cut(one, 3 * l..t), cut(exact, 3 * l..t));
+    let moved = max_abs_diff(at(one, 3 * l..t), at(exact, 3 * l..t));
     assert!(moved > 1e-4, "the limit is ignored ({moved:e})");
 }
 
@@ -313,30 +329,20 @@ fn a_learned_count_weight_starts_as_the_paper_cache_and_moves_only_cache_reads()
             gau.q_proj.weight = Param::from_tensor(w);
         }
         let weighed = logits_of(&m, &data, b, &device);
-        let cut =
-            |x: Tensor<B, 3>, r: std::ops::Range<usize>| x.slice([0..b, r, 0..cfg.vocab_size]);
         assert_close(
-            cut(weighed.clone(), 0..2 * l),
-            cut(learned.clone(), 0..2 * l),
+            at(weighed.clone(), 0..2 * l),
+            at(learned.clone(), 0..2 * l),
             0.0,
             &format!("{bias:?}: nothing cached yet"),
         );
-        let moved = max_abs_diff(cut(weighed.clone(), 3 * l..t), cut(learned, 3 * l..t));
+        let moved = max_abs_diff(at(weighed.clone(), 3 * l..t), at(learned, 3 * l..t));
         assert!(
             moved > 1e-4,
             "{bias:?}: the count weight is ignored ({moved:e})"
         );
 
-        let mut state = m.empty_state();
-        let mut steps = vec![];
-        for i in 0..t {
-            let col: Vec<i64> = (0..b).map(|r| data[r * t + i]).collect();
-            let (logits, s) = m.decode(tokens(&col, b, &device), state).unwrap();
-            steps.push(logits);
-            state = s;
-        }
         assert_close(
-            Tensor::cat(steps, 1),
+            decoded_logits(&m, &data, b, &device).0,
             weighed,
             1e-5,
             &format!("{bias:?}: token by token vs block"),
