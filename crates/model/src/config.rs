@@ -75,6 +75,14 @@ pub enum CountWeight {
     Learned,
 }
 
+impl CountWeight {
+    /// Columns of the query projection per head that give the weight: 1
+    /// when learned, else 0.
+    pub fn width(self) -> usize {
+        usize::from(self == CountWeight::Learned)
+    }
+}
+
 /// Which attention the GAU sublayers compute.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -276,12 +284,6 @@ impl TransformerVqConfig {
         with_sinusoid_base => sinusoid_base: f64,
     }
 
-    /// Columns of the query projection per head that give the learned
-    /// count weight ([`CountWeight::Learned`]): 1, or 0.
-    pub fn count_weight_width(&self) -> usize {
-        usize::from(self.count_weight == CountWeight::Learned)
-    }
-
     /// Features of the rotary position channel each sublayer gets: `P`
     /// under the rotary position (`d_k` unless set), 0 otherwise.
     pub fn rotary_channel_width(&self) -> usize {
@@ -408,7 +410,7 @@ impl TransformerVqConfig {
         };
         let sublayer = sum(&[
             mul(&[2, d]),
-            mul(&[d, h, q.saturating_add(self.count_weight_width())]),
+            mul(&[d, h, q.saturating_add(self.count_weight.width())]),
             mul(&[d, h, k.saturating_add(mul(&[2, v]))]),
             mul(&[h, v, d]),
             mul(&[h, s, k]),
@@ -455,7 +457,7 @@ impl TransformerVqConfig {
         ]
         .map(|x| x as f64);
         let q = k + self.rotary_channel_width() as f64;
-        let w = self.count_weight_width() as f64;
+        let w = self.count_weight.width() as f64;
         let projections = 2.0 * d * (h * (q + w) + h * k + 2.0 * h * v) + 2.0 * h * v * d;
         let attention = match self.attention {
             AttentionForm::Vq => {

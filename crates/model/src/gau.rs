@@ -100,7 +100,7 @@ impl<B: Backend> Gau<B> {
     pub fn new(cfg: &TransformerVqConfig, device: &B::Device) -> Self {
         let (d, h, k, v) = (cfg.d_model, cfg.n_head, cfg.d_k, cfg.d_v);
         let channel = cfg.rotary_channel_width();
-        let mut q_proj = projection(d, h * (k + channel + cfg.count_weight_width()), device);
+        let mut q_proj = projection(d, h * (k + channel + cfg.count_weight.width()), device);
         if cfg.count_weight == CountWeight::Learned {
             // Zero columns: every weight starts at 2 sigmoid(0) = 1, the paper's cache.
             let cols = h * (k + channel);
@@ -207,11 +207,12 @@ impl<B: Backend> Gau<B> {
     }
 
     /// Features `P` of the rotary position channel, read from the query
-    /// projection's width (`H (K + P)`), so a model saved before the
-    /// channel existed loads as one without it.
+    /// projection's width (`H (K + P + W)`, `W` the learned count weight's
+    /// column), so a model saved before the channel existed loads as one
+    /// without it.
     pub fn rotary_channel(&self) -> usize {
-        let count_weight = usize::from(self.compute.count_weight == CountWeight::Learned);
-        self.q_proj.weight.dims()[1] / self.n_head - self.d_k - count_weight
+        let width = self.q_proj.weight.dims()[1] / self.n_head;
+        width - self.d_k - self.compute.count_weight.width()
     }
 
     /// Keys (or codewords) `[.., K]` with the position channel's constant
