@@ -195,12 +195,13 @@ pub struct EvalArgs {
     /// of the example share a cached answer's code.
     #[arg(long, value_enum)]
     task: Option<TaskArg>,
-    /// With --task mqar: key-value pairs per example (default: the
-    /// config's data.mqar.pairs, else 16); every key is asked for.
+    /// With --task mqar, or on a run trained on MQAR: key-value pairs per
+    /// example (default: the config's data.mqar.pairs, else 16); every key
+    /// is asked for.
     #[arg(long, value_parser = crate::at_least(1))]
     pairs: Option<usize>,
-    /// With --task: tokens per example (default: the config's
-    /// data.sequence_len).
+    /// With --task, or on a run trained on a recall task: tokens per
+    /// example (default: the config's data.sequence_len).
     #[arg(long, value_parser = crate::at_least(1))]
     sequence_len: Option<usize>,
     /// Evaluate on recall examples made elsewhere: a JSON Lines file, one
@@ -599,7 +600,15 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
 fn corpus_split(args: &EvalArgs, loaded: &Loaded) -> Result<TokenSplit> {
     let mut cfg = (loaded.config.clone())
         .context("an export carries no corpus: pass --config naming the data")?;
-    match args.task {
+    // A run trained on a recall task is evaluated on it; --pairs and
+    // --sequence-len reshape its examples as they do --task's.
+    let reshaped = args.pairs.is_some() || args.sequence_len.is_some();
+    let task = args.task.or(match cfg.data.kind {
+        CorpusKind::Mqar if reshaped => Some(TaskArg::Mqar),
+        CorpusKind::Passkey if reshaped => Some(TaskArg::Passkey),
+        _ => None,
+    });
+    match task {
         Some(TaskArg::Mqar) => {
             let mut task = cfg.data.mqar.clone().unwrap_or_default();
             task.pairs = args.pairs.unwrap_or(task.pairs);
@@ -617,8 +626,10 @@ fn corpus_split(args: &EvalArgs, loaded: &Loaded) -> Result<TokenSplit> {
             cfg.data.passkey.get_or_insert_with(Default::default);
             cfg.data.sequence_len = args.sequence_len.unwrap_or(cfg.data.sequence_len);
         }
-        None if args.pairs.is_some() || args.sequence_len.is_some() => {
-            bail!("--pairs and --sequence-len set a --task's examples: add --task mqar")
+        None if reshaped => {
+            bail!(
+                "--pairs and --sequence-len set a recall task's examples and the run's corpus is text: add --task mqar or --task passkey"
+            )
         }
         None => {}
     }

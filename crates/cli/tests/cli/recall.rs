@@ -122,6 +122,24 @@ fn the_quadratic_form_solves_a_small_mqar_task() {
         longer.contains("of 1024 answers") && longer.contains("65-128"),
         "{longer}"
     );
+    // On a run trained on MQAR, --sequence-len alone reshapes the run's own
+    // task: the same examples as with --task mqar.
+    let longer_json = |task: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "eval",
+            "--checkpoint",
+            run_s,
+            "--json",
+            "--sequence-len",
+            "128",
+        ];
+        args.extend_from_slice(task);
+        serde_json::from_str(&ok(&args)).unwrap()
+    };
+    assert_eq!(
+        longer_json(&[])["recall"],
+        longer_json(&["--task", "mqar"])["recall"]
+    );
 
     // The same validation examples written to a task file, as a program
     // elsewhere would: the same evaluation, answer for answer.
@@ -181,10 +199,6 @@ fn the_quadratic_form_solves_a_small_mqar_task() {
     );
 
     // Settings that cannot work are one line each.
-    fails(
-        &["eval", "--checkpoint", run_s, "--pairs", "3"],
-        "--task mqar",
-    );
     fails(
         &[
             "eval",
@@ -383,6 +397,10 @@ fn a_text_model_is_measured_on_passkeys_hidden_in_its_own_text() {
             "4",
         ],
         "--task mqar",
+    );
+    fails(
+        &["eval", "--checkpoint", run, "--sequence-len", "128"],
+        "the run's corpus is text: add --task",
     );
 }
 
