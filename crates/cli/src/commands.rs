@@ -553,26 +553,21 @@ pub fn run_eval(args: EvalArgs) -> Result<()> {
         print_code_sharing(&recall.code_sharing, &recall.code_sharing_joint);
         if let Some(sublayers) = &report.attention {
             print_attention(sublayers, &[]);
-            // The cache's share tells whether a far answer came from it.
-            println!("compressed cache's share at the answers, by distance (per sublayer):");
-            for b in &recall.by_distance {
-                let shares: Vec<_> = b
-                    .attention
-                    .iter()
-                    .map(|a| format!("{:.3}", a.share[2]))
-                    .collect();
-                println!("  {:>7}-{:<7} {}", b.first, b.last, shares.join(" "));
-            }
-            if learned_count_weight(sublayers) {
-                println!("count weight at the answers, by distance (per sublayer):");
+            let by_distance = |what: &str, figure: fn(&AttentionShare) -> f64| {
+                println!("{what} at the answers, by distance (per sublayer):");
                 for b in &recall.by_distance {
-                    let w: Vec<_> = b
+                    let figures: Vec<_> = b
                         .attention
                         .iter()
-                        .map(|a| format!("{:.3}", a.count_weight))
+                        .map(|a| format!("{:.3}", figure(a)))
                         .collect();
-                    println!("  {:>7}-{:<7} {}", b.first, b.last, w.join(" "));
+                    println!("  {:>7}-{:<7} {}", b.first, b.last, figures.join(" "));
                 }
+            };
+            // The cache's share tells whether a far answer came from it.
+            by_distance("compressed cache's share", |a| a.share[2]);
+            if learned_count_weight(sublayers) {
+                by_distance("count weight", |a| a.count_weight);
             }
         }
     } else {
