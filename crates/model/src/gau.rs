@@ -27,6 +27,29 @@ pub(crate) fn projection<B: Backend>(d_in: usize, d_out: usize, device: &B::Devi
         .init(device)
 }
 
+/// `weight` `[D, N]` with `n` zero columns appended, `[D, N + n]`, still
+/// drawn lazily: burn draws a parameter when it is first read, so reading
+/// it here would move its draw before the other parameters' and give a
+/// model whose other weights are not those of the same seed without the
+/// columns (the learned count weight's, which start at zero so that a new
+/// model is the paper's model of the same seed).
+fn with_zero_columns<B: Backend>(weight: Param<Tensor<B, 2>>, n: usize) -> Param<Tensor<B, 2>> {
+    let [d, cols] = weight.lazy_shape().dims();
+    let id = weight.id;
+    let device = weight.lazy_device();
+    Param::uninitialized(
+        id,
+        move |device, require_grad| {
+            let w = weight.val(); // [D, N], drawn now
+            let w = Tensor::cat(vec![w, Tensor::zeros([d, n], device)], 1).detach(); // [D, N + n]
+            if require_grad { w.require_grad() } else { w }
+        },
+        device,
+        true,
+        [d, cols + n].into(),
+    )
+}
+
 /// A GAU sublayer: `out = Dropout(((Attn(q, VQ(k), v) ⊙ g) W_o)`.
 #[derive(Module, Debug)]
 pub struct Gau<B: Backend> {
@@ -100,13 +123,9 @@ impl<B: Backend> Gau<B> {
     pub fn new(cfg: &TransformerVqConfig, device: &B::Device) -> Self {
         let (d, h, k, v) = (cfg.d_model, cfg.n_head, cfg.d_k, cfg.d_v);
         let channel = cfg.rotary_channel_width();
-        let mut q_proj = projection(d, h * (k + channel + cfg.count_weight.width()), device);
+        let mut q_proj = projection(d, h * (k + channel), device);
         if cfg.count_weight == CountWeight::Learned {
-            // Zero columns: every weight starts at 2 sigmoid(0) = 1, the paper's cache.
-            let cols = h * (k + channel);
-            let w = q_proj.weight.val();
-            let w = w.slice_assign([0..d, cols..cols + h], Tensor::zeros([d, h], device));
-            q_proj.weight = Param::from_tensor(w.detach());
+            q_proj.weight = with_zero_columns(q_proj.weight, h);
         }
         Self {
             input_norm: RmsNorm::new(d, device),

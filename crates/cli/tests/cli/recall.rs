@@ -326,8 +326,8 @@ fn a_text_model_is_measured_on_passkeys_hidden_in_its_own_text() {
         .collect();
     let long_file = dir.path().join("long.jsonl");
     std::fs::write(&long_file, long).unwrap();
-    let config = std::fs::read_to_string(Path::new(run).join("config.toml")).unwrap();
-    let (head, eval) = config.split_at(config.find("[eval]").unwrap());
+    let saved = std::fs::read_to_string(Path::new(run).join("config.toml")).unwrap();
+    let (head, eval) = saved.split_at(saved.find("[eval]").unwrap());
     let one_segment = dir.path().join("one-segment.toml");
     let eval = eval.replacen("update_len = 64", "update_len = 128", 1);
     std::fs::write(&one_segment, format!("{head}{eval}")).unwrap();
@@ -374,6 +374,54 @@ fn a_text_model_is_measured_on_passkeys_hidden_in_its_own_text() {
         printed.contains("compressed cache's share at the answers"),
         "{printed}"
     );
+    // The paper's cache weighs its counts by 1 exactly and prints no count
+    // weight; a learned one, moved by two steps, is printed per sublayer
+    // and at the answers, and each figure is a weight in (0, 2).
+    assert!(!printed.contains("count weight"), "{printed}");
+    for a in overall {
+        assert_eq!(a["count_weight"], 1.0, "{a}");
+    }
+    let learned = dir.path().join("learned");
+    train_quietly(
+        config.to_str().unwrap(),
+        &learned,
+        &["--set", "model.count_weight=learned"],
+    );
+    let learned = learned.to_str().unwrap();
+    let file_s = file.to_str().unwrap();
+    let printed = ok(&[
+        "eval",
+        "--checkpoint",
+        learned,
+        "--task-file",
+        file_s,
+        "--attention",
+    ]);
+    assert!(printed.contains("count weight at the answers"), "{printed}");
+    assert!(
+        printed.contains("entropy (nats), count weight"),
+        "{printed}"
+    );
+    let measured: serde_json::Value = serde_json::from_str(&ok(&[
+        "eval",
+        "--checkpoint",
+        learned,
+        "--task-file",
+        file_s,
+        "--attention",
+        "--json",
+    ]))
+    .unwrap();
+    let weights = measured["recall"]["by_distance"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|b| b["attention"].as_array().unwrap())
+        .chain(measured["attention"].as_array().unwrap())
+        .map(|a| a["count_weight"].as_f64().unwrap());
+    for w in weights {
+        assert!(w > 0.0 && w < 2.0 && w != 1.0, "{w}: {measured}");
+    }
     fails(
         &[
             "eval",

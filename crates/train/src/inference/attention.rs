@@ -1,9 +1,9 @@
 //! Where the attention went: for each sublayer, the share of its weight on
-//! the present block, the previous block and the compressed cache, and the
+//! the present block, the previous block and the compressed cache, the
 //! three groups' parts of the attention entropy, and the queries' weight of
-//! the cache's counts ([`tvq_model::attention::AttentionGroups`]), read per token and averaged
-//! over whichever tokens a report groups (a position bucket, a recall
-//! task's answers at one distance, a whole split).
+//! the cache's counts ([`tvq_model::attention::AttentionGroups`]), read per
+//! token and averaged over whichever tokens a report groups (a position
+//! bucket, a recall task's answers at one distance, a whole split).
 
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
