@@ -389,29 +389,24 @@ fn a_text_model_is_measured_on_passkeys_hidden_in_its_own_text() {
     );
     let learned = learned.to_str().unwrap();
     let file_s = file.to_str().unwrap();
-    let printed = ok(&[
-        "eval",
-        "--checkpoint",
-        learned,
-        "--task-file",
-        file_s,
-        "--attention",
-    ]);
+    let eval_learned = |extra: &[&str]| {
+        let args = [
+            "eval",
+            "--checkpoint",
+            learned,
+            "--task-file",
+            file_s,
+            "--attention",
+        ];
+        ok(&[&args[..], extra].concat())
+    };
+    let printed = eval_learned(&[]);
     assert!(printed.contains("count weight at the answers"), "{printed}");
     assert!(
         printed.contains("entropy (nats), count weight"),
         "{printed}"
     );
-    let measured: serde_json::Value = serde_json::from_str(&ok(&[
-        "eval",
-        "--checkpoint",
-        learned,
-        "--task-file",
-        file_s,
-        "--attention",
-        "--json",
-    ]))
-    .unwrap();
+    let measured: serde_json::Value = serde_json::from_str(&eval_learned(&["--json"])).unwrap();
     let weights = measured["recall"]["by_distance"]
         .as_array()
         .unwrap()
