@@ -23,6 +23,11 @@
 //! accuracy is reported by distance). Symbols are bytes: symbol `s` is the
 //! byte-level token `s + 3`, so a recall model uses the byte vocabulary and
 //! its samples decode as bytes; hence `vocab <= 256` and `pairs < vocab/2`.
+//! With `role_period = P` (tvq's own), the halves repeat every `P` symbols
+//! instead (keys `1..P/2`, `P..3P/2`, ...; values `P/2..P`, `3P/2..2P`,
+//! ...), so that a curriculum that raises `vocab` from `P` keeps every
+//! symbol's role: under the default halves, raising `vocab` from 64 to 128
+//! would make the 64-symbol values `32..64` keys.
 //!
 //! **Passkey retrieval**, as in long-context work: text from a corpus as
 //! filler, with " The pass key is 48213. Remember it. " at a random depth,
@@ -66,6 +71,13 @@ pub struct MqarConfig {
     /// `vocab/2..vocab` (at most 256: symbols are bytes).
     #[serde(default = "defaults::vocab")]
     pub vocab: usize,
+    /// Symbols whose halves split into keys and values, repeated up to
+    /// `vocab` (default: `vocab`, one split): symbol `s` is a value where
+    /// `s % role_period >= role_period / 2`, a key otherwise (0 is the
+    /// filler). Set it to an earlier stage's `vocab` to grow the vocabulary
+    /// with every symbol keeping its role.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role_period: Option<usize>,
     /// Examples in the training split.
     #[serde(default = "defaults::train_examples")]
     pub train_examples: usize,
@@ -101,6 +113,7 @@ impl Default for MqarConfig {
             pairs: defaults::pairs(),
             queries: None,
             vocab: defaults::vocab(),
+            role_period: None,
             train_examples: defaults::train_examples(),
             eval_examples: defaults::eval_examples(),
             seed: 0,
@@ -156,6 +169,25 @@ impl MqarConfig {
         self.queries.unwrap_or(self.pairs)
     }
 
+    /// The symbols split into keys and values, repeated up to `vocab`.
+    fn period(&self) -> usize {
+        self.role_period.unwrap_or(self.vocab)
+    }
+
+    /// Key number `i` (`0..vocab/2 - 1`), in increasing order of symbols.
+    fn key_symbol(&self, i: usize) -> u8 {
+        let half = self.period() / 2;
+        // Counting the filler 0 as key number -1.
+        let m = i + 1;
+        (m / half * 2 * half + m % half) as u8
+    }
+
+    /// Value number `j` (`0..vocab/2`), in increasing order of symbols.
+    fn value_symbol(&self, j: usize) -> u8 {
+        let half = self.period() / 2;
+        (j / half * 2 * half + half + j % half) as u8
+    }
+
     /// Whether examples of `len` tokens can hold this task: one line saying
     /// which setting to change where not.
     pub fn check(&self, len: usize) -> Result<(), DataError> {
@@ -163,6 +195,13 @@ impl MqarConfig {
         if self.vocab > 256 || self.vocab < 4 || !self.vocab.is_multiple_of(2) {
             return bad(format!(
                 "vocab must be even and within 4..=256 (symbols are bytes), not {}",
+                self.vocab
+            ));
+        }
+        let period = self.period();
+        if period < 2 || !period.is_multiple_of(2) || !self.vocab.is_multiple_of(period) {
+            return bad(format!(
+                "role_period must be even and divide vocab ({}), not {period}",
                 self.vocab
             ));
         }
@@ -199,13 +238,13 @@ impl MqarConfig {
         let mut rng = stream(self.seed, set, index);
         let mut below = |n: usize| (rng.next_u64() % n as u64) as usize;
         let (half, pairs) = (self.vocab / 2, self.pairs);
-        // Distinct keys: a partial Fisher-Yates shuffle of 1..half.
-        let mut keys: Vec<u8> = (1..half as u16).map(|k| k as u8).collect();
+        // Distinct keys: a partial Fisher-Yates shuffle of every key.
+        let mut keys: Vec<u8> = (0..half - 1).map(|i| self.key_symbol(i)).collect();
         for i in 0..pairs {
             let j = i + below(keys.len() - i);
             keys.swap(i, j);
         }
-        let values: Vec<u8> = (0..pairs).map(|_| (half + below(half)) as u8).collect();
+        let values: Vec<u8> = (0..pairs).map(|_| self.value_symbol(below(half))).collect();
         let mut symbols = vec![0u8; len];
         for i in 0..pairs {
             symbols[2 * i] = keys[i];
@@ -582,6 +621,7 @@ mod tests {
             pairs,
             queries,
             vocab: 64,
+            role_period: None,
             train_examples: 8,
             eval_examples: 4,
             seed: 7,
@@ -623,6 +663,70 @@ mod tests {
         // Only the answers are scored.
         let scored = (0..symbols.len()).filter(|&p| set.is_scored(p)).count();
         assert_eq!(scored, set.answers.len());
+    }
+
+    /// The symbols and answers (position, distance) of
+    /// `task(4, Some(2))`'s first validation example of 24 tokens, as the
+    /// generator made them before `role_period` (commit 8b23942).
+    const PINNED: [u8; 24] = [
+        5, 36, 20, 51, 23, 36, 17, 42, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 5, 36, 0, 0, 23, 36,
+    ];
+    const PINNED_ANSWERS: [(usize, usize); 2] = [(19, 18), (23, 18)];
+
+    #[test]
+    fn examples_do_not_change_across_versions() {
+        // The first validation example of a small task, as every version
+        // since the generator was written makes it: a run resumes on the
+        // examples it trained on, and a recorded figure reproduces.
+        let (symbols, set) = task(4, Some(2)).examples(1, 1, 24).unwrap();
+        assert_eq!(symbols, PINNED);
+        let answers: Vec<(usize, usize)> =
+            set.answers.iter().map(|a| (a.pos, a.distance)).collect();
+        assert_eq!(answers, PINNED_ANSWERS);
+    }
+
+    #[test]
+    fn a_role_period_keeps_every_symbols_role_as_the_vocabulary_grows() {
+        let small = task(12, None);
+        let grown = MqarConfig {
+            vocab: 128,
+            role_period: Some(64),
+            pairs: 40,
+            ..small.clone()
+        };
+        let keys_and_values = |cfg: &MqarConfig| {
+            let len = 4 * cfg.pairs;
+            let (symbols, _) = cfg.examples(0, 64, len).unwrap();
+            let (mut keys, mut values) = (vec![], vec![]);
+            for e in symbols.chunks(len) {
+                for pair in e[..2 * cfg.pairs].chunks(2) {
+                    keys.push(pair[0]);
+                    values.push(pair[1]);
+                }
+            }
+            for v in [&mut keys, &mut values] {
+                v.sort();
+                v.dedup();
+            }
+            (keys, values)
+        };
+        let (small_keys, small_values) = keys_and_values(&small);
+        assert_eq!(small_keys, (1..32).collect::<Vec<u8>>());
+        assert_eq!(small_values, (32..64).collect::<Vec<u8>>());
+        // 128 symbols: every key and value of 64 keeps its role, and the
+        // new symbols repeat the split.
+        let (grown_keys, grown_values) = keys_and_values(&grown);
+        assert_eq!(grown_keys, (1..32).chain(64..96).collect::<Vec<u8>>());
+        assert_eq!(grown_values, (32..64).chain(96..128).collect::<Vec<u8>>());
+        // The period of the whole vocabulary is the default's halves.
+        let halves = MqarConfig {
+            role_period: Some(64),
+            ..small.clone()
+        };
+        assert_eq!(
+            halves.examples(0, 8, 48).unwrap(),
+            small.examples(0, 8, 48).unwrap()
+        );
     }
 
     #[test]
@@ -758,6 +862,18 @@ mod tests {
             },
             task(32, None),
             task(0, None),
+            MqarConfig {
+                role_period: Some(0),
+                ..task(4, None)
+            },
+            MqarConfig {
+                role_period: Some(6),
+                ..task(4, None)
+            },
+            MqarConfig {
+                role_period: Some(128),
+                ..task(4, None)
+            },
             task(4, Some(5)),
             task(4, Some(0)),
             MqarConfig {
