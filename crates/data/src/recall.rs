@@ -675,9 +675,8 @@ mod tests {
 
     #[test]
     fn examples_do_not_change_across_versions() {
-        // The first validation example of a small task, as every version
-        // since the generator was written makes it: a run resumes on the
-        // examples it trained on, and a recorded figure reproduces.
+        // So that a run resumes on the examples it trained on, and a
+        // recorded figure reproduces.
         let (symbols, set) = task(4, Some(2)).examples(1, 1, 24).unwrap();
         assert_eq!(symbols, PINNED);
         let answers: Vec<(usize, usize)> =
@@ -718,13 +717,13 @@ mod tests {
         let (grown_keys, grown_values) = keys_and_values(&grown);
         assert_eq!(grown_keys, (1..32).chain(64..96).collect::<Vec<u8>>());
         assert_eq!(grown_values, (32..64).chain(96..128).collect::<Vec<u8>>());
-        // The period of the whole vocabulary is the default's halves.
-        let halves = MqarConfig {
+        // One period over the whole vocabulary is the default's halves.
+        let one_period = MqarConfig {
             role_period: Some(64),
             ..small.clone()
         };
         assert_eq!(
-            halves.examples(0, 8, 48).unwrap(),
+            one_period.examples(0, 8, 48).unwrap(),
             small.examples(0, 8, 48).unwrap()
         );
     }

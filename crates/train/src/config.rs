@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
-use tvq_data::DataConfig;
+use tvq_data::{CorpusKind, DataConfig};
 use tvq_model::{Precision, TransformerVqConfig};
 
 use crate::error::TrainError;
@@ -463,6 +463,12 @@ impl RunConfig {
         self.validate_layout()?;
         self.train.validate()?;
         self.validate_eval()?;
+        // A synthetic task needs no file: checked before a run directory
+        // is made for it.
+        if self.data.kind == CorpusKind::Mqar {
+            let task = self.data.mqar.clone().unwrap_or_default();
+            task.check(self.data.sequence_len)?;
+        }
         if self.model.vocab_size != 0 {
             return Err(invalid(
                 "model.vocab_size",
@@ -631,6 +637,12 @@ mod tests {
         assert!(error(MINIMAL, &wsd_with_decay_steps).contains("train.decay_steps"));
         assert!(error(MINIMAL, &["train.decay_fraction=1.5"]).contains("train.decay_fraction"));
         assert!(error(MINIMAL, &["data.kind.x=1"]).contains("not a section"));
+        // A synthetic task's settings are checked with the rest, before a
+        // run directory is made.
+        let mqar = "[data]\nkind = \"mqar\"\nsequence_len = 256\nupdate_len = 256\n";
+        assert!(RunConfig::parse(mqar, &[]).is_ok());
+        assert!(error(mqar, &["data.mqar.role_period=6"]).contains("role_period"));
+        assert!(error(mqar, &["data.mqar.pairs=100"]).contains("data.mqar"));
         assert!(error("[model]\nd_model = 8\n", &[]).contains("data"));
     }
 
