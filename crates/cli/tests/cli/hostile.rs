@@ -285,6 +285,14 @@ fn sizes_beyond_memory_are_refused_before_they_are_spent() {
         "eval.batch_size=1000000000000",
         "eval.batch_size = 1000000000000",
     );
+    // A run refused before it starts leaves no run directory behind: a
+    // missing corpus too, which is only found when it is opened.
+    let missing = dir.path().join("no-such-corpus.txt");
+    train(
+        &format!("data.path={:?}", missing.to_str().unwrap()),
+        "no-such-corpus.txt",
+    );
+    assert!(!fresh.exists(), "a refused run left {fresh_s} behind");
     fails_within(
         60,
         &[

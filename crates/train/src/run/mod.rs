@@ -82,14 +82,12 @@ pub fn train(
     // What can be checked without files, before anything is written.
     let node_rows = node_rows(cfg, rank, nodes)?;
     check_devices(devices, cfg.train.workers)?;
-    // Held until the run returns; released by the OS however it ends.
-    let _lock = match rank {
-        0 => Some(lock_run_dir(&opts.run_dir)?),
-        _ => None,
-    };
     let corpus = Corpus::open(&cfg.data)?;
     let train_split = corpus.split(Split::Train);
-    let (mut trainer, facts) = set_up_trainer(cfg, devices, opts, &corpus, (rank, nodes))?;
+    // The lock is held until the run returns; released by the OS however
+    // it ends.
+    let (mut trainer, facts, _lock) =
+        set_up_trainer(cfg, devices, opts, &corpus, (rank, nodes))?;
     let total = opts
         .max_steps
         .map_or(cfg.train.steps, |m| m.min(cfg.train.steps));
@@ -148,16 +146,20 @@ pub fn train(
 }
 
 /// The trainer of the run, ready for its next step: built for the model of
-/// the corpus's vocabulary, the run directory prepared (node 0), resumed
-/// with `--resume`, and joined to the other nodes; with what the metrics
-/// of its steps read from the run.
+/// the corpus's vocabulary, the run directory locked and prepared (node 0),
+/// resumed with `--resume`, and joined to the other nodes; with what the
+/// metrics of its steps read from the run, and the run directory's lock.
+///
+/// Everything that can be refused without the run directory (the corpus,
+/// the memory the sizes need) is checked before the directory is made, so
+/// that a refused run leaves no directory behind.
 fn set_up_trainer(
     cfg: &RunConfig,
     devices: &[DispatchDevice],
     opts: &TrainOptions,
     corpus: &Corpus,
     (rank, nodes): (usize, usize),
-) -> Result<(Trainer, RunFacts), TrainError> {
+) -> Result<(Trainer, RunFacts, Option<RunLock>), TrainError> {
     let model = cfg.model_config(corpus.vocab.size());
     let node_batch = cfg.data.batch_size / nodes;
     let rows_in_flight = node_batch / cfg.train.micro_batches;
@@ -191,6 +193,10 @@ fn set_up_trainer(
         precision: cfg.train.precision,
         activation_checkpointing: cfg.train.activation_checkpointing,
     };
+    let lock = match rank {
+        0 => Some(lock_run_dir(&opts.run_dir)?),
+        _ => None,
+    };
     let previous = match rank {
         0 => prepare_run_dir(cfg, opts)?,
         _ => None,
@@ -215,7 +221,7 @@ fn set_up_trainer(
         trainer.join(Collective::join(spec, &devices[0])?, fingerprint(cfg))?;
         tracing::info!("node {rank} of {nodes}: joined at {}", spec.coordinator);
     }
-    Ok((trainer, facts))
+    Ok((trainer, facts, lock))
 }
 
 /// What a run does between steps, as its config says: validations,
