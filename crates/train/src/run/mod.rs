@@ -86,8 +86,7 @@ pub fn train(
     let train_split = corpus.split(Split::Train);
     // The lock is held until the run returns; released by the OS however
     // it ends.
-    let (mut trainer, facts, _lock) =
-        set_up_trainer(cfg, devices, opts, &corpus, (rank, nodes))?;
+    let (mut trainer, facts, _lock) = set_up_trainer(cfg, devices, opts, &corpus, (rank, nodes))?;
     let total = opts
         .max_steps
         .map_or(cfg.train.steps, |m| m.min(cfg.train.steps));
