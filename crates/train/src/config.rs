@@ -463,8 +463,8 @@ impl RunConfig {
         self.validate_layout()?;
         self.train.validate()?;
         self.validate_eval()?;
-        // A synthetic task needs no file: checked before a run directory
-        // is made for it.
+        // A synthetic task needs no file, so its settings are checked with
+        // the rest of the config, by every command that reads one.
         if self.data.kind == CorpusKind::Mqar {
             let task = self.data.mqar.clone().unwrap_or_default();
             task.check(self.data.sequence_len)?;
@@ -637,8 +637,7 @@ mod tests {
         assert!(error(MINIMAL, &wsd_with_decay_steps).contains("train.decay_steps"));
         assert!(error(MINIMAL, &["train.decay_fraction=1.5"]).contains("train.decay_fraction"));
         assert!(error(MINIMAL, &["data.kind.x=1"]).contains("not a section"));
-        // A synthetic task's settings are checked with the rest, before a
-        // run directory is made.
+        // A synthetic task's settings are checked with the rest.
         let mqar = "[data]\nkind = \"mqar\"\nsequence_len = 256\nupdate_len = 256\n";
         assert!(RunConfig::parse(mqar, &[]).is_ok());
         assert!(error(mqar, &["data.mqar.role_period=6"]).contains("role_period"));
