@@ -605,7 +605,7 @@ fn corpus_split(args: &EvalArgs, loaded: &Loaded) -> Result<TokenSplit> {
     });
     match task {
         Some(TaskArg::Mqar) => {
-            let mut task = cfg.data.mqar.clone().unwrap_or_default();
+            let mut task = cfg.data.mqar_task();
             task.pairs = args.pairs.unwrap_or(task.pairs);
             task.queries = None;
             cfg.data.kind = CorpusKind::Mqar;

@@ -96,4 +96,10 @@ impl DataConfig {
             passkey: None,
         }
     }
+
+    /// The MQAR task of `[data.mqar]`, its defaults where the table is
+    /// missing.
+    pub fn mqar_task(&self) -> MqarConfig {
+        self.mqar.clone().unwrap_or_default()
+    }
 }

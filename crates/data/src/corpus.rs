@@ -606,7 +606,7 @@ impl Corpus {
     /// The MQAR task of `spec.mqar`, each example one `spec.sequence_len`
     /// sequence, byte-level, generated in memory.
     fn mqar(spec: &DataConfig) -> Result<Self, DataError> {
-        let task = spec.mqar.clone().unwrap_or_default();
+        let task = spec.mqar_task();
         let counts = (task.train_examples, task.eval_examples);
         Self::recall(spec, "an MQAR task", counts, |split, n| {
             task.examples(split as u64, n, spec.sequence_len)

@@ -466,8 +466,7 @@ impl RunConfig {
         // A synthetic task needs no file, so its settings are checked with
         // the rest of the config, by every command that reads one.
         if self.data.kind == CorpusKind::Mqar {
-            let task = self.data.mqar.clone().unwrap_or_default();
-            task.check(self.data.sequence_len)?;
+            self.data.mqar_task().check(self.data.sequence_len)?;
         }
         if self.model.vocab_size != 0 {
             return Err(invalid(

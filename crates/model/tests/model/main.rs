@@ -5,3 +5,4 @@ mod common;
 mod network;
 mod parity;
 mod precision;
+mod tiny;

@@ -3,100 +3,12 @@
 use burn::nn::DropoutConfig;
 use burn::prelude::*;
 use tvq_model::{
-    AttentionForm, CacheGrad, CountWeight, Logits, ModelError, ModelState, Pass, RelativeBias,
-    TransformerVq, TransformerVqConfig, WindowKeys,
+    AttentionForm, CacheGrad, CountWeight, Logits, ModelError, Pass, RelativeBias, TransformerVq,
+    TransformerVqConfig, WindowKeys,
 };
 
 use crate::common::*;
-
-fn config(bias: RelativeBias) -> TransformerVqConfig {
-    tvq_testkit::tiny_model(37)
-        .with_n_code(6)
-        .with_n_layer(2)
-        .with_bias(bias)
-        // Used by the rotary form only: the position channel is part of
-        // what its tests check.
-        .with_rotary_channel(Some(4))
-}
-
-fn model(cfg: &TransformerVqConfig, seed: u64, device: &burn::DispatchDevice) -> TransformerVq<B> {
-    B::seed(device, seed);
-    let m = cfg.init::<B>(device).unwrap();
-    randomize_biases(m, device)
-}
-
-/// Biases start at zero; give them values so the tests see them.
-fn randomize_biases(mut m: TransformerVq<B>, device: &burn::DispatchDevice) -> TransformerVq<B> {
-    use burn::module::Param;
-    for gau in m.sublayers.iter_mut() {
-        if let Some(t) = gau.bias.toeplitz.as_mut() {
-            *t = Param::from_tensor(randn(t.dims(), device));
-        }
-        if let Some(xl) = gau.bias.xl.as_mut() {
-            xl.u = Param::from_tensor(randn(xl.u.dims(), device));
-            xl.w = Param::from_tensor(randn(xl.w.dims(), device));
-        }
-    }
-    m
-}
-
-fn random_tokens(b: usize, t: usize, vocab: usize, seed: u64) -> Vec<i64> {
-    // A small LCG keeps the data independent of the backend's RNG.
-    let mut x = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..b * t)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((x >> 33) % vocab as u64) as i64
-        })
-        .collect()
-}
-
-fn tokens(data: &[i64], b: usize, device: &burn::DispatchDevice) -> Tensor<B, 2, Int> {
-    Tensor::from_data(TensorData::new(data.to_vec(), [b, data.len() / b]), device)
-}
-
-/// The logits of `m` on `data` (`b` rows) from an empty state, `[b, T, vocab]`.
-fn logits_of(
-    m: &TransformerVq<B>,
-    data: &[i64],
-    b: usize,
-    device: &burn::DispatchDevice,
-) -> Tensor<B, 3> {
-    m.forward(tokens(data, b, device), m.empty_state(), Pass::new())
-        .unwrap()
-        .logits
-        .unwrap()
-}
-
-/// The logits of `m` on `data` (`b` rows) read token by token with the
-/// recurrent form from an empty state, `[b, T, vocab]`, and the state after.
-fn decoded_logits(
-    m: &TransformerVq<B>,
-    data: &[i64],
-    b: usize,
-    device: &burn::DispatchDevice,
-) -> (Tensor<B, 3>, ModelState<B>) {
-    let t = data.len() / b;
-    let mut state = m.empty_state();
-    let mut steps = vec![];
-    for i in 0..t {
-        let col: Vec<i64> = (0..b).map(|r| data[r * t + i]).collect();
-        let (logits, s) = m.decode(tokens(&col, b, device), state).unwrap();
-        steps.push(logits);
-        state = s;
-    }
-    (Tensor::cat(steps, 1), state)
-}
-
-/// Positions `r` of logits `[B, T, vocab]`.
-fn at(x: Tensor<B, 3>, r: std::ops::Range<usize>) -> Tensor<B, 3> {
-    let [b, _, v] = x.dims();
-    x.slice([0..b, r, 0..v])
-}
+use crate::tiny::*;
 
 #[test]
 fn recurrent_network_matches_block_network() {
@@ -289,60 +201,6 @@ fn a_code_limit_changes_only_the_outputs_that_read_a_shared_code() {
     );
     let moved = max_abs_diff(at(one, 3 * l..t), at(exact, 3 * l..t));
     assert!(moved > 1e-4, "the limit is ignored ({moved:e})");
-}
-
-/// The learned count weight: its columns start at zero and take no random
-/// draw, so a new model is the paper's model of the same seed (which a
-/// paired comparison of the two needs); once they are not zero, the
-/// outputs that read the compressed cache move and no other, and the
-/// recurrent form still computes what the block form does (what the
-/// weight computes is the oracle's, in the attention tests).
-#[test]
-fn a_learned_count_weight_starts_as_the_paper_cache_and_moves_only_cache_reads() {
-    use burn::module::Param;
-    let device = cpu();
-    for bias in [RelativeBias::Toeplitz, RelativeBias::Rotary] {
-        let cfg = config(bias).with_count_weight(CountWeight::Learned);
-        let m = model(&cfg, 5, &device);
-        let (b, t, l) = (2, 28, cfg.block_len);
-        let data = random_tokens(b, t, cfg.vocab_size, 11);
-        let learned = logits_of(&m, &data, b, &device);
-        let paper = model(&config(bias), 5, &device);
-        assert_close(
-            learned.clone(),
-            logits_of(&paper, &data, b, &device),
-            1e-6,
-            &format!("{bias:?}: a new model against the paper's of the same seed"),
-        );
-
-        let mut m = m;
-        for gau in &mut m.sublayers {
-            let w = gau.q_proj.weight.val();
-            let [d, cols] = w.dims();
-            let columns = randn([d, cfg.n_head], &device) * 3.0;
-            let w = w.slice_assign([0..d, cols - cfg.n_head..cols], columns);
-            gau.q_proj.weight = Param::from_tensor(w);
-        }
-        let weighed = logits_of(&m, &data, b, &device);
-        assert_close(
-            at(weighed.clone(), 0..2 * l),
-            at(learned.clone(), 0..2 * l),
-            0.0,
-            &format!("{bias:?}: nothing cached yet"),
-        );
-        let moved = max_abs_diff(at(weighed.clone(), 3 * l..t), at(learned, 3 * l..t));
-        assert!(
-            moved > 1e-4,
-            "{bias:?}: the count weight is ignored ({moved:e})"
-        );
-
-        assert_close(
-            decoded_logits(&m, &data, b, &device).0,
-            weighed,
-            1e-5,
-            &format!("{bias:?}: token by token vs block"),
-        );
-    }
 }
 
 #[test]
