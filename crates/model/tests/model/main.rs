@@ -1,4 +1,5 @@
-//! Tests of the model crate (one binary, so burn's generics compile once).
+//! Tests of the model crate (one binary, so burn's generics compile once;
+//! a test that needs the random generator alone is in `tests/seeded.rs`).
 
 mod attention;
 mod common;
