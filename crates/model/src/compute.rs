@@ -5,6 +5,7 @@
 use burn::prelude::*;
 
 use crate::config::{CacheGrad, CountWeight, WindowKeys};
+use crate::kernel::Kernels;
 use crate::precision::{Precision, product_in, to_f32};
 
 /// How a sublayer computes. Not parameters: a loaded model's can be
@@ -34,6 +35,8 @@ pub struct Compute {
     pub precision: Precision,
     /// Which keys the two-block window scores against.
     pub window_keys: WindowKeys,
+    /// Whether the attention may run as the backend's fused kernel.
+    pub kernels: Kernels,
 }
 
 impl Compute {

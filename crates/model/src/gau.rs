@@ -11,6 +11,7 @@ use crate::compute::Compute;
 use crate::config::{AttentionForm, CountWeight, TransformerVqConfig, WindowKeys};
 use crate::dropout::{self, SublayerDropout, SublayerMasks};
 use crate::error::ModelError;
+use crate::kernel::{Kernels, VqBackend};
 use crate::layout::{merge_heads, split_heads};
 use crate::norm::{RmsNorm, rms_normalize};
 use crate::precision::{Precision, to_f32};
@@ -118,7 +119,7 @@ struct Projected<B: Backend> {
     count_weight: Option<Tensor<B, 4>>, // [B, H, T, 1], in (0, 2), f32
 }
 
-impl<B: Backend> Gau<B> {
+impl<B: VqBackend> Gau<B> {
     /// A sublayer initialised as the spec says.
     pub fn new(cfg: &TransformerVqConfig, device: &B::Device) -> Self {
         let (d, h, k, v) = (cfg.d_model, cfg.n_head, cfg.d_k, cfg.d_v);
@@ -146,6 +147,7 @@ impl<B: Backend> Gau<B> {
                 count_weight: cfg.count_weight,
                 precision: Precision::F32,
                 window_keys: cfg.window_keys,
+                kernels: Kernels::Fused,
             },
             form: cfg.attention,
         }

@@ -19,6 +19,7 @@ pub mod device;
 pub mod dropout;
 pub mod error;
 pub mod gau;
+pub mod kernel;
 pub mod layout;
 pub mod loss;
 pub mod model;
@@ -36,6 +37,7 @@ pub use config::{
 pub use dropout::DropoutMasks;
 pub use error::{ConfigError, ModelError};
 pub use gau::GauOutput;
+pub use kernel::{Kernels, VqBackend};
 pub use loss::{Loss, PAD, token_nll};
 pub use model::{ModelOutput, ModelState, TransformerVq};
 pub use pass::{Graph, Logits, Pass, PassInput, Recomputable};

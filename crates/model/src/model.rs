@@ -10,6 +10,7 @@ use crate::config::TransformerVqConfig;
 use crate::dropout::{self, DropoutMasks, SublayerMasks};
 use crate::error::{ConfigError, ModelError};
 use crate::gau::{Gau, GauOutput};
+use crate::kernel::{Kernels, VqBackend};
 use crate::norm::RmsNorm;
 use crate::pass::{Graph, Logits, Pass, PassInput, Recomputable};
 use crate::precision::Precision;
@@ -124,7 +125,7 @@ impl TransformerVqConfig {
     /// parameters (the spec's initialisation) on `device`. Every parameter
     /// is drawn here, in a fixed order, so seeding the device's RNG before
     /// this call determines the weights.
-    pub fn init<B: Backend>(&self, device: &B::Device) -> Result<TransformerVq<B>, ConfigError> {
+    pub fn init<B: VqBackend>(&self, device: &B::Device) -> Result<TransformerVq<B>, ConfigError> {
         self.validate()?;
         let model = TransformerVq::new(self, device);
         // burn draws parameters lazily, at first use; draw them now instead.
@@ -139,7 +140,7 @@ impl TransformerVqConfig {
     }
 }
 
-impl<B: Backend> TransformerVq<B> {
+impl<B: VqBackend> TransformerVq<B> {
     pub(crate) fn new(cfg: &TransformerVqConfig, device: &B::Device) -> Self {
         let d = cfg.d_model;
         let tied = cfg.tie_embeddings;
@@ -433,6 +434,15 @@ impl<B: Backend> TransformerVq<B> {
     pub fn set_precision(&mut self, precision: Precision) {
         for g in &mut self.sublayers {
             g.compute.precision = precision;
+        }
+    }
+
+    /// Sets whether every sublayer's attention may run as the backend's
+    /// fused kernel ([`Kernels`]); composed ops are the oracle the kernels
+    /// are tested against. Not a weight.
+    pub fn set_kernels(&mut self, kernels: Kernels) {
+        for g in &mut self.sublayers {
+            g.compute.kernels = kernels;
         }
     }
 

@@ -25,6 +25,7 @@ use serde::Deserialize;
 use thiserror::Error;
 
 use crate::config::{CacheGrad, RelativeBias, TransformerVqConfig};
+use crate::kernel::VqBackend;
 use crate::model::TransformerVq;
 
 /// The fields of the official `config` object that shape the network.
@@ -205,7 +206,10 @@ pub trait OfficialVisitor<B: Backend> {
 
 /// Walks `model` in the official naming (the table in the module docs).
 /// Requires the XL bias; other parameters of a Toeplitz model have no official name.
-pub fn visit_official<B: Backend, V: OfficialVisitor<B>>(model: &mut TransformerVq<B>, v: &mut V) {
+pub fn visit_official<B: VqBackend, V: OfficialVisitor<B>>(
+    model: &mut TransformerVq<B>,
+    v: &mut V,
+) {
     let d = model.embedding.weight.dims()[1];
     let vocab = model.vocab_size();
     v.visit(
@@ -319,7 +323,7 @@ impl<B: Backend> OfficialVisitor<B> for Loader<'_, B> {
 
 /// Builds a tvq model from an official config and its parameters (by
 /// official name) on `device`. Tensors the model does not use are ignored.
-pub fn import<B: Backend>(
+pub fn import<B: VqBackend>(
     config: &OfficialConfig,
     tensors: &BTreeMap<String, OfficialTensor>,
     device: &B::Device,
@@ -339,7 +343,7 @@ pub fn import<B: Backend>(
 }
 
 /// Every parameter's value under its official name and shape (the inverse of [`import`]).
-pub fn export<B: Backend>(model: &TransformerVq<B>) -> BTreeMap<String, OfficialTensor> {
+pub fn export<B: VqBackend>(model: &TransformerVq<B>) -> BTreeMap<String, OfficialTensor> {
     struct Reader(BTreeMap<String, OfficialTensor>);
     impl<B: Backend> OfficialVisitor<B> for Reader {
         fn visit<const D: usize>(

@@ -1,6 +1,7 @@
 //! The block-parallel form: every block of a segment at once.
 
 use burn::prelude::*;
+use burn::tensor::TensorPrimitive;
 
 use super::scores::{attend, attention_groups, cache_scores, window_scores_and_cache_query};
 use super::state::{AttentionState, CachedBlock, CompressedCache, empty_block};
@@ -8,7 +9,8 @@ use super::{AttentionGroups, AttentionInput};
 use crate::compute::Compute;
 use crate::config::CacheGrad;
 use crate::error::ModelError;
-use crate::precision::to_f32;
+use crate::kernel::{self, AttentionKernelInput, Kernels, VqBackend};
+use crate::precision::{Precision, to_f32};
 use crate::quantizer::code_totals;
 
 /// Keys, values and codes of a segment cut into its `R` blocks.
@@ -161,6 +163,72 @@ fn mask_first_previous<B: Backend>(scores: Tensor<B, 5>) -> Tensor<B, 5> {
     scores.mask_fill(first, f32::NEG_INFINITY)
 }
 
+/// What steps 3 and 5 read, for [`fused_attention`].
+struct FusedInputs<'a, B: Backend> {
+    /// `[B, H, R, L, K]`.
+    q: Tensor<B, 5>,
+    blocks: &'a Blocks<B>,
+    prev: &'a Blocks<B>,
+    /// `[B or 1, H, T or 1, L + 1]`.
+    bias: Tensor<B, 4>,
+    /// `[H, S, K]`.
+    codebook: Tensor<B, 3>,
+    /// `[B, H, R, S]`.
+    cache_counts: Tensor<B, 4>,
+    /// `[B, H, R, S, V]`.
+    cache_means: Tensor<B, 5>,
+    /// `[B, H, R, L, 1]`.
+    count_weight: Option<Tensor<B, 5>>,
+    has_prev: bool,
+    cx: Compute,
+}
+
+/// Steps 3 and 5 as the backend's fused kernel ([`VqBackend::vq_attention`]),
+/// the cache's terms of [`cache_scores`] laid out for it: the output
+/// `[B, H, R, L, V]`, or `None` where the backend has no kernel.
+fn fused_attention<B: VqBackend>(x: FusedInputs<'_, B>) -> Option<Tensor<B, 5>> {
+    let [b, h, r, l, dk] = x.q.dims();
+    let (dv, s) = (x.blocks.v.dims()[4], x.codebook.dims()[1]);
+    let g = b * h * r;
+    let device = x.q.device();
+    let rows = |t: Tensor<B, 5>, width: usize| t.reshape([g, l, width]).into_primitive().tensor();
+    // ln of what each code weighs as; ln 0 = -inf marks the empty codes.
+    let weight = match x.cx.code_limit {
+        Some(limit) => x.cache_counts.clone().clamp_max(limit as f64),
+        None => x.cache_counts.clone(),
+    };
+    let shift = match x.cx.cache_limit {
+        Some(limit) => -(x.cache_counts.sum_dim(3) / limit as f64)
+            .clamp_min(1.0)
+            .log(),
+        None => Tensor::zeros([b, h, r, 1], &device),
+    }; // [B, H, R, 1]
+    let count_weight = match x.count_weight {
+        Some(w) => w.reshape([g, l]),
+        None => Tensor::ones([g, l], &device),
+    };
+    let out = B::vq_attention(AttentionKernelInput {
+        q: rows(x.q, dk),
+        k: rows(x.blocks.k_window.clone(), dk),
+        v: rows(x.blocks.v.clone(), dv),
+        k_prev: rows(x.prev.k_window.clone(), dk),
+        v_prev: rows(x.prev.v.clone(), dv),
+        bias: x
+            .bias
+            .expand([b, h, r * l, l + 1])
+            .into_primitive()
+            .tensor(),
+        codebook: x.codebook.into_primitive().tensor(),
+        log_counts: weight.log().reshape([g, s]).into_primitive().tensor(),
+        shift: shift.reshape([g]).into_primitive().tensor(),
+        count_weight: count_weight.into_primitive().tensor(),
+        means: x.cache_means.reshape([g, s, dv]).into_primitive().tensor(),
+        mask_first: !x.has_prev,
+    })?;
+    let out = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out));
+    Some(out.reshape([b, h, r, l, dv]))
+}
+
 /// Step 6: the state after a segment: its last block becomes the previous
 /// block; `cache` already holds every block's previous block. Detached.
 fn state_after<B: Backend>(
@@ -196,7 +264,7 @@ fn state_after<B: Backend>(
 /// Returns the output `[B, H, T, V]` and the detached state after the
 /// segment. No loop over blocks: every block's scores come from batched
 /// matmuls, and every block's compressed cache from a cumulative sum.
-pub fn block_attention<B: Backend>(
+pub fn block_attention<B: VqBackend>(
     input: AttentionInput<B>,
     state: AttentionState<B>,
     block_len: usize,
@@ -219,7 +287,7 @@ pub struct BlockAttention<B: Backend> {
 
 /// [`block_attention`], also returning where the attention went
 /// ([`AttentionGroups`]), at the cost of a second pass over the scores.
-pub fn block_attention_with_groups<B: Backend>(
+pub fn block_attention_with_groups<B: VqBackend>(
     input: AttentionInput<B>,
     state: AttentionState<B>,
     block_len: usize,
@@ -228,7 +296,7 @@ pub fn block_attention_with_groups<B: Backend>(
     block_attention_impl(input, state, block_len, cx, true)
 }
 
-fn block_attention_impl<B: Backend>(
+fn block_attention_impl<B: VqBackend>(
     input: AttentionInput<B>,
     state: AttentionState<B>,
     block_len: usize,
@@ -265,42 +333,71 @@ fn block_attention_impl<B: Backend>(
     };
     // 2: previous blocks.
     let prev = previous_blocks(carried.prev, &blocks, cx.cache_grad);
-    // 3: window scores, present block (causal) and previous block, [B, H, R, L, L].
-    let (present_scores, mut prev_scores, q) = window_scores_and_cache_query(
-        q,
-        blocks.k_window.clone(),
-        prev.k_window.clone(),
-        bias,
-        0..l,
-        rotary,
-        cx,
-    );
-    if !carried.has_prev {
-        prev_scores = mask_first_previous(prev_scores);
-    }
     // 4: compressed cache by cumulative sum, [B, H, R, S] and [B, H, R, S, V].
     let (cache_counts, cache_means, cache_after) =
         block_caches(carried.cache, &prev, s, cx.cache_grad);
     let count_weight = count_weight.map(|w| w.reshape([b, h, r, l, 1]));
-    let cache_scores = cache_scores(q, codebook, cache_counts.clone(), count_weight.clone(), cx); // [B, H, R, L, S]
-    let groups = with_groups.then(|| {
-        attention_groups(
-            present_scores.clone(),
-            prev_scores.clone(),
-            cache_scores.clone(),
-            cache_counts,
-            count_weight,
-        )
-    });
-    // 5: one softmax over the three groups.
-    let out = attend(
-        [
-            (present_scores, blocks.v.clone()),
-            (prev_scores, prev.v),
-            (cache_scores, cache_means),
-        ],
-        cx,
-    );
+    // 3 and 5 in one kernel, where the backend has one that covers them.
+    let fusable = cx.kernels == Kernels::Fused
+        && rotary.is_none()
+        && !with_groups
+        && cx.precision == Precision::F32
+        && kernel::attention::covers(l, s);
+    let fused = if fusable {
+        fused_attention(FusedInputs {
+            q: q.clone(),
+            blocks: &blocks,
+            prev: &prev,
+            bias: bias.clone(),
+            codebook: codebook.clone(),
+            cache_counts: cache_counts.clone(),
+            cache_means: cache_means.clone(),
+            count_weight: count_weight.clone(),
+            has_prev: carried.has_prev,
+            cx,
+        })
+    } else {
+        None
+    };
+    let (out, groups) = match fused {
+        Some(out) => (out, None),
+        None => {
+            // 3: window scores, present block (causal) and previous block, [B, H, R, L, L].
+            let (present_scores, mut prev_scores, q) = window_scores_and_cache_query(
+                q,
+                blocks.k_window.clone(),
+                prev.k_window.clone(),
+                bias,
+                0..l,
+                rotary,
+                cx,
+            );
+            if !carried.has_prev {
+                prev_scores = mask_first_previous(prev_scores);
+            }
+            let cache_scores =
+                cache_scores(q, codebook, cache_counts.clone(), count_weight.clone(), cx); // [B, H, R, L, S]
+            let groups = with_groups.then(|| {
+                attention_groups(
+                    present_scores.clone(),
+                    prev_scores.clone(),
+                    cache_scores.clone(),
+                    cache_counts,
+                    count_weight,
+                )
+            });
+            // 5: one softmax over the three groups.
+            let out = attend(
+                [
+                    (present_scores, blocks.v.clone()),
+                    (prev_scores, prev.v),
+                    (cache_scores, cache_means),
+                ],
+                cx,
+            );
+            (out, groups)
+        }
+    };
     // 6: state out.
     let out = out.reshape([b, h, t, dv]);
     Ok(BlockAttention {

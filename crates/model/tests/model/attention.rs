@@ -250,6 +250,7 @@ impl Problem {
             count_weight: Default::default(),
             precision: Precision::F32,
             window_keys: self.window_keys,
+            kernels: Default::default(),
         }
     }
 

@@ -3,6 +3,7 @@
 
 mod attention;
 mod common;
+mod kernel;
 mod network;
 mod parity;
 mod precision;

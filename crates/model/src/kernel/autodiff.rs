@@ -1,0 +1,89 @@
+//! The fused kernels under burn's `Autodiff`: the forward kernel runs
+//! once, keeping its output and each query's log-sum-exp, and the
+//! backward kernel recomputes the scores from them.
+
+use std::sync::atomic::Ordering;
+
+use burn::backend::autodiff::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::tensor::ops::FloatTensor;
+
+use super::{AttentionKernelInput, FUSED_CALLS, VqBackend, VqKernels};
+
+/// The backward step of the fused attention; its parents are the eight
+/// differentiable inputs in [`AttentionKernelGrads`](super::AttentionKernelGrads)'s order.
+#[derive(Debug)]
+struct AttentionBackward;
+
+impl<B: VqKernels> Backward<B, 8> for AttentionBackward {
+    /// The inputs, the output and the log-sum-exp.
+    type State = (AttentionKernelInput<B>, FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 8>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let (input, out, lse) = ops.state;
+        let g = B::vq_attention_backward(input, out, lse, grad);
+        let computed = [
+            g.q,
+            g.k,
+            g.v,
+            g.k_prev,
+            g.v_prev,
+            g.bias,
+            g.means,
+            g.count_weight,
+        ];
+        for (parent, grad) in ops.parents.into_iter().zip(computed) {
+            if let Some(node) = parent {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
+impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
+    fn vq_attention(x: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {
+        FUSED_CALLS.fetch_add(1, Ordering::Relaxed);
+        let parents = [
+            x.q.node.clone(),
+            x.k.node.clone(),
+            x.v.node.clone(),
+            x.k_prev.node.clone(),
+            x.v_prev.node.clone(),
+            x.bias.node.clone(),
+            x.means.node.clone(),
+            x.count_weight.node.clone(),
+        ];
+        // Codebook, counts and shift carry no gradient: their primitives only.
+        let inner = AttentionKernelInput::<B> {
+            q: x.q.primitive,
+            k: x.k.primitive,
+            v: x.v.primitive,
+            k_prev: x.k_prev.primitive,
+            v_prev: x.v_prev.primitive,
+            bias: x.bias.primitive,
+            codebook: x.codebook.primitive,
+            log_counts: x.log_counts.primitive,
+            shift: x.shift.primitive,
+            count_weight: x.count_weight.primitive,
+            means: x.means.primitive,
+            mask_first: x.mask_first,
+        };
+        Some(
+            match AttentionBackward
+                .prepare::<C>(parents)
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => {
+                    let (out, lse) = B::vq_attention_forward(&inner);
+                    prep.finish((inner, out.clone(), lse), out)
+                }
+                OpsKind::UnTracked(prep) => prep.finish(B::vq_attention_forward(&inner).0),
+            },
+        )
+    }
+}

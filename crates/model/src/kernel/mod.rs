@@ -1,0 +1,152 @@
+//! Fused kernels and the one seam through which the model reaches them.
+//!
+//! The model asks its backend for a fused operation through [`VqBackend`];
+//! a backend without a kernel answers `None` and the model computes the
+//! same thing with composed tensor ops, which stay the CPU path and the
+//! oracle the kernels are tested against. A backend with kernels
+//! implements [`VqKernels`] (forward and backward); [`VqBackend`] then
+//! follows for it and for burn's `Autodiff` over it, whose backward pass
+//! calls the kernel's backward.
+//!
+//! | backend | fused |
+//! |---|---|
+//! | `CubeBackend<R, ..>` (cubecl: CUDA, wgpu), with or without `Autodiff` | [`attention`] |
+//! | `burn::Dispatch` (what the `tvq` binary runs on) | none: its tensors hide the backend they live on |
+//!
+//! Shapes: `G = B H R` block rows, `L` block length, `K` key width, `V`
+//! value width, `S` codes, `T = R L`.
+
+pub mod attention;
+mod autodiff;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use burn::Dispatch;
+use burn::prelude::Backend;
+use burn::tensor::ops::FloatTensor;
+
+/// Whether a sublayer's attention may run as one fused kernel where the
+/// backend has one, or always as composed tensor ops.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Kernels {
+    /// The fused kernel where the backend has one and the sublayer's
+    /// settings are covered (the Toeplitz and XL position terms, `f32`
+    /// products, no report of where the attention went); composed ops
+    /// otherwise. Default.
+    #[default]
+    Fused,
+    /// Composed tensor ops everywhere: the oracle.
+    Composed,
+}
+
+/// The inputs of one segment's fused VQ attention (every block at once),
+/// as backend primitives. The score of query `i` of block row `g`:
+///
+/// - present-block key `j <= i`: `q_i . k_j + bias[i - j]` (`j > i`: masked);
+/// - previous-block key `j`: `q_i . k_prev_j`, plus `bias[L + i - j]` when
+///   `j >= i` (distance `<= L`); masked in block 0 when `mask_first`;
+/// - code `s` of the compressed cache: `q_i . C_s + w_i log_counts_s +
+///   shift_g`, masked where `log_counts_s = -inf` (an empty code).
+///
+/// One softmax over the `2L + S` scores weighs `v`, `v_prev` and `means`.
+#[derive(Clone, Debug)]
+pub struct AttentionKernelInput<B: Backend> {
+    /// Content queries, `[G, L, K]` (`q + u` under the XL bias).
+    pub q: FloatTensor<B>,
+    /// Present-block keys, `[G, L, K]`.
+    pub k: FloatTensor<B>,
+    /// Present-block values, `[G, L, V]`.
+    pub v: FloatTensor<B>,
+    /// Previous-block keys, `[G, L, K]`.
+    pub k_prev: FloatTensor<B>,
+    /// Previous-block values, `[G, L, V]`.
+    pub v_prev: FloatTensor<B>,
+    /// Bias by distance `0..=L` for each query, `[B, H, T, L + 1]`
+    /// (broadcast views welcome: a Toeplitz table expanded).
+    pub bias: FloatTensor<B>,
+    /// Codewords, `[H, S, K]`; no gradient.
+    pub codebook: FloatTensor<B>,
+    /// `ln` of each block's (limited) code counts, `-inf` for an empty
+    /// code, `[G, S]`; no gradient.
+    pub log_counts: FloatTensor<B>,
+    /// The cache limit's score, the same for every code, `[G]`; no gradient.
+    pub shift: FloatTensor<B>,
+    /// Each query's weight of `log_counts`, `[G, L]` (ones in the paper's
+    /// cache).
+    pub count_weight: FloatTensor<B>,
+    /// The compressed cache's mean values, `[G, S, V]`.
+    pub means: FloatTensor<B>,
+    /// Whether block 0 of every row has no previous block (a fresh stream).
+    pub mask_first: bool,
+}
+
+/// The gradients of [`AttentionKernelInput`]'s differentiable inputs,
+/// each of its input's shape.
+#[derive(Debug)]
+pub struct AttentionKernelGrads<B: Backend> {
+    /// `[G, L, K]`.
+    pub q: FloatTensor<B>,
+    /// `[G, L, K]`.
+    pub k: FloatTensor<B>,
+    /// `[G, L, V]`.
+    pub v: FloatTensor<B>,
+    /// `[G, L, K]`.
+    pub k_prev: FloatTensor<B>,
+    /// `[G, L, V]`.
+    pub v_prev: FloatTensor<B>,
+    /// `[B, H, T, L + 1]`, dense.
+    pub bias: FloatTensor<B>,
+    /// `[G, S, V]`.
+    pub means: FloatTensor<B>,
+    /// `[G, L]`.
+    pub count_weight: FloatTensor<B>,
+}
+
+/// The fused kernels a backend provides.
+pub trait VqKernels: Backend {
+    /// The fused attention's output `[G, L, V]` and each query's
+    /// log-sum-exp of its scores `[G, L]` (what the backward pass needs to
+    /// recompute the probabilities instead of storing them).
+    fn vq_attention_forward(
+        input: &AttentionKernelInput<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// The gradients of the fused attention from the output's gradient
+    /// `grad` `[G, L, V]`, given the forward pass's output and
+    /// log-sum-exp.
+    fn vq_attention_backward(
+        input: AttentionKernelInput<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> AttentionKernelGrads<Self>;
+}
+
+/// What the model asks of its backend: each fused operation, or `None`
+/// where the backend has no kernel for it (then the model composes it).
+pub trait VqBackend: Backend {
+    /// The fused attention's output `[G, L, V]`, differentiable where the
+    /// backend is.
+    fn vq_attention(input: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>>;
+}
+
+impl<B: VqKernels> VqBackend for B {
+    fn vq_attention(input: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {
+        FUSED_CALLS.fetch_add(1, Ordering::Relaxed);
+        Some(B::vq_attention_forward(&input).0)
+    }
+}
+
+impl VqBackend for Dispatch {
+    fn vq_attention(_: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {
+        None
+    }
+}
+
+static FUSED_CALLS: AtomicU64 = AtomicU64::new(0);
+
+/// How many fused attention calls this process has made: how a test sees
+/// that the fused path ran rather than silently falling back.
+pub fn fused_attention_calls() -> u64 {
+    FUSED_CALLS.load(Ordering::Relaxed)
+}

@@ -1,0 +1,343 @@
+//! The fused attention kernel against the composed ops it replaces, on
+//! wgpu's cubecl backend (lavapipe in CI): outputs and the gradients of
+//! every differentiable input, for each position-term layout, cache
+//! gradient mode, limit and the learned count weight, from a fresh stream
+//! and from a carried state.
+
+use std::sync::OnceLock;
+
+use burn::backend::Autodiff;
+use burn::backend::wgpu::{CubeBackend, WgpuDevice, WgpuRuntime};
+use burn::prelude::*;
+use burn::tensor::Distribution;
+use tvq_model::attention::{AttentionInput, AttentionState, block_attention};
+use tvq_model::kernel::{Kernels, fused_attention_calls};
+use tvq_model::{CacheGrad, Compute};
+use tvq_testkit::Gpu;
+
+use crate::common::{self, cpu};
+
+/// wgpu's cubecl backend, unfused, so that the kernel is reached directly.
+type Cube = CubeBackend<WgpuRuntime, f32, i32, u32>;
+type Ad = Autodiff<Cube>;
+
+/// The wgpu device, once its adapter answers; `None` (and a SKIPPED line,
+/// or a failure where wgpu is required) when there is none.
+fn wgpu(test: &str) -> Option<WgpuDevice> {
+    static UP: OnceLock<bool> = OnceLock::new();
+    let up = *UP.get_or_init(|| {
+        keep_caches_out_of_the_tree();
+        let hook = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        let up = std::panic::catch_unwind(|| {
+            Tensor::<Cube, 1>::from_floats([1.0], &WgpuDevice::DefaultDevice).into_data()
+        })
+        .is_ok();
+        std::panic::set_hook(hook);
+        up
+    });
+    if up {
+        Some(WgpuDevice::DefaultDevice)
+    } else {
+        Gpu::Wgpu.missing(test, "no wgpu adapter answered");
+        None
+    }
+}
+
+/// cubecl keeps its autotuning cache under the `target/` of the working
+/// directory (here the crate's source tree) unless told otherwise: this
+/// binary's goes to the system's temporary directory. Before the first GPU
+/// use, as cubecl reads its settings once.
+fn keep_caches_out_of_the_tree() {
+    use cubecl::config::cache::CacheConfig;
+    use cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
+    let mut settings = CubeClRuntimeConfig::storage().lock();
+    if settings.is_none() {
+        let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
+        config.autotune.cache = CacheConfig::File(std::env::temp_dir().join("tvq-model-tests"));
+        *settings = Some(std::sync::Arc::new(config));
+    }
+}
+
+/// Sizes and settings of one case.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    b: usize,
+    h: usize,
+    /// Blocks in the segment.
+    r: usize,
+    l: usize,
+    k: usize,
+    v: usize,
+    s: usize,
+    /// A bias table per query (`[B, H, T, L + 1]`, XL) or one per head (Toeplitz).
+    per_query_bias: bool,
+    cache_grad: CacheGrad,
+    cache_limit: Option<usize>,
+    code_limit: Option<usize>,
+    count_weight: bool,
+    /// Whether the segment starts from a carried state (previous block and
+    /// a non-empty cache) rather than a fresh stream.
+    carried: bool,
+}
+
+const BASE: Case = Case {
+    b: 2,
+    h: 3,
+    r: 4,
+    l: 3,
+    k: 5,
+    v: 7,
+    s: 6,
+    per_query_bias: false,
+    cache_grad: CacheGrad::Window,
+    cache_limit: None,
+    code_limit: None,
+    count_weight: false,
+    carried: false,
+};
+
+/// Host data of one case's inputs, drawn on the CPU.
+struct Draw {
+    q: TensorData,
+    k: TensorData,
+    v: TensorData,
+    bias: TensorData,
+    codes: TensorData,
+    codebook: TensorData,
+    count_weight: TensorData,
+    /// Weights of the output in the loss, so that every output element's
+    /// gradient differs.
+    probe: TensorData,
+}
+
+impl Case {
+    fn t(&self) -> usize {
+        self.r * self.l
+    }
+
+    /// Draws a segment of `t` tokens.
+    fn draw(&self, t: usize) -> Draw {
+        let device = cpu();
+        let n = |shape: Vec<usize>| {
+            Tensor::<common::B, 1>::random(
+                [shape.iter().product::<usize>()],
+                Distribution::Normal(0.0, 1.0),
+                &device,
+            )
+            .into_data()
+            .convert::<f32>()
+        };
+        let (b, h, k, v, s, l) = (self.b, self.h, self.k, self.v, self.s, self.l);
+        let bias_rows = if self.per_query_bias { b * h * t } else { h };
+        let codes = Tensor::<common::B, 1, Int>::random(
+            [b * h * t],
+            Distribution::Uniform(0.0, s as f64),
+            &device,
+        );
+        let weight =
+            Tensor::<common::B, 1>::random([b * h * t], Distribution::Uniform(0.2, 1.8), &device);
+        Draw {
+            q: n(vec![b, h, t, k]),
+            k: n(vec![b, h, t, k]),
+            v: n(vec![b, h, t, v]),
+            bias: n(vec![bias_rows, l + 1]),
+            codes: codes.into_data().convert::<i32>(),
+            codebook: n(vec![h, s, k]),
+            count_weight: weight.into_data().convert::<f32>(),
+            probe: n(vec![b, h, t, v]),
+        }
+    }
+
+    fn cx(&self, kernels: Kernels) -> Compute {
+        Compute {
+            cache_grad: self.cache_grad,
+            cache_limit: self.cache_limit,
+            code_limit: self.code_limit,
+            kernels,
+            ..Compute::default()
+        }
+    }
+}
+
+/// What one run gives: the output and the gradients of q, k, v, the bias
+/// table and the count weight, as host vectors.
+#[derive(Debug)]
+struct Run {
+    out: Vec<f32>,
+    grads: Vec<(&'static str, Vec<f32>)>,
+}
+
+fn host<const D: usize>(t: Tensor<Cube, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().to_vec().unwrap()
+}
+
+/// The case's segment through [`block_attention`] on `device` with
+/// `kernels`, from `state`.
+fn run(
+    case: &Case,
+    draw: &Draw,
+    state: AttentionState<Ad>,
+    kernels: Kernels,
+    device: &WgpuDevice,
+) -> Run {
+    let (b, h, t, l) = (case.b, case.h, case.t(), case.l);
+    let tensor = |data: &TensorData, shape: [usize; 4]| {
+        Tensor::<Ad, 1>::from_data(data.clone(), device)
+            .reshape(shape)
+            .require_grad()
+    };
+    let q = tensor(&draw.q, [b, h, t, case.k]);
+    let k = tensor(&draw.k, [b, h, t, case.k]);
+    let v = tensor(&draw.v, [b, h, t, case.v]);
+    let bias = if case.per_query_bias {
+        tensor(&draw.bias, [b, h, t, l + 1])
+    } else {
+        tensor(&draw.bias, [1, h, 1, l + 1])
+    };
+    let weight = tensor(&draw.count_weight, [b, h, t, 1]);
+    let input = AttentionInput {
+        q: q.clone(),
+        bias: bias.clone(),
+        k_window: k.clone(),
+        codes: Tensor::<Ad, 1, Int>::from_data(draw.codes.clone(), device).reshape([b, h, t]),
+        v: v.clone(),
+        codebook: Tensor::<Ad, 1>::from_data(draw.codebook.clone(), device)
+            .reshape([h, case.s, case.k]),
+        rotary: None,
+        count_weight: case.count_weight.then(|| weight.clone()),
+    };
+    let (out, _) = block_attention(input, state, l, case.cx(kernels)).expect("attention runs");
+    let probe = Tensor::<Ad, 1>::from_data(draw.probe.clone(), device).reshape([b, h, t, case.v]);
+    let grads = (out.clone() * probe).sum().backward();
+    let grad = |x: Tensor<Ad, 4>| x.grad(&grads).map(host).unwrap_or_default();
+    let mut named = vec![
+        ("q", grad(q)),
+        ("k", grad(k)),
+        ("v", grad(v)),
+        ("bias", grad(bias)),
+    ];
+    if case.count_weight {
+        named.push(("count_weight", grad(weight)));
+    }
+    Run {
+        out: host(out.inner()),
+        grads: named,
+    }
+}
+
+/// The state after a first segment of the case's sizes (composed ops),
+/// so that the segment under test has a previous block and a cache.
+fn carried_state(case: &Case, device: &WgpuDevice) -> AttentionState<Ad> {
+    let draw = case.draw(case.t());
+    let (b, h, t) = (case.b, case.h, case.t());
+    let input = AttentionInput {
+        q: Tensor::<Ad, 1>::from_data(draw.q, device).reshape([b, h, t, case.k]),
+        bias: Tensor::<Ad, 1>::from_data(draw.bias, device).reshape(if case.per_query_bias {
+            [b, h, t, case.l + 1]
+        } else {
+            [1, h, 1, case.l + 1]
+        }),
+        k_window: Tensor::<Ad, 1>::from_data(draw.k, device).reshape([b, h, t, case.k]),
+        codes: Tensor::<Ad, 1, Int>::from_data(draw.codes, device).reshape([b, h, t]),
+        v: Tensor::<Ad, 1>::from_data(draw.v, device).reshape([b, h, t, case.v]),
+        codebook: Tensor::<Ad, 1>::from_data(draw.codebook, device).reshape([h, case.s, case.k]),
+        rotary: None,
+        count_weight: None,
+    };
+    let cx = case.cx(Kernels::Composed);
+    block_attention(input, AttentionState::default(), case.l, cx)
+        .expect("first segment runs")
+        .1
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "lengths differ");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Runs `case` fused and composed and requires them to agree within `tol`
+/// in the output and every gradient, and the fused run to have reached the
+/// kernel.
+fn agree(case: Case, device: &WgpuDevice, tol: f32) {
+    let state = if case.carried {
+        carried_state(&case, device)
+    } else {
+        AttentionState::default()
+    };
+    let draw = case.draw(case.t());
+    let composed = run(&case, &draw, state.clone(), Kernels::Composed, device);
+    let before = fused_attention_calls();
+    let fused = run(&case, &draw, state, Kernels::Fused, device);
+    assert!(
+        fused_attention_calls() > before,
+        "{case:?}: the fused run did not reach the kernel"
+    );
+    let diff = max_diff(&fused.out, &composed.out);
+    assert!(diff <= tol, "{case:?}: output max |diff| = {diff:e}");
+    for ((name, f), (_, c)) in fused.grads.iter().zip(&composed.grads) {
+        assert!(!c.is_empty(), "{case:?}: no gradient of {name}");
+        let diff = max_diff(f, c);
+        assert!(
+            diff <= tol,
+            "{case:?}: gradient of {name}: max |diff| = {diff:e}"
+        );
+    }
+}
+
+#[test]
+fn fused_attention_matches_the_composed_ops() {
+    let Some(device) = wgpu("fused_attention_matches_the_composed_ops") else {
+        return;
+    };
+    let cases = [
+        // One block: no previous block, empty cache.
+        Case { r: 1, ..BASE },
+        // Many blocks, Toeplitz-shaped bias, every cache gradient mode.
+        BASE,
+        Case {
+            cache_grad: CacheGrad::None,
+            ..BASE
+        },
+        Case {
+            cache_grad: CacheGrad::Full,
+            ..BASE
+        },
+        // XL-shaped bias (a table per query), carried state.
+        Case {
+            per_query_bias: true,
+            carried: true,
+            ..BASE
+        },
+        // Limits that bind, and the learned count weight.
+        Case {
+            cache_limit: Some(4),
+            code_limit: Some(2),
+            carried: true,
+            ..BASE
+        },
+        Case {
+            count_weight: true,
+            cache_grad: CacheGrad::Full,
+            carried: true,
+            ..BASE
+        },
+        // Block length 1, odd widths, a single head and row.
+        Case {
+            b: 1,
+            h: 1,
+            r: 5,
+            l: 1,
+            k: 3,
+            v: 2,
+            s: 4,
+            ..BASE
+        },
+    ];
+    for case in cases {
+        agree(case, &device, 2e-5);
+    }
+}
