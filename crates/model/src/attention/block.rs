@@ -338,7 +338,8 @@ fn block_attention_impl<B: VqBackend>(
         block_caches(carried.cache, &prev, s, cx.cache_grad);
     let count_weight = count_weight.map(|w| w.reshape([b, h, r, l, 1]));
     // 3 and 5 in one kernel, where the backend has one that covers them.
-    let fusable = cx.kernels == Kernels::Fused
+    let fusable = B::FUSES_ATTENTION
+        && cx.kernels == Kernels::Fused
         && rotary.is_none()
         && !with_groups
         && cx.precision == Precision::F32

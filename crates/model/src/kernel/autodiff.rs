@@ -45,6 +45,8 @@ impl<B: VqKernels> Backward<B, 8> for AttentionBackward {
 }
 
 impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
+    const FUSES_ATTENTION: bool = true;
+
     fn vq_attention(x: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {
         FUSED_CALLS.fetch_add(1, Ordering::Relaxed);
         let parents = [

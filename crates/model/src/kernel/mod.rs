@@ -12,6 +12,7 @@
 //! |---|---|
 //! | `CubeBackend<R, ..>` (cubecl: CUDA, wgpu), with or without `Autodiff` | [`attention`] |
 //! | `burn::Dispatch` (what the `tvq` binary runs on) | none: its tensors hide the backend they live on |
+//! | `Flex` (the CPU) | none |
 //!
 //! Shapes: `G = B H R` block rows, `L` block length, `K` key width, `V`
 //! value width, `S` codes, `T = R L`.
@@ -22,6 +23,7 @@ mod autodiff;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::Dispatch;
+use burn::backend::flex::Flex;
 use burn::prelude::Backend;
 use burn::tensor::ops::FloatTensor;
 
@@ -125,23 +127,38 @@ pub trait VqKernels: Backend {
 /// What the model asks of its backend: each fused operation, or `None`
 /// where the backend has no kernel for it (then the model composes it).
 pub trait VqBackend: Backend {
+    /// Whether [`Self::vq_attention`] has a kernel (answers `Some`): the
+    /// model lays out the kernel's inputs only then.
+    const FUSES_ATTENTION: bool;
+
     /// The fused attention's output `[G, L, V]`, differentiable where the
     /// backend is.
     fn vq_attention(input: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>>;
 }
 
 impl<B: VqKernels> VqBackend for B {
+    const FUSES_ATTENTION: bool = true;
+
     fn vq_attention(input: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {
         FUSED_CALLS.fetch_add(1, Ordering::Relaxed);
         Some(B::vq_attention_forward(&input).0)
     }
 }
 
-impl VqBackend for Dispatch {
-    fn vq_attention(_: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {
-        None
-    }
+/// Backends that compose every operation.
+macro_rules! composed {
+    ($($backend:ty),*) => {$(
+        impl VqBackend for $backend {
+            const FUSES_ATTENTION: bool = false;
+
+            fn vq_attention(_: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {
+                None
+            }
+        }
+    )*};
 }
+
+composed!(Dispatch, Flex);
 
 static FUSED_CALLS: AtomicU64 = AtomicU64::new(0);
 
