@@ -19,6 +19,7 @@
 //! Every output element is written by exactly one cube, so nothing is
 //! zeroed first and nothing is accumulated atomically.
 
+use burn::prelude::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::element::BoolElement;
@@ -45,69 +46,73 @@ pub fn covers(block_len: usize, codes: usize) -> bool {
     block_len > 0 && 2 * block_len + codes <= MAX_KEYS
 }
 
+/// What every kernel reads: [`AttentionKernelInput`] on the device.
+#[derive(CubeLaunch, CubeType)]
+struct Operands<F: Float> {
+    q: Tensor<F>,
+    k: Tensor<F>,
+    v: Tensor<F>,
+    k_prev: Tensor<F>,
+    v_prev: Tensor<F>,
+    bias: Tensor<F>,
+    codebook: Tensor<F>,
+    log_counts: Tensor<F>,
+    shift: Tensor<F>,
+    count_weight: Tensor<F>,
+    means: Tensor<F>,
+    /// 1 when block 0 of every row has no previous block.
+    mask_first: u32,
+}
+
 /// The score of key `n` (`0..L` present, `L..2L` previous, `2L..` codes)
 /// for query `i` of block row `g`, as [`AttentionKernelInput`] states it.
 #[cube]
-#[allow(clippy::too_many_arguments)]
-fn score<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    k_prev: &Tensor<F>,
-    bias: &Tensor<F>,
-    codebook: &Tensor<F>,
-    log_counts: &Tensor<F>,
-    shift: &Tensor<F>,
-    count_weight: &Tensor<F>,
-    mask_first: u32,
-    g: usize,
-    i: usize,
-    n: usize,
-) -> F {
-    let l = q.shape(1);
-    let dk = q.shape(2);
-    let heads = codebook.shape(0);
-    let blocks = bias.shape(2) / l;
+fn score<F: Float>(x: &Operands<F>, g: usize, i: usize, n: usize) -> F {
+    let l = x.q.shape(1);
+    let dk = x.q.shape(2);
+    let heads = x.codebook.shape(0);
+    let blocks = x.bias.shape(2) / l;
     let r = g % blocks;
     let h = (g / blocks) % heads;
     let b = g / (blocks * heads);
-    let bias_at = b * bias.stride(0) + h * bias.stride(1) + (r * l + i) * bias.stride(2);
-    let q_at = g * q.stride(0) + i * q.stride(1);
+    let bias_at = b * x.bias.stride(0) + h * x.bias.stride(1) + (r * l + i) * x.bias.stride(2);
+    let q_at = g * x.q.stride(0) + i * x.q.stride(1);
     let mut out = F::new(NEG);
     if n < l {
         if n <= i {
-            let k_at = g * k.stride(0) + n * k.stride(1);
+            let k_at = g * x.k.stride(0) + n * x.k.stride(1);
             let mut dot = F::new(0.0);
             for c in 0..dk {
-                dot += q[q_at + c * q.stride(2)] * k[k_at + c * k.stride(2)];
+                dot += x.q[q_at + c * x.q.stride(2)] * x.k[k_at + c * x.k.stride(2)];
             }
-            out = dot + bias[bias_at + (i - n) * bias.stride(3)];
+            out = dot + x.bias[bias_at + (i - n) * x.bias.stride(3)];
         }
     } else if n < 2 * l {
         let j = n - l;
-        if mask_first == 0 || r > 0 {
-            let k_at = g * k_prev.stride(0) + j * k_prev.stride(1);
+        if x.mask_first == 0 || r > 0 {
+            let k_at = g * x.k_prev.stride(0) + j * x.k_prev.stride(1);
             let mut dot = F::new(0.0);
             for c in 0..dk {
-                dot += q[q_at + c * q.stride(2)] * k_prev[k_at + c * k_prev.stride(2)];
+                dot += x.q[q_at + c * x.q.stride(2)] * x.k_prev[k_at + c * x.k_prev.stride(2)];
             }
             // Distance L + i - j is within the window's bias when j >= i.
             if j >= i {
-                dot += bias[bias_at + (l + i - j) * bias.stride(3)];
+                dot += x.bias[bias_at + (l + i - j) * x.bias.stride(3)];
             }
             out = dot;
         }
     } else {
         let s = n - 2 * l;
-        let a = log_counts[g * log_counts.stride(0) + s * log_counts.stride(1)];
+        let a = x.log_counts[g * x.log_counts.stride(0) + s * x.log_counts.stride(1)];
         // An empty code's ln 0 = -inf fails this test: it stays masked.
         if a > F::new(NEG) {
-            let c_at = h * codebook.stride(0) + s * codebook.stride(1);
+            let c_at = h * x.codebook.stride(0) + s * x.codebook.stride(1);
             let mut dot = F::new(0.0);
             for c in 0..dk {
-                dot += q[q_at + c * q.stride(2)] * codebook[c_at + c * codebook.stride(2)];
+                dot += x.q[q_at + c * x.q.stride(2)] * x.codebook[c_at + c * x.codebook.stride(2)];
             }
-            let w = count_weight[g * count_weight.stride(0) + i * count_weight.stride(1)];
-            out = dot + w * a + shift[g * shift.stride(0)];
+            let w = x.count_weight[g * x.count_weight.stride(0) + i * x.count_weight.stride(1)];
+            out = dot + w * a + x.shift[g * x.shift.stride(0)];
         }
     }
     out
@@ -115,42 +120,29 @@ fn score<F: Float>(
 
 /// Channel `c` of key `n`'s value: `v`, `v_prev` or the cache's `means`.
 #[cube]
-fn value<F: Float>(
-    v: &Tensor<F>,
-    v_prev: &Tensor<F>,
-    means: &Tensor<F>,
-    g: usize,
-    n: usize,
-    c: usize,
-) -> F {
-    let l = v.shape(1);
+fn value<F: Float>(x: &Operands<F>, g: usize, n: usize, c: usize) -> F {
+    let l = x.v.shape(1);
     if n < l {
-        v[g * v.stride(0) + n * v.stride(1) + c * v.stride(2)]
+        x.v[g * x.v.stride(0) + n * x.v.stride(1) + c * x.v.stride(2)]
     } else if n < 2 * l {
-        v_prev[g * v_prev.stride(0) + (n - l) * v_prev.stride(1) + c * v_prev.stride(2)]
+        x.v_prev[g * x.v_prev.stride(0) + (n - l) * x.v_prev.stride(1) + c * x.v_prev.stride(2)]
     } else {
-        means[g * means.stride(0) + (n - 2 * l) * means.stride(1) + c * means.stride(2)]
+        x.means[g * x.means.stride(0) + (n - 2 * l) * x.means.stride(1) + c * x.means.stride(2)]
     }
 }
 
 /// Channel `c` of key `n`: `k`, `k_prev` or the codeword.
 #[cube]
-fn key<F: Float>(
-    k: &Tensor<F>,
-    k_prev: &Tensor<F>,
-    codebook: &Tensor<F>,
-    g: usize,
-    h: usize,
-    n: usize,
-    c: usize,
-) -> F {
-    let l = k.shape(1);
+fn key<F: Float>(x: &Operands<F>, g: usize, h: usize, n: usize, c: usize) -> F {
+    let l = x.k.shape(1);
     if n < l {
-        k[g * k.stride(0) + n * k.stride(1) + c * k.stride(2)]
+        x.k[g * x.k.stride(0) + n * x.k.stride(1) + c * x.k.stride(2)]
     } else if n < 2 * l {
-        k_prev[g * k_prev.stride(0) + (n - l) * k_prev.stride(1) + c * k_prev.stride(2)]
+        x.k_prev[g * x.k_prev.stride(0) + (n - l) * x.k_prev.stride(1) + c * x.k_prev.stride(2)]
     } else {
-        codebook[h * codebook.stride(0) + (n - 2 * l) * codebook.stride(1) + c * codebook.stride(2)]
+        x.codebook[h * x.codebook.stride(0)
+            + (n - 2 * l) * x.codebook.stride(1)
+            + c * x.codebook.stride(2)]
     }
 }
 
@@ -184,28 +176,16 @@ fn cube_sum<F: Float>(x: F, part: &mut SharedMemory<F>) -> F {
 }
 
 #[cube(launch)]
-#[allow(clippy::too_many_arguments)]
 fn forward<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    k_prev: &Tensor<F>,
-    v_prev: &Tensor<F>,
-    bias: &Tensor<F>,
-    codebook: &Tensor<F>,
-    log_counts: &Tensor<F>,
-    shift: &Tensor<F>,
-    count_weight: &Tensor<F>,
-    means: &Tensor<F>,
+    x: &Operands<F>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<F>,
-    mask_first: u32,
     #[comptime] keys: u32,
     #[define(F)] _dtype: StorageType,
 ) {
-    let l = q.shape(1);
+    let l = x.q.shape(1);
     let row = CUBE_POS;
-    if row >= q.shape(0) * l {
+    if row >= x.q.shape(0) * l {
         terminate!();
     }
     let g = row / l;
@@ -218,20 +198,7 @@ fn forward<F: Float>(
     let mut m = F::new(NEG);
     let mut n = UNIT_POS_X as usize;
     while n < n_keys {
-        let s = score::<F>(
-            q,
-            k,
-            k_prev,
-            bias,
-            codebook,
-            log_counts,
-            shift,
-            count_weight,
-            mask_first,
-            g,
-            i,
-            n,
-        );
+        let s = score::<F>(x, g, i, n);
         p[n] = s;
         if s > m {
             m = s;
@@ -254,7 +221,7 @@ fn forward<F: Float>(
     while c < out.shape(2) {
         let mut acc = F::new(0.0);
         for n in 0..n_keys {
-            acc += p[n] * value::<F>(v, v_prev, means, g, n, c);
+            acc += p[n] * value::<F>(x, g, n, c);
         }
         out[out_at + c * out.stride(2)] = acc / z;
         c += step;
@@ -265,39 +232,27 @@ fn forward<F: Float>(
 }
 
 #[cube(launch)]
-#[allow(clippy::too_many_arguments)]
 fn backward_query<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    k_prev: &Tensor<F>,
-    v_prev: &Tensor<F>,
-    bias: &Tensor<F>,
-    codebook: &Tensor<F>,
-    log_counts: &Tensor<F>,
-    shift: &Tensor<F>,
-    count_weight: &Tensor<F>,
-    means: &Tensor<F>,
+    x: &Operands<F>,
     lse: &Tensor<F>,
     grad: &Tensor<F>,
     delta: &Tensor<F>,
     dq: &mut Tensor<F>,
     dbias: &mut Tensor<F>,
     dweight: &mut Tensor<F>,
-    mask_first: u32,
     #[comptime] keys: u32,
     #[define(F)] _dtype: StorageType,
 ) {
-    let l = q.shape(1);
+    let l = x.q.shape(1);
     let row = CUBE_POS;
-    if row >= q.shape(0) * l {
+    if row >= x.q.shape(0) * l {
         terminate!();
     }
     let g = row / l;
     let i = row % l;
     let n_keys = keys as usize;
     let step = CUBE_DIM_X as usize;
-    let dv = v.shape(2);
+    let dv = x.v.shape(2);
     let mut ds = SharedMemory::<F>::new(keys as usize);
     let mut part = SharedMemory::<F>::new(WORKERS as usize);
     let row_lse = lse[g * lse.stride(0) + i * lse.stride(1)];
@@ -306,41 +261,28 @@ fn backward_query<F: Float>(
 
     let mut n = UNIT_POS_X as usize;
     while n < n_keys {
-        let s = score::<F>(
-            q,
-            k,
-            k_prev,
-            bias,
-            codebook,
-            log_counts,
-            shift,
-            count_weight,
-            mask_first,
-            g,
-            i,
-            n,
-        );
+        let s = score::<F>(x, g, i, n);
         let p = (s - row_lse).exp();
         let mut dp = F::new(0.0);
         for c in 0..dv {
-            dp += grad[grad_at + c * grad.stride(2)] * value::<F>(v, v_prev, means, g, n, c);
+            dp += grad[grad_at + c * grad.stride(2)] * value::<F>(x, g, n, c);
         }
         ds[n] = p * (dp - row_delta);
         n += step;
     }
     sync_cube();
 
-    let heads = codebook.shape(0);
-    let blocks = bias.shape(2) / l;
+    let heads = x.codebook.shape(0);
+    let blocks = x.bias.shape(2) / l;
     let r = g % blocks;
     let h = (g / blocks) % heads;
     let b = g / (blocks * heads);
     let dq_at = g * dq.stride(0) + i * dq.stride(1);
     let mut c = UNIT_POS_X as usize;
-    while c < q.shape(2) {
+    while c < x.q.shape(2) {
         let mut acc = F::new(0.0);
         for n in 0..n_keys {
-            acc += ds[n] * key::<F>(k, k_prev, codebook, g, h, n, c);
+            acc += ds[n] * key::<F>(x, g, h, n, c);
         }
         dq[dq_at + c * dq.stride(2)] = acc;
         c += step;
@@ -360,7 +302,7 @@ fn backward_query<F: Float>(
     let mut acc = F::new(0.0);
     let mut s = UNIT_POS_X as usize;
     while s < n_keys - 2 * l {
-        let a = log_counts[g * log_counts.stride(0) + s * log_counts.stride(1)];
+        let a = x.log_counts[g * x.log_counts.stride(0) + s * x.log_counts.stride(1)];
         if a > F::new(NEG) {
             acc += ds[2 * l + s] * a;
         }
@@ -373,19 +315,8 @@ fn backward_query<F: Float>(
 }
 
 #[cube(launch)]
-#[allow(clippy::too_many_arguments)]
 fn backward_key<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    k_prev: &Tensor<F>,
-    v_prev: &Tensor<F>,
-    bias: &Tensor<F>,
-    codebook: &Tensor<F>,
-    log_counts: &Tensor<F>,
-    shift: &Tensor<F>,
-    count_weight: &Tensor<F>,
-    means: &Tensor<F>,
+    x: &Operands<F>,
     lse: &Tensor<F>,
     grad: &Tensor<F>,
     delta: &Tensor<F>,
@@ -394,46 +325,32 @@ fn backward_key<F: Float>(
     dk_prev: &mut Tensor<F>,
     dv_prev: &mut Tensor<F>,
     dmeans: &mut Tensor<F>,
-    mask_first: u32,
     #[comptime] keys: u32,
     #[comptime] block: u32,
     #[define(F)] _dtype: StorageType,
 ) {
-    let l = q.shape(1);
+    let l = x.q.shape(1);
     let n_keys = keys as usize;
     let row = CUBE_POS;
-    if row >= q.shape(0) * n_keys {
+    if row >= x.q.shape(0) * n_keys {
         terminate!();
     }
     let g = row / n_keys;
     let n = row % n_keys;
     let step = CUBE_DIM_X as usize;
-    let width = v.shape(2);
+    let width = x.v.shape(2);
     let mut ps = SharedMemory::<F>::new(block as usize);
     let mut ds = SharedMemory::<F>::new(block as usize);
 
     // Masked pairs score NEG: their p, and so their ds, are exactly 0.
     let mut i = UNIT_POS_X as usize;
     while i < l {
-        let s = score::<F>(
-            q,
-            k,
-            k_prev,
-            bias,
-            codebook,
-            log_counts,
-            shift,
-            count_weight,
-            mask_first,
-            g,
-            i,
-            n,
-        );
+        let s = score::<F>(x, g, i, n);
         let p = (s - lse[g * lse.stride(0) + i * lse.stride(1)]).exp();
         let grad_at = g * grad.stride(0) + i * grad.stride(1);
         let mut dp = F::new(0.0);
         for c in 0..width {
-            dp += grad[grad_at + c * grad.stride(2)] * value::<F>(v, v_prev, means, g, n, c);
+            dp += grad[grad_at + c * grad.stride(2)] * value::<F>(x, g, n, c);
         }
         ps[i] = p;
         ds[i] = p * (dp - delta[g * delta.stride(0) + i * delta.stride(1)]);
@@ -443,10 +360,10 @@ fn backward_key<F: Float>(
 
     if n < 2 * l {
         let mut c = UNIT_POS_X as usize;
-        while c < q.shape(2) {
+        while c < x.q.shape(2) {
             let mut acc = F::new(0.0);
             for i in 0..l {
-                acc += ds[i] * q[g * q.stride(0) + i * q.stride(1) + c * q.stride(2)];
+                acc += ds[i] * x.q[g * x.q.stride(0) + i * x.q.stride(1) + c * x.q.stride(2)];
             }
             if n < l {
                 dk[g * dk.stride(0) + n * dk.stride(1) + c * dk.stride(2)] = acc;
@@ -499,15 +416,45 @@ fn empty_like<R: CubeRuntime>(
     )
 }
 
+/// `[G, L, K, V, S]` of an input.
+fn sizes<R: CubeRuntime>(
+    x: &AttentionKernelInput<impl Backend<FloatTensorPrimitive = CubeTensor<R>>>,
+) -> [usize; 5] {
+    let [g, l, dk] = x.q.shape().dims();
+    let (dv, s) = (
+        x.v.shape().dims::<3>()[2],
+        x.codebook.shape().dims::<3>()[1],
+    );
+    [g, l, dk, dv, s]
+}
+
+/// The launch arguments of [`Operands`].
+fn operands<F: Float, R: CubeRuntime>(
+    x: &AttentionKernelInput<impl Backend<FloatTensorPrimitive = CubeTensor<R>>>,
+) -> OperandsLaunch<F, R> {
+    OperandsLaunch::new(
+        x.q.clone().into_tensor_arg(),
+        x.k.clone().into_tensor_arg(),
+        x.v.clone().into_tensor_arg(),
+        x.k_prev.clone().into_tensor_arg(),
+        x.v_prev.clone().into_tensor_arg(),
+        x.bias.clone().into_tensor_arg(),
+        x.codebook.clone().into_tensor_arg(),
+        x.log_counts.clone().into_tensor_arg(),
+        x.shift.clone().into_tensor_arg(),
+        x.count_weight.clone().into_tensor_arg(),
+        x.means.clone().into_tensor_arg(),
+        x.mask_first as u32,
+    )
+}
+
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
     for CubeBackend<R, F, I, BT>
 {
     fn vq_attention_forward(
         x: &AttentionKernelInput<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let [g, l, _] = x.q.shape().dims();
-        let dv = x.v.shape().dims::<3>()[2];
-        let s = x.codebook.shape().dims::<3>()[1];
+        let [g, l, _, dv, s] = sizes(x);
         let keys = 2 * l + s;
         let dtype = x.q.dtype;
         let out = empty_like(&x.q, vec![g, l, dv], dtype);
@@ -516,20 +463,9 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
             &x.q.client,
             cubes(g * l),
             CubeDim::new_1d(WORKERS),
-            x.q.clone().into_tensor_arg(),
-            x.k.clone().into_tensor_arg(),
-            x.v.clone().into_tensor_arg(),
-            x.k_prev.clone().into_tensor_arg(),
-            x.v_prev.clone().into_tensor_arg(),
-            x.bias.clone().into_tensor_arg(),
-            x.codebook.clone().into_tensor_arg(),
-            x.log_counts.clone().into_tensor_arg(),
-            x.shift.clone().into_tensor_arg(),
-            x.count_weight.clone().into_tensor_arg(),
-            x.means.clone().into_tensor_arg(),
+            operands(x),
             out.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
-            x.mask_first as u32,
             keys as u32,
             dtype.into(),
         );
@@ -543,9 +479,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
         grad: FloatTensor<Self>,
     ) -> AttentionKernelGrads<Self> {
         use burn::tensor::ops::FloatTensorOps;
-        let [g, l, dk] = x.q.shape().dims();
-        let dv = x.v.shape().dims::<3>()[2];
-        let s = x.codebook.shape().dims::<3>()[1];
+        let [g, l, dk, dv, s] = sizes(&x);
         let keys = 2 * l + s;
         let dtype = x.q.dtype;
         // D = dO . O per query, [G, L, 1].
@@ -565,24 +499,13 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
             &client,
             cubes(g * l),
             CubeDim::new_1d(WORKERS),
-            x.q.clone().into_tensor_arg(),
-            x.k.clone().into_tensor_arg(),
-            x.v.clone().into_tensor_arg(),
-            x.k_prev.clone().into_tensor_arg(),
-            x.v_prev.clone().into_tensor_arg(),
-            x.bias.clone().into_tensor_arg(),
-            x.codebook.clone().into_tensor_arg(),
-            x.log_counts.clone().into_tensor_arg(),
-            x.shift.clone().into_tensor_arg(),
-            x.count_weight.clone().into_tensor_arg(),
-            x.means.clone().into_tensor_arg(),
+            operands(&x),
             lse.clone().into_tensor_arg(),
             grad.clone().into_tensor_arg(),
             delta.clone().into_tensor_arg(),
             grads.q.clone().into_tensor_arg(),
             grads.bias.clone().into_tensor_arg(),
             grads.count_weight.clone().into_tensor_arg(),
-            x.mask_first as u32,
             keys as u32,
             dtype.into(),
         );
@@ -590,17 +513,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
             &client,
             cubes(g * keys),
             CubeDim::new_1d(WORKERS),
-            x.q.into_tensor_arg(),
-            x.k.into_tensor_arg(),
-            x.v.into_tensor_arg(),
-            x.k_prev.into_tensor_arg(),
-            x.v_prev.into_tensor_arg(),
-            x.bias.into_tensor_arg(),
-            x.codebook.into_tensor_arg(),
-            x.log_counts.into_tensor_arg(),
-            x.shift.into_tensor_arg(),
-            x.count_weight.into_tensor_arg(),
-            x.means.into_tensor_arg(),
+            operands(&x),
             lse.into_tensor_arg(),
             grad.into_tensor_arg(),
             delta.into_tensor_arg(),
@@ -609,7 +522,6 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
             grads.k_prev.clone().into_tensor_arg(),
             grads.v_prev.clone().into_tensor_arg(),
             grads.means.clone().into_tensor_arg(),
-            x.mask_first as u32,
             keys as u32,
             l as u32,
             dtype.into(),
