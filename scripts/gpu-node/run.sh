@@ -8,9 +8,9 @@
 # Options: --device cuda|cpu (default cuda), --small (small sizes),
 # --out DIR (default ./results), --layers N (layers of the enwik8-width
 # model, default 4), --parts LIST (comma separated, default all:
-# first-light,check,train,train-long,torch,generate,quickstart), --pack FILE
-# (the whole OUT directory as one .tar.gz, for a node that returns few
-# files). Nothing here builds or downloads anything.
+# first-light,check,kernels,train,train-long,torch,generate,quickstart),
+# --pack FILE (the whole OUT directory as one .tar.gz, for a node that
+# returns few files). Nothing here builds or downloads anything.
 #
 # Writes every figure to OUT/results.jsonl, each part's output to
 # OUT/logs/PART.log, the kernels cubecl compiled to OUT/logs/kernels.log,
@@ -23,7 +23,7 @@
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 device=cuda small=0 out="$here/results" layers=4 pack=""
-parts=first-light,check,train,train-long,torch,generate,quickstart
+parts=first-light,check,kernels,train,train-long,torch,generate,quickstart
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device="$2"; shift 2 ;;
@@ -111,13 +111,13 @@ if [ $small = 1 ]; then
   seq_lens=512,1024 long_lens=2048 bench_set=(--set model.d_model=64 --set model.d_k=16
     --set model.d_v=64 --set model.n_code=16 --set model.block_len=64 --set model.n_layer=1)
   gen_lens=256,1024 qs_steps=4
-  limit_first=120 limit_check=120 limit_train=120 limit_long=60 limit_torch=400 limit_generate=60 limit_qs=180
+  limit_first=120 limit_check=120 limit_kernels=120 limit_train=120 limit_long=60 limit_torch=400 limit_generate=60 limit_qs=180
 else
   seq_lens=8192,32768 long_lens=131072 bench_set=(--config "$here/configs/enwik8.toml"
     --set "model.n_layer=$layers" --set model.dropout_residual=0 --set model.dropout_layer=0
     --set model.dropout_sinusoid=0)
   gen_lens=1024,8192,65536 qs_steps=200
-  limit_first=240 limit_check=60 limit_train=90 limit_long=60 limit_torch=150 limit_generate=45 limit_qs=60
+  limit_first=240 limit_check=60 limit_kernels=120 limit_train=90 limit_long=60 limit_torch=150 limit_generate=45 limit_qs=60
 fi
 
 # 0. First light: two steps of a tiny model, where every kernel of a step is
@@ -131,7 +131,15 @@ fi
 # 1. The device against the CPU (and its measured peaks, the MFU's yardstick).
 part check "$limit_check" "$tvq" check --device "$device" --json
 
-# 2. tvq's training step (forward, backward, clipping, AdamW, EMA), f32 and
+# 2. The fused attention kernel against the composed ops in the model's
+# forward and backward passes, f32 (what the kernel covers), on the GPU's
+# cubecl backend; the CPU has no kernel.
+if [ "$device" = cuda ]; then
+  part kernels "$limit_kernels" "$tvq" bench kernels --device cuda --json --batch 1 --precision f32 \
+    --steps 2 "${bench_set[@]}" --seq-len "$seq_lens"
+fi
+
+# 3. tvq's training step (forward, backward, clipping, AdamW, EMA), f32 and
 # bf16, one row per step; the longest segments recompute each sublayer in
 # the backward pass (activation checkpointing "full"), as they would not
 # fit otherwise.
@@ -142,7 +150,7 @@ train=("$tvq" bench step --device "$device" --json --batch 1 --form vq
 part train "$limit_train" "${train[@]}" --seq-len "$seq_lens"
 part train-long "$limit_long" "${train[@]}" --seq-len "$long_lens" --checkpointing full
 
-# 3. The same model in PyTorch (eager, compiled) and the quadratic SDPA
+# 4. The same model in PyTorch (eager, compiled) and the quadratic SDPA
 # baseline of the same widths, where PyTorch is installed.
 if ! wanted torch; then
   :
@@ -155,10 +163,10 @@ else
   echo "{\"form\": \"part\", \"part\": \"torch\", \"status\": \"skipped\"}" >> "$results"
 fi
 
-# 4. Generation: time to the first token (block-form prefill) and per token.
+# 5. Generation: time to the first token (block-form prefill) and per token.
 part generate "$limit_generate" "$tvq" bench generate --device "$device" --json --seq-len "$gen_lens" --new-tokens 32
 
-# 5. The quick start on the device.
+# 6. The quick start on the device.
 run="$out/quickstart"
 rm -rf "$run"
 qs=(--set train.workers=1)

@@ -62,6 +62,15 @@ def table(path):
                 ratios.append(f"{r['tokens_per_s'] / other:.2f}x" if other and r.get("tokens_per_s") else "-")
             out.append(f"| tvq step ({r.get('batch', 1)} row, {r.get('activation_checkpointing', 'none')}) | {r['seq_len']:,} | {r.get('precision')} | "
                        f"{fmt(r.get('tokens_per_s'))} | {mfu(r)} | " + " | ".join(ratios) + " |")
+        elif form == "kernels":
+            # The model's forward and backward passes, fused and composed:
+            # passes only, so not a step, and no ratio to PyTorch's steps.
+            out.append(f"| passes, fused kernel ({r['fused_sublayers']} of {r['sublayers']} sublayers; "
+                       f"loss diff {r['loss_diff']:.1e}) | {r['seq_len']:,} | {r.get('precision')} | "
+                       f"{fmt(r.get('fused_tokens_per_s'))} | - | | | |")
+            out.append(f"| passes, composed ops ({r['speedup']:.2f}x slower)" if r["speedup"] >= 1 else
+                       f"| passes, composed ops ({1 / r['speedup']:.2f}x faster)")
+            out[-1] += f" | {r['seq_len']:,} | {r.get('precision')} | {fmt(r.get('composed_tokens_per_s'))} | - | | | |"
         elif form == "vq" and r.get("part") == "first-light":
             out.append(f"| first light: a tiny model's step on {r.get('device')} | {r['seq_len']:,} | {r.get('precision')} | "
                        f"{fmt(r.get('tokens_per_s'))} | - | | | |")

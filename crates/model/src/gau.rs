@@ -147,7 +147,7 @@ impl<B: VqBackend> Gau<B> {
                 count_weight: cfg.count_weight,
                 precision: Precision::F32,
                 window_keys: cfg.window_keys,
-                kernels: Kernels::Fused,
+                kernels: Kernels::default(),
             },
             form: cfg.attention,
         }

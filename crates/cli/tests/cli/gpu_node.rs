@@ -114,17 +114,21 @@ fn tvq_check_on_the_cpu_is_a_trivial_pass() {
     assert!(text.contains("f32 matrix products"), "{text}");
 }
 
-/// The Python with PyTorch the tests use: `TVQ_PYTHON`, else `python3`;
-/// `None` (after a SKIPPED line, or a failure under `TVQ_REQUIRE_TORCH`)
-/// where it has no torch.
+/// The Python with PyTorch the tests use, as an absolute path (so that a
+/// child given another PATH still finds it, and its directory can lead
+/// that PATH): `TVQ_PYTHON`, else the `python3` of the PATH (an activated
+/// virtual or conda environment's); `None` (after a SKIPPED line, or a
+/// failure under `TVQ_REQUIRE_TORCH`) where it has no torch.
 fn python_with_torch(test: &str) -> Option<PathBuf> {
     let python = std::env::var_os("TVQ_PYTHON").map_or("python3".into(), PathBuf::from);
-    let has_torch = Command::new(&python)
-        .args(["-c", "import torch"])
+    let executable = Command::new(&python)
+        .args(["-c", "import sys, torch; print(sys.executable)"])
         .output()
-        .is_ok_and(|o| o.status.success());
-    if has_torch {
-        return Some(python);
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()));
+    if let Some(executable) = executable.filter(|e| e.is_absolute()) {
+        return Some(executable);
     }
     let why = format!("{} has no torch (pip install torch)", python.display());
     assert!(
@@ -291,4 +295,78 @@ fn read_results(path: &Path) -> Vec<serde_json::Value> {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
         .collect()
+}
+
+/// `tvq bench kernels` reaches the fused attention kernel from the binary
+/// (every sublayer of the Toeplitz and XL models, dropout on) and the fused
+/// passes agree with the composed ones; with the rotary term, which the
+/// kernel does not cover, it says that no sublayer reached it; the CPU has
+/// no kernel to measure.
+#[test]
+fn bench_kernels_reaches_the_fused_kernel_and_agrees_with_the_composed_ops() {
+    let gpu = Gpu::under_test();
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 2, 2);
+    let config = config.to_str().unwrap();
+    let bench = |bias: &str| {
+        tvq(&[
+            "bench",
+            "kernels",
+            "--device",
+            gpu.name(),
+            "--config",
+            config,
+            "--seq-len",
+            "16,48",
+            "--batch",
+            "2",
+            "--steps",
+            "1",
+            "--json",
+            "--set",
+            &format!("model.bias={bias}"),
+        ])
+    };
+    let out = bench("toeplitz");
+    let err = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() && err.contains("is not available") {
+        gpu.missing(
+            "bench_kernels_reaches_the_fused_kernel_and_agrees_with_the_composed_ops",
+            &err,
+        );
+        return;
+    }
+    let lines = |out: &Output| -> Vec<serde_json::Value> {
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    for (bias, out) in [("toeplitz", out), ("xl", bench("xl"))] {
+        let lines = lines(&out);
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        for l in &lines {
+            assert_eq!(l["sublayers"], 2, "{bias}: {l}");
+            assert_eq!(l["fused_sublayers"], 2, "{bias}: every sublayer fused: {l}");
+            assert!(l["loss_diff"].as_f64().unwrap() < 1e-5, "{bias}: {l}");
+            assert!(l["grad_max_diff"].as_f64().unwrap() < 1e-6, "{bias}: {l}");
+            for key in ["fused_tokens_per_s", "composed_tokens_per_s"] {
+                assert!(l[key].as_f64().unwrap() > 0.0, "{bias}: {key}: {l}");
+            }
+        }
+    }
+    for l in lines(&bench("rotary")) {
+        assert_eq!(l["fused_sublayers"], 0, "rotary composes: {l}");
+        assert_eq!(l["loss_diff"], 0.0, "{l}");
+    }
+    let out = tvq(&["bench", "kernels", "--device", "cpu", "--seq-len", "16"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("run on wgpu and cuda"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
 }

@@ -11,7 +11,7 @@
 //! | backend | fused |
 //! |---|---|
 //! | `CubeBackend<R, ..>` (cubecl: CUDA, wgpu), with or without `Autodiff` | [`attention`] |
-//! | `burn::Dispatch` (what the `tvq` binary runs on) | none: its tensors hide the backend they live on |
+//! | `burn::Dispatch` (what `tvq` trains on) | none: its tensors hide the backend they live on; `tvq bench kernels` runs the model on [`CubeWgpu`] or [`CubeCuda`] |
 //! | `Flex` (the CPU) | none |
 //!
 //! Shapes: `G = B H R` block rows, `L` block length, `K` key width, `V`
@@ -29,15 +29,20 @@ use burn::tensor::ops::FloatTensor;
 
 /// Whether a sublayer's attention may run as one fused kernel where the
 /// backend has one, or always as composed tensor ops.
+///
+/// Composed is the default: the kernels are exact but not yet fast (one
+/// cube per query or key, no tiling), slower than the composed ops where
+/// measured (docs/benchmarks.md, `tvq bench kernels`). A model opts in
+/// with [`Kernels::Fused`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Kernels {
     /// The fused kernel where the backend has one and the sublayer's
     /// settings are covered (the Toeplitz and XL position terms, `f32`
     /// products, no report of where the attention went); composed ops
-    /// otherwise. Default.
-    #[default]
+    /// otherwise.
     Fused,
-    /// Composed tensor ops everywhere: the oracle.
+    /// Composed tensor ops everywhere: the oracle. Default.
+    #[default]
     Composed,
 }
 
@@ -159,6 +164,14 @@ macro_rules! composed {
 }
 
 composed!(Dispatch, Flex);
+
+/// wgpu's cubecl backend without burn's fusion: where the kernels run on
+/// wgpu (and on lavapipe, in CI).
+pub type CubeWgpu = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
+
+/// CUDA's cubecl backend without burn's fusion: where the kernels run on
+/// NVIDIA GPUs.
+pub type CubeCuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
 
 static FUSED_CALLS: AtomicU64 = AtomicU64::new(0);
 

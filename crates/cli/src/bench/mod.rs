@@ -1,7 +1,9 @@
 //! `tvq bench`: what a run's speed depends on, one benchmark each
 //! ([`BenchmarkArg`]): the GAU stack's passes and the whole training step by
-//! sequence length, generation, the data loader, checkpoints, and the
-//! device's peak.
+//! sequence length, the fused kernels against the composed ops, generation,
+//! the data loader, checkpoints, and the device's peak.
+
+mod kernels;
 
 use std::time::Instant;
 
@@ -29,6 +31,11 @@ pub enum BenchmarkArg {
     /// The whole training step: forward, backward, global-norm clipping,
     /// AdamW and the EMA codebook update.
     Step,
+    /// The fused attention kernel against the composed ops, in the model's
+    /// forward and backward passes on the device's cubecl backend (wgpu or
+    /// cuda, without burn's fusion): tokens/s of each, the sublayers that
+    /// reached the kernel, and the two passes' loss and gradient difference.
+    Kernels,
     /// Generation: for each --seq-len as the prompt length, the time to the
     /// first new token (block-form prefill) and per generated token, and the
     /// recurrent form's rate on the prompt.
@@ -52,6 +59,7 @@ pub enum BenchmarkArg {
 enum Benchmark {
     Attention,
     Step,
+    Kernels,
     Generate,
     Loader(std::path::PathBuf),
     Checkpoint(std::path::PathBuf),
@@ -162,6 +170,7 @@ impl BenchArgs {
             }
             (Some(BenchmarkArg::Attention), None) => Some(Benchmark::Attention),
             (Some(BenchmarkArg::Step), None) => Some(Benchmark::Step),
+            (Some(BenchmarkArg::Kernels), None) => Some(Benchmark::Kernels),
             (Some(BenchmarkArg::Generate), None) => Some(Benchmark::Generate),
             (Some(BenchmarkArg::Peak), None) => Some(Benchmark::Peak),
         };
@@ -421,6 +430,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
         Benchmark::Peak => {
             print_peaks(&args, &device, &info, &precisions);
             return Ok(());
+        }
+        Benchmark::Kernels => {
+            return kernels::run(&args, &model, &train, &precisions, (&device, &info));
         }
         Benchmark::Generate => return bench_generate(&args, &model, &device, &info),
         Benchmark::Checkpoint(dir) => {

@@ -1,0 +1,186 @@
+//! `tvq bench kernels`: the fused attention kernel against the composed
+//! ops it replaces, in the model's forward and backward passes on the
+//! device's cubecl backend (wgpu or CUDA, without burn's fusion, where the
+//! kernels plug in: `tvq_model::kernel`).
+//!
+//! For each segment length, the same model, batch and dropout masks run
+//! both ways, alternating pass by pass; each line gives both rates, how
+//! many sublayers reached the kernel, and how far the two passes' loss and
+//! gradient lie apart, so that a figure of the fused path is never the
+//! composed path's under another name.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail};
+use burn::DispatchDevice;
+use burn::backend::Autodiff;
+use burn::prelude::*;
+use serde_json::json;
+use tvq_model::kernel::{CubeCuda, CubeWgpu, Kernels, VqKernels, fused_attention_calls};
+use tvq_model::{Loss, Pass, Precision, TransformerVq, TransformerVqConfig};
+use tvq_train::config::TrainSection;
+
+use super::{BenchArgs, pattern_batch};
+
+/// Runs the benchmark on `device` (wgpu or CUDA) for each `--seq-len` and
+/// precision.
+pub(super) fn run(
+    args: &BenchArgs,
+    model: &TransformerVqConfig,
+    train: &TrainSection,
+    precisions: &[Precision],
+    (device, info): (&DispatchDevice, &str),
+) -> Result<()> {
+    let cube = match device {
+        DispatchDevice::Wgpu(d) => Cube::Wgpu(d),
+        DispatchDevice::Cuda(d) => Cube::Cuda(d),
+        _ => bail!("the fused kernels run on wgpu and cuda, not on {info}"),
+    };
+    let on = On {
+        args,
+        model,
+        train,
+        info,
+    };
+    if !args.json {
+        println!(
+            "device: {info}; batch {}, d_model {}, {} layers, S {}, L {}",
+            args.batch, model.d_model, model.n_layer, model.n_code, model.block_len
+        );
+        println!(
+            "{:>8} {:>9} {:>14} {:>14} {:>8} {:>9} {:>11} {:>11}",
+            "seq_len",
+            "precision",
+            "fused tok/s",
+            "composed tok/s",
+            "speedup",
+            "fused",
+            "loss diff",
+            "grad diff"
+        );
+    }
+    for &t in &args.seq_len {
+        for &precision in precisions {
+            match cube {
+                Cube::Wgpu(d) => on.measure::<CubeWgpu>(d, t, precision)?,
+                Cube::Cuda(d) => on.measure::<CubeCuda>(d, t, precision)?,
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The device as its cubecl backend sees it.
+#[derive(Clone, Copy)]
+enum Cube<'a> {
+    Wgpu(&'a burn::backend::wgpu::WgpuDevice),
+    Cuda(&'a burn::backend::cuda::CudaDevice),
+}
+
+/// What every line is measured with.
+struct On<'a> {
+    args: &'a BenchArgs,
+    model: &'a TransformerVqConfig,
+    train: &'a TrainSection,
+    info: &'a str,
+}
+
+/// One pass's results: the loss and the embedding's gradient (which every
+/// sublayer's attention reaches), as host values.
+struct Passed {
+    loss: f32,
+    grad: Vec<f32>,
+}
+
+impl On<'_> {
+    /// One line: `--steps` forward and backward passes of `--batch` rows of
+    /// `t` tokens each way, after a warm-up each.
+    fn measure<C: VqKernels>(
+        &self,
+        device: &C::Device,
+        t: usize,
+        precision: Precision,
+    ) -> Result<()> {
+        let args = self.args;
+        let (b, vocab) = (args.batch, args.vocab_size);
+        C::seed(device, 0);
+        let cfg = self.model.clone().with_vocab_size(vocab as usize);
+        let mut net = cfg.init::<Autodiff<C>>(device)?;
+        net.set_precision(precision);
+        let sublayers = net.sublayers.len();
+        let batch = pattern_batch(b, t, vocab);
+        let ids = |ids: &[u32]| {
+            let ids = ids.iter().map(|&i| i as i64).collect::<Vec<_>>();
+            Tensor::<Autodiff<C>, 2, Int>::from_data(TensorData::new(ids, [b, t]), device)
+        };
+        let (inputs, targets) = (ids(&batch.inputs), ids(&batch.targets));
+        // The same masks both ways, so that the two passes compute the same thing.
+        let masks = net.uses_dropout().then(|| net.dropout_masks([b, t]));
+        let commit_weight = self.train.commit_weight;
+        let pass = |net: &TransformerVq<Autodiff<C>>| -> Result<Passed> {
+            let mut pass = Pass::new();
+            if let Some(masks) = &masks {
+                pass = pass.with_masks(masks.clone());
+            }
+            let out = net.forward(inputs.clone(), net.empty_state(), pass)?;
+            let loss = Loss::new(&out, targets.clone(), None).total(commit_weight);
+            let grads = loss.backward();
+            let grad = net
+                .embedding
+                .weight
+                .grad(&grads)
+                .expect("the embedding is trained");
+            Ok(Passed {
+                loss: loss.into_scalar().elem(),
+                grad: grad
+                    .into_data()
+                    .convert::<f32>()
+                    .into_vec()
+                    .unwrap_or_default(),
+            })
+        };
+        // One pass with `kernels`: its results, its time, its fused calls.
+        let mut timed = |kernels: Kernels| -> Result<(Passed, Duration, u64)> {
+            net.set_kernels(kernels);
+            let calls = fused_attention_calls();
+            let start = Instant::now();
+            let passed = pass(&net)?;
+            Ok((passed, start.elapsed(), fused_attention_calls() - calls))
+        };
+        let (fused, _, reached) = timed(Kernels::Fused)?;
+        let (composed, _, _) = timed(Kernels::Composed)?;
+        let (mut fused_s, mut composed_s) = (Duration::ZERO, Duration::ZERO);
+        for _ in 0..args.steps {
+            fused_s += timed(Kernels::Fused)?.1;
+            composed_s += timed(Kernels::Composed)?.1;
+        }
+        let rate = |d: Duration| (args.steps * b * t) as f64 / d.as_secs_f64();
+        let (fused_rate, composed_rate) = (rate(fused_s), rate(composed_s));
+        let loss_diff = (fused.loss - composed.loss).abs();
+        let grad_diff = fused
+            .grad
+            .iter()
+            .zip(&composed.grad)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        if args.json {
+            println!(
+                "{}",
+                json!({
+                    "form": "kernels", "seq_len": t, "batch": b, "precision": precision,
+                    "fused_tokens_per_s": fused_rate, "composed_tokens_per_s": composed_rate,
+                    "speedup": fused_rate / composed_rate, "fused_sublayers": reached,
+                    "sublayers": sublayers, "loss": composed.loss, "loss_diff": loss_diff,
+                    "grad_max_diff": grad_diff, "device": self.info,
+                })
+            );
+        } else {
+            println!(
+                "{t:>8} {precision:>9} {fused_rate:>14.0} {composed_rate:>14.0} {:>7.2}x {:>9} {loss_diff:>11.2e} {grad_diff:>11.2e}",
+                fused_rate / composed_rate,
+                format!("{reached}/{sublayers}"),
+            );
+        }
+        Ok(())
+    }
+}
