@@ -1,9 +1,13 @@
 //! Mutation fuzzing of everything tvq reads from a run or an export:
 //! seeded mutations of a committed checkpoint and of an export made from
-//! it (bit flips, bytes and 64-bit words set to edge values, truncations,
-//! numbers in the JSON made huge), each file's manifest entry forged to
-//! match so that the checks past the checksums are reached. Each case must
-//! end in `Ok` or an error, never a panic, and hold less than
+//! it, each file's manifest entry forged to match so that the checks past
+//! the checksums are reached. Two kinds of mutation: of bytes (bit flips,
+//! bytes and 64-bit words set to edge values, truncations, numbers in the
+//! JSON made huge), and of structure ([`mutate_structure`]: the file
+//! parsed, one to three of its fields (a number, a string, a shape, an
+//! offset, a metadata entry) set to boundary values, and written back
+//! well-formed, which byte mutations almost never achieve). Each case
+//! must end in `Ok` or a one-line error, never a panic, and hold less than
 //! [`HEAP_LIMIT`] more heap than before (counted by this binary's
 //! allocator; an allocation far beyond it aborts the binary, which fails
 //! too).
@@ -120,12 +124,153 @@ fn fixture_config() -> RunConfig {
     RunConfig::parse(&text, &[]).unwrap()
 }
 
+/// Values a field is set to: zero, one, minus one, the edges of 32- and
+/// 64-bit integers, a trillion, not a number, an empty and a huge string.
+const BOUNDARIES: [&str; 11] = [
+    "0",
+    "1",
+    "-1",
+    "2147483648",
+    "4294967296",
+    "9223372036854775808",
+    "18446744073709551615",
+    "1000000000000",
+    "NaN",
+    "",
+    "HUGE",
+];
+
+/// A boundary value in the field's own kind: a JSON number where the field
+/// is one (and the value can be), else a string (safetensors metadata
+/// holds its numbers as strings).
+fn boundary(rng: &mut SplitMix64, as_string: bool) -> serde_json::Value {
+    let text = BOUNDARIES[(rng.next_u64() % BOUNDARIES.len() as u64) as usize];
+    let text = match text {
+        "HUGE" => "9".repeat(1 << 16),
+        t => t.to_string(),
+    };
+    match serde_json::from_str::<serde_json::Value>(&text) {
+        Ok(number @ serde_json::Value::Number(_)) if !as_string => number,
+        _ => serde_json::Value::String(text),
+    }
+}
+
+/// The JSON pointers of every number and string in `v` (under `at`).
+fn leaves(v: &serde_json::Value, at: String, out: &mut Vec<String>) {
+    match v {
+        serde_json::Value::Object(m) => {
+            for (k, v) in m {
+                leaves(
+                    v,
+                    format!("{at}/{}", k.replace('~', "~0").replace('/', "~1")),
+                    out,
+                );
+            }
+        }
+        serde_json::Value::Array(a) => {
+            for (i, v) in a.iter().enumerate() {
+                leaves(v, format!("{at}/{i}"), out);
+            }
+        }
+        serde_json::Value::Number(_) | serde_json::Value::String(_) => out.push(at),
+        _ => {}
+    }
+}
+
+/// A file as structure: a safetensors header (with the tensor bytes after
+/// it) or a JSON text.
+enum Parsed {
+    Safetensors(serde_json::Value, Vec<u8>),
+    Json(serde_json::Value),
+}
+
+fn parse(bytes: &[u8]) -> Option<Parsed> {
+    if let Ok(json) = serde_json::from_slice(bytes) {
+        return Some(Parsed::Json(json));
+    }
+    let n = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?) as usize;
+    let header = serde_json::from_slice(bytes.get(8..8usize.checked_add(n)?)?).ok()?;
+    Some(Parsed::Safetensors(header, bytes[8 + n..].to_vec()))
+}
+
+fn serialise(parsed: &Parsed) -> Vec<u8> {
+    match parsed {
+        Parsed::Json(json) => json.to_string().into_bytes(),
+        Parsed::Safetensors(header, data) => {
+            let header = header.to_string().into_bytes();
+            let mut out = (header.len() as u64).to_le_bytes().to_vec();
+            out.extend(header);
+            out.extend(data);
+            out
+        }
+    }
+}
+
+/// `bytes` (a safetensors file or a JSON text) with one to three of its
+/// fields changed, written back well-formed: a number or string set to a
+/// boundary value or to another field's value, or an array (a shape, a
+/// pair of offsets) with two entries swapped, a 1 inserted or an entry
+/// removed. Half the picks in a safetensors file fall on its
+/// `__metadata__`, where the counts live.
+fn mutate_structure(bytes: &mut Vec<u8>, rng: &mut SplitMix64) {
+    let Some(mut parsed) = parse(bytes) else {
+        return;
+    };
+    let root = match &mut parsed {
+        Parsed::Json(v) | Parsed::Safetensors(v, _) => v,
+    };
+    let pick = |rng: &mut SplitMix64, n: usize| (rng.next_u64() % n.max(1) as u64) as usize;
+    for _ in 0..=pick(rng, 3) {
+        let mut all = vec![];
+        leaves(root, String::new(), &mut all);
+        let meta: Vec<&String> = all
+            .iter()
+            .filter(|p| p.starts_with("/__metadata__/"))
+            .collect();
+        let at = if !meta.is_empty() && rng.next_u64().is_multiple_of(2) {
+            meta[pick(rng, meta.len())].clone()
+        } else if all.is_empty() {
+            return;
+        } else {
+            all[pick(rng, all.len())].clone()
+        };
+        let other = root.pointer(&all[pick(rng, all.len())]).cloned();
+        let is_string = root.pointer(&at).is_some_and(|v| v.is_string());
+        match pick(rng, 4) {
+            0 | 1 => *root.pointer_mut(&at).expect("a leaf") = boundary(rng, is_string),
+            2 => *root.pointer_mut(&at).expect("a leaf") = other.expect("a leaf"),
+            _ => {
+                // The array holding the leaf: a shape or offsets.
+                let parent = &at[..at.rfind('/').unwrap_or(0)];
+                if let Some(serde_json::Value::Array(a)) = root.pointer_mut(parent) {
+                    let (i, j) = (pick(rng, a.len()), pick(rng, a.len()));
+                    match pick(rng, 3) {
+                        0 => a.swap(i, j),
+                        1 => a.insert(i, 1.into()),
+                        _ => drop(a.remove(i)),
+                    }
+                }
+            }
+        }
+    }
+    *bytes = serialise(&parsed);
+}
+
+/// An error shown to a user is one line.
+fn one_line(err: impl std::fmt::Display, target: &str) {
+    let text = err.to_string();
+    assert!(
+        !text.contains('\n'),
+        "{target}: an error of more than one line: {text}"
+    );
+}
+
 /// Mutated checkpoints, resumed by a trainer of the fixture's config: a
-/// seeded file of the five mutated, the manifest forged to match (unless
-/// it is the one mutated). Some mutations leave a loadable checkpoint:
-/// both outcomes are fine, a panic or a runaway allocation is not.
-#[test]
-fn mutated_checkpoints_load_or_fail_cleanly() {
+/// seeded file of the five mutated by `mutate`, the manifest forged to
+/// match (unless it is the one mutated). Some mutations leave a loadable
+/// checkpoint: both outcomes are fine, a panic, a runaway allocation or an
+/// error of many lines is not.
+fn checkpoint_cases(target: &str, mutate: fn(&mut Vec<u8>, &mut SplitMix64)) {
     let cfg = fixture_config();
     let model = cfg.model_config(tvq_data::Vocab::Bytes.size());
     let device = DeviceSpec::Cpu.init().unwrap().0;
@@ -140,7 +285,7 @@ fn mutated_checkpoints_load_or_fail_cleanly() {
         "manifest.json",
     ];
     let mut loaded = 0;
-    fuzz("checkpoint", |rng| {
+    fuzz(target, |rng| {
         std::fs::create_dir_all(&ckpt).unwrap();
         for name in names {
             std::fs::copy(source.join(name), ckpt.join(name)).unwrap();
@@ -153,8 +298,9 @@ fn mutated_checkpoints_load_or_fail_cleanly() {
             forge_manifest(&ckpt);
         }
         let mut trainer = Trainer::new(&model, &cfg.train, std::slice::from_ref(&device)).unwrap();
-        if trainer.resume(&ckpt, false).is_ok() {
-            loaded += 1;
+        match trainer.resume(&ckpt, false) {
+            Ok(_) => loaded += 1,
+            Err(e) => one_line(e, target),
         }
     });
     assert!(
@@ -163,10 +309,19 @@ fn mutated_checkpoints_load_or_fail_cleanly() {
     );
 }
 
-/// Mutated exports (the weights or the JSON beside them) load for
-/// inference or fail cleanly.
 #[test]
-fn mutated_exports_load_or_fail_cleanly() {
+fn mutated_checkpoints_load_or_fail_cleanly() {
+    checkpoint_cases("checkpoint", mutate);
+}
+
+#[test]
+fn checkpoints_with_fields_at_their_boundaries_load_or_fail_cleanly() {
+    checkpoint_cases("checkpoint fields", mutate_structure);
+}
+
+/// Mutated exports (the weights or the JSON beside them, by `mutate`)
+/// load for inference or fail cleanly.
+fn export_cases(target: &str, mutate: fn(&mut Vec<u8>, &mut SplitMix64)) {
     let cfg = fixture_config();
     let model = cfg.model_config(tvq_data::Vocab::Bytes.size());
     let device = DeviceSpec::Cpu.init().unwrap().0;
@@ -190,21 +345,32 @@ fn mutated_exports_load_or_fail_cleanly() {
     ];
     let case_path = dir.path().join("case.safetensors");
     let mut loaded = 0;
-    fuzz("export", |rng| {
+    fuzz(target, |rng| {
         let mut files = seed.clone();
         let which = (rng.next_u64() % 2) as usize;
         mutate(&mut files[which], rng);
         std::fs::write(&case_path, &files[0]).unwrap();
         std::fs::write(case_path.with_extension("json"), &files[1]).unwrap();
         let result = tvq_train::inference::load::load_for_inference(&case_path, None, &device);
-        if result.is_ok() {
-            loaded += 1;
+        match result {
+            Ok(_) => loaded += 1,
+            Err(e) => one_line(e, target),
         }
     });
     assert!(
         loaded < cases(),
         "every mutation loaded: the mutations do nothing"
     );
+}
+
+#[test]
+fn mutated_exports_load_or_fail_cleanly() {
+    export_cases("export", mutate);
+}
+
+#[test]
+fn exports_with_fields_at_their_boundaries_load_or_fail_cleanly() {
+    export_cases("export fields", mutate_structure);
 }
 
 /// Mutated config texts parse or fail cleanly (the sizes they claim are

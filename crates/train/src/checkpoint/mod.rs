@@ -578,6 +578,35 @@ pub(crate) mod tests {
         assert_eq!(back[1].sublayers[0].pos, 0);
     }
 
+    /// Counts in the state's metadata that no entries back are refused
+    /// before they size anything: a billion-billion shards of no
+    /// sublayers (zero entries needed) once made a resume abort on its
+    /// allocation.
+    #[test]
+    fn carried_state_counts_are_bounded_by_their_entries() {
+        let device = DeviceSpec::Cpu.init().unwrap().0;
+        let path = Path::new("state.safetensors");
+        let state = |shards: &str, sublayers: &str| {
+            let meta = [("micro_batches", shards), ("sublayers", sublayers)]
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .into();
+            let bytes = tensor_file::to_bytes(&meta, vec![]).unwrap();
+            states_from_bytes(path, &bytes, &device).map(|s| s.len())
+        };
+        assert_eq!(state("0", "0").unwrap(), 0, "no carried state");
+        for (shards, sublayers, why) in [
+            ("1000000000000", "0", "shards of no sublayers"),
+            ("1", "0", "shards of no sublayers"),
+            ("1000000000000", "1", "metadata entries"),
+            ("1", "1000000000000", "metadata entries"),
+            ("4294967296", "4294967296", "metadata entries"),
+            ("-1", "1", "no `micro_batches`"),
+        ] {
+            let err = state(shards, sublayers).unwrap_err().to_string();
+            assert!(err.contains(why), "{shards} x {sublayers}: {err}");
+        }
+    }
+
     #[test]
     fn a_changed_byte_fails_verification_and_old_checkpoints_are_pruned() {
         let run = tempfile::tempdir().unwrap();

@@ -86,6 +86,12 @@ pub(crate) fn states_from_bytes(
             .ok_or_else(|| fail(format!("no `{k}`")))
     };
     let (shards, sublayers) = (num("micro_batches")?, num("sublayers")?);
+    // A shard's state holds every sublayer of a model, which has one at
+    // least: without this, zero sublayers would let any shard count pass
+    // the check below and size the loop that builds the states.
+    if shards > 0 && sublayers == 0 {
+        return Err(fail(format!("{shards} shards of no sublayers")));
+    }
     // Each (shard, sublayer) has its own `pos` entry: counts beyond the
     // entries are a lie, refused before anything is built from them.
     if shards.saturating_mul(sublayers) > meta.len() {
