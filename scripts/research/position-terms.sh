@@ -7,7 +7,7 @@
 # official protocol) and carried through each row. About 20 minutes per run
 # on 2 cores; runs already finished are not trained again.
 #
-#   scripts/position-terms.sh [RUNS_DIR] [--set KEY=VALUE ...]
+#   scripts/research/position-terms.sh [RUNS_DIR] [--set KEY=VALUE ...]
 #
 # Extra --set options go to every training run (e.g. --set train.steps=10
 # for a dry run). Needs `tvq` on PATH, or set TVQ=path/to/tvq.

@@ -130,8 +130,7 @@ pub struct TransformerVqConfig {
     /// Initial locality of the Toeplitz bias: head `h` starts at
     /// `b_h[d] = a_h (1 - d / L)` with `a_h = toeplitz_locality 2^(-8 h / H)`,
     /// so nearer keys start favoured and the table meets the compressed
-    /// cache's zero bias at `d = L`. 0 starts the table at zero (as before
-    /// 2026-11-22).
+    /// cache's zero bias at `d = L`. 0 starts the table at zero.
     pub toeplitz_locality: f64,
     /// Features of the rotary position channel `P` (even; 0 for none;
     /// absent: `d_k`). With `bias = "rotary"` each key carries `P` constant

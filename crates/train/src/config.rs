@@ -64,7 +64,7 @@ pub struct TrainSection {
     /// Decoupled weight decay, on matrices only (not the Toeplitz tables).
     pub weight_decay: f64,
     /// Multiplier on the learning rate of the Toeplitz bias tables (1: the
-    /// common rate, as before 2026-11-22).
+    /// common rate).
     pub toeplitz_lr_scale: f64,
     /// Clip the global gradient norm to this (0: off).
     pub grad_clip: f64,
