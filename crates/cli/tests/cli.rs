@@ -141,10 +141,13 @@ fn metrics_lines(run: &Path) -> usize {
 
 /// The lines of a run's JSON-lines file (none when it does not exist).
 fn json_lines(path: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
+    parse_json_lines(&std::fs::read_to_string(path).unwrap_or_default())
+}
+
+/// Each line of `text` (a JSON-lines file, or `--json` output) as JSON.
+fn parse_json_lines(text: &str) -> Vec<serde_json::Value> {
+    text.lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
         .collect()
 }
 
@@ -1636,10 +1639,7 @@ fn bench_times_the_training_step_of_the_configured_model() {
         (&["--set", "model.d_model=16"][..], "forward+backward"),
     ] {
         let out = ok(&[&common[..], extra].concat());
-        let lines: Vec<serde_json::Value> = out
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
+        let lines = parse_json_lines(&out);
         assert_eq!(lines.len(), 4, "{out}");
         for l in &lines {
             assert_eq!(l["step"], step, "{l}");
@@ -1674,10 +1674,7 @@ fn bench_times_the_training_step_of_the_configured_model() {
         "3",
         "--json",
     ]);
-    let lines: Vec<serde_json::Value> = out
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = parse_json_lines(&out);
     assert_eq!(lines.len(), 2, "{out}");
     for (l, context) in lines.iter().zip([5, 40]) {
         assert_eq!(l["context"], context, "{l}");

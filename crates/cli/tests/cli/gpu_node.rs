@@ -7,7 +7,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use super::{TVQ, repo, tiny_config, tvq};
+use super::{TVQ, parse_json_lines, repo, tiny_config, tvq};
 use tvq_testkit::Gpu;
 
 /// `tvq check --json` on `device`, with `TVQ_FAULT` set to `fault` if given.
@@ -290,11 +290,7 @@ fn the_bundle_runs_every_part_small_on_the_cpu_without_rust() {
 }
 
 fn read_results(path: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(path)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
-        .collect()
+    parse_json_lines(&std::fs::read_to_string(path).unwrap())
 }
 
 /// `tvq bench kernels` reaches the fused attention kernel from the binary
@@ -342,10 +338,7 @@ fn bench_kernels_reaches_the_fused_kernel_and_agrees_with_the_composed_ops() {
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let text = String::from_utf8_lossy(&out.stdout);
-        text.lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect()
+        parse_json_lines(&String::from_utf8_lossy(&out.stdout))
     };
     for (bias, out) in [("toeplitz", out), ("xl", bench("xl"))] {
         let lines = lines(&out);
