@@ -343,7 +343,7 @@ fn block_attention_impl<B: VqBackend>(
         && rotary.is_none()
         && !with_groups
         && cx.precision == Precision::F32
-        && kernel::attention::covers(l, s);
+        && kernel::attention::covers(l, dk);
     let fused = if fusable {
         fused_attention(FusedInputs {
             q: q.clone(),

@@ -4,20 +4,30 @@
 //! device memory. The backward pass recomputes the scores from each
 //! query's log-sum-exp, as FlashAttention does.
 //!
-//! Three kernels, each cube one row of work and its `WORKERS` units
-//! striding over that row, the row's scores in shared memory:
+//! Every kernel works on tiles of `TILE` queries by `TILE` keys, a cube of
+//! `TILE x TILE` units, one score each: the tile's query and key rows
+//! (`TILE x K`) are read from device memory once into shared memory and
+//! shared by all its units, instead of once per score. Keys number
+//! `N = 2L + S` (present `0..L`, previous `L..2L`, codes `2L..`).
 //!
-//! - `forward`: a cube per query: its `2L + S` scores, their softmax, the
-//!   output and the log-sum-exp;
-//! - `backward_query`: a cube per query: the scores' gradients
-//!   `ds = p (dO . value - D)` (`D = dO . O`), then `dq`, the query's row of
-//!   the bias gradient and its count weight's gradient;
-//! - `backward_key`: a cube per key (present, previous, code) of a block
-//!   row: `ds` and `p` of each of the block's queries, then the key's `dk`
-//!   (window keys only: codewords take no gradient) and its value's `dv`.
+//! - `forward_stats`: a cube per query tile, over every key tile: each
+//!   query's log-sum-exp (running maximum and sum, then a reduction);
+//! - `forward_values`: a cube per query tile and slice of `SLICE` value
+//!   channels: the probabilities recomputed from the log-sum-exp, times
+//!   the values (the value width, 1,536 at enwik8 widths, is split over
+//!   cubes so that a unit's accumulators stay in registers);
+//! - `backward_query`: a cube per query tile: `ds = p (dO . value - D)`
+//!   (`D = dO . O`), then `dq`, the query's row of the bias gradient and
+//!   its count weight's gradient;
+//! - `backward_key`: a cube per tile of window keys: `ds` again, then `dk`
+//!   (codewords take no gradient);
+//! - `backward_values`: a cube per key tile and value slice: `dv`,
+//!   `dv_prev` and the cache means' gradient, `p^T dO`.
 //!
-//! Every output element is written by exactly one cube, so nothing is
-//! zeroed first and nothing is accumulated atomically.
+//! Every output element is written by exactly one unit, so nothing is
+//! zeroed first and nothing is accumulated atomically. `dO . value` is
+//! computed by both `backward_query` and `backward_key`: the price of no
+//! atomics.
 
 use burn::prelude::Backend;
 use burn::tensor::ops::FloatTensor;
@@ -30,20 +40,31 @@ use cubecl::prelude::*;
 
 use super::{AttentionKernelGrads, AttentionKernelInput, VqKernels};
 
-/// Units per cube: one warp on CUDA.
-const WORKERS: u32 = 32;
+/// Queries (and keys) per tile; a cube is `TILE x TILE` units.
+const TILE: usize = 16;
 
-/// Most keys (`2L + S`) a query's scores may hold in shared memory (32 KiB
-/// of `f32`); past it the model composes the attention.
-pub const MAX_KEYS: usize = 8192;
+/// Value channels each unit accumulates where values are weighed.
+const PER_UNIT: usize = 8;
+
+/// Value channels per cube where values are weighed.
+const SLICE: usize = TILE * PER_UNIT;
+
+/// Value channels per step of `dO . value`.
+const CHUNK: usize = 64;
+
+/// Widest key a tile holds: a tile of queries and one of keys, `2 TILE K`
+/// floats, with the value slice, in 32 KiB of shared memory. Wider keys
+/// compose.
+pub const MAX_KEY_WIDTH: usize = 128;
 
 /// The score of a masked key. WGSL has no infinite literal; `exp(NEG - m)`
 /// is exactly 0 in `f32` for any finite row maximum `m`, as `exp(-inf)` is.
 const NEG: f32 = -1.0e30;
 
-/// Whether a backend's fused attention covers a segment with these sizes.
-pub fn covers(block_len: usize, codes: usize) -> bool {
-    block_len > 0 && 2 * block_len + codes <= MAX_KEYS
+/// Whether a backend's fused attention covers a segment with this block
+/// length and key width.
+pub fn covers(block_len: usize, key_width: usize) -> bool {
+    block_len > 0 && (1..=MAX_KEY_WIDTH).contains(&key_width)
 }
 
 /// What every kernel reads: [`AttentionKernelInput`] on the device.
@@ -64,55 +85,71 @@ struct Operands<F: Float> {
     mask_first: u32,
 }
 
-/// The score of key `n` (`0..L` present, `L..2L` previous, `2L..` codes)
-/// for query `i` of block row `g`, as [`AttentionKernelInput`] states it.
+/// How many parts of `size` cover `n` (`div_ceil`, which kernels lack).
 #[cube]
-fn score<F: Float>(x: &Operands<F>, g: usize, i: usize, n: usize) -> F {
+#[allow(clippy::manual_div_ceil)]
+fn parts(n: usize, #[comptime] size: usize) -> usize {
+    (n + size - 1) / size
+}
+
+/// Keys a query sees, `2L + S`.
+#[cube]
+fn key_count<F: Float>(x: &Operands<F>) -> usize {
+    2 * x.q.shape(1) + x.codebook.shape(1)
+}
+
+/// The head of block row `g` (`g = (b H + h) R + r`).
+#[cube]
+fn head<F: Float>(x: &Operands<F>, g: usize) -> usize {
+    let blocks = x.bias.shape(2) / x.q.shape(1);
+    (g / blocks) % x.codebook.shape(0)
+}
+
+/// Where query `i` of block row `g` starts in `bias` (or its gradient,
+/// of the same shape).
+#[cube]
+fn bias_row<F: Float>(x: &Operands<F>, bias: &Tensor<F>, g: usize, i: usize) -> usize {
     let l = x.q.shape(1);
-    let dk = x.q.shape(2);
     let heads = x.codebook.shape(0);
     let blocks = x.bias.shape(2) / l;
     let r = g % blocks;
     let h = (g / blocks) % heads;
     let b = g / (blocks * heads);
-    let bias_at = b * x.bias.stride(0) + h * x.bias.stride(1) + (r * l + i) * x.bias.stride(2);
-    let q_at = g * x.q.stride(0) + i * x.q.stride(1);
+    b * bias.stride(0) + h * bias.stride(1) + (r * l + i) * bias.stride(2)
+}
+
+/// Everything of the score of key `n` for query `i` of block row `g`
+/// but the product `q_i . key_n`, as [`AttentionKernelInput`] states it:
+/// `NEG` where the key is masked (or `i`, `n` lie past the block or the
+/// keys, as a tile's last rows may).
+#[cube]
+fn term<F: Float>(x: &Operands<F>, g: usize, i: usize, n: usize) -> F {
+    let l = x.q.shape(1);
     let mut out = F::new(NEG);
-    if n < l {
-        if n <= i {
-            let k_at = g * x.k.stride(0) + n * x.k.stride(1);
-            let mut dot = F::new(0.0);
-            for c in 0..dk {
-                dot += x.q[q_at + c * x.q.stride(2)] * x.k[k_at + c * x.k.stride(2)];
+    if i < l && n < key_count::<F>(x) {
+        let bias_at = bias_row::<F>(x, &x.bias, g, i);
+        if n < l {
+            if n <= i {
+                out = x.bias[bias_at + (i - n) * x.bias.stride(3)];
             }
-            out = dot + x.bias[bias_at + (i - n) * x.bias.stride(3)];
-        }
-    } else if n < 2 * l {
-        let j = n - l;
-        if x.mask_first == 0 || r > 0 {
-            let k_at = g * x.k_prev.stride(0) + j * x.k_prev.stride(1);
-            let mut dot = F::new(0.0);
-            for c in 0..dk {
-                dot += x.q[q_at + c * x.q.stride(2)] * x.k_prev[k_at + c * x.k_prev.stride(2)];
+        } else if n < 2 * l {
+            let j = n - l;
+            let r = g % (x.bias.shape(2) / l);
+            if x.mask_first == 0 || r > 0 {
+                out = F::new(0.0);
+                // Distance L + i - j is within the window's bias when j >= i.
+                if j >= i {
+                    out = x.bias[bias_at + (l + i - j) * x.bias.stride(3)];
+                }
             }
-            // Distance L + i - j is within the window's bias when j >= i.
-            if j >= i {
-                dot += x.bias[bias_at + (l + i - j) * x.bias.stride(3)];
+        } else {
+            let s = n - 2 * l;
+            let a = x.log_counts[g * x.log_counts.stride(0) + s * x.log_counts.stride(1)];
+            // An empty code's ln 0 = -inf fails this test: it stays masked.
+            if a > F::new(NEG) {
+                let w = x.count_weight[g * x.count_weight.stride(0) + i * x.count_weight.stride(1)];
+                out = w * a + x.shift[g * x.shift.stride(0)];
             }
-            out = dot;
-        }
-    } else {
-        let s = n - 2 * l;
-        let a = x.log_counts[g * x.log_counts.stride(0) + s * x.log_counts.stride(1)];
-        // An empty code's ln 0 = -inf fails this test: it stays masked.
-        if a > F::new(NEG) {
-            let c_at = h * x.codebook.stride(0) + s * x.codebook.stride(1);
-            let mut dot = F::new(0.0);
-            for c in 0..dk {
-                dot += x.q[q_at + c * x.q.stride(2)] * x.codebook[c_at + c * x.codebook.stride(2)];
-            }
-            let w = x.count_weight[g * x.count_weight.stride(0) + i * x.count_weight.stride(1)];
-            out = dot + w * a + x.shift[g * x.shift.stride(0)];
         }
     }
     out
@@ -146,92 +183,316 @@ fn key<F: Float>(x: &Operands<F>, g: usize, h: usize, n: usize, c: usize) -> F {
     }
 }
 
-/// The maximum of every unit's `x` in the cube (`part`: `WORKERS` slots).
+/// Queries `first..first + TILE` of block row `g` into `tile`
+/// (`TILE x width`, row-major), zeros past the block.
 #[cube]
-fn cube_max<F: Float>(x: F, part: &mut SharedMemory<F>) -> F {
-    part[UNIT_POS_X as usize] = x;
-    sync_cube();
-    let mut m = part[0];
-    for t in 1..CUBE_DIM_X as usize {
-        let y = part[t];
-        if y > m {
-            m = y;
+fn load_queries<F: Float>(
+    x: &Operands<F>,
+    g: usize,
+    first: usize,
+    tile: &mut SharedMemory<F>,
+    #[comptime] width: usize,
+) {
+    let mut e = UNIT_POS as usize;
+    while e < TILE * width {
+        let i = first + e / width;
+        let mut v = F::new(0.0);
+        if i < x.q.shape(1) {
+            v = x.q[g * x.q.stride(0) + i * x.q.stride(1) + (e % width) * x.q.stride(2)];
+        }
+        tile[e] = v;
+        e += TILE * TILE;
+    }
+}
+
+/// Keys `first..first + TILE` of block row `g` (head `h`) into `tile`
+/// (`TILE x width`), zeros past the keys.
+#[cube]
+fn load_keys<F: Float>(
+    x: &Operands<F>,
+    g: usize,
+    h: usize,
+    first: usize,
+    tile: &mut SharedMemory<F>,
+    #[comptime] width: usize,
+) {
+    let keys = key_count::<F>(x);
+    let mut e = UNIT_POS as usize;
+    while e < TILE * width {
+        let n = first + e / width;
+        let mut v = F::new(0.0);
+        if n < keys {
+            v = key::<F>(x, g, h, n, e % width);
+        }
+        tile[e] = v;
+        e += TILE * TILE;
+    }
+}
+
+/// Channels `c0..c0 + SLICE` of the values of keys `first..first + TILE`
+/// into `tile` (`TILE x SLICE`), zeros past the keys or channels.
+#[cube]
+fn load_values<F: Float>(
+    x: &Operands<F>,
+    g: usize,
+    first: usize,
+    c0: usize,
+    tile: &mut SharedMemory<F>,
+) {
+    let keys = key_count::<F>(x);
+    let mut e = UNIT_POS as usize;
+    while e < TILE * SLICE {
+        let n = first + e / SLICE;
+        let c = c0 + e % SLICE;
+        let mut v = F::new(0.0);
+        if n < keys && c < x.v.shape(2) {
+            v = value::<F>(x, g, n, c);
+        }
+        tile[e] = v;
+        e += TILE * TILE;
+    }
+}
+
+/// Channels `c0..c0 + SLICE` of the output gradient of queries
+/// `first..first + TILE` into `tile` (`TILE x SLICE`), zeros past them.
+#[cube]
+fn load_grads<F: Float>(
+    grad: &Tensor<F>,
+    g: usize,
+    first: usize,
+    c0: usize,
+    tile: &mut SharedMemory<F>,
+) {
+    let mut e = UNIT_POS as usize;
+    while e < TILE * SLICE {
+        let i = first + e / SLICE;
+        let c = c0 + e % SLICE;
+        let mut v = F::new(0.0);
+        if i < grad.shape(1) && c < grad.shape(2) {
+            v = grad[g * grad.stride(0) + i * grad.stride(1) + c * grad.stride(2)];
+        }
+        tile[e] = v;
+        e += TILE * TILE;
+    }
+}
+
+/// The score of key `n` for query `i`, whose rows are `k_row` of `keys`
+/// and `q_row` of `queries`; `NEG` where masked.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn score<F: Float>(
+    x: &Operands<F>,
+    g: usize,
+    i: usize,
+    n: usize,
+    queries: &SharedMemory<F>,
+    q_row: usize,
+    keys: &SharedMemory<F>,
+    k_row: usize,
+    #[comptime] width: usize,
+) -> F {
+    let t = term::<F>(x, g, i, n);
+    let mut s = F::new(NEG);
+    if t > F::new(NEG) {
+        let mut dot = F::new(0.0);
+        for c in 0..width {
+            dot += queries[q_row * width + c] * keys[k_row * width + c];
+        }
+        s = dot + t;
+    }
+    s
+}
+
+/// `dO_i . value_n` over every value channel, `CHUNK` channels at a time,
+/// for the query of `query_row` and the key of `key_row` of the tiles at
+/// `first_query` and `first_key` (`grads`, `values`: `TILE x CHUNK` each).
+/// Every unit of the cube calls it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn grad_dot_value<F: Float>(
+    x: &Operands<F>,
+    grad: &Tensor<F>,
+    g: usize,
+    first_query: usize,
+    first_key: usize,
+    query_row: usize,
+    key_row: usize,
+    grads: &mut SharedMemory<F>,
+    values: &mut SharedMemory<F>,
+) -> F {
+    let l = x.q.shape(1);
+    let width = x.v.shape(2);
+    let keys = key_count::<F>(x);
+    let mut dp = F::new(0.0);
+    let mut c0 = 0;
+    while c0 < width {
+        sync_cube();
+        let mut e = UNIT_POS as usize;
+        while e < TILE * CHUNK {
+            let (row, c) = (e / CHUNK, c0 + e % CHUNK);
+            let mut a = F::new(0.0);
+            let mut b = F::new(0.0);
+            if first_query + row < l && c < width {
+                a = grad[g * grad.stride(0)
+                    + (first_query + row) * grad.stride(1)
+                    + c * grad.stride(2)];
+            }
+            if first_key + row < keys && c < width {
+                b = value::<F>(x, g, first_key + row, c);
+            }
+            grads[e] = a;
+            values[e] = b;
+            e += TILE * TILE;
+        }
+        sync_cube();
+        for t in 0..CHUNK {
+            dp += grads[query_row * CHUNK + t] * values[key_row * CHUNK + t];
+        }
+        c0 += CHUNK;
+    }
+    dp
+}
+
+/// The log-sum-exp of row `i` from each unit's running maximum and sum
+/// (`TILE` per row in `maxes`, `sums`).
+#[cube]
+fn row_lse<F: Float>(maxes: &SharedMemory<F>, sums: &SharedMemory<F>, row: usize) -> F {
+    let mut top = F::new(NEG);
+    for t in 0..TILE {
+        let m = maxes[row * TILE + t];
+        if m > top {
+            top = m;
         }
     }
-    sync_cube();
-    m
-}
-
-/// The sum of every unit's `x` in the cube (`part`: `WORKERS` slots).
-#[cube]
-fn cube_sum<F: Float>(x: F, part: &mut SharedMemory<F>) -> F {
-    part[UNIT_POS_X as usize] = x;
-    sync_cube();
     let mut total = F::new(0.0);
-    for t in 0..CUBE_DIM_X as usize {
-        total += part[t];
+    for t in 0..TILE {
+        total += sums[row * TILE + t] * (maxes[row * TILE + t] - top).exp();
     }
-    sync_cube();
-    total
+    top + total.ln()
 }
 
+/// A query tile's log-sum-exp: a cube per `(g, query tile)`.
 #[cube(launch)]
-fn forward<F: Float>(
+fn forward_stats<F: Float>(
     x: &Operands<F>,
-    out: &mut Tensor<F>,
     lse: &mut Tensor<F>,
-    #[comptime] keys: u32,
+    #[comptime] width: usize,
     #[define(F)] _dtype: StorageType,
 ) {
     let l = x.q.shape(1);
-    let row = CUBE_POS;
-    if row >= x.q.shape(0) * l {
+    let keys = key_count::<F>(x);
+    let tiles = parts(l, TILE);
+    if CUBE_POS >= x.q.shape(0) * tiles {
         terminate!();
     }
-    let g = row / l;
-    let i = row % l;
-    let n_keys = keys as usize;
-    let step = CUBE_DIM_X as usize;
-    let mut p = SharedMemory::<F>::new(keys as usize);
-    let mut part = SharedMemory::<F>::new(WORKERS as usize);
+    let g = CUBE_POS / tiles;
+    let first = (CUBE_POS % tiles) * TILE;
+    let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
+    let h = head::<F>(x, g);
+    let mut queries = SharedMemory::<F>::new(TILE * width);
+    let mut key_tile = SharedMemory::<F>::new(TILE * width);
+    let mut maxes = SharedMemory::<F>::new(TILE * TILE);
+    let mut sums = SharedMemory::<F>::new(TILE * TILE);
+    load_queries::<F>(x, g, first, &mut queries, width);
 
+    // This unit's running maximum and sum over keys z, z + TILE, ...
     let mut m = F::new(NEG);
-    let mut n = UNIT_POS_X as usize;
-    while n < n_keys {
-        let s = score::<F>(x, g, i, n);
-        p[n] = s;
-        if s > m {
-            m = s;
+    let mut total = F::new(0.0);
+    let mut n0 = 0;
+    while n0 < keys {
+        sync_cube();
+        load_keys::<F>(x, g, h, n0, &mut key_tile, width);
+        sync_cube();
+        let s = score::<F>(x, g, first + y, n0 + z, &queries, y, &key_tile, z, width);
+        if s > F::new(NEG) {
+            let mut top = m;
+            if s > top {
+                top = s;
+            }
+            total = total * (m - top).exp() + (s - top).exp();
+            m = top;
         }
-        n += step;
+        n0 += TILE;
     }
-    let m = cube_max::<F>(m, &mut part);
-    let mut z = F::new(0.0);
-    let mut n = UNIT_POS_X as usize;
-    while n < n_keys {
-        let e = (p[n] - m).exp();
-        p[n] = e;
-        z += e;
-        n += step;
-    }
-    let z = cube_sum::<F>(z, &mut part);
-
-    let out_at = g * out.stride(0) + i * out.stride(1);
-    let mut c = UNIT_POS_X as usize;
-    while c < out.shape(2) {
-        let mut acc = F::new(0.0);
-        for n in 0..n_keys {
-            acc += p[n] * value::<F>(x, g, n, c);
-        }
-        out[out_at + c * out.stride(2)] = acc / z;
-        c += step;
-    }
-    if UNIT_POS_X == 0 {
-        lse[g * lse.stride(0) + i * lse.stride(1)] = m + z.ln();
+    maxes[y * TILE + z] = m;
+    sums[y * TILE + z] = total;
+    sync_cube();
+    if z == 0 && first + y < l {
+        lse[g * lse.stride(0) + (first + y) * lse.stride(1)] = row_lse::<F>(&maxes, &sums, y);
     }
 }
 
+/// A query tile's output in one slice of value channels: a cube per
+/// `(g, query tile, slice)`.
 #[cube(launch)]
+fn forward_values<F: Float>(
+    x: &Operands<F>,
+    lse: &Tensor<F>,
+    out: &mut Tensor<F>,
+    #[comptime] width: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let l = x.q.shape(1);
+    let dv = x.v.shape(2);
+    let keys = key_count::<F>(x);
+    let tiles = parts(l, TILE);
+    let slices = parts(dv, SLICE);
+    if CUBE_POS >= x.q.shape(0) * tiles * slices {
+        terminate!();
+    }
+    let g = CUBE_POS / (tiles * slices);
+    let first = (CUBE_POS / slices % tiles) * TILE;
+    let c0 = (CUBE_POS % slices) * SLICE;
+    let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
+    let h = head::<F>(x, g);
+    let i = first + y;
+    let mut queries = SharedMemory::<F>::new(TILE * width);
+    let mut key_tile = SharedMemory::<F>::new(TILE * width);
+    let mut values = SharedMemory::<F>::new(TILE * SLICE);
+    let mut probs = SharedMemory::<F>::new(TILE * TILE);
+    load_queries::<F>(x, g, first, &mut queries, width);
+    let mut own_lse = F::new(0.0);
+    if i < l {
+        own_lse = lse[g * lse.stride(0) + i * lse.stride(1)];
+    }
+    let mut acc = Array::<F>::new(PER_UNIT);
+    for j in 0..PER_UNIT {
+        acc[j] = F::new(0.0);
+    }
+    let mut n0 = 0;
+    while n0 < keys {
+        sync_cube();
+        load_keys::<F>(x, g, h, n0, &mut key_tile, width);
+        load_values::<F>(x, g, n0, c0, &mut values);
+        sync_cube();
+        let s = score::<F>(x, g, i, n0 + z, &queries, y, &key_tile, z, width);
+        let mut p = F::new(0.0);
+        if s > F::new(NEG) {
+            p = (s - own_lse).exp();
+        }
+        probs[y * TILE + z] = p;
+        sync_cube();
+        for j in 0..PER_UNIT {
+            let mut a = acc[j];
+            for t in 0..TILE {
+                a += probs[y * TILE + t] * values[t * SLICE + z + j * TILE];
+            }
+            acc[j] = a;
+        }
+        n0 += TILE;
+    }
+    for j in 0..PER_UNIT {
+        let c = c0 + z + j * TILE;
+        if i < l && c < dv {
+            out[g * out.stride(0) + i * out.stride(1) + c * out.stride(2)] = acc[j];
+        }
+    }
+}
+
+/// A query tile's `dq`, bias gradient rows and count weight gradient: a
+/// cube per `(g, query tile)`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 fn backward_query<F: Float>(
     x: &Operands<F>,
     lse: &Tensor<F>,
@@ -240,166 +501,268 @@ fn backward_query<F: Float>(
     dq: &mut Tensor<F>,
     dbias: &mut Tensor<F>,
     dweight: &mut Tensor<F>,
-    #[comptime] keys: u32,
+    #[comptime] width: usize,
     #[define(F)] _dtype: StorageType,
 ) {
     let l = x.q.shape(1);
-    let row = CUBE_POS;
-    if row >= x.q.shape(0) * l {
+    let keys = key_count::<F>(x);
+    let tiles = parts(l, TILE);
+    if CUBE_POS >= x.q.shape(0) * tiles {
         terminate!();
     }
-    let g = row / l;
-    let i = row % l;
-    let n_keys = keys as usize;
-    let step = CUBE_DIM_X as usize;
-    let dv = x.v.shape(2);
-    let mut ds = SharedMemory::<F>::new(keys as usize);
-    let mut part = SharedMemory::<F>::new(WORKERS as usize);
-    let row_lse = lse[g * lse.stride(0) + i * lse.stride(1)];
-    let row_delta = delta[g * delta.stride(0) + i * delta.stride(1)];
-    let grad_at = g * grad.stride(0) + i * grad.stride(1);
-
-    let mut n = UNIT_POS_X as usize;
-    while n < n_keys {
-        let s = score::<F>(x, g, i, n);
-        let p = (s - row_lse).exp();
-        let mut dp = F::new(0.0);
-        for c in 0..dv {
-            dp += grad[grad_at + c * grad.stride(2)] * value::<F>(x, g, n, c);
+    let g = CUBE_POS / tiles;
+    let first = (CUBE_POS % tiles) * TILE;
+    let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
+    let h = head::<F>(x, g);
+    let i = first + y;
+    let mut queries = SharedMemory::<F>::new(TILE * width);
+    let mut key_tile = SharedMemory::<F>::new(TILE * width);
+    let mut grads = SharedMemory::<F>::new(TILE * CHUNK);
+    let mut values = SharedMemory::<F>::new(TILE * CHUNK);
+    let mut ds_tile = SharedMemory::<F>::new(TILE * TILE);
+    load_queries::<F>(x, g, first, &mut queries, width);
+    let mut own_lse = F::new(0.0);
+    let mut own_delta = F::new(0.0);
+    if i < l {
+        own_lse = lse[g * lse.stride(0) + i * lse.stride(1)];
+        own_delta = delta[g * delta.stride(0) + i * delta.stride(1)];
+    }
+    let bias_at = bias_row::<F>(x, dbias, g, i);
+    let per_unit = comptime!(width.div_ceil(TILE));
+    let mut acc = Array::<F>::new(per_unit);
+    for j in 0..per_unit {
+        acc[j] = F::new(0.0);
+    }
+    let mut weight_grad = F::new(0.0);
+    let mut n0 = 0;
+    while n0 < keys {
+        sync_cube();
+        load_keys::<F>(x, g, h, n0, &mut key_tile, width);
+        sync_cube();
+        let n = n0 + z;
+        let s = score::<F>(x, g, i, n, &queries, y, &key_tile, z, width);
+        let dp = grad_dot_value::<F>(x, grad, g, first, n0, y, z, &mut grads, &mut values);
+        let mut ds = F::new(0.0);
+        if s > F::new(NEG) {
+            ds = (s - own_lse).exp() * (dp - own_delta);
         }
-        ds[n] = p * (dp - row_delta);
-        n += step;
+        ds_tile[y * TILE + z] = ds;
+        // Distance i - n to a present key, L + i - j to previous key j >= i:
+        // each of the row's L + 1 distances is one window key's.
+        if i < l && n < l {
+            if n <= i {
+                dbias[bias_at + (i - n) * dbias.stride(3)] = ds;
+            }
+        } else if i < l && n < 2 * l {
+            let j = n - l;
+            if j >= i {
+                dbias[bias_at + (l + i - j) * dbias.stride(3)] = ds;
+            }
+        } else if i < l && n < keys {
+            let a = x.log_counts[g * x.log_counts.stride(0) + (n - 2 * l) * x.log_counts.stride(1)];
+            if a > F::new(NEG) {
+                weight_grad += ds * a;
+            }
+        }
+        sync_cube();
+        for j in 0..per_unit {
+            let c = z + j * TILE;
+            if c < width {
+                let mut a = acc[j];
+                for t in 0..TILE {
+                    a += ds_tile[y * TILE + t] * key_tile[t * width + c];
+                }
+                acc[j] = a;
+            }
+        }
+        n0 += TILE;
+    }
+    for j in 0..per_unit {
+        let c = z + j * TILE;
+        if i < l && c < width {
+            dq[g * dq.stride(0) + i * dq.stride(1) + c * dq.stride(2)] = acc[j];
+        }
     }
     sync_cube();
-
-    let heads = x.codebook.shape(0);
-    let blocks = x.bias.shape(2) / l;
-    let r = g % blocks;
-    let h = (g / blocks) % heads;
-    let b = g / (blocks * heads);
-    let dq_at = g * dq.stride(0) + i * dq.stride(1);
-    let mut c = UNIT_POS_X as usize;
-    while c < x.q.shape(2) {
-        let mut acc = F::new(0.0);
-        for n in 0..n_keys {
-            acc += ds[n] * key::<F>(x, g, h, n, c);
+    ds_tile[y * TILE + z] = weight_grad;
+    sync_cube();
+    if z == 0 && i < l {
+        let mut total = F::new(0.0);
+        for t in 0..TILE {
+            total += ds_tile[y * TILE + t];
         }
-        dq[dq_at + c * dq.stride(2)] = acc;
-        c += step;
-    }
-    // Distance d <= i is present key i - d; d > i is previous key L + i - d.
-    let bias_at = b * dbias.stride(0) + h * dbias.stride(1) + (r * l + i) * dbias.stride(2);
-    let mut d = UNIT_POS_X as usize;
-    while d <= l {
-        let mut at = 2 * l + i - d;
-        if d <= i {
-            at = i - d;
-        }
-        dbias[bias_at + d * dbias.stride(3)] = ds[at];
-        d += step;
-    }
-    // The count weight multiplies every non-empty code's ln count.
-    let mut acc = F::new(0.0);
-    let mut s = UNIT_POS_X as usize;
-    while s < n_keys - 2 * l {
-        let a = x.log_counts[g * x.log_counts.stride(0) + s * x.log_counts.stride(1)];
-        if a > F::new(NEG) {
-            acc += ds[2 * l + s] * a;
-        }
-        s += step;
-    }
-    let total = cube_sum::<F>(acc, &mut part);
-    if UNIT_POS_X == 0 {
         dweight[g * dweight.stride(0) + i * dweight.stride(1)] = total;
     }
 }
 
+/// A tile of window keys' `dk` (present or previous block): a cube per
+/// `(g, key tile)` over `2L` keys.
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 fn backward_key<F: Float>(
     x: &Operands<F>,
     lse: &Tensor<F>,
     grad: &Tensor<F>,
     delta: &Tensor<F>,
     dk: &mut Tensor<F>,
-    dv: &mut Tensor<F>,
     dk_prev: &mut Tensor<F>,
-    dv_prev: &mut Tensor<F>,
-    dmeans: &mut Tensor<F>,
-    #[comptime] keys: u32,
-    #[comptime] block: u32,
+    #[comptime] width: usize,
     #[define(F)] _dtype: StorageType,
 ) {
     let l = x.q.shape(1);
-    let n_keys = keys as usize;
-    let row = CUBE_POS;
-    if row >= x.q.shape(0) * n_keys {
+    let tiles = parts(2 * l, TILE);
+    if CUBE_POS >= x.q.shape(0) * tiles {
         terminate!();
     }
-    let g = row / n_keys;
-    let n = row % n_keys;
-    let step = CUBE_DIM_X as usize;
-    let width = x.v.shape(2);
-    let mut ps = SharedMemory::<F>::new(block as usize);
-    let mut ds = SharedMemory::<F>::new(block as usize);
-
-    // Masked pairs score NEG: their p, and so their ds, are exactly 0.
-    let mut i = UNIT_POS_X as usize;
-    while i < l {
-        let s = score::<F>(x, g, i, n);
-        let p = (s - lse[g * lse.stride(0) + i * lse.stride(1)]).exp();
-        let grad_at = g * grad.stride(0) + i * grad.stride(1);
-        let mut dp = F::new(0.0);
-        for c in 0..width {
-            dp += grad[grad_at + c * grad.stride(2)] * value::<F>(x, g, n, c);
-        }
-        ps[i] = p;
-        ds[i] = p * (dp - delta[g * delta.stride(0) + i * delta.stride(1)]);
-        i += step;
+    let g = CUBE_POS / tiles;
+    let first = (CUBE_POS % tiles) * TILE;
+    // Unit (y, z): key `first + y`, query `i0 + z` of each query tile.
+    let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
+    let h = head::<F>(x, g);
+    let n = first + y;
+    let mut queries = SharedMemory::<F>::new(TILE * width);
+    let mut key_tile = SharedMemory::<F>::new(TILE * width);
+    let mut grads = SharedMemory::<F>::new(TILE * CHUNK);
+    let mut values = SharedMemory::<F>::new(TILE * CHUNK);
+    let mut ds_tile = SharedMemory::<F>::new(TILE * TILE);
+    load_keys::<F>(x, g, h, first, &mut key_tile, width);
+    let per_unit = comptime!(width.div_ceil(TILE));
+    let mut acc = Array::<F>::new(per_unit);
+    for j in 0..per_unit {
+        acc[j] = F::new(0.0);
     }
-    sync_cube();
-
-    if n < 2 * l {
-        let mut c = UNIT_POS_X as usize;
-        while c < x.q.shape(2) {
-            let mut acc = F::new(0.0);
-            for i in 0..l {
-                acc += ds[i] * x.q[g * x.q.stride(0) + i * x.q.stride(1) + c * x.q.stride(2)];
+    let mut i0 = 0;
+    while i0 < l {
+        sync_cube();
+        load_queries::<F>(x, g, i0, &mut queries, width);
+        sync_cube();
+        let i = i0 + z;
+        let s = score::<F>(x, g, i, n, &queries, z, &key_tile, y, width);
+        let dp = grad_dot_value::<F>(x, grad, g, i0, first, z, y, &mut grads, &mut values);
+        let mut ds = F::new(0.0);
+        if s > F::new(NEG) {
+            let own_lse = lse[g * lse.stride(0) + i * lse.stride(1)];
+            let own_delta = delta[g * delta.stride(0) + i * delta.stride(1)];
+            ds = (s - own_lse).exp() * (dp - own_delta);
+        }
+        ds_tile[y * TILE + z] = ds;
+        sync_cube();
+        for j in 0..per_unit {
+            let c = z + j * TILE;
+            if c < width {
+                let mut a = acc[j];
+                for t in 0..TILE {
+                    a += ds_tile[y * TILE + t] * queries[t * width + c];
+                }
+                acc[j] = a;
             }
+        }
+        i0 += TILE;
+    }
+    for j in 0..per_unit {
+        let c = z + j * TILE;
+        if c < width {
             if n < l {
-                dk[g * dk.stride(0) + n * dk.stride(1) + c * dk.stride(2)] = acc;
-            } else {
+                dk[g * dk.stride(0) + n * dk.stride(1) + c * dk.stride(2)] = acc[j];
+            } else if n < 2 * l {
                 dk_prev
                     [g * dk_prev.stride(0) + (n - l) * dk_prev.stride(1) + c * dk_prev.stride(2)] =
-                    acc;
+                    acc[j];
             }
-            c += step;
         }
-    }
-    let mut c = UNIT_POS_X as usize;
-    while c < width {
-        let mut acc = F::new(0.0);
-        for i in 0..l {
-            acc += ps[i] * grad[g * grad.stride(0) + i * grad.stride(1) + c * grad.stride(2)];
-        }
-        if n < l {
-            dv[g * dv.stride(0) + n * dv.stride(1) + c * dv.stride(2)] = acc;
-        } else if n < 2 * l {
-            dv_prev[g * dv_prev.stride(0) + (n - l) * dv_prev.stride(1) + c * dv_prev.stride(2)] =
-                acc;
-        } else {
-            dmeans[g * dmeans.stride(0) + (n - 2 * l) * dmeans.stride(1) + c * dmeans.stride(2)] =
-                acc;
-        }
-        c += step;
     }
 }
 
-/// Cubes for `rows` rows of work, one each: CUDA and Vulkan allow 65,535
-/// along an axis, so the rows wrap onto a second axis (`CUBE_POS` counts
-/// them in order; the excess cubes of the last line stop at once).
-fn cubes(rows: usize) -> CubeCount {
-    let x = rows.clamp(1, 65_535);
-    CubeCount::Static(x as u32, rows.div_ceil(x).max(1) as u32, 1)
+/// A key tile's value gradients (`dv`, `dv_prev` or the cache means') in
+/// one slice of channels, `p^T dO`: a cube per `(g, key tile, slice)`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn backward_values<F: Float>(
+    x: &Operands<F>,
+    lse: &Tensor<F>,
+    grad: &Tensor<F>,
+    dv: &mut Tensor<F>,
+    dv_prev: &mut Tensor<F>,
+    dmeans: &mut Tensor<F>,
+    #[comptime] width: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let l = x.q.shape(1);
+    let channels = x.v.shape(2);
+    let keys = key_count::<F>(x);
+    let tiles = parts(keys, TILE);
+    let slices = parts(channels, SLICE);
+    if CUBE_POS >= x.q.shape(0) * tiles * slices {
+        terminate!();
+    }
+    let g = CUBE_POS / (tiles * slices);
+    let first = (CUBE_POS / slices % tiles) * TILE;
+    let c0 = (CUBE_POS % slices) * SLICE;
+    // Unit (y, z): key `first + y`, query `i0 + z` of each query tile.
+    let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
+    let h = head::<F>(x, g);
+    let n = first + y;
+    let mut queries = SharedMemory::<F>::new(TILE * width);
+    let mut key_tile = SharedMemory::<F>::new(TILE * width);
+    let mut grads = SharedMemory::<F>::new(TILE * SLICE);
+    let mut probs = SharedMemory::<F>::new(TILE * TILE);
+    load_keys::<F>(x, g, h, first, &mut key_tile, width);
+    let mut acc = Array::<F>::new(PER_UNIT);
+    for j in 0..PER_UNIT {
+        acc[j] = F::new(0.0);
+    }
+    let mut i0 = 0;
+    while i0 < l {
+        sync_cube();
+        load_queries::<F>(x, g, i0, &mut queries, width);
+        load_grads::<F>(grad, g, i0, c0, &mut grads);
+        sync_cube();
+        let i = i0 + z;
+        let s = score::<F>(x, g, i, n, &queries, z, &key_tile, y, width);
+        let mut p = F::new(0.0);
+        if s > F::new(NEG) {
+            p = (s - lse[g * lse.stride(0) + i * lse.stride(1)]).exp();
+        }
+        probs[y * TILE + z] = p;
+        sync_cube();
+        for j in 0..PER_UNIT {
+            let mut a = acc[j];
+            for t in 0..TILE {
+                a += probs[y * TILE + t] * grads[t * SLICE + z + j * TILE];
+            }
+            acc[j] = a;
+        }
+        i0 += TILE;
+    }
+    for j in 0..PER_UNIT {
+        let c = c0 + z + j * TILE;
+        if c < channels {
+            if n < l {
+                dv[g * dv.stride(0) + n * dv.stride(1) + c * dv.stride(2)] = acc[j];
+            } else if n < 2 * l {
+                dv_prev
+                    [g * dv_prev.stride(0) + (n - l) * dv_prev.stride(1) + c * dv_prev.stride(2)] =
+                    acc[j];
+            } else if n < keys {
+                dmeans[g * dmeans.stride(0)
+                    + (n - 2 * l) * dmeans.stride(1)
+                    + c * dmeans.stride(2)] = acc[j];
+            }
+        }
+    }
+}
+
+/// Cubes for `count` cubes of work, one each: CUDA and Vulkan allow 65,535
+/// along an axis, so they wrap onto a second axis (`CUBE_POS` counts them
+/// in order; the excess cubes of the last line stop at once).
+fn cubes(count: usize) -> CubeCount {
+    let x = count.clamp(1, 65_535);
+    CubeCount::Static(x as u32, count.div_ceil(x).max(1) as u32, 1)
+}
+
+/// A cube of `TILE x TILE` units.
+fn tile_dim() -> CubeDim {
+    CubeDim::new_2d(TILE as u32, TILE as u32)
 }
 
 /// A new tensor of `shape` beside `like`.
@@ -454,19 +817,28 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
     fn vq_attention_forward(
         x: &AttentionKernelInput<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let [g, l, _, dv, s] = sizes(x);
-        let keys = 2 * l + s;
+        let [g, l, dk, dv, _] = sizes(x);
         let dtype = x.q.dtype;
         let out = empty_like(&x.q, vec![g, l, dv], dtype);
         let lse = empty_like(&x.q, vec![g, l], dtype);
-        forward::launch::<R>(
-            &x.q.client,
-            cubes(g * l),
-            CubeDim::new_1d(WORKERS),
+        let (client, query_tiles, slices) = (&x.q.client, l.div_ceil(TILE), dv.div_ceil(SLICE));
+        forward_stats::launch::<R>(
+            client,
+            cubes(g * query_tiles),
+            tile_dim(),
             operands(x),
-            out.clone().into_tensor_arg(),
             lse.clone().into_tensor_arg(),
-            keys as u32,
+            dk,
+            dtype.into(),
+        );
+        forward_values::launch::<R>(
+            client,
+            cubes(g * query_tiles * slices),
+            tile_dim(),
+            operands(x),
+            lse.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            dk,
             dtype.into(),
         );
         (out, lse)
@@ -480,7 +852,6 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
     ) -> AttentionKernelGrads<Self> {
         use burn::tensor::ops::FloatTensorOps;
         let [g, l, dk, dv, s] = sizes(&x);
-        let keys = 2 * l + s;
         let dtype = x.q.dtype;
         // D = dO . O per query, [G, L, 1].
         let delta = Self::float_sum_dim(Self::float_mul(grad.clone(), out), 2);
@@ -495,10 +866,11 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
             count_weight: empty_like(&x.q, vec![g, l], dtype),
         };
         let client = x.q.client.clone();
+        let slices = dv.div_ceil(SLICE);
         backward_query::launch::<R>(
             &client,
-            cubes(g * l),
-            CubeDim::new_1d(WORKERS),
+            cubes(g * l.div_ceil(TILE)),
+            tile_dim(),
             operands(&x),
             lse.clone().into_tensor_arg(),
             grad.clone().into_tensor_arg(),
@@ -506,24 +878,33 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
             grads.q.clone().into_tensor_arg(),
             grads.bias.clone().into_tensor_arg(),
             grads.count_weight.clone().into_tensor_arg(),
-            keys as u32,
+            dk,
             dtype.into(),
         );
         backward_key::launch::<R>(
             &client,
-            cubes(g * keys),
-            CubeDim::new_1d(WORKERS),
+            cubes(g * (2 * l).div_ceil(TILE)),
+            tile_dim(),
+            operands(&x),
+            lse.clone().into_tensor_arg(),
+            grad.clone().into_tensor_arg(),
+            delta.into_tensor_arg(),
+            grads.k.clone().into_tensor_arg(),
+            grads.k_prev.clone().into_tensor_arg(),
+            dk,
+            dtype.into(),
+        );
+        backward_values::launch::<R>(
+            &client,
+            cubes(g * (2 * l + s).div_ceil(TILE) * slices),
+            tile_dim(),
             operands(&x),
             lse.into_tensor_arg(),
             grad.into_tensor_arg(),
-            delta.into_tensor_arg(),
-            grads.k.clone().into_tensor_arg(),
             grads.v.clone().into_tensor_arg(),
-            grads.k_prev.clone().into_tensor_arg(),
             grads.v_prev.clone().into_tensor_arg(),
             grads.means.clone().into_tensor_arg(),
-            keys as u32,
-            l as u32,
+            dk,
             dtype.into(),
         );
         grads

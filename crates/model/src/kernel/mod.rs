@@ -30,10 +30,10 @@ use burn::tensor::ops::FloatTensor;
 /// Whether a sublayer's attention may run as one fused kernel where the
 /// backend has one, or always as composed tensor ops.
 ///
-/// Composed is the default: the kernels are exact but not yet fast (one
-/// cube per query or key, no tiling), slower than the composed ops where
-/// measured (docs/benchmarks.md, `tvq bench kernels`). A model opts in
-/// with [`Kernels::Fused`].
+/// Composed is the default: the kernels are exact but not yet fast (tiled,
+/// but scalar loads and no tensor cores), slower than the composed ops
+/// where measured (docs/benchmarks.md, `tvq bench kernels`). A model opts
+/// in with [`Kernels::Fused`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Kernels {
     /// The fused kernel where the backend has one and the sublayer's
