@@ -11,16 +11,19 @@
 //! - keys and values come from disjoint halves of a task vocabulary of
 //!   `vocab` symbols (keys `1..vocab/2`, values `vocab/2..vocab`), the keys
 //!   of one example distinct, the values drawn freely;
-//! - the query region is filled with symbol 0 wherever no query stands;
 //! - a query occupies two places (the key, then its value), at an even
 //!   offset of the query region.
 //!
-//! Where tvq differs: Zoology queries every key and draws the gaps between
-//! queries from a power law, so that most queries fall near their pair;
-//! tvq queries `queries` keys (all by default) at places drawn uniformly
-//! from the query region, so that the distance between pair and query is
-//! spread over the whole sequence (each answer's distance is recorded, and
-//! accuracy is reported by distance). Symbols are bytes: symbol `s` is the
+//! Where no query stands, the query region holds symbol 0 by default
+//! (`filler = "zero"`), or, as in Zoology's default, any symbol of the task
+//! vocabulary (`filler = "random"`): keys then reappear as distractors,
+//! followed by symbols that are not their values. Queries are placed
+//! uniformly over the query region by default, so that the distance
+//! between pair and query is spread over the whole sequence (each answer's
+//! distance is recorded, and accuracy is reported by distance), or by
+//! Zoology's power law (`power_a`), which puts most queries near the
+//! pairs. tvq may also ask for fewer keys than there are pairs (`queries`).
+//! Symbols are bytes: symbol `s` is the
 //! byte-level token `s + 3`, so a recall model uses the byte vocabulary and
 //! its samples decode as bytes; hence `vocab <= 256` and `pairs < vocab/2`.
 //! With `role_period = P` (tvq's own), the halves repeat every `P` symbols
@@ -87,6 +90,33 @@ pub struct MqarConfig {
     /// Seed of the examples (the training order is the run's `train.seed`).
     #[serde(default)]
     pub seed: u64,
+    /// What fills the query region where no query stands.
+    #[serde(default, skip_serializing_if = "Filler::is_zero")]
+    pub filler: Filler,
+    /// Zoology's power law of query places: the query region's slot `k`
+    /// (`1..`) weighs `k^(power_a - 1)`, so Zoology's 0.01 puts most
+    /// queries near the pairs and 1 is uniform; absent: uniform.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power_a: Option<f64>,
+}
+
+/// What fills an MQAR example's query region where no query stands.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Filler {
+    /// Symbol 0, which is neither a key nor a value (tvq's default).
+    #[default]
+    Zero,
+    /// Any symbol of the task vocabulary, uniformly (Zoology's default):
+    /// keys reappear followed by symbols that are not their values, as
+    /// distractors.
+    Random,
+}
+
+impl Filler {
+    fn is_zero(&self) -> bool {
+        *self == Filler::Zero
+    }
 }
 
 mod defaults {
@@ -117,6 +147,8 @@ impl Default for MqarConfig {
             train_examples: defaults::train_examples(),
             eval_examples: defaults::eval_examples(),
             seed: 0,
+            filler: Filler::Zero,
+            power_a: None,
         }
     }
 }
@@ -230,43 +262,69 @@ impl MqarConfig {
         if self.train_examples == 0 || self.eval_examples == 0 {
             return bad("train_examples and eval_examples must be at least 1".into());
         }
+        if let Some(a) = self.power_a
+            && !(a > 0.0 && a <= 1.0)
+        {
+            return bad(format!(
+                "power_a must be within (0, 1] (1 is uniform, Zoology's is 0.01), not {a}"
+            ));
+        }
         Ok(())
     }
 
     /// Example `index` of set `set` (a split), `len` tokens long.
     fn example(&self, set: u64, index: usize, len: usize) -> Example {
-        let mut rng = stream(self.seed, set, index);
-        let mut below = |n: usize| (rng.next_u64() % n as u64) as usize;
+        let rng = &mut stream(self.seed, set, index);
         let (half, pairs) = (self.vocab / 2, self.pairs);
         // Distinct keys: a partial Fisher-Yates shuffle of every key.
         let mut keys: Vec<u8> = (0..half - 1).map(|i| self.key_symbol(i)).collect();
         for i in 0..pairs {
-            let j = i + below(keys.len() - i);
+            let j = i + below(rng, keys.len() - i);
             keys.swap(i, j);
         }
-        let values: Vec<u8> = (0..pairs).map(|_| self.value_symbol(below(half))).collect();
+        let values: Vec<u8> = (0..pairs)
+            .map(|_| self.value_symbol(below(rng, half)))
+            .collect();
         let mut symbols = vec![0u8; len];
         for i in 0..pairs {
             symbols[2 * i] = keys[i];
             symbols[2 * i + 1] = values[i];
         }
         // Which pairs are asked for, and at which of the query region's
-        // two-token slots.
+        // two-token slots (each slot's weight under the power law).
         let mut asked: Vec<usize> = (0..pairs).collect();
         let mut slots: Vec<usize> = (0..(len - 2 * pairs) / 2).collect();
+        let weights: Option<Vec<f64>> = self.power_a.map(|a| {
+            (1..=slots.len())
+                .map(|k| (k as f64).powf(a - 1.0))
+                .collect()
+        });
+        let mut asked_at = vec![false; len];
         let mut answers = Vec::with_capacity(self.num_queries());
         for q in 0..self.num_queries() {
-            let a = q + below(pairs - q);
+            let a = q + below(rng, pairs - q);
             asked.swap(q, a);
-            let s = q + below(slots.len() - q);
+            let s = q + match &weights {
+                None => below(rng, slots.len() - q),
+                Some(w) => weighted(rng, slots[q..].iter().map(|&slot| w[slot])),
+            };
             slots.swap(q, s);
             let (pair, at) = (asked[q], 2 * pairs + 2 * slots[q]);
             symbols[at] = keys[pair];
             symbols[at + 1] = values[pair];
+            asked_at[at..at + 2].fill(true);
             answers.push(Answer {
                 pos: at + 1,
                 distance: at - 2 * pair,
             });
+        }
+        if self.filler == Filler::Random {
+            for (symbol, _) in (symbols.iter_mut().zip(&asked_at))
+                .skip(2 * pairs)
+                .filter(|(_, asked)| !**asked)
+            {
+                *symbol = below(rng, self.vocab) as u8;
+            }
         }
         answers.sort_by_key(|a| a.pos);
         Example { symbols, answers }
@@ -283,6 +341,29 @@ impl MqarConfig {
         self.check(len)?;
         gather("data.mqar", n, len, |i| self.example(set, i, len))
     }
+}
+
+/// A draw from `0..n`.
+fn below(rng: &mut SplitMix64, n: usize) -> usize {
+    (rng.next_u64() % n as u64) as usize
+}
+
+/// A draw of an index of `weights` (not all zero), each as likely as its
+/// weight.
+fn weighted(rng: &mut SplitMix64, weights: impl Iterator<Item = f64> + Clone) -> usize {
+    let total: f64 = weights.clone().sum();
+    // 53 random bits: a uniform draw from [0, 1).
+    let mut u = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * total;
+    let mut last = 0;
+    for (i, w) in weights.enumerate() {
+        if u < w {
+            return i;
+        }
+        u -= w;
+        last = i;
+    }
+    // Rounding left `u` past the last weight.
+    last
 }
 
 /// The random stream of example `index` of set `set` of a task seeded `seed`.
@@ -625,6 +706,7 @@ mod tests {
             train_examples: 8,
             eval_examples: 4,
             seed: 7,
+            ..Default::default()
         }
     }
 
@@ -682,6 +764,112 @@ mod tests {
         let answers: Vec<(usize, usize)> =
             set.answers.iter().map(|a| (a.pos, a.distance)).collect();
         assert_eq!(answers, PINNED_ANSWERS);
+    }
+
+    /// Zoology's layout: random filler and power-law query places.
+    fn zoology(pairs: usize) -> MqarConfig {
+        MqarConfig {
+            filler: Filler::Random,
+            power_a: Some(0.01),
+            ..task(pairs, None)
+        }
+    }
+
+    #[test]
+    fn among_random_filler_every_answer_is_still_the_value_paired_with_its_key() {
+        let (pairs, len) = (8, 128);
+        let (symbols, set) = zoology(pairs).examples(0, 64, len).unwrap();
+        assert_eq!(set.answers.len(), 64 * pairs);
+        let mut distractors = 0;
+        for (n, e) in symbols.chunks(len).enumerate() {
+            let region = &e[..2 * pairs];
+            let answers: Vec<&Answer> = (set.answers.iter()).filter(|a| a.pos / len == n).collect();
+            for a in &answers {
+                let pos = a.pos % len;
+                let (key, value) = (e[pos - 1], e[pos]);
+                // The key is in the pair region once, with this value, as
+                // far back as `distance` says.
+                let given: Vec<usize> = (0..pairs).filter(|&i| region[2 * i] == key).collect();
+                assert_eq!(given.len(), 1, "{key} in {region:?}");
+                assert_eq!(region[2 * given[0] + 1], value);
+                assert_eq!(pos - a.distance, 2 * given[0] + 1);
+            }
+            // Filler: every symbol of the vocabulary, keys of this example
+            // among them, each followed by whatever came.
+            let asked: Vec<usize> = answers
+                .iter()
+                .flat_map(|a| [a.pos % len - 1, a.pos % len])
+                .collect();
+            for p in (2 * pairs..len).filter(|p| !asked.contains(p)) {
+                assert!(e[p] < 64);
+                distractors += usize::from((0..pairs).any(|i| region[2 * i] == e[p]));
+            }
+        }
+        assert!(
+            distractors > 64,
+            "{distractors} distractor keys in 64 examples"
+        );
+    }
+
+    #[test]
+    fn a_small_power_a_puts_queries_near_the_pairs() {
+        // The share of queries in the first quarter of the query region:
+        // about a quarter when places are uniform, most under Zoology's
+        // power law (0.73 expected with 0.01 and 56 slots).
+        let near = |cfg: &MqarConfig| {
+            let (pairs, len) = (cfg.pairs, 128);
+            let (_, set) = cfg.examples(0, 200, len).unwrap();
+            let slots = (len - 2 * pairs) / 2;
+            let near = (set.answers.iter())
+                .filter(|a| (a.pos % len - 1 - 2 * pairs) / 2 < slots / 4)
+                .count();
+            near as f64 / set.answers.len() as f64
+        };
+        let (uniform, power) = (near(&task(8, None)), near(&zoology(8)));
+        assert!((0.15..0.35).contains(&uniform), "uniform: {uniform}");
+        assert!(power > 0.6, "power law: {power}");
+        // power_a = 1 is uniform again.
+        let flat = near(&MqarConfig {
+            power_a: Some(1.0),
+            ..task(8, None)
+        });
+        assert!((0.15..0.35).contains(&flat), "power_a = 1: {flat}");
+    }
+
+    /// `zoology(4)`'s first validation example of 32 tokens: symbols and
+    /// answers (position, distance).
+    const PINNED_ZOOLOGY: [u8; 32] = [
+        5, 36, 20, 51, 23, 36, 17, 42, 5, 36, 23, 36, 61, 55, 11, 53, 12, 38, 20, 51, 17, 42, 49,
+        58, 9, 40, 41, 23, 27, 41, 53, 25,
+    ];
+    const PINNED_ZOOLOGY_ANSWERS: [(usize, usize); 4] = [(9, 8), (11, 6), (19, 16), (21, 14)];
+
+    #[test]
+    fn zoology_layout_examples_do_not_change_across_versions() {
+        let (symbols, set) = zoology(4).examples(1, 1, 32).unwrap();
+        let answers: Vec<(usize, usize)> =
+            set.answers.iter().map(|a| (a.pos, a.distance)).collect();
+        assert_eq!(symbols, PINNED_ZOOLOGY);
+        assert_eq!(answers, PINNED_ZOOLOGY_ANSWERS);
+    }
+
+    #[test]
+    fn a_power_a_outside_zero_to_one_is_one_line() {
+        for a in [0.0, -1.0, 1.5, f64::NAN, f64::INFINITY] {
+            let cfg = MqarConfig {
+                power_a: Some(a),
+                ..task(4, None)
+            };
+            let e = cfg.check(64).unwrap_err().to_string();
+            assert!(
+                e.starts_with("data.mqar: power_a") && !e.contains('\n'),
+                "{e}"
+            );
+        }
+        // And the filler's names are these two.
+        let cfg: MqarConfig = serde_json::from_str(r#"{"filler": "random"}"#).unwrap();
+        assert_eq!(cfg.filler, Filler::Random);
+        assert!(serde_json::from_str::<MqarConfig>(r#"{"filler": "noise"}"#).is_err());
     }
 
     #[test]
