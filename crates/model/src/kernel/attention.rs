@@ -24,6 +24,11 @@
 //! - `backward_values`: a cube per key tile and value slice: `dv`,
 //!   `dv_prev` and the cache means' gradient, `p^T dO`.
 //!
+//! Tiles whose rows a unit reads across (query and key rows, the chunks of
+//! `dO . value`) keep their rows one element more than their width apart,
+//! so that the units of a warp reading one column of 16 rows read 16
+//! different shared-memory banks instead of one bank 16 times.
+//!
 //! Every output element is written by exactly one unit, so nothing is
 //! zeroed first and nothing is accumulated atomically. `dO . value` is
 //! computed by both `backward_query` and `backward_key`: the price of no
@@ -184,7 +189,7 @@ fn key<F: Float>(x: &Operands<F>, g: usize, h: usize, n: usize, c: usize) -> F {
 }
 
 /// Queries `first..first + TILE` of block row `g` into `tile`
-/// (`TILE x width`, row-major), zeros past the block.
+/// (`TILE x width`, rows `width + 1` apart), zeros past the block.
 #[cube]
 fn load_queries<F: Float>(
     x: &Operands<F>,
@@ -200,13 +205,13 @@ fn load_queries<F: Float>(
         if i < x.q.shape(1) {
             v = x.q[g * x.q.stride(0) + i * x.q.stride(1) + (e % width) * x.q.stride(2)];
         }
-        tile[e] = v;
+        tile[e / width * (width + 1) + e % width] = v;
         e += TILE * TILE;
     }
 }
 
 /// Keys `first..first + TILE` of block row `g` (head `h`) into `tile`
-/// (`TILE x width`), zeros past the keys.
+/// (`TILE x width`, rows `width + 1` apart), zeros past the keys.
 #[cube]
 fn load_keys<F: Float>(
     x: &Operands<F>,
@@ -224,7 +229,7 @@ fn load_keys<F: Float>(
         if n < keys {
             v = key::<F>(x, g, h, n, e % width);
         }
-        tile[e] = v;
+        tile[e / width * (width + 1) + e % width] = v;
         e += TILE * TILE;
     }
 }
@@ -296,7 +301,7 @@ fn score<F: Float>(
     if t > F::new(NEG) {
         let mut dot = F::new(0.0);
         for c in 0..width {
-            dot += queries[q_row * width + c] * keys[k_row * width + c];
+            dot += queries[q_row * (width + 1) + c] * keys[k_row * (width + 1) + c];
         }
         s = dot + t;
     }
@@ -305,7 +310,8 @@ fn score<F: Float>(
 
 /// `dO_i . value_n` over every value channel, `CHUNK` channels at a time,
 /// for the query of `query_row` and the key of `key_row` of the tiles at
-/// `first_query` and `first_key` (`grads`, `values`: `TILE x CHUNK` each).
+/// `first_query` and `first_key` (`grads`, `values`: `TILE x CHUNK` each,
+/// rows `CHUNK + 1` apart).
 /// Every unit of the cube calls it.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -340,13 +346,13 @@ fn grad_dot_value<F: Float>(
             if first_key + row < keys && c < width {
                 b = value::<F>(x, g, first_key + row, c);
             }
-            grads[e] = a;
-            values[e] = b;
+            grads[row * (CHUNK + 1) + e % CHUNK] = a;
+            values[row * (CHUNK + 1) + e % CHUNK] = b;
             e += TILE * TILE;
         }
         sync_cube();
         for t in 0..CHUNK {
-            dp += grads[query_row * CHUNK + t] * values[key_row * CHUNK + t];
+            dp += grads[query_row * (CHUNK + 1) + t] * values[key_row * (CHUNK + 1) + t];
         }
         c0 += CHUNK;
     }
@@ -389,8 +395,8 @@ fn forward_stats<F: Float>(
     let first = (CUBE_POS % tiles) * TILE;
     let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
     let h = head::<F>(x, g);
-    let mut queries = SharedMemory::<F>::new(TILE * width);
-    let mut key_tile = SharedMemory::<F>::new(TILE * width);
+    let mut queries = SharedMemory::<F>::new(TILE * (width + 1));
+    let mut key_tile = SharedMemory::<F>::new(TILE * (width + 1));
     let mut maxes = SharedMemory::<F>::new(TILE * TILE);
     let mut sums = SharedMemory::<F>::new(TILE * TILE);
     load_queries::<F>(x, g, first, &mut queries, width);
@@ -446,8 +452,8 @@ fn forward_values<F: Float>(
     let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
     let h = head::<F>(x, g);
     let i = first + y;
-    let mut queries = SharedMemory::<F>::new(TILE * width);
-    let mut key_tile = SharedMemory::<F>::new(TILE * width);
+    let mut queries = SharedMemory::<F>::new(TILE * (width + 1));
+    let mut key_tile = SharedMemory::<F>::new(TILE * (width + 1));
     let mut values = SharedMemory::<F>::new(TILE * SLICE);
     let mut probs = SharedMemory::<F>::new(TILE * TILE);
     load_queries::<F>(x, g, first, &mut queries, width);
@@ -515,10 +521,10 @@ fn backward_query<F: Float>(
     let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
     let h = head::<F>(x, g);
     let i = first + y;
-    let mut queries = SharedMemory::<F>::new(TILE * width);
-    let mut key_tile = SharedMemory::<F>::new(TILE * width);
-    let mut grads = SharedMemory::<F>::new(TILE * CHUNK);
-    let mut values = SharedMemory::<F>::new(TILE * CHUNK);
+    let mut queries = SharedMemory::<F>::new(TILE * (width + 1));
+    let mut key_tile = SharedMemory::<F>::new(TILE * (width + 1));
+    let mut grads = SharedMemory::<F>::new(TILE * (CHUNK + 1));
+    let mut values = SharedMemory::<F>::new(TILE * (CHUNK + 1));
     let mut ds_tile = SharedMemory::<F>::new(TILE * TILE);
     load_queries::<F>(x, g, first, &mut queries, width);
     let mut own_lse = F::new(0.0);
@@ -570,7 +576,7 @@ fn backward_query<F: Float>(
             if c < width {
                 let mut a = acc[j];
                 for t in 0..TILE {
-                    a += ds_tile[y * TILE + t] * key_tile[t * width + c];
+                    a += ds_tile[y * TILE + t] * key_tile[t * (width + 1) + c];
                 }
                 acc[j] = a;
             }
@@ -620,10 +626,10 @@ fn backward_key<F: Float>(
     let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
     let h = head::<F>(x, g);
     let n = first + y;
-    let mut queries = SharedMemory::<F>::new(TILE * width);
-    let mut key_tile = SharedMemory::<F>::new(TILE * width);
-    let mut grads = SharedMemory::<F>::new(TILE * CHUNK);
-    let mut values = SharedMemory::<F>::new(TILE * CHUNK);
+    let mut queries = SharedMemory::<F>::new(TILE * (width + 1));
+    let mut key_tile = SharedMemory::<F>::new(TILE * (width + 1));
+    let mut grads = SharedMemory::<F>::new(TILE * (CHUNK + 1));
+    let mut values = SharedMemory::<F>::new(TILE * (CHUNK + 1));
     let mut ds_tile = SharedMemory::<F>::new(TILE * TILE);
     load_keys::<F>(x, g, h, first, &mut key_tile, width);
     let per_unit = comptime!(width.div_ceil(TILE));
@@ -652,7 +658,7 @@ fn backward_key<F: Float>(
             if c < width {
                 let mut a = acc[j];
                 for t in 0..TILE {
-                    a += ds_tile[y * TILE + t] * queries[t * width + c];
+                    a += ds_tile[y * TILE + t] * queries[t * (width + 1) + c];
                 }
                 acc[j] = a;
             }
@@ -702,8 +708,8 @@ fn backward_values<F: Float>(
     let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
     let h = head::<F>(x, g);
     let n = first + y;
-    let mut queries = SharedMemory::<F>::new(TILE * width);
-    let mut key_tile = SharedMemory::<F>::new(TILE * width);
+    let mut queries = SharedMemory::<F>::new(TILE * (width + 1));
+    let mut key_tile = SharedMemory::<F>::new(TILE * (width + 1));
     let mut grads = SharedMemory::<F>::new(TILE * SLICE);
     let mut probs = SharedMemory::<F>::new(TILE * TILE);
     load_keys::<F>(x, g, h, first, &mut key_tile, width);
