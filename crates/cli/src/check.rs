@@ -9,7 +9,7 @@ use tvq_train::placement::device::DeviceSpec;
 #[derive(Args, Debug)]
 pub struct CheckArgs {
     /// The device to check against the CPU: cpu, wgpu, wgpu:N, cuda or cuda:N.
-    #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
+    #[arg(long, default_value = "cpu", value_parser = crate::args::parse_device)]
     device: DeviceSpec,
     /// Print one JSON object instead of the table.
     #[arg(long)]

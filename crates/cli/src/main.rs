@@ -5,16 +5,20 @@
 // link).
 #![allow(rustdoc::broken_intra_doc_links, rustdoc::invalid_html_tags)]
 
+mod args;
 mod bench;
 mod check;
-mod commands;
+mod eval;
+mod export;
+mod import;
 mod interrupt;
 mod panics;
+mod plot;
+mod sample;
 mod tokenizer;
+mod train;
 
-use anyhow::Result;
 use clap::{Parser, Subcommand};
-use tvq_train::placement::device::DeviceSpec;
 
 /// The CPU backend allocates a fresh buffer for nearly every tensor op, many
 /// of them megabytes; glibc returns those to the kernel on free, so each new
@@ -42,18 +46,18 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Train a model from a TOML config (or continue one with --resume).
-    Train(commands::TrainArgs),
+    Train(train::TrainArgs),
     /// Evaluate a checkpoint on a whole split: loss, bits per token and per byte.
-    Eval(commands::EvalArgs),
+    Eval(eval::EvalArgs),
     /// Generate text from a checkpoint with the recurrent form.
-    Sample(commands::SampleArgs),
+    Sample(sample::SampleArgs),
     /// Write a checkpoint's weights as safetensors, with its config as JSON.
-    Export(commands::ExportArgs),
+    Export(export::ExportArgs),
     /// Convert a checkpoint of the official JAX implementation into a tvq
     /// export (for eval and sample).
-    Import(commands::ImportArgs),
+    Import(import::ImportArgs),
     /// Draw a run's loss curves (training and validation bits per byte) to a PNG.
-    Plot(commands::PlotArgs),
+    Plot(plot::PlotArgs),
     /// Benchmark one thing: the attention's passes, VQ against the
     /// quadratic baseline, by sequence length (the default), the whole
     /// training step, generation, the data loader, checkpoints, or the
@@ -67,25 +71,6 @@ enum Command {
     /// Tokenizers for tokenized corpora (PG-19, plain text).
     #[command(subcommand)]
     Tokenizer(tokenizer::TokenizerCommand),
-}
-
-/// Parses `--device` values (`cpu`, `wgpu`, `wgpu:N`, `cuda`, `cuda:N`).
-pub fn parse_device(s: &str) -> Result<DeviceSpec, String> {
-    s.parse::<DeviceSpec>().map_err(|e| e.to_string())
-}
-
-/// A positive number (e.g. `--peak-tflops`).
-pub fn positive(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
-        _ => Err(format!("`{s}` is not a positive number")),
-    }
-}
-
-/// A count flag's parser: a whole number no smaller than `min`, so that
-/// `--steps 0` is a usage error rather than an empty or failed run.
-pub fn at_least(min: u64) -> clap::builder::RangedU64ValueParser<usize> {
-    clap::builder::RangedU64ValueParser::new().range(min..)
 }
 
 /// Logs to stderr and, with `trace`, tvq's spans to a Chrome trace in it
@@ -145,12 +130,12 @@ fn main() {
     let guard = init_tracing(trace);
     panics::install();
     let result = match cli.command {
-        Command::Train(args) => commands::run_train(args),
-        Command::Eval(args) => commands::run_eval(args),
-        Command::Sample(args) => commands::run_sample(args),
-        Command::Export(args) => commands::run_export(args),
-        Command::Import(args) => commands::run_import(args),
-        Command::Plot(args) => commands::run_plot(args),
+        Command::Train(args) => train::run(args),
+        Command::Eval(args) => eval::run(args),
+        Command::Sample(args) => sample::run(args),
+        Command::Export(args) => export::run(args),
+        Command::Import(args) => import::run(args),
+        Command::Plot(args) => plot::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Check(args) => check::run(args),
         Command::Tokenizer(cmd) => tokenizer::run(cmd),

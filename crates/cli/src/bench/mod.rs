@@ -78,17 +78,17 @@ pub struct BenchArgs {
     #[arg(value_name = "PATH")]
     path: Option<std::path::PathBuf>,
     /// Device: cpu, wgpu, wgpu:N, cuda or cuda:N.
-    #[arg(long, default_value = "cpu", value_parser = crate::parse_device)]
+    #[arg(long, default_value = "cpu", value_parser = crate::args::parse_device)]
     device: DeviceSpec,
     /// Sequence lengths to measure (one segment each), comma separated.
     #[arg(long, value_delimiter = ',', default_value = "512,2048,8192,32768",
-          value_parser = crate::at_least(1))]
+          value_parser = crate::args::at_least(1))]
     seq_len: Vec<usize>,
     /// Attention forms to measure: vq, quadratic.
     #[arg(long, value_delimiter = ',', default_value = "vq,quadratic")]
     form: Vec<String>,
     /// Batch rows.
-    #[arg(long, default_value_t = 4, value_parser = crate::at_least(1))]
+    #[arg(long, default_value_t = 4, value_parser = crate::args::at_least(1))]
     batch: usize,
     /// Precisions to measure, comma separated: f32, bf16, f16 [default:
     /// the config's train.precision].
@@ -113,7 +113,7 @@ pub struct BenchArgs {
     #[arg(long = "set", value_name = "KEY=VALUE")]
     overrides: Vec<String>,
     /// Timed passes (or rounds) per setting, after one untimed warm-up.
-    #[arg(long, default_value_t = 2, value_parser = crate::at_least(1))]
+    #[arg(long, default_value_t = 2, value_parser = crate::args::at_least(1))]
     steps: usize,
     /// Skip a quadratic setting whose score matrix alone would exceed this many GiB.
     #[arg(long, default_value_t = 4.0)]
@@ -122,11 +122,11 @@ pub struct BenchArgs {
     #[arg(long)]
     json: bool,
     /// Tokens generated per prompt (generate).
-    #[arg(long, default_value_t = 64, value_parser = crate::at_least(2))]
+    #[arg(long, default_value_t = 64, value_parser = crate::args::at_least(2))]
     new_tokens: usize,
     /// Peak TFLOP/s of the device for the mfu column [default: measured on
     /// the CPU; a table of known GPUs; none otherwise].
-    #[arg(long, value_name = "TFLOPS", value_parser = crate::positive)]
+    #[arg(long, value_name = "TFLOPS", value_parser = crate::args::positive)]
     peak_tflops: Option<f64>,
     /// Write a Chrome/Perfetto trace of every timed step's phases (forward,
     /// backward, recomputation, all-reduce, optimizer, EMA, checkpoint,
