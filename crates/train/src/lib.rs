@@ -59,6 +59,7 @@ mod gpu_under_test;
 pub mod inference;
 pub mod mfu;
 mod node;
+mod nofollow;
 pub mod parallel;
 pub mod placement;
 mod progress;

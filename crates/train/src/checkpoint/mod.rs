@@ -28,6 +28,7 @@ use tvq_model::{ModelState, TransformerVqConfig};
 
 use crate::error::TrainError;
 use crate::fault::{self, Point};
+use crate::nofollow;
 use crate::placement::{B, Model, seeded_draw};
 use crate::step::optim::{LossScale, Optimizers};
 
@@ -147,17 +148,24 @@ fn write_files(
     states: &[ModelState<B>],
     trainer: &TrainerState,
 ) -> Result<(), TrainError> {
+    // A fresh directory: one found there (or a link, which remove_dir_all
+    // removes, not its target) is gone first, and create_dir refuses
+    // anything that appears in between.
     let _ = std::fs::remove_dir_all(tmp);
-    std::fs::create_dir_all(tmp).map_err(io(tmp))?;
+    std::fs::create_dir(tmp).map_err(io(tmp))?;
     let mut files = BTreeMap::new();
     let path = tmp.join(MODEL);
     let meta = weights_metadata(trainer.step);
-    let written = tensor_file::write(&path, &meta, model_tensors(model)).map_err(io(&path))?;
+    let written = nofollow::create(&path)
+        .and_then(|file| tensor_file::write(file, &meta, model_tensors(model)))
+        .map_err(io(&path))?;
     files.insert(MODEL, written);
     fault::inject(Point::CheckpointData).map_err(io(tmp))?;
     let path = tmp.join(OPTIMIZER);
     let (meta, tensors) = named::optimizer_tensors(model, optim);
-    let written = tensor_file::write(&path, &meta, tensors).map_err(io(&path))?;
+    let written = nofollow::create(&path)
+        .and_then(|file| tensor_file::write(file, &meta, tensors))
+        .map_err(io(&path))?;
     files.insert(OPTIMIZER, written);
     let json = serde_json::to_vec_pretty(trainer).expect("serializable");
     for (name, bytes) in [(STATE, states_to_bytes(tmp, states)?), (TRAINER, json)] {

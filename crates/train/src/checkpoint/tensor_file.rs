@@ -78,16 +78,15 @@ fn header(metadata: &BTreeMap<String, String>, tensors: &[F32Tensor]) -> Vec<u8>
     bytes
 }
 
-/// Writes `tensors` and `metadata` as a safetensors file at `path`, syncs
+/// Writes `tensors` and `metadata` as a safetensors file into `file`, syncs
 /// it to disk, and returns its size and hash. Two calls with the same
 /// names, shapes, values and metadata write the same bytes, whatever the
 /// order of `tensors`.
 pub(crate) fn write(
-    path: &Path,
+    file: std::fs::File,
     metadata: &BTreeMap<String, String>,
     tensors: Vec<F32Tensor>,
 ) -> std::io::Result<Written> {
-    let file = std::fs::File::create(path)?;
     let mut out = BufWriter::with_capacity(1 << 20, file);
     let written = write_to(&mut out, metadata, tensors)?;
     out.into_inner().map_err(|e| e.into_error())?.sync_all()?;
@@ -109,11 +108,10 @@ pub fn checksum(bytes: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(bytes)
 }
 
-/// Writes `bytes` to `path` and syncs it; returns their size and hash.
+/// Writes `bytes` to `path` (a checkpoint's file: no link followed) and
+/// syncs it; returns their size and hash.
 pub(crate) fn write_bytes(path: &Path, bytes: &[u8]) -> std::io::Result<Written> {
-    let mut file = std::fs::File::create(path)?;
-    file.write_all(bytes)?;
-    file.sync_all()?;
+    crate::nofollow::write(path, bytes)?;
     Ok(Written {
         bytes: bytes.len() as u64,
         xxh3: checksum(bytes),
@@ -327,7 +325,7 @@ mod tests {
         let b = dir.path().join("b.safetensors");
         let keys = ["z", "a", "m", "b", "q", "c", "x", "d"];
         let wa = write(
-            &a,
+            std::fs::File::create(&a).unwrap(),
             &meta(&keys),
             vec![
                 tensor("w.2", &[2, 3], 0.0),
@@ -339,7 +337,7 @@ mod tests {
         let mut reversed = keys;
         reversed.reverse();
         write(
-            &b,
+            std::fs::File::create(&b).unwrap(),
             &meta(&reversed),
             vec![
                 tensor("s", &[], 7.0),
@@ -373,10 +371,20 @@ mod tests {
             shape: vec![3],
             values: Box::new(|| vec![1.0]),
         };
-        let err = write(&path, &BTreeMap::new(), vec![short]).unwrap_err();
+        let err = write(
+            std::fs::File::create(&path).unwrap(),
+            &BTreeMap::new(),
+            vec![short],
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("1 values"), "{err}");
         let twice = vec![tensor("t", &[1], 0.0), tensor("t", &[1], 0.0)];
-        let err = write(&path, &BTreeMap::new(), twice).unwrap_err();
+        let err = write(
+            std::fs::File::create(&path).unwrap(),
+            &BTreeMap::new(),
+            twice,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("two tensors named t"), "{err}");
     }
 }

@@ -53,7 +53,8 @@ pub fn export(model: &Model, info: &ExportInfo, weights: &Path) -> Result<(), Tr
     }
     // The same writer as checkpoints: the same weights, the same bytes.
     let meta = checkpoint::weights_metadata(info.step);
-    tensor_file::write(weights, &meta, checkpoint::model_tensors(model))
+    std::fs::File::create(weights)
+        .and_then(|file| tensor_file::write(file, &meta, checkpoint::model_tensors(model)))
         .map_err(|e| TrainError::io(weights, e))?;
     let path = info_path(weights);
     std::fs::write(

@@ -7,7 +7,7 @@
 //! lock behind. A second writer finds the lock taken and stops before it
 //! touches anything, naming the holder that the lock file describes.
 
-use std::fs::{File, OpenOptions, TryLockError};
+use std::fs::{File, TryLockError};
 use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -41,13 +41,14 @@ impl RunLock {
         }
         // Not truncated on open: the holder's description stays readable
         // for the process that is about to be refused.
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .map_err(io)?;
+        let mut file = crate::nofollow::open(
+            crate::nofollow::options()
+                .read(true)
+                .create(true)
+                .truncate(false),
+            &path,
+        )
+        .map_err(io)?;
         match file.try_lock() {
             Ok(()) => {}
             Err(TryLockError::WouldBlock) => {

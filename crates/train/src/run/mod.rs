@@ -661,7 +661,7 @@ fn refuse_links(dir: &Path) -> Result<(), TrainError> {
 fn write_config(cfg: &RunConfig, dir: &Path) -> Result<(), TrainError> {
     let config_path = dir.join("config.toml");
     let tmp = dir.join(".config.toml.tmp");
-    std::fs::write(&tmp, cfg.to_toml()).map_err(|e| TrainError::io(&tmp, e))?;
+    crate::nofollow::write(&tmp, cfg.to_toml().as_bytes()).map_err(|e| TrainError::io(&tmp, e))?;
     std::fs::rename(&tmp, &config_path).map_err(|e| TrainError::io(&config_path, e))
 }
 
@@ -672,11 +672,21 @@ fn step_bar(show: bool, total: u64, done: u64) -> ProgressBar {
     bar
 }
 
-/// Draws `loss.png` into the run directory from the metrics so far. A
-/// failure only warns: the run itself is complete and saved.
+/// Draws `loss.png` into the run directory from the metrics so far: into
+/// a fresh file beside it, renamed in place, so that a link placed at
+/// `loss.png` is replaced rather than written through. A failure only
+/// warns: the run itself is complete and saved.
 fn draw_curves(run_dir: &Path) {
     let out = run_dir.join("loss.png");
-    match plot::plot_run(run_dir, &out) {
+    // (The plotting backend takes the format from the extension.)
+    let tmp = run_dir.join(".loss.tmp.png");
+    let _ = std::fs::remove_file(&tmp);
+    let drawn = plot::plot_run(run_dir, &tmp)
+        .and_then(|()| std::fs::rename(&tmp, &out).map_err(|e| TrainError::io(&out, e)));
+    if drawn.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    match drawn {
         Ok(()) => tracing::info!("loss curves: {}", out.display()),
         Err(e) => tracing::warn!("no loss curves: {e}"),
     }

@@ -357,8 +357,7 @@ impl JsonLines {
             if kept_text != text {
                 let name = path.file_name().unwrap_or_default().to_string_lossy();
                 let tmp = path.with_file_name(format!(".{name}.tmp"));
-                std::fs::write(&tmp, kept_text)
-                    .and_then(|()| std::fs::File::open(&tmp)?.sync_all())
+                crate::nofollow::write(&tmp, kept_text.as_bytes())
                     .and_then(|()| std::fs::rename(&tmp, path))
                     .map_err(|e| TrainError::io(&*path, e))?;
             }
@@ -374,11 +373,7 @@ impl JsonLines {
         let file = match &mut self.file {
             Some(file) => file,
             None => self.file.insert(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(&self.path)
-                    .map_err(|e| TrainError::io(&self.path, e))?,
+                crate::nofollow::append(&self.path).map_err(|e| TrainError::io(&self.path, e))?,
             ),
         };
         file.write_all(line.as_bytes())
@@ -429,6 +424,23 @@ mod tests {
         let train = |s: u64| ("train".to_string(), s);
         assert_eq!(steps(), [train(1), train(2), train(3), train(4)]);
         assert!(!dir.path().join(".metrics.jsonl.tmp").exists());
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_link_placed_during_a_run_is_not_written_through() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("elsewhere.txt");
+        std::fs::write(&target, "theirs").unwrap();
+        // The run has started (its start refuses links); then a link
+        // appears where the first row goes.
+        let mut log = MetricsLog::open(dir.path(), 0, false, false).unwrap();
+        std::os::unix::fs::symlink(&target, dir.path().join("metrics.jsonl")).unwrap();
+        let e = (log.append(&serde_json::json!({"kind": "train", "step": 1})))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("symbolic link") && !e.contains('\n'), "{e}");
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "theirs");
     }
 
     #[test]

@@ -133,7 +133,7 @@ impl EventWriter {
     /// Creates `path` and writes the format event.
     pub fn create(path: &Path) -> std::io::Result<Self> {
         let mut writer = Self {
-            file: BufWriter::new(File::create(path)?),
+            file: BufWriter::new(crate::nofollow::create(path)?),
         };
         writer.write(&Event {
             wall_time: now(),
