@@ -8,7 +8,7 @@
 # Options: --device cuda|cpu (default cuda), --small (small sizes),
 # --out DIR (default ./results), --layers N (layers of the enwik8-width
 # model, default 4), --parts LIST (comma separated, default all:
-# first-light,check,kernels,train,train-long,torch,generate,quickstart),
+# first-light,check,kernels,train,profile,train-long,torch,generate,quickstart),
 # --pack FILE (the whole OUT directory as one .tar.gz, for a node that
 # returns few files). Nothing here builds or downloads anything.
 #
@@ -23,7 +23,7 @@
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 device=cuda small=0 out="$here/results" layers=4 pack=""
-parts=first-light,check,kernels,train,train-long,torch,generate,quickstart
+parts=first-light,check,kernels,train,profile,train-long,torch,generate,quickstart
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device="$2"; shift 2 ;;
@@ -102,7 +102,7 @@ part() {
 
 # Limits (seconds): first light's from the first run on an H100, where a tiny
 # model's first two steps did not end within 45 s (docs/benchmarks.md, "The
-# first run on a GPU"); the others sized from FLOP counts, 7 min 45 s in
+# first run on a GPU"); the others sized from FLOP counts, 10 min 30 s in
 # all; the small CPU run's from the 2-core development machine. On a fresh
 # node the default (fused, autotuned) build's first light takes more than
 # 300 s ("The third run on a GPU"): bundle the unfused build there, or give
@@ -111,13 +111,13 @@ if [ $small = 1 ]; then
   seq_lens=512,1024 long_lens=2048 bench_set=(--set model.d_model=64 --set model.d_k=16
     --set model.d_v=64 --set model.n_code=16 --set model.block_len=64 --set model.n_layer=1)
   gen_lens=256,1024 qs_steps=4
-  limit_first=120 limit_check=120 limit_kernels=120 limit_train=120 limit_long=60 limit_torch=400 limit_generate=60 limit_qs=180
+  limit_first=120 limit_check=120 limit_kernels=120 limit_train=120 limit_profile=120 limit_long=60 limit_torch=400 limit_generate=60 limit_qs=180
 else
   seq_lens=8192,32768 long_lens=131072 bench_set=(--config "$here/configs/enwik8.toml"
     --set "model.n_layer=$layers" --set model.dropout_residual=0 --set model.dropout_layer=0
     --set model.dropout_sinusoid=0)
   gen_lens=1024,8192,65536 qs_steps=200
-  limit_first=240 limit_check=60 limit_kernels=120 limit_train=90 limit_long=60 limit_torch=150 limit_generate=45 limit_qs=60
+  limit_first=240 limit_check=60 limit_kernels=120 limit_train=90 limit_profile=45 limit_long=60 limit_torch=150 limit_generate=45 limit_qs=60
 fi
 
 # 0. First light: two steps of a tiny model, where every kernel of a step is
@@ -148,6 +148,12 @@ precisions=f32,bf16
 train=("$tvq" bench step --device "$device" --json --batch 1 --form vq
   --precision "$precisions" --steps 2 "${bench_set[@]}")
 part train "$limit_train" "${train[@]}" --seq-len "$seq_lens"
+# Where a step's device time goes, by kernel, at the first length in bf16
+# (cubecl times each launch alone: the profiled step is slower).
+if [ "$device" = cuda ]; then
+  part profile "$limit_profile" "$tvq" bench step --device cuda --json --batch 1 --form vq \
+    --precision bf16 --steps 1 "${bench_set[@]}" --seq-len "${seq_lens%%,*}" --profile
+fi
 part train-long "$limit_long" "${train[@]}" --seq-len "$long_lens" --checkpointing full
 
 # 4. The same model in PyTorch (eager, compiled) and the quadratic SDPA

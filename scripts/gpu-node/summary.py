@@ -65,7 +65,8 @@ def table(path):
         elif form == "kernels":
             # The model's forward and backward passes, fused and composed:
             # passes only, so not a step, and no ratio to PyTorch's steps.
-            out.append(f"| passes, fused kernel ({r['fused_sublayers']} of {r['sublayers']} sublayers; "
+            out.append(f"| passes, fused kernels (attention in {r['fused_sublayers']}, quantizer in "
+                       f"{r.get('fused_quantizers', 0)} of {r['sublayers']} sublayers; "
                        f"loss diff {r['loss_diff']:.1e}) | {r['seq_len']:,} | {r.get('precision')} | "
                        f"{fmt(r.get('fused_tokens_per_s'))} | - | | | |")
             out.append(f"| passes, composed ops ({r['speedup']:.2f}x slower)" if r["speedup"] >= 1 else
@@ -93,6 +94,15 @@ def table(path):
                        f"{' (failed: ' + '; '.join(worst) + ')' if worst else ''} | | | | peaks: {shown} | | | |")
         elif form == "part" and r.get("status") != "passed":
             out.append(f"| part {r['part']}: {r['status']} {r.get('why', '')} | | | | | | | |")
+    # Where a profiled step's device time went (`tvq bench step --profile`),
+    # the ten largest kernels of each length.
+    profiled = [r for r in rows if r.get("form") == "profile"]
+    for t in sorted({r["seq_len"] for r in profiled}):
+        at = sorted((r for r in profiled if r["seq_len"] == t), key=lambda r: -r["seconds"])
+        out += ["", f"Profile of a training step at T = {t:,}: {sum(r['launches_per_step'] for r in at):,.0f} launches per step",
+                "", "| kernel | launches per step | time per step ms | share |", "|---|---|---|---|"]
+        for r in at[:10]:
+            out.append(f"| {r['kernel']} | {r['launches_per_step']:,.1f} | {1e3 * r['seconds'] / r['steps']:.3f} | {100 * r['share']:.1f}% |")
     print("\n".join(out))
 
 

@@ -22,6 +22,51 @@ pub const BYTE_VOCAB_SIZE: usize = 256 + N_SPECIAL as usize;
 /// Names tried, in order, for a tokenizer's end-of-document token.
 pub const EOS_NAMES: [&str; 4] = ["<eod>", "</s>", "<|endoftext|>", "<eos>"];
 
+/// Most bytes of one added (special) token's text. Real ones are a few
+/// dozen; `tokenizers` builds a matching automaton over them whose cost
+/// grows with the square of a repetitive token's length (one of 64 KiB
+/// took minutes to load).
+pub const ADDED_TOKEN_MAX_BYTES: usize = 256;
+
+/// Most added tokens a tokenizer file may declare.
+pub const ADDED_TOKENS_MAX: usize = 1 << 14;
+
+/// What is wrong with a tokenizer file's added tokens, if anything: more
+/// than [`ADDED_TOKENS_MAX`], or one longer than [`ADDED_TOKEN_MAX_BYTES`]
+/// (checked before `tokenizers` builds anything from them). Malformed JSON
+/// is left for `tokenizers` to report.
+fn check_added_tokens(bytes: &[u8]) -> Result<(), String> {
+    #[derive(serde::Deserialize)]
+    struct File {
+        #[serde(default)]
+        added_tokens: Vec<Added>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Added {
+        content: String,
+    }
+    let Ok(file) = serde_json::from_slice::<File>(bytes) else {
+        return Ok(());
+    };
+    if file.added_tokens.len() > ADDED_TOKENS_MAX {
+        return Err(format!(
+            "{} added tokens, more than the {ADDED_TOKENS_MAX} tvq reads",
+            file.added_tokens.len()
+        ));
+    }
+    match file
+        .added_tokens
+        .iter()
+        .find(|t| t.content.len() > ADDED_TOKEN_MAX_BYTES)
+    {
+        Some(t) => Err(format!(
+            "an added token of {} bytes, longer than the {ADDED_TOKEN_MAX_BYTES} tvq reads",
+            t.content.len()
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Token of a byte.
 pub fn byte_token(b: u8) -> u32 {
     b as u32 + N_SPECIAL
@@ -89,6 +134,10 @@ impl Vocab {
                 reason: "no such file (train one with `tvq tokenizer train --corpus ... --out` that path)".into(),
             },
             _ => DataError::io(path, e),
+        })?;
+        check_added_tokens(&bytes).map_err(|reason| DataError::BadTokenizer {
+            path: path.to_path_buf(),
+            reason,
         })?;
         let tokenizer = Tokenizer::from_bytes(&bytes).map_err(|e| DataError::BadTokenizer {
             path: path.to_path_buf(),

@@ -531,6 +531,34 @@ fn a_tokenizer_with_ids_beyond_its_vocabulary_is_refused() {
     assert!(err.to_string().contains("id 70000"), "{err}");
 }
 
+/// A tokenizer file with an added token longer than tvq reads (64 KiB of
+/// one character: `tokenizers` took minutes to build its automaton) is
+/// refused, before anything is built from it, in one line; one at the
+/// limit loads.
+#[test]
+fn a_tokenizer_with_an_overlong_added_token_is_refused_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = |content: String| {
+        let path = dir.path().join(format!("tok-{}.json", content.len()));
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [{"id": 3, "content": content, "single_word": false, "lstrip": false,
+                              "rstrip": false, "normalized": false, "special": true}],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"<eod>": 0, "a": 1, "b": 2},
+                      "unk_token": "<eod>"}
+        });
+        std::fs::write(&path, json.to_string()).unwrap();
+        path
+    };
+    let limit = tvq_data::vocab::ADDED_TOKEN_MAX_BYTES;
+    assert!(tvq_data::Vocab::load_tokenizer(&tokenizer("9".repeat(limit))).is_ok());
+    let err = tvq_data::Vocab::load_tokenizer(&tokenizer("9".repeat(1 << 16))).unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("added token of 65536 bytes"), "{text}");
+    assert!(!text.contains('\n'), "{text}");
+}
+
 fn mqar(pairs: usize, sequence_len: usize, update_len: usize) -> DataConfig {
     DataConfig {
         sequence_len,

@@ -316,7 +316,7 @@ impl<B: VqBackend> Gau<B> {
                 state: AttentionState::default(),
             });
         }
-        let vq = self.quantizer.quantize(p.k.clone(), valid);
+        let vq = self.quantizer.quantize(p.k.clone(), valid, cx.kernels);
         let input = AttentionInput {
             q,
             bias,
@@ -358,7 +358,7 @@ impl<B: VqBackend> Gau<B> {
         let cx = self.compute.in_f32();
         let p = self.project(x, cx);
         let (q, bias) = self.bias.apply(p.q, self.block_len, masks.sinusoid.take());
-        let vq = self.quantizer.quantize(p.k.clone(), None);
+        let vq = self.quantizer.quantize(p.k.clone(), None, cx.kernels);
         let input = AttentionInput {
             q,
             bias,

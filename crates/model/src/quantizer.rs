@@ -7,9 +7,10 @@
 
 use burn::module::{Module, Param};
 use burn::prelude::*;
-use burn::tensor::{Distribution, IndexingUpdateOp};
+use burn::tensor::{Distribution, IndexingUpdateOp, TensorPrimitive};
 
 use crate::device::to_device_via_host;
+use crate::kernel::{self, Kernels, VqBackend};
 
 /// Floor on `c_count` when dividing, as in the official code.
 const MIN_COUNT: f64 = 0.01;
@@ -110,6 +111,44 @@ pub(crate) fn code_totals<B: Backend>(
     (counts, sums)
 }
 
+/// Each key's nearest codeword by composed ops: `kd` `[B, H, T, K]`
+/// (detached) against `codebook` `[H, S, K]`; the codes `[B, H, T]` (ties
+/// to the lowest index) and their codewords `[B, H, T, K]`. Ranked by
+/// `|C_s|^2 - 2 k . C_s`, `|k - C_s|^2` up to the per-key constant `|k|^2`,
+/// as the official code ranks them.
+fn nearest_composed<B: Backend>(
+    kd: &Tensor<B, 4>,
+    codebook: &Tensor<B, 3>,
+) -> (Tensor<B, 3, Int>, Tensor<B, 4>) {
+    let [b, h, t, d_k] = kd.dims();
+    let s = codebook.dims()[1];
+    let device = kd.device();
+    // As C k^T, then transposed. Computed as k C^T followed by
+    // `* -2 + |C|^2`, the distances of one token (the recurrent form)
+    // came out wrong on wgpu at H = 2, S = 16 (burn 0.21's fused
+    // kernels on lavapipe, each operand right when read alone; `tvq
+    // check` found it). The same dot products either way.
+    let cross = codebook
+        .clone()
+        .unsqueeze_dim::<4>(0)
+        .matmul(kd.clone().swap_dims(2, 3)) // [B, H, S, T]
+        .swap_dims(2, 3); // [B, H, T, S]
+    let c_sq = codebook.clone().square().sum_dim(2).reshape([1, h, 1, s]); // [1, H, 1, S]
+    let dist = cross * -2.0 + c_sq; // [B, H, T, S]
+    let codes = dist.argmin(3).reshape([b, h, t]); // [B, H, T]
+
+    // Gather C_z per head from the flattened [H*S, K] codebook.
+    let offsets =
+        Tensor::<B, 1, Int>::arange_step(0..(h * s) as i64, s, &device).reshape([1, h, 1]);
+    let flat_idx = (codes.clone() + offsets).reshape([b * h * t]);
+    let c_z = codebook
+        .clone()
+        .reshape([h * s, d_k])
+        .select(0, flat_idx)
+        .reshape([b, h, t, d_k]); // [B, H, T, K], constant
+    (codes, c_z)
+}
+
 impl<B: Backend> VectorQuantizer<B> {
     /// A codebook with `c_sum ~ N(0, 1/(S H))` and `c_count = 1`.
     pub fn new(n_head: usize, n_code: usize, d_k: usize, device: &B::Device) -> Self {
@@ -143,41 +182,59 @@ impl<B: Backend> VectorQuantizer<B> {
     }
 
     /// Quantizes keys `k` `[B, H, T, K]`; `valid` `[B, T]` marks the tokens
-    /// that count towards the statistics (all when `None`).
-    pub fn quantize(&self, k: Tensor<B, 4>, valid: Option<Tensor<B, 2, Bool>>) -> Quantized<B> {
+    /// that count towards the statistics (all when `None`). Under
+    /// [`Kernels::Fused`], the distances, codes and codewords come from
+    /// the backend's fused kernel where it has one.
+    pub fn quantize(
+        &self,
+        k: Tensor<B, 4>,
+        valid: Option<Tensor<B, 2, Bool>>,
+        kernels: Kernels,
+    ) -> Quantized<B>
+    where
+        B: VqBackend,
+    {
         let [b, h, t, d_k] = k.dims();
         let device = k.device();
         let codebook = self.codebook(); // [H, S, K]
         let s = codebook.dims()[1];
-
-        // |k - C_s|^2 up to the per-row constant |k|^2, as the official code ranks them.
         let kd = k.clone().detach();
-        // As C k^T, then transposed. Computed as k C^T followed by
-        // `* -2 + |C|^2`, the distances of one token (the recurrent form)
-        // came out wrong on wgpu at H = 2, S = 16 (burn 0.21's fused
-        // kernels on lavapipe, each operand right when read alone; `tvq
-        // check` found it). The same dot products either way.
-        let cross = codebook
-            .clone()
-            .unsqueeze_dim::<4>(0)
-            .matmul(kd.clone().swap_dims(2, 3)) // [B, H, S, T]
-            .swap_dims(2, 3); // [B, H, T, S]
-        let c_sq = codebook.clone().square().sum_dim(2).reshape([1, h, 1, s]); // [1, H, 1, S]
-        let dist = cross * -2.0 + c_sq; // [B, H, T, S]
-        let codes = dist.argmin(3).reshape([b, h, t]); // [B, H, T]
 
-        // Gather C_z per head from the flattened [H*S, K] codebook.
-        let offsets =
-            Tensor::<B, 1, Int>::arange_step(0..(h * s) as i64, s, &device).reshape([1, h, 1]);
-        let flat_idx = (codes.clone() + offsets).reshape([b * h * t]);
-        let c_z = codebook
-            .reshape([h * s, d_k])
-            .select(0, flat_idx)
-            .reshape([b, h, t, d_k]); // [B, H, T, K], constant
+        let fused = (kernels == Kernels::Fused
+            && kernel::quantizer::covers(d_k)
+            && kd.dtype() == codebook.dtype())
+        .then(|| {
+            B::vq_quantize(
+                kd.clone()
+                    .reshape([b * h, t, d_k])
+                    .into_primitive()
+                    .tensor(),
+                codebook.clone().into_primitive().tensor(),
+            )
+        })
+        .flatten();
+        let (codes, c_z, sq_err) = match fused {
+            Some(n) => {
+                let float = |x| Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(x));
+                (
+                    Tensor::<B, 2, Int>::from_primitive(n.codes).reshape([b, h, t]),
+                    float(n.words).reshape([b, h, t, d_k]),
+                    Some(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(
+                        n.error,
+                    ))),
+                )
+            }
+            None => {
+                let (codes, c_z) = nearest_composed(&kd, &codebook);
+                (codes, c_z, None)
+            }
+        };
 
         let k_hat = k.clone() + (c_z.clone() - k.clone()).detach();
         let err = (k - c_z).square().sum_dim(3); // [B, H, T, 1]
         let commitment = err.clone().sum_dim(1).reshape([b, t]); // [B, T]
+        // The kernel's squared errors where it ran (no gradient needed).
+        let sq_err = sq_err.map_or_else(|| err.detach(), |e| e.reshape([b, h, t, 1]));
 
         // Statistics over valid tokens only (no gradient).
         let weight = valid.map(|valid| bool_to_float(valid, &device)); // [B, T]
@@ -197,7 +254,7 @@ impl<B: Backend> VectorQuantizer<B> {
             || Tensor::ones([b, 1, t, 1], &device),
             |w| w.reshape([b, 1, t, 1]),
         );
-        let sq_error = (err.detach() * weight.clone()).sum();
+        let sq_error = (sq_err * weight.clone()).sum();
         let sq_norm = (kd.square().sum_dim(3) * weight).sum();
 
         Quantized {

@@ -231,7 +231,7 @@ impl Trainer {
         // The carried states go where the shards run (their checkpointing
         // strategy must be the shards').
         let state_device = self.worker_devices[0].clone();
-        let loaded = checkpoint::load(dir, model, optim, &self.device, &state_device)?;
+        let loaded = checkpoint::resume(dir, model, optim, &self.device, &state_device)?;
         let mut model = loaded.model;
         // Not a weight: a checkpoint of one precision resumes in another.
         model.set_precision(self.settings.precision);

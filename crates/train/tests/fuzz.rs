@@ -1,7 +1,8 @@
 //! Mutation fuzzing of everything tvq reads from a run or an export:
 //! seeded mutations of a committed checkpoint and of an export made from
 //! it, each file's manifest entry forged to match so that the checks past
-//! the checksums are reached. Two kinds of mutation: of bytes (bit flips,
+//! the checksums are reached; of configs, token caches, tokenizer files
+//! and task files. Two kinds of mutation: of bytes (bit flips,
 //! bytes and 64-bit words set to edge values, truncations, numbers in the
 //! JSON made huge), and of structure ([`mutate_structure`]: the file
 //! parsed, one to three of its fields (a number, a string, a shape, an
@@ -438,5 +439,188 @@ fn mutated_token_caches_open_or_fail_cleanly() {
     assert!(
         opened < cases(),
         "every mutation opened: the mutations do nothing"
+    );
+}
+
+/// Values a TOML field is set to: integers at zero, one, minus one, the
+/// edges of 32- and 64-bit integers and a trillion; floats not a number,
+/// infinite, huge, zero and negative zero; an empty and a huge string; a
+/// boolean; an empty table.
+fn toml_boundary(rng: &mut SplitMix64) -> toml::Value {
+    use toml::Value::{Boolean, Float, Integer, String, Table};
+    let all = [
+        Integer(0),
+        Integer(1),
+        Integer(-1),
+        Integer(1 << 31),
+        Integer(1 << 32),
+        Integer(i64::MAX),
+        Integer(1_000_000_000_000),
+        Float(f64::NAN),
+        Float(f64::INFINITY),
+        Float(f64::NEG_INFINITY),
+        Float(1e300),
+        Float(0.0),
+        Float(-0.0),
+        String(std::string::String::new()),
+        String("9".repeat(1 << 16)),
+        Boolean(true),
+        Table(toml::Table::new()),
+    ];
+    all[(rng.next_u64() % all.len() as u64) as usize].clone()
+}
+
+/// A config text with one to three of its fields set to a TOML boundary
+/// value or to another field's value, or removed, written back
+/// well-formed.
+fn mutate_toml(text: &str, rng: &mut SplitMix64) -> String {
+    let mut table: toml::Table = text.parse().expect("the seed config is TOML");
+    let pick = |rng: &mut SplitMix64, n: usize| (rng.next_u64() % n.max(1) as u64) as usize;
+    for _ in 0..=pick(rng, 3) {
+        let fields: Vec<(String, String)> = table
+            .iter()
+            .filter_map(|(name, v)| Some((name, v.as_table()?)))
+            .flat_map(|(name, t)| t.keys().map(move |k| (name.clone(), k.clone())))
+            .collect();
+        if fields.is_empty() {
+            break;
+        }
+        let (section, key) = fields[pick(rng, fields.len())].clone();
+        let (other_section, other_key) = &fields[pick(rng, fields.len())];
+        let other = table[other_section][other_key.as_str()].clone();
+        let Some(section) = table.get_mut(&section).and_then(|t| t.as_table_mut()) else {
+            continue;
+        };
+        match pick(rng, 5) {
+            0..=2 => drop(section.insert(key, toml_boundary(rng))),
+            3 => drop(section.insert(key, other)),
+            _ => drop(section.remove(&key)),
+        }
+    }
+    toml::to_string(&table).expect("a table serialises")
+}
+
+/// Configs with fields at their boundaries parse or fail in one line; one
+/// that parses is refused by the memory budget (held against 64 MiB, as
+/// `tvq train` holds it against the machine's memory) or builds its
+/// trainer, within the heap limit.
+#[test]
+fn configs_with_fields_at_their_boundaries_build_or_fail_cleanly() {
+    use tvq_train::placement::memory;
+    let seed = std::fs::read_to_string(fixture().join("config.toml")).unwrap();
+    let device = DeviceSpec::Cpu.init().unwrap().0;
+    let mut built = 0;
+    fuzz("config fields", |rng| {
+        let text = mutate_toml(&seed, rng);
+        let cfg = match RunConfig::parse(&text, &[]) {
+            Ok(cfg) => cfg,
+            Err(e) => return one_line(e, "config fields"),
+        };
+        let model = cfg.model_config(tvq_data::Vocab::Bytes.size());
+        let rows = cfg.data.batch_size / cfg.train.micro_batches.max(1);
+        let estimate = memory::training(
+            &model,
+            cfg.train.activation_checkpointing,
+            rows,
+            cfg.data.update_len,
+            cfg.data.batch_size,
+        );
+        if let Err(e) = memory::check(&estimate, Some(64.0 * 1024.0 * 1024.0), false) {
+            return one_line(e, "config fields");
+        }
+        match Trainer::new(&model, &cfg.train, std::slice::from_ref(&device)) {
+            Ok(_) => built += 1,
+            Err(e) => one_line(e, "config fields"),
+        }
+    });
+    assert!(
+        built < cases(),
+        "every mutation built: the mutations do nothing"
+    );
+}
+
+/// A tokenizer trained here (byte-level BPE of 300 ids), as the seed of
+/// the tokenizer targets.
+fn tokenizer_seed(dir: &Path) -> Vec<u8> {
+    let text = dir.join("text.txt");
+    std::fs::write(
+        &text,
+        "In the beginning God created the heaven and the earth. ".repeat(50),
+    )
+    .unwrap();
+    let out = dir.join("seed-tokenizer.json");
+    tvq_data::train_tokenizer(&[text], tvq_data::TokenizerKind::Bpe, 300, &out).unwrap();
+    std::fs::read(out).unwrap()
+}
+
+/// Tokenizer files with fields at their boundaries (ids, merges, added
+/// tokens, settings) load or fail in one line; one that loads encodes and
+/// decodes a text with every id inside its vocabulary.
+#[test]
+fn tokenizers_with_fields_at_their_boundaries_load_or_fail_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let seed = tokenizer_seed(dir.path());
+    let path = dir.path().join("tokenizer.json");
+    let mut loaded = 0;
+    fuzz("tokenizer fields", |rng| {
+        let mut bytes = seed.clone();
+        mutate_structure(&mut bytes, rng);
+        std::fs::write(&path, bytes).unwrap();
+        let vocab = match tvq_data::Vocab::load_tokenizer(&path) {
+            Ok(vocab) => vocab,
+            Err(e) => return one_line(e, "tokenizer fields"),
+        };
+        loaded += 1;
+        match vocab.encode("In the beginning was the Word.") {
+            Ok(ids) => {
+                assert!(ids.iter().all(|&id| (id as usize) < vocab.size()));
+                if let Err(e) = vocab.decode(&ids) {
+                    one_line(e, "tokenizer fields");
+                }
+            }
+            Err(e) => one_line(e, "tokenizer fields"),
+        }
+    });
+    assert!(
+        loaded < cases(),
+        "every mutation loaded: the mutations do nothing"
+    );
+}
+
+/// Task files (`tvq eval --task-file`) with fields at their boundaries
+/// (token ids, answer places, distances, the lists themselves) read or
+/// fail in one line; one that reads has every answer inside its tokens.
+#[test]
+fn task_files_with_fields_at_their_boundaries_read_or_fail_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("task.jsonl");
+    let lines = [
+        r#"{"tokens": [5, 6, 7, 8, 5, 6], "answers": [{"pos": 5, "token": 6, "distance": 4}]}"#,
+        r#"{"tokens": [9, 10, 9, 10], "answers": [{"pos": 3, "token": 10}]}"#,
+    ];
+    let vocab = tvq_data::Vocab::Bytes.size();
+    let mut read = 0;
+    fuzz("task file fields", |rng| {
+        let mut text = String::new();
+        for (i, line) in lines.iter().enumerate() {
+            let mut bytes = line.as_bytes().to_vec();
+            if rng.next_u64() % 2 == 0 || i == 1 {
+                mutate_structure(&mut bytes, rng);
+            }
+            text.push_str(&String::from_utf8(bytes).unwrap());
+            text.push('\n');
+        }
+        std::fs::write(&path, text).unwrap();
+        match tvq_data::recall::read_task_file(&path, vocab) {
+            Ok((tokens, set)) => {
+                read += 1;
+                assert!(set.answers.iter().all(|a| a.pos < tokens.len()));
+            }
+            Err(e) => one_line(e, "task file fields"),
+        }
+    });
+    assert!(
+        read < cases(),
+        "every mutation read: the mutations do nothing"
     );
 }

@@ -1,11 +1,11 @@
-//! `tvq bench kernels`: the fused attention kernel against the composed
-//! ops it replaces, in the model's forward and backward passes on the
+//! `tvq bench kernels`: the fused attention and quantizer kernels against
+//! the composed ops they replace, in the model's forward and backward passes on the
 //! device's cubecl backend (wgpu or CUDA, without burn's fusion, where the
 //! kernels plug in: `tvq_model::kernel`).
 //!
 //! For each segment length, the same model, batch and dropout masks run
 //! both ways, alternating pass by pass; each line gives both rates, how
-//! many sublayers reached the kernel, and how far the two passes' loss and
+//! many sublayers reached each kernel, and how far the two passes' loss and
 //! gradient lie apart, so that a figure of the fused path is never the
 //! composed path's under another name.
 
@@ -16,7 +16,9 @@ use burn::DispatchDevice;
 use burn::backend::Autodiff;
 use burn::prelude::*;
 use serde_json::json;
-use tvq_model::kernel::{CubeCuda, CubeWgpu, Kernels, VqKernels, fused_attention_calls};
+use tvq_model::kernel::{
+    CubeCuda, CubeWgpu, Kernels, VqKernels, fused_attention_calls, fused_quantize_calls,
+};
 use tvq_model::{Loss, Pass, Precision, TransformerVq, TransformerVqConfig};
 use tvq_train::config::TrainSection;
 
@@ -48,13 +50,14 @@ pub(super) fn run(
             args.batch, model.d_model, model.n_layer, model.n_code, model.block_len
         );
         println!(
-            "{:>8} {:>9} {:>14} {:>14} {:>8} {:>9} {:>11} {:>11}",
+            "{:>8} {:>9} {:>14} {:>14} {:>8} {:>9} {:>9} {:>11} {:>11}",
             "seq_len",
             "precision",
             "fused tok/s",
             "composed tok/s",
             "speedup",
-            "fused",
+            "attention",
+            "quantizer",
             "loss diff",
             "grad diff"
         );
@@ -139,15 +142,18 @@ impl On<'_> {
                     .unwrap_or_default(),
             })
         };
-        // One pass with `kernels`: its results, its time, its fused calls.
-        let mut timed = |kernels: Kernels| -> Result<(Passed, Duration, u64)> {
+        // One pass with `kernels`: its results, its time, its fused
+        // attention and quantizer calls.
+        let mut timed = |kernels: Kernels| -> Result<(Passed, Duration, [u64; 2])> {
             net.set_kernels(kernels);
-            let calls = fused_attention_calls();
+            let calls = [fused_attention_calls(), fused_quantize_calls()];
             let start = Instant::now();
             let passed = pass(&net)?;
-            Ok((passed, start.elapsed(), fused_attention_calls() - calls))
+            let elapsed = start.elapsed();
+            let after = [fused_attention_calls(), fused_quantize_calls()];
+            Ok((passed, elapsed, [after[0] - calls[0], after[1] - calls[1]]))
         };
-        let (fused, _, reached) = timed(Kernels::Fused)?;
+        let (fused, _, [reached, quantized]) = timed(Kernels::Fused)?;
         let (composed, _, _) = timed(Kernels::Composed)?;
         let (mut fused_s, mut composed_s) = (Duration::ZERO, Duration::ZERO);
         for _ in 0..args.steps {
@@ -170,15 +176,16 @@ impl On<'_> {
                     "form": "kernels", "seq_len": t, "batch": b, "precision": precision,
                     "fused_tokens_per_s": fused_rate, "composed_tokens_per_s": composed_rate,
                     "speedup": fused_rate / composed_rate, "fused_sublayers": reached,
-                    "sublayers": sublayers, "loss": composed.loss, "loss_diff": loss_diff,
+                    "fused_quantizers": quantized, "sublayers": sublayers, "loss": composed.loss, "loss_diff": loss_diff,
                     "grad_max_diff": grad_diff, "device": self.info,
                 })
             );
         } else {
             println!(
-                "{t:>8} {precision:>9} {fused_rate:>14.0} {composed_rate:>14.0} {:>7.2}x {:>9} {loss_diff:>11.2e} {grad_diff:>11.2e}",
+                "{t:>8} {precision:>9} {fused_rate:>14.0} {composed_rate:>14.0} {:>7.2}x {:>9} {:>9} {loss_diff:>11.2e} {grad_diff:>11.2e}",
                 fused_rate / composed_rate,
                 format!("{reached}/{sublayers}"),
+                format!("{quantized}/{sublayers}"),
             );
         }
         Ok(())

@@ -4,6 +4,7 @@
 //! the data loader, checkpoints, and the device's peak.
 
 mod kernels;
+mod profile;
 
 use std::time::Instant;
 
@@ -121,6 +122,12 @@ pub struct BenchArgs {
     /// Print one JSON object per setting instead of a table.
     #[arg(long)]
     json: bool,
+    /// With step or attention on wgpu or cuda: after each setting, where
+    /// its timed steps' device time went, by kernel (launches, time,
+    /// share). cubecl then times each launch alone, so the setting's own
+    /// line (timed with profiling on) is slower than without.
+    #[arg(long)]
+    profile: bool,
     /// Tokens generated per prompt (generate).
     #[arg(long, default_value_t = 64, value_parser = crate::args::at_least(2))]
     new_tokens: usize,
@@ -424,6 +431,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
             args.batch
         );
     }
+    let log = match (&benchmark, args.profile) {
+        (_, false) => None,
+        (Benchmark::Step | Benchmark::Attention, true) => {
+            Some(profile::KernelLog::start(args.device)?)
+        }
+        (other, true) => {
+            anyhow::bail!("--profile is for tvq bench step and attention, not {other:?}")
+        }
+    };
     let (device, info) = args.device.init()?;
     let precisions = given_or(&args.precision, train.precision);
     let whole_step = match &benchmark {
@@ -471,6 +487,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                         info: &info,
                         peak,
                         whole_step,
+                        log: log.as_ref(),
                     };
                     bench_training(&args, &on, form, t)?;
                 }
@@ -608,6 +625,8 @@ struct Measuring<'a> {
     peak: Option<f64>,
     /// The whole training step (`tvq bench step`), not only its passes.
     whole_step: bool,
+    /// cubecl's log of every launch, under `--profile`.
+    log: Option<&'a profile::KernelLog>,
 }
 
 /// Times `--steps` training steps (or forward and backward passes) of
@@ -621,6 +640,7 @@ fn bench_training(args: &BenchArgs, on: &Measuring, form: AttentionForm, t: usiz
         info,
         peak,
         whole_step,
+        log,
     } = *on;
     let form_name = match form {
         AttentionForm::Vq => "vq",
@@ -665,11 +685,16 @@ fn bench_training(args: &BenchArgs, on: &Measuring, form: AttentionForm, t: usiz
     };
     reset_peak_rss();
     step()?; // warm-up
+    let mark = log.map(profile::KernelLog::settled);
     let start = Instant::now();
     for _ in 0..args.steps {
         step()?;
     }
     let secs = start.elapsed().as_secs_f64();
+    let kernels = match (log, mark) {
+        (Some(log), Some(mark)) => Some(log.since(mark)?),
+        _ => None,
+    };
     let tokens_per_s = (args.steps * args.batch * t) as f64 / secs;
     let utilisation = peak.map(|p| tokens_per_s * mfu::training_flops_per_token(&cfg, t) / p);
     let rss = peak_rss_bytes();
@@ -693,6 +718,9 @@ fn bench_training(args: &BenchArgs, on: &Measuring, form: AttentionForm, t: usiz
             "{form_name:<10} {t:>8} {precision:>9} {mode:>9} {tokens_per_s:>14.0} {shown:>6} {:>14.0}",
             rss as f64 / (1 << 20) as f64
         );
+    }
+    if let Some(kernels) = kernels {
+        profile::print(&kernels, args.steps, t, args.json);
     }
     Ok(())
 }

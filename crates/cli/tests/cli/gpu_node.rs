@@ -293,11 +293,12 @@ fn read_results(path: &Path) -> Vec<serde_json::Value> {
     parse_json_lines(&std::fs::read_to_string(path).unwrap())
 }
 
-/// `tvq bench kernels` reaches the fused attention kernel from the binary
-/// (every sublayer of the Toeplitz and XL models, dropout on) and the fused
-/// passes agree with the composed ones; with the rotary term, which the
-/// kernel does not cover, it says that no sublayer reached it; the CPU has
-/// no kernel to measure.
+/// `tvq bench kernels` reaches the fused attention and quantizer kernels
+/// from the binary (every sublayer of the Toeplitz and XL models, dropout
+/// on) and the fused passes agree with the composed ones; with the rotary
+/// term, which the attention kernel does not cover, it says that no
+/// sublayer's attention reached it (every quantizer still does); the CPU
+/// has no kernel to measure.
 #[test]
 fn bench_kernels_reaches_the_fused_kernel_and_agrees_with_the_composed_ops() {
     let gpu = Gpu::under_test();
@@ -346,6 +347,10 @@ fn bench_kernels_reaches_the_fused_kernel_and_agrees_with_the_composed_ops() {
         for l in &lines {
             assert_eq!(l["sublayers"], 2, "{bias}: {l}");
             assert_eq!(l["fused_sublayers"], 2, "{bias}: every sublayer fused: {l}");
+            assert_eq!(
+                l["fused_quantizers"], 2,
+                "{bias}: every quantizer fused: {l}"
+            );
             assert!(l["loss_diff"].as_f64().unwrap() < 1e-5, "{bias}: {l}");
             assert!(l["grad_max_diff"].as_f64().unwrap() < 1e-6, "{bias}: {l}");
             for key in ["fused_tokens_per_s", "composed_tokens_per_s"] {
@@ -355,11 +360,86 @@ fn bench_kernels_reaches_the_fused_kernel_and_agrees_with_the_composed_ops() {
     }
     for l in lines(&bench("rotary")) {
         assert_eq!(l["fused_sublayers"], 0, "rotary composes: {l}");
-        assert_eq!(l["loss_diff"], 0.0, "{l}");
+        assert_eq!(l["fused_quantizers"], 2, "the quantizer fuses: {l}");
+        assert!(l["loss_diff"].as_f64().unwrap() < 1e-5, "{l}");
     }
     let out = tvq(&["bench", "kernels", "--device", "cpu", "--seq-len", "16"]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("run on wgpu and cuda"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
+
+/// `tvq bench step --profile` on the GPU says where the timed steps' device
+/// time went: kernels by name, their shares summing to one, about as many
+/// launches per step at twice the segment length (the block-parallel form
+/// runs every block in the same kernels), and the step's own line beside
+/// them; on the CPU it is a one-line error.
+#[test]
+fn bench_step_profile_counts_the_launches_of_a_step() {
+    let gpu = Gpu::under_test();
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 2, 2);
+    let out = tvq(&[
+        "bench",
+        "step",
+        "--device",
+        gpu.name(),
+        "--config",
+        config.to_str().unwrap(),
+        "--form",
+        "vq",
+        "--seq-len",
+        "32,64",
+        "--batch",
+        "2",
+        "--steps",
+        "2",
+        "--profile",
+        "--json",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() && err.contains("is not available") {
+        gpu.missing("bench_step_profile_counts_the_launches_of_a_step", &err);
+        return;
+    }
+    assert!(out.status.success(), "{err}");
+    let lines = parse_json_lines(&String::from_utf8_lossy(&out.stdout));
+    let mut per_step = vec![];
+    for t in [32, 64] {
+        let at = |form: &str| -> Vec<&serde_json::Value> {
+            (lines.iter())
+                .filter(|l| l["form"] == form && l["seq_len"] == t)
+                .collect()
+        };
+        assert_eq!(at("vq").len(), 1, "the step's line at {t}: {lines:?}");
+        let kernels = at("profile");
+        assert!(kernels.len() >= 5, "kernels at {t}: {kernels:?}");
+        let share: f64 = kernels.iter().map(|k| k["share"].as_f64().unwrap()).sum();
+        assert!((share - 1.0).abs() < 1e-9, "shares sum to {share}");
+        let mut launches = 0.0;
+        for k in &kernels {
+            assert!(!k["kernel"].as_str().unwrap().contains('<'), "{k}");
+            assert!(k["launches"].as_u64().unwrap() >= 1, "{k}");
+            launches += k["launches_per_step"].as_f64().unwrap();
+        }
+        per_step.push(launches);
+    }
+    assert!(
+        per_step[0] >= 20.0 && per_step[1] <= 1.1 * per_step[0],
+        "launches per step at T = 32 and 64: {per_step:?}"
+    );
+    let out = tvq(&[
+        "bench",
+        "step",
+        "--device",
+        "cpu",
+        "--profile",
+        "--seq-len",
+        "16",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--device wgpu or cuda"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
 }

@@ -35,15 +35,13 @@
 //! atomics.
 
 use burn::prelude::Backend;
-use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Shape, TensorMetadata};
-use burn_cubecl::element::BoolElement;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn::tensor::TensorMetadata;
+use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
-use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
-use super::{AttentionKernelGrads, AttentionKernelInput, VqKernels};
+use super::launch::{cubes, empty_like, parts};
+use super::{AttentionKernelGrads, AttentionKernelInput};
 
 /// Queries (and keys) per tile; a cube is `TILE x TILE` units.
 const TILE: usize = 16;
@@ -88,13 +86,6 @@ struct Operands<F: Float> {
     means: Tensor<F>,
     /// 1 when block 0 of every row has no previous block.
     mask_first: u32,
-}
-
-/// How many parts of `size` cover `n` (`div_ceil`, which kernels lack).
-#[cube]
-#[allow(clippy::manual_div_ceil)]
-fn parts(n: usize, #[comptime] size: usize) -> usize {
-    (n + size - 1) / size
 }
 
 /// Keys a query sees, `2L + S`.
@@ -359,6 +350,43 @@ fn grad_dot_value<F: Float>(
     dp
 }
 
+/// `count` accumulators, zero.
+#[cube]
+fn zeros<F: Float>(#[comptime] count: usize) -> Array<F> {
+    let mut acc = Array::<F>::new(count);
+    for j in 0..count {
+        acc[j] = F::new(0.0);
+    }
+    acc
+}
+
+/// Unit `(y, z)`'s share of a tile product: `acc[j] += sum_t
+/// weights[y, t] rows[t, z + j TILE]` for the `acc.len()` columns `z, z +
+/// TILE, ...` below `width`, rows `stride` apart.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn accumulate<F: Float>(
+    acc: &mut Array<F>,
+    weights: &SharedMemory<F>,
+    rows: &SharedMemory<F>,
+    y: usize,
+    z: usize,
+    #[comptime] count: usize,
+    #[comptime] stride: usize,
+    #[comptime] width: usize,
+) {
+    for j in 0..count {
+        let c = z + j * TILE;
+        if c < width {
+            let mut a = acc[j];
+            for t in 0..TILE {
+                a += weights[y * TILE + t] * rows[t * stride + c];
+            }
+            acc[j] = a;
+        }
+    }
+}
+
 /// The log-sum-exp of row `i` from each unit's running maximum and sum
 /// (`TILE` per row in `maxes`, `sums`).
 #[cube]
@@ -461,10 +489,7 @@ fn forward_values<F: Float>(
     if i < l {
         own_lse = lse[g * lse.stride(0) + i * lse.stride(1)];
     }
-    let mut acc = Array::<F>::new(PER_UNIT);
-    for j in 0..PER_UNIT {
-        acc[j] = F::new(0.0);
-    }
+    let mut acc = zeros::<F>(PER_UNIT);
     let mut n0 = 0;
     while n0 < keys {
         sync_cube();
@@ -478,13 +503,7 @@ fn forward_values<F: Float>(
         }
         probs[y * TILE + z] = p;
         sync_cube();
-        for j in 0..PER_UNIT {
-            let mut a = acc[j];
-            for t in 0..TILE {
-                a += probs[y * TILE + t] * values[t * SLICE + z + j * TILE];
-            }
-            acc[j] = a;
-        }
+        accumulate::<F>(&mut acc, &probs, &values, y, z, PER_UNIT, SLICE, SLICE);
         n0 += TILE;
     }
     for j in 0..PER_UNIT {
@@ -535,10 +554,7 @@ fn backward_query<F: Float>(
     }
     let bias_at = bias_row::<F>(x, dbias, g, i);
     let per_unit = comptime!(width.div_ceil(TILE));
-    let mut acc = Array::<F>::new(per_unit);
-    for j in 0..per_unit {
-        acc[j] = F::new(0.0);
-    }
+    let mut acc = zeros::<F>(per_unit);
     let mut weight_grad = F::new(0.0);
     let mut n0 = 0;
     while n0 < keys {
@@ -571,16 +587,16 @@ fn backward_query<F: Float>(
             }
         }
         sync_cube();
-        for j in 0..per_unit {
-            let c = z + j * TILE;
-            if c < width {
-                let mut a = acc[j];
-                for t in 0..TILE {
-                    a += ds_tile[y * TILE + t] * key_tile[t * (width + 1) + c];
-                }
-                acc[j] = a;
-            }
-        }
+        accumulate::<F>(
+            &mut acc,
+            &ds_tile,
+            &key_tile,
+            y,
+            z,
+            per_unit,
+            comptime!(width + 1),
+            width,
+        );
         n0 += TILE;
     }
     for j in 0..per_unit {
@@ -633,10 +649,7 @@ fn backward_key<F: Float>(
     let mut ds_tile = SharedMemory::<F>::new(TILE * TILE);
     load_keys::<F>(x, g, h, first, &mut key_tile, width);
     let per_unit = comptime!(width.div_ceil(TILE));
-    let mut acc = Array::<F>::new(per_unit);
-    for j in 0..per_unit {
-        acc[j] = F::new(0.0);
-    }
+    let mut acc = zeros::<F>(per_unit);
     let mut i0 = 0;
     while i0 < l {
         sync_cube();
@@ -653,16 +666,16 @@ fn backward_key<F: Float>(
         }
         ds_tile[y * TILE + z] = ds;
         sync_cube();
-        for j in 0..per_unit {
-            let c = z + j * TILE;
-            if c < width {
-                let mut a = acc[j];
-                for t in 0..TILE {
-                    a += ds_tile[y * TILE + t] * queries[t * (width + 1) + c];
-                }
-                acc[j] = a;
-            }
-        }
+        accumulate::<F>(
+            &mut acc,
+            &ds_tile,
+            &queries,
+            y,
+            z,
+            per_unit,
+            comptime!(width + 1),
+            width,
+        );
         i0 += TILE;
     }
     for j in 0..per_unit {
@@ -713,10 +726,7 @@ fn backward_values<F: Float>(
     let mut grads = SharedMemory::<F>::new(TILE * SLICE);
     let mut probs = SharedMemory::<F>::new(TILE * TILE);
     load_keys::<F>(x, g, h, first, &mut key_tile, width);
-    let mut acc = Array::<F>::new(PER_UNIT);
-    for j in 0..PER_UNIT {
-        acc[j] = F::new(0.0);
-    }
+    let mut acc = zeros::<F>(PER_UNIT);
     let mut i0 = 0;
     while i0 < l {
         sync_cube();
@@ -731,13 +741,7 @@ fn backward_values<F: Float>(
         }
         probs[y * TILE + z] = p;
         sync_cube();
-        for j in 0..PER_UNIT {
-            let mut a = acc[j];
-            for t in 0..TILE {
-                a += probs[y * TILE + t] * grads[t * SLICE + z + j * TILE];
-            }
-            acc[j] = a;
-        }
+        accumulate::<F>(&mut acc, &probs, &grads, y, z, PER_UNIT, SLICE, SLICE);
         i0 += TILE;
     }
     for j in 0..PER_UNIT {
@@ -758,31 +762,9 @@ fn backward_values<F: Float>(
     }
 }
 
-/// Cubes for `count` cubes of work, one each: CUDA and Vulkan allow 65,535
-/// along an axis, so they wrap onto a second axis (`CUBE_POS` counts them
-/// in order; the excess cubes of the last line stop at once).
-fn cubes(count: usize) -> CubeCount {
-    let x = count.clamp(1, 65_535);
-    CubeCount::Static(x as u32, count.div_ceil(x).max(1) as u32, 1)
-}
-
 /// A cube of `TILE x TILE` units.
 fn tile_dim() -> CubeDim {
     CubeDim::new_2d(TILE as u32, TILE as u32)
-}
-
-/// A new tensor of `shape` beside `like`.
-fn empty_like<R: CubeRuntime>(
-    like: &CubeTensor<R>,
-    shape: Vec<usize>,
-    dtype: DType,
-) -> CubeTensor<R> {
-    empty_device_dtype(
-        like.client.clone(),
-        like.device.clone(),
-        Shape::from(shape),
-        dtype,
-    )
 }
 
 /// `[G, L, K, V, S]` of an input.
@@ -817,102 +799,99 @@ fn operands<F: Float, R: CubeRuntime>(
     )
 }
 
-impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
-    for CubeBackend<R, F, I, BT>
-{
-    fn vq_attention_forward(
-        x: &AttentionKernelInput<Self>,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let [g, l, dk, dv, _] = sizes(x);
-        let dtype = x.q.dtype;
-        let out = empty_like(&x.q, vec![g, l, dv], dtype);
-        let lse = empty_like(&x.q, vec![g, l], dtype);
-        let (client, query_tiles, slices) = (&x.q.client, l.div_ceil(TILE), dv.div_ceil(SLICE));
-        forward_stats::launch::<R>(
-            client,
-            cubes(g * query_tiles),
-            tile_dim(),
-            operands(x),
-            lse.clone().into_tensor_arg(),
-            dk,
-            dtype.into(),
-        );
-        forward_values::launch::<R>(
-            client,
-            cubes(g * query_tiles * slices),
-            tile_dim(),
-            operands(x),
-            lse.clone().into_tensor_arg(),
-            out.clone().into_tensor_arg(),
-            dk,
-            dtype.into(),
-        );
-        (out, lse)
-    }
+/// [`super::VqKernels::vq_attention_forward`] on a cubecl backend.
+pub(super) fn forward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTensor<R>>>(
+    x: &AttentionKernelInput<B>,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let [g, l, dk, dv, _] = sizes(x);
+    let dtype = x.q.dtype;
+    let out = empty_like(&x.q, vec![g, l, dv], dtype);
+    let lse = empty_like(&x.q, vec![g, l], dtype);
+    let (client, query_tiles, slices) = (&x.q.client, l.div_ceil(TILE), dv.div_ceil(SLICE));
+    forward_stats::launch::<R>(
+        client,
+        cubes(g * query_tiles),
+        tile_dim(),
+        operands(x),
+        lse.clone().into_tensor_arg(),
+        dk,
+        dtype.into(),
+    );
+    forward_values::launch::<R>(
+        client,
+        cubes(g * query_tiles * slices),
+        tile_dim(),
+        operands(x),
+        lse.clone().into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        dk,
+        dtype.into(),
+    );
+    (out, lse)
+}
 
-    fn vq_attention_backward(
-        x: AttentionKernelInput<Self>,
-        out: FloatTensor<Self>,
-        lse: FloatTensor<Self>,
-        grad: FloatTensor<Self>,
-    ) -> AttentionKernelGrads<Self> {
-        use burn::tensor::ops::FloatTensorOps;
-        let [g, l, dk, dv, s] = sizes(&x);
-        let dtype = x.q.dtype;
-        // D = dO . O per query, [G, L, 1].
-        let delta = Self::float_sum_dim(Self::float_mul(grad.clone(), out), 2);
-        let grads = AttentionKernelGrads::<Self> {
-            q: empty_like(&x.q, vec![g, l, dk], dtype),
-            k: empty_like(&x.q, vec![g, l, dk], dtype),
-            v: empty_like(&x.q, vec![g, l, dv], dtype),
-            k_prev: empty_like(&x.q, vec![g, l, dk], dtype),
-            v_prev: empty_like(&x.q, vec![g, l, dv], dtype),
-            bias: empty_like(&x.q, x.bias.shape().dims::<4>().to_vec(), dtype),
-            means: empty_like(&x.q, vec![g, s, dv], dtype),
-            count_weight: empty_like(&x.q, vec![g, l], dtype),
-        };
-        let client = x.q.client.clone();
-        let slices = dv.div_ceil(SLICE);
-        backward_query::launch::<R>(
-            &client,
-            cubes(g * l.div_ceil(TILE)),
-            tile_dim(),
-            operands(&x),
-            lse.clone().into_tensor_arg(),
-            grad.clone().into_tensor_arg(),
-            delta.clone().into_tensor_arg(),
-            grads.q.clone().into_tensor_arg(),
-            grads.bias.clone().into_tensor_arg(),
-            grads.count_weight.clone().into_tensor_arg(),
-            dk,
-            dtype.into(),
-        );
-        backward_key::launch::<R>(
-            &client,
-            cubes(g * (2 * l).div_ceil(TILE)),
-            tile_dim(),
-            operands(&x),
-            lse.clone().into_tensor_arg(),
-            grad.clone().into_tensor_arg(),
-            delta.into_tensor_arg(),
-            grads.k.clone().into_tensor_arg(),
-            grads.k_prev.clone().into_tensor_arg(),
-            dk,
-            dtype.into(),
-        );
-        backward_values::launch::<R>(
-            &client,
-            cubes(g * (2 * l + s).div_ceil(TILE) * slices),
-            tile_dim(),
-            operands(&x),
-            lse.into_tensor_arg(),
-            grad.into_tensor_arg(),
-            grads.v.clone().into_tensor_arg(),
-            grads.v_prev.clone().into_tensor_arg(),
-            grads.means.clone().into_tensor_arg(),
-            dk,
-            dtype.into(),
-        );
-        grads
-    }
+/// [`super::VqKernels::vq_attention_backward`] on a cubecl backend.
+pub(super) fn backward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTensor<R>>>(
+    x: AttentionKernelInput<B>,
+    out: CubeTensor<R>,
+    lse: CubeTensor<R>,
+    grad: CubeTensor<R>,
+) -> AttentionKernelGrads<B> {
+    let [g, l, dk, dv, s] = sizes(&x);
+    let dtype = x.q.dtype;
+    // D = dO . O per query, [G, L, 1].
+    let delta = B::float_sum_dim(B::float_mul(grad.clone(), out), 2);
+    let grads = AttentionKernelGrads::<B> {
+        q: empty_like(&x.q, vec![g, l, dk], dtype),
+        k: empty_like(&x.q, vec![g, l, dk], dtype),
+        v: empty_like(&x.q, vec![g, l, dv], dtype),
+        k_prev: empty_like(&x.q, vec![g, l, dk], dtype),
+        v_prev: empty_like(&x.q, vec![g, l, dv], dtype),
+        bias: empty_like(&x.q, x.bias.shape().dims::<4>().to_vec(), dtype),
+        means: empty_like(&x.q, vec![g, s, dv], dtype),
+        count_weight: empty_like(&x.q, vec![g, l], dtype),
+    };
+    let client = x.q.client.clone();
+    let slices = dv.div_ceil(SLICE);
+    backward_query::launch::<R>(
+        &client,
+        cubes(g * l.div_ceil(TILE)),
+        tile_dim(),
+        operands(&x),
+        lse.clone().into_tensor_arg(),
+        grad.clone().into_tensor_arg(),
+        delta.clone().into_tensor_arg(),
+        grads.q.clone().into_tensor_arg(),
+        grads.bias.clone().into_tensor_arg(),
+        grads.count_weight.clone().into_tensor_arg(),
+        dk,
+        dtype.into(),
+    );
+    backward_key::launch::<R>(
+        &client,
+        cubes(g * (2 * l).div_ceil(TILE)),
+        tile_dim(),
+        operands(&x),
+        lse.clone().into_tensor_arg(),
+        grad.clone().into_tensor_arg(),
+        delta.into_tensor_arg(),
+        grads.k.clone().into_tensor_arg(),
+        grads.k_prev.clone().into_tensor_arg(),
+        dk,
+        dtype.into(),
+    );
+    backward_values::launch::<R>(
+        &client,
+        cubes(g * (2 * l + s).div_ceil(TILE) * slices),
+        tile_dim(),
+        operands(&x),
+        lse.into_tensor_arg(),
+        grad.into_tensor_arg(),
+        grads.v.clone().into_tensor_arg(),
+        grads.v_prev.clone().into_tensor_arg(),
+        grads.means.clone().into_tensor_arg(),
+        dk,
+        dtype.into(),
+    );
+    grads
 }

@@ -9,9 +9,10 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 
-use super::{AttentionKernelInput, FUSED_CALLS, VqBackend, VqKernels};
+use super::{AttentionKernelInput, FUSED_CALLS, Nearest, QUANTIZE_CALLS, VqBackend, VqKernels};
 
 /// The backward step of the fused attention; its parents are the eight
 /// differentiable inputs in [`AttentionKernelGrads`](super::AttentionKernelGrads)'s order.
@@ -46,6 +47,17 @@ impl<B: VqKernels> Backward<B, 8> for AttentionBackward {
 
 impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
     const FUSES_ATTENTION: bool = true;
+
+    fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Option<Nearest<Self>> {
+        QUANTIZE_CALLS.fetch_add(1, Ordering::Relaxed);
+        // Nothing here carries gradient: the kernel's outputs are new leaves.
+        let n = B::vq_quantize(keys.primitive, codebook.primitive);
+        Some(Nearest {
+            codes: n.codes,
+            words: Self::from_inner(n.words),
+            error: Self::from_inner(n.error),
+        })
+    }
 
     fn vq_attention(x: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {
         FUSED_CALLS.fetch_add(1, Ordering::Relaxed);

@@ -10,7 +10,7 @@
 //!
 //! | backend | fused |
 //! |---|---|
-//! | `CubeBackend<R, ..>` (cubecl: CUDA, wgpu), with or without `Autodiff` | [`attention`] |
+//! | `CubeBackend<R, ..>` (cubecl: CUDA, wgpu), with or without `Autodiff` | [`attention`], [`quantizer`] |
 //! | `burn::Dispatch` (what `tvq` trains on) | none: its tensors hide the backend they live on; `tvq bench kernels` runs the model on [`CubeWgpu`] or [`CubeCuda`] |
 //! | `Flex` (the CPU) | none |
 //!
@@ -19,16 +19,21 @@
 
 pub mod attention;
 mod autodiff;
+mod launch;
+pub mod quantizer;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::Dispatch;
 use burn::backend::flex::Flex;
 use burn::prelude::Backend;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::DType;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn_cubecl::element::BoolElement;
+use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
 
-/// Whether a sublayer's attention may run as one fused kernel where the
-/// backend has one, or always as composed tensor ops.
+/// Whether a sublayer's attention and quantizer may each run as one fused
+/// kernel where the backend has one, or always as composed tensor ops.
 ///
 /// Composed is the default: the kernels are exact but not yet fast (tiled,
 /// but scalar loads and no tensor cores), slower than the composed ops
@@ -36,10 +41,10 @@ use burn::tensor::ops::FloatTensor;
 /// in with [`Kernels::Fused`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Kernels {
-    /// The fused kernel where the backend has one and the sublayer's
-    /// settings are covered (the Toeplitz and XL position terms, `f32`
-    /// products, no report of where the attention went); composed ops
-    /// otherwise.
+    /// The fused kernels where the backend has them and the sublayer's
+    /// settings are covered (attention: the Toeplitz and XL position
+    /// terms, `f32` products, no report of where the attention went;
+    /// both: keys at most 128 wide); composed ops otherwise.
     Fused,
     /// Composed tensor ops everywhere: the oracle. Default.
     #[default]
@@ -109,8 +114,24 @@ pub struct AttentionKernelGrads<B: Backend> {
     pub count_weight: FloatTensor<B>,
 }
 
+/// What the fused quantizer finds for keys `[G, T, K]` (`G = B H`), each
+/// against its head's codewords; nothing carries gradient.
+#[derive(Clone, Debug)]
+pub struct Nearest<B: Backend> {
+    /// Each key's nearest code, ties to the lowest index, `[G, T]`.
+    pub codes: IntTensor<B>,
+    /// Its codeword, `[G, T, K]`.
+    pub words: FloatTensor<B>,
+    /// The squared distance to it, `|k - C_z|^2`, `[G, T]`.
+    pub error: FloatTensor<B>,
+}
+
 /// The fused kernels a backend provides.
 pub trait VqKernels: Backend {
+    /// Each key's nearest codeword: `keys` `[G, T, K]` against `codebook`
+    /// `[H, S, K]`, row `g` of head `g % H`.
+    fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Nearest<Self>;
+
     /// The fused attention's output `[G, L, V]` and each query's
     /// log-sum-exp of its scores `[G, L]` (what the backward pass needs to
     /// recompute the probabilities instead of storing them).
@@ -139,6 +160,10 @@ pub trait VqBackend: Backend {
     /// The fused attention's output `[G, L, V]`, differentiable where the
     /// backend is.
     fn vq_attention(input: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>>;
+
+    /// [`VqKernels::vq_quantize`] (for keys and codebook that carry no
+    /// gradient), or `None` where the backend has no kernel for it.
+    fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Option<Nearest<Self>>;
 }
 
 impl<B: VqKernels> VqBackend for B {
@@ -147,6 +172,40 @@ impl<B: VqKernels> VqBackend for B {
     fn vq_attention(input: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {
         FUSED_CALLS.fetch_add(1, Ordering::Relaxed);
         Some(B::vq_attention_forward(&input).0)
+    }
+
+    fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Option<Nearest<Self>> {
+        QUANTIZE_CALLS.fetch_add(1, Ordering::Relaxed);
+        Some(B::vq_quantize(keys, codebook))
+    }
+}
+
+impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
+    for CubeBackend<R, F, I, BT>
+{
+    fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Nearest<Self> {
+        let int: DType = I::dtype();
+        let (codes, words, error) = quantizer::quantize(keys, codebook, int);
+        Nearest {
+            codes,
+            words,
+            error,
+        }
+    }
+
+    fn vq_attention_forward(
+        input: &AttentionKernelInput<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        attention::forward(input)
+    }
+
+    fn vq_attention_backward(
+        input: AttentionKernelInput<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> AttentionKernelGrads<Self> {
+        attention::backward(input, out, lse, grad)
     }
 }
 
@@ -157,6 +216,10 @@ macro_rules! composed {
             const FUSES_ATTENTION: bool = false;
 
             fn vq_attention(_: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {
+                None
+            }
+
+            fn vq_quantize(_: FloatTensor<Self>, _: FloatTensor<Self>) -> Option<Nearest<Self>> {
                 None
             }
         }
@@ -174,9 +237,15 @@ pub type CubeWgpu = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32
 pub type CubeCuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
 
 static FUSED_CALLS: AtomicU64 = AtomicU64::new(0);
+static QUANTIZE_CALLS: AtomicU64 = AtomicU64::new(0);
 
 /// How many fused attention calls this process has made: how a test sees
 /// that the fused path ran rather than silently falling back.
 pub fn fused_attention_calls() -> u64 {
     FUSED_CALLS.load(Ordering::Relaxed)
+}
+
+/// How many fused quantizer calls this process has made.
+pub fn fused_quantize_calls() -> u64 {
+    QUANTIZE_CALLS.load(Ordering::Relaxed)
 }

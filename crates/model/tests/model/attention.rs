@@ -8,7 +8,7 @@ use tvq_model::attention::{
 };
 use tvq_model::precision::Precision;
 use tvq_model::quantizer::VectorQuantizer;
-use tvq_model::{CacheGrad, Compute, WindowKeys};
+use tvq_model::{CacheGrad, Compute, Kernels, WindowKeys};
 
 use crate::common::*;
 
@@ -218,7 +218,9 @@ impl Problem {
             let d = x.dims();
             x.clone().slice([0..d[0], 0..d[1], range.clone(), 0..d[3]])
         };
-        let vq = self.quantizer.quantize(cut(&self.k), None);
+        let vq = self
+            .quantizer
+            .quantize(cut(&self.k), None, Kernels::Composed);
         let bias = if self.bias.dims()[2] == 1 {
             self.bias.clone()
         } else {
@@ -586,7 +588,7 @@ fn straight_through_estimator_and_commitment() {
     B::seed(&device, 60);
     let quantizer = VectorQuantizer::<B>::new(2, 5, 4, &device);
     let k = randn([2, 2, 7, 4], &device).require_grad();
-    let vq = quantizer.quantize(k.clone(), None);
+    let vq = quantizer.quantize(k.clone(), None, Kernels::Composed);
 
     // The value of k_hat is the codeword of its code.
     let codebook = quantizer.codebook();
@@ -630,7 +632,7 @@ fn straight_through_estimator_and_commitment() {
     );
 
     // d/dk of the commitment error sum is 2 (k - C_z); the codebook gets none.
-    let vq = quantizer.quantize(k.clone(), None);
+    let vq = quantizer.quantize(k.clone(), None, Kernels::Composed);
     let c_z = vq.k_hat.clone().detach(); // the value of k_hat is C_z
     let g = vq.commitment.sum().backward();
     assert_close(

@@ -1,17 +1,21 @@
-//! The fused attention kernel against the composed ops it replaces, on
-//! wgpu's cubecl backend (lavapipe in CI): outputs and the gradients of
-//! every differentiable input, for each position-term layout, cache
-//! gradient mode, limit and the learned count weight, from a fresh stream
-//! and from a carried state.
+//! The fused kernels against the composed ops they replace, on wgpu's
+//! cubecl backend (lavapipe in CI). The attention: outputs and the
+//! gradients of every differentiable input, for each position-term
+//! layout, cache gradient mode, limit and the learned count weight, from a
+//! fresh stream and from a carried state. The quantizer: codes,
+//! straight-through keys, commitment, its gradient and the statistics, and
+//! each code a nearest one by a host oracle in `f64`.
 
 use std::sync::OnceLock;
 
 use burn::backend::Autodiff;
 use burn::backend::wgpu::{CubeBackend, WgpuDevice, WgpuRuntime};
+use burn::module::Param;
 use burn::prelude::*;
 use burn::tensor::Distribution;
 use tvq_model::attention::{AttentionInput, AttentionState, block_attention};
-use tvq_model::kernel::{Kernels, fused_attention_calls};
+use tvq_model::kernel::{Kernels, fused_attention_calls, fused_quantize_calls};
+use tvq_model::quantizer::{Quantized, VectorQuantizer};
 use tvq_model::{CacheGrad, Compute};
 use tvq_testkit::Gpu;
 
@@ -369,5 +373,167 @@ fn fused_attention_matches_the_composed_ops() {
     ];
     for case in cases {
         agree(case, &device, 2e-5);
+    }
+}
+
+/// A quantizer of `h` heads whose codewords are `words` `[H, S, K]`
+/// (counts of one, so that the codebook is `words` itself).
+fn quantizer_of(words: Tensor<Ad, 3>) -> VectorQuantizer<Ad> {
+    let [h, s, _] = words.dims();
+    let device = words.device();
+    VectorQuantizer {
+        c_sum: Param::from_tensor(words).set_require_grad(false),
+        c_count: Param::from_tensor(Tensor::ones([h, s], &device)).set_require_grad(false),
+    }
+}
+
+/// `keys` through `quantizer` with `kernels`, half the tokens of the
+/// first row marked invalid; the result and the gradient of `keys` under
+/// `sum(k_hat * probe) + sum(commitment)`.
+fn quantize(
+    quantizer: &VectorQuantizer<Ad>,
+    keys: &Tensor<Ad, 4>,
+    probe: &Tensor<Ad, 4>,
+    kernels: Kernels,
+) -> (Quantized<Ad>, Vec<f32>) {
+    let [b, _, t, _] = keys.dims();
+    let keys = keys.clone().detach().require_grad();
+    let valid = Tensor::<Ad, 1, Int>::arange(0..(b * t) as i64, &keys.device())
+        .reshape([b, t])
+        .greater_equal_elem((t / 2) as i64);
+    let vq = quantizer.quantize(keys.clone(), Some(valid), kernels);
+    let loss = (vq.k_hat.clone() * probe.clone()).sum() + vq.commitment.clone().sum();
+    let grads = loss.backward();
+    let grad = keys.grad(&grads).map(host).expect("keys have a gradient");
+    (vq, grad)
+}
+
+fn ints<const D: usize>(t: Tensor<Ad, D, Int>) -> Vec<i64> {
+    t.into_data().convert::<i64>().to_vec().unwrap()
+}
+
+/// The fused quantizer gives what the composed one does where the nearest
+/// code is clear (keys planted near codewords), each of its codes is a
+/// nearest one by an `f64` oracle on random keys, and exact ties go to the
+/// lowest index: sizes past a cube's 256 keys and a step's 32 codes, key
+/// widths of 1, an odd one and the widest covered (128).
+#[test]
+fn fused_quantizer_matches_the_composed_ops() {
+    let Some(device) = wgpu("fused_quantizer_matches_the_composed_ops") else {
+        return;
+    };
+    let normal = |shape: [usize; 4], std: f64| {
+        Tensor::<Ad, 4>::random(shape, Distribution::Normal(0.0, std), &device)
+    };
+    for (b, h, t, k, s) in [
+        (2, 3, 5, 4, 6),
+        (1, 2, 300, 37, 70),
+        (2, 1, 9, 128, 33),
+        (1, 2, 40, 1, 3),
+    ] {
+        let case = format!("B {b}, H {h}, T {t}, K {k}, S {s}");
+        let words = normal([1, h, s, k], 1.0).reshape([h, s, k]);
+        let quantizer = quantizer_of(words.clone());
+        let probe = normal([b, h, t, k], 1.0);
+
+        // Planted: each key a codeword plus noise far below their spacing.
+        let planted = Tensor::<Ad, 1, Int>::random(
+            [b * h * t],
+            Distribution::Uniform(0.0, s as f64),
+            &device,
+        );
+        let rows = Tensor::<Ad, 1, Int>::arange_step(0..(h * s) as i64, s, &device)
+            .reshape([1, h, 1])
+            .expand([b, h, t])
+            .reshape([b * h * t]);
+        let keys = words
+            .clone()
+            .reshape([h * s, k])
+            .select(0, planted.clone() + rows)
+            .reshape([b, h, t, k])
+            + normal([b, h, t, k], 1e-3);
+        let calls = fused_quantize_calls();
+        let (fused, fused_grad) = quantize(&quantizer, &keys, &probe, Kernels::Fused);
+        assert!(
+            fused_quantize_calls() > calls,
+            "{case}: the kernel did not run"
+        );
+        let (composed, composed_grad) = quantize(&quantizer, &keys, &probe, Kernels::Composed);
+        let codes = ints(fused.codes.clone());
+        assert_eq!(codes, ints(planted), "{case}: planted codes");
+        assert_eq!(codes, ints(composed.codes.clone()), "{case}: codes");
+        let pairs = [
+            (
+                "k_hat",
+                host(fused.k_hat.inner()),
+                host(composed.k_hat.inner()),
+            ),
+            (
+                "commitment",
+                host(fused.commitment.inner()),
+                host(composed.commitment.inner()),
+            ),
+            ("gradient of keys", fused_grad, composed_grad),
+            (
+                "counts",
+                host(fused.stats.counts.inner()),
+                host(composed.stats.counts.inner()),
+            ),
+            (
+                "sums",
+                host(fused.stats.sums.inner()),
+                host(composed.stats.sums.inner()),
+            ),
+            (
+                "sq_error",
+                host(fused.stats.sq_error.inner()),
+                host(composed.stats.sq_error.inner()),
+            ),
+            (
+                "sq_norm",
+                host(fused.stats.sq_norm.inner()),
+                host(composed.stats.sq_norm.inner()),
+            ),
+        ];
+        for (name, f, c) in pairs {
+            let diff = max_diff(&f, &c);
+            assert!(diff <= 1e-5, "{case}: {name}: max |diff| = {diff:e}");
+        }
+
+        // Random keys: each code is a nearest one, by distances in f64.
+        let keys = normal([b, h, t, k], 1.0);
+        let (fused, _) = quantize(&quantizer, &keys, &probe, Kernels::Fused);
+        let (codes, kv, cb) = (
+            ints(fused.codes),
+            host(keys.clone().inner()),
+            host(words.clone().inner()),
+        );
+        for (n, &z) in codes.iter().enumerate() {
+            let head = (n / t) % h;
+            let dist = |code: usize| -> f64 {
+                let word = &cb[(head * s + code) * k..][..k];
+                let key = &kv[n * k..][..k];
+                word.iter()
+                    .zip(key)
+                    .map(|(&a, &b)| (a as f64 - b as f64).powi(2))
+                    .sum()
+            };
+            let best = (0..s).map(dist).fold(f64::INFINITY, f64::min);
+            assert!(
+                (0..s as i64).contains(&z) && dist(z as usize) <= best + 1e-5 * best.max(1.0),
+                "{case}: key {n} took code {z} at {}, the nearest is at {best}",
+                dist(z as usize)
+            );
+        }
+
+        // Ties: every codeword twice, the copies in the upper half; a
+        // nearest code is always in the lower half.
+        let doubled = quantizer_of(Tensor::cat(vec![words.clone(), words.clone()], 1));
+        let (tied, _) = quantize(&doubled, &keys, &probe, Kernels::Fused);
+        let codes = ints(tied.codes);
+        assert!(
+            codes.iter().all(|&z| (0..s as i64).contains(&z)),
+            "{case}: a tie went to the higher index: {codes:?}"
+        );
     }
 }

@@ -295,9 +295,10 @@ pub fn latest_valid(run_dir: &Path) -> Option<PathBuf> {
     None
 }
 
-/// A loaded checkpoint.
-pub struct Loaded {
-    /// The model (on the autodiff device given to [`load`]).
+/// A checkpoint read back to continue its run: everything [`resume`]
+/// restores.
+pub struct Resumed {
+    /// The model (on the autodiff device given to [`resume`]).
     pub model: Model,
     /// Optimizer state.
     pub optim: Optimizers,
@@ -307,19 +308,19 @@ pub struct Loaded {
     pub trainer: TrainerState,
 }
 
-/// Loads a verified checkpoint into `model` / `optim` built from the run's
+/// Reads a verified checkpoint into `model` / `optim` built from the run's
 /// config, the model on `device` and the carried states on `state_device`
 /// (the autodiff device the shards run on, whose checkpointing strategy the
 /// states must share).
-pub fn load(
+pub fn resume(
     dir: &Path,
     model: Model,
     optim: Optimizers,
     device: &burn::DispatchDevice,
     state_device: &burn::DispatchDevice,
-) -> Result<Loaded, TrainError> {
+) -> Result<Resumed, TrainError> {
     let format = verify(dir)?;
-    let model = read_model(dir, format, model, device)?;
+    let model = read_checkpoint_weights(dir, format, model, device)?;
     // Optimizer state lives on the plain (non-autodiff) device.
     let inner = device.inner();
     let optim = match format {
@@ -331,7 +332,7 @@ pub fn load(
     let states = states_from_bytes(dir, &bytes, state_device)?;
     state::check_states(&states, &model).map_err(|e| bad(dir, format!("{STATE}: {e}")))?;
     let trainer = read_trainer(dir)?;
-    Ok(Loaded {
+    Ok(Resumed {
         model,
         optim,
         states,
@@ -365,7 +366,7 @@ pub(crate) fn read_trainer(dir: &Path) -> Result<TrainerState, TrainError> {
 /// `device`: the weights file must hold the config's parameters (checked
 /// before the model is built, as for an export: a run's `config.toml` is
 /// as untrusted as the checkpoint beside it).
-pub fn load_model_of(
+pub fn model_of_checkpoint(
     dir: &Path,
     cfg: &TransformerVqConfig,
     device: &burn::DispatchDevice,
@@ -387,32 +388,62 @@ pub fn load_model_of(
             }
             format1::load_model(dir, built(cfg, device)?, device)
         }
-        _ => read_weights_of(&dir.join(MODEL), cfg, device),
+        _ => model_of_file(&dir.join(MODEL), cfg, device),
     }
 }
 
-/// `model` (on `device`) with the weights of `source`: a `.safetensors`
-/// export, a checkpoint directory, or a run directory's newest valid
-/// checkpoint. Every tensor of `model` must be in the file, in its shape,
-/// and no other (a source of another architecture is an error naming the
-/// tensors, not a half-loaded model).
+/// What a path given for a model names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// A `tvq export` file (`.safetensors`, its JSON beside it).
+    Export(PathBuf),
+    /// A checkpoint directory (a run directory's newest valid one, where
+    /// a run directory was given).
+    Checkpoint(PathBuf),
+}
+
+/// `read` of what `path` names: an export, a checkpoint directory, or a
+/// run directory's newest valid checkpoint. A run being trained deletes
+/// old checkpoints once it has written a newer one, maybe the one being
+/// read: then the newest is looked for again.
+pub fn read_source<T>(
+    path: &Path,
+    mut read: impl FnMut(&Source) -> Result<T, TrainError>,
+) -> Result<T, TrainError> {
+    if path.extension().is_some_and(|e| e == "safetensors") {
+        return read(&Source::Export(path.to_path_buf()));
+    }
+    if path.join("manifest.json").is_file() {
+        return read(&Source::Checkpoint(path.to_path_buf()));
+    }
+    for _ in 0..100 {
+        let dir = latest_valid(path).ok_or_else(|| TrainError::NoModel(path.to_path_buf()))?;
+        match read(&Source::Checkpoint(dir.clone())) {
+            Err(_) if !dir.exists() => continue,
+            read => return read,
+        }
+    }
+    Err(TrainError::NoModel(path.to_path_buf()))
+}
+
+/// `model` (on `device`) with the weights of what `path` names
+/// ([`read_source`]). Every tensor of `model` must be in the file, in its
+/// shape, and no other (a source of another architecture is an error
+/// naming the tensors, not a half-loaded model). `train.init_from`.
 pub fn read_weights_from(
-    source: &Path,
+    path: &Path,
     model: Model,
     device: &burn::DispatchDevice,
 ) -> Result<Model, TrainError> {
-    if source.extension().is_some_and(|e| e == "safetensors") {
-        return read_weights(source, model);
-    }
-    let dir = if source.join("manifest.json").is_file() {
-        source.to_path_buf()
-    } else {
-        latest_valid(source).ok_or_else(|| TrainError::NoModel(source.to_path_buf()))?
-    };
-    read_model(&dir, verify(&dir)?, model, device)
+    read_source(path, |source| match source {
+        Source::Export(file) => read_weights(file, model.clone()),
+        Source::Checkpoint(dir) => {
+            read_checkpoint_weights(dir, verify(dir)?, model.clone(), device)
+        }
+    })
 }
 
-fn read_model(
+fn read_checkpoint_weights(
     dir: &Path,
     format: u32,
     model: Model,
@@ -431,7 +462,7 @@ fn read_model(
 /// loader panics on a type it does not expect).
 pub(crate) fn read_weights(path: &Path, model: Model) -> Result<Model, TrainError> {
     let bytes = untrusted::read_at_most(path, u64::MAX).map_err(|e| TrainError::io(path, e))?;
-    load_weights(path, bytes, model)
+    weights_from_bytes(path, bytes, model)
 }
 
 /// The model of `cfg` on `device` with the weights of the safetensors
@@ -439,7 +470,7 @@ pub(crate) fn read_weights(path: &Path, model: Model) -> Result<Model, TrainErro
 /// at least the config's parameter count in values, checked before the
 /// model is built, so that a config that lies about its sizes is an error,
 /// not an allocation of whatever it claims.
-pub(crate) fn read_weights_of(
+pub(crate) fn model_of_file(
     path: &Path,
     cfg: &TransformerVqConfig,
     device: &burn::DispatchDevice,
@@ -461,7 +492,7 @@ pub(crate) fn read_weights_of(
             ),
         ));
     }
-    load_weights(path, bytes, built(cfg, device)?)
+    weights_from_bytes(path, bytes, built(cfg, device)?)
 }
 
 /// The model of `cfg` on `device`, its initial weights (replaced by a
@@ -471,7 +502,7 @@ fn built(cfg: &TransformerVqConfig, device: &burn::DispatchDevice) -> Result<Mod
     Ok(seeded_draw(device, None, || cfg.init::<B>(device))?)
 }
 
-fn load_weights(path: &Path, bytes: Vec<u8>, mut model: Model) -> Result<Model, TrainError> {
+fn weights_from_bytes(path: &Path, bytes: Vec<u8>, mut model: Model) -> Result<Model, TrainError> {
     let fail = |reason: String| bad(path, reason);
     let bytes = tensor_file::widened_to_f32(bytes).map_err(fail)?;
     let result = model
@@ -702,7 +733,7 @@ pub(crate) mod tests {
         let optim = Optimizers::new(&crate::config::TrainSection::default());
         let dir = checkpoint_dir(run.path(), 0);
         format1::write(&dir, &old, &optim, &[], &TrainerState::default());
-        let loaded = load_model_of(&dir, &cfg.with_rotary_channel(Some(4)), &device).unwrap();
+        let loaded = model_of_checkpoint(&dir, &cfg.with_rotary_channel(Some(4)), &device).unwrap();
         let tokens = Tensor::<B, 2, Int>::from_data([[1, 2, 3, 4, 5, 6]], &device);
         let logits = |m: &Model| {
             values(
@@ -713,6 +744,53 @@ pub(crate) mod tests {
             )
         };
         assert_eq!(logits(&loaded), logits(&old));
+    }
+
+    /// A format-1 model record whose first long length (a tensor's bytes)
+    /// is forged to a trillion trillion, its manifest forged to match, is a
+    /// one-line error: the length is held to the file's size before
+    /// anything is allocated for it (burn's own decoder would try).
+    #[test]
+    fn a_format1_record_that_claims_more_than_its_file_is_refused() {
+        let run = tempfile::tempdir().unwrap();
+        let device = burn::DispatchDevice::autodiff(DeviceSpec::Cpu.init().unwrap().0);
+        let cfg = tiny_config();
+        let model = built(&cfg, &device).unwrap();
+        let optim = Optimizers::new(&crate::config::TrainSection::default());
+        let dir = checkpoint_dir(run.path(), 0);
+        format1::write(&dir, &model, &optim, &[], &TrainerState::default());
+        assert!(model_of_checkpoint(&dir, &cfg, &device).is_ok());
+
+        // A tensor's data is its bytes after their length, a bincode
+        // varint: 251 then two bytes for a length of 251..2^16; 253 then
+        // eight bytes for one of up to 2^64.
+        let path = dir.join("model.bin");
+        let mut bytes = std::fs::read(&path).unwrap();
+        let largest = model_tensors(&model)
+            .into_iter()
+            .map(|t| (t.values)())
+            .max_by_key(Vec::len)
+            .unwrap();
+        let data: Vec<u8> = largest.iter().flat_map(|v| v.to_le_bytes()).collect();
+        assert!((251..1 << 16).contains(&data.len()));
+        let at = (3..bytes.len() - data.len())
+            .find(|&p| bytes[p..p + data.len()] == data[..])
+            .expect("the tensor's data")
+            - 3;
+        let mut length = vec![251];
+        length.extend((data.len() as u16).to_le_bytes());
+        assert_eq!(bytes[at..at + 3], length[..], "its length before it");
+        let mut forged = vec![253];
+        forged.extend((1u64 << 62).to_le_bytes());
+        bytes.splice(at..at + 3, forged);
+        std::fs::write(&path, &bytes).unwrap();
+        format1::forge_manifest(&dir);
+        let Err(err) = model_of_checkpoint(&dir, &cfg, &device) else {
+            panic!("a record with a forged length loaded");
+        };
+        let text = err.to_string();
+        assert!(!text.contains('\n'), "{text}");
+        assert!(text.contains("beyond its own size"), "{text}");
     }
 
     /// Every parameter of a model, by path.
@@ -771,7 +849,8 @@ pub(crate) mod tests {
         let (want, _) = train(model.clone(), optim, 3);
         for (format, dir) in [1, 2].into_iter().zip(&dirs) {
             assert_eq!(verify(dir).unwrap(), format);
-            let loaded = load(dir, fresh(), Optimizers::new(&settings), &device, &device).unwrap();
+            let loaded =
+                resume(dir, fresh(), Optimizers::new(&settings), &device, &device).unwrap();
             assert_eq!(loaded.trainer, progress);
             assert!(weights(&loaded.model) == weights(&model), "format {format}");
             let (got, _) = train(loaded.model, loaded.optim, 3);

@@ -85,7 +85,7 @@ pub fn load_export(
             .or_insert(serde_json::Value::from(0));
     }
     let info: ExportInfo = serde_json::from_value(json).map_err(bad)?;
-    let model = checkpoint::read_weights_of(weights, &info.model, device)?;
+    let model = checkpoint::model_of_file(weights, &info.model, device)?;
     Ok((info, model))
 }
 

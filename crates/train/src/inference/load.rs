@@ -8,7 +8,7 @@ use burn::DispatchDevice;
 use tvq_data::Vocab;
 use tvq_model::TransformerVqConfig;
 
-use crate::checkpoint;
+use crate::checkpoint::{self, Source};
 use crate::config::RunConfig;
 use crate::error::TrainError;
 use crate::inference::export::load_export;
@@ -30,52 +30,48 @@ pub struct Loaded {
 }
 
 /// Loads `path` onto `device`: a checkpoint directory, a run directory's
-/// newest valid checkpoint, or an export; `config` replaces the run's own.
+/// newest valid checkpoint, or an export ([`checkpoint::read_source`]);
+/// `config` replaces the run's own.
 pub fn load_for_inference(
     path: &Path,
     config: Option<&Path>,
     device: &DispatchDevice,
 ) -> Result<Loaded, TrainError> {
     let explicit = config.map(|c| RunConfig::load(c, &[])).transpose()?;
-    if path.extension().is_some_and(|e| e == "safetensors") {
-        let (info, model) = load_export(path, device)?;
-        let vocab = match &info.tokenizer {
-            Some(t) => Vocab::load_tokenizer(t)?,
-            None => Vocab::Bytes,
-        };
-        if vocab.size() > info.model.vocab_size {
-            return Err(TrainError::Checkpoint {
-                path: path.to_path_buf(),
-                reason: format!(
-                    "its vocabulary has {} tokens, more than the {} its model reads",
-                    vocab.size(),
-                    info.model.vocab_size
-                ),
-            });
-        }
-        return Ok(Loaded {
-            model,
-            config: explicit,
-            vocab,
-            step: info.step,
-            model_config: info.model,
+    checkpoint::read_source(path, |source| match source {
+        Source::Export(file) => load_export_file(file, explicit.clone(), device),
+        Source::Checkpoint(dir) => load_checkpoint(dir, explicit.clone(), device),
+    })
+}
+
+/// Loads the export `path`, its vocabulary no larger than its model's.
+fn load_export_file(
+    path: &Path,
+    explicit: Option<RunConfig>,
+    device: &DispatchDevice,
+) -> Result<Loaded, TrainError> {
+    let (info, model) = load_export(path, device)?;
+    let vocab = match &info.tokenizer {
+        Some(t) => Vocab::load_tokenizer(t)?,
+        None => Vocab::Bytes,
+    };
+    if vocab.size() > info.model.vocab_size {
+        return Err(TrainError::Checkpoint {
+            path: path.to_path_buf(),
+            reason: format!(
+                "its vocabulary has {} tokens, more than the {} its model reads",
+                vocab.size(),
+                info.model.vocab_size
+            ),
         });
     }
-    if path.join("manifest.json").is_file() {
-        return load_checkpoint(path, explicit, device);
-    }
-    // A run being trained deletes old checkpoints (keep_checkpoints), maybe
-    // the one being read here, once it has written a newer one: then the
-    // newest is looked for again.
-    for _ in 0..100 {
-        let dir = checkpoint::latest_valid(path)
-            .ok_or_else(|| TrainError::NoModel(path.to_path_buf()))?;
-        match load_checkpoint(&dir, explicit.clone(), device) {
-            Err(_) if !dir.exists() => continue,
-            loaded => return loaded,
-        }
-    }
-    Err(TrainError::NoModel(path.to_path_buf()))
+    Ok(Loaded {
+        model,
+        config: explicit,
+        vocab,
+        step: info.step,
+        model_config: info.model,
+    })
 }
 
 /// Loads the checkpoint directory `dir`, with the config of its run
@@ -101,7 +97,7 @@ fn load_checkpoint(
         None => Vocab::Bytes,
     };
     let model_config = cfg.model_config(vocab.size());
-    let model = checkpoint::load_model_of(dir, &model_config, device)?;
+    let model = checkpoint::model_of_checkpoint(dir, &model_config, device)?;
     Ok(Loaded {
         model,
         config: Some(cfg),

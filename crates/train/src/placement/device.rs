@@ -45,6 +45,9 @@ pub enum DeviceError {
         /// What the probe found.
         reason: String,
     },
+    /// [`profile_kernels`] after the GPU runtime read its settings.
+    #[error("kernel profiling must be asked for before the first GPU use")]
+    ProfileTooLate,
 }
 
 impl fmt::Display for DeviceSpec {
@@ -224,21 +227,44 @@ fn wgpu_memory_reserved(device: &WgpuDevice, streams: &[StreamId]) -> Option<u64
 /// autotune caches over the `target/` directory of whatever Rust project
 /// `tvq` runs in). A `cubecl.toml` that names other caches, and cubecl's
 /// `CUBECL_*` variables, are obeyed as cubecl would.
-/// Runs before the first GPU use (cubecl reads its settings once).
-fn configure_gpu_runtime() {
+/// Runs before the first GPU use (cubecl reads its settings once); whether
+/// this call set them (false: they were set already).
+fn configure_gpu_runtime() -> bool {
     use cubecl_runtime::config::{CubeClRuntimeConfig, RuntimeConfig};
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let mut settings = CubeClRuntimeConfig::storage().lock();
-        if settings.is_some() {
-            return; // already read: too late to change
-        }
-        let home = std::env::var_os("XDG_CACHE_HOME")
-            .map(std::path::PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache")));
-        let config = CubeClRuntimeConfig::from_current_dir().override_from_env();
-        *settings = Some(std::sync::Arc::new(with_tvq_caches(config, home)));
-    });
+    let mut settings = CubeClRuntimeConfig::storage().lock();
+    if settings.is_some() {
+        return false; // already read: too late to change
+    }
+    let home = std::env::var_os("XDG_CACHE_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache")));
+    let mut config = with_tvq_caches(
+        CubeClRuntimeConfig::from_current_dir().override_from_env(),
+        home,
+    );
+    if let Some(log) = KERNEL_LOG.get() {
+        use cubecl_runtime::config::profiling::ProfilingLogLevel;
+        config.profiling.logger.file = Some(log.clone());
+        config.profiling.logger.append = false;
+        config.profiling.logger.level = ProfilingLogLevel::Basic;
+    }
+    *settings = Some(std::sync::Arc::new(config));
+    true
+}
+
+/// Where [`profile_kernels`] has cubecl log each kernel launch.
+static KERNEL_LOG: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+
+/// Has cubecl time every kernel launch on wgpu and CUDA and write one line
+/// per launch to `log`, `| <duration> | <kernel name>` (each launch then
+/// waits for the one before it, so that its time is its own: profiled work
+/// runs slower). Before the first GPU use of the process, else
+/// [`DeviceError::ProfileTooLate`].
+pub fn profile_kernels(log: &std::path::Path) -> Result<(), DeviceError> {
+    if KERNEL_LOG.set(log.to_path_buf()).is_err() || !configure_gpu_runtime() {
+        return Err(DeviceError::ProfileTooLate);
+    }
+    Ok(())
 }
 
 /// `config` with its caches moved under `cache_home/tvq`, where cubecl's
