@@ -1,10 +1,12 @@
-//! `tvq export`: a run's weights as a portable file.
+//! `tvq export`: a run's weights as a portable file, or as a folder that
+//! Hugging Face `transformers` loads.
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use tvq_train::inference::export::{ExportInfo, export};
+use tvq_train::inference::hf::export_hf;
 use tvq_train::inference::load::load_for_inference;
 use tvq_train::placement::device::DeviceSpec;
 
@@ -14,9 +16,25 @@ pub struct ExportArgs {
     /// A checkpoint directory or a run directory (its latest checkpoint).
     #[arg(long)]
     checkpoint: PathBuf,
-    /// Output .safetensors file (a .json with the config is written beside it).
+    /// Output: the .safetensors file (a .json with the config is written
+    /// beside it), or with `--format hf` the folder (created if missing).
     #[arg(long)]
     out: PathBuf,
+    /// What to write: `tvq` (a safetensors file and its config, what tvq's
+    /// commands read) or `hf` (a folder for Hugging Face `transformers`:
+    /// `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`,
+    /// `generate()`, lm-evaluation-harness; docs/training.md).
+    #[arg(long, value_enum, default_value_t = Format::Tvq)]
+    format: Format,
+}
+
+/// What `tvq export` writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Format {
+    /// A safetensors file and its config.
+    Tvq,
+    /// A Hugging Face folder.
+    Hf,
 }
 
 /// Runs `tvq export`.
@@ -33,6 +51,11 @@ pub fn run(args: ExportArgs) -> Result<()> {
         tokenizer: cfg.data.tokenizer.clone(),
         step: loaded.step,
     };
+    if args.format == Format::Hf {
+        export_hf(&loaded.model, &info, &loaded.vocab, &args.out)?;
+        println!("wrote {}", args.out.display());
+        return Ok(());
+    }
     export(&loaded.model, &info, &args.out)?;
     println!(
         "wrote {} and {}",

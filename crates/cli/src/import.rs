@@ -1,4 +1,5 @@
-//! `tvq import`: an official checkpoint as a tvq export.
+//! `tvq import`: an official checkpoint, or a Hugging Face folder of `tvq
+//! export --format hf`, as a tvq export.
 
 use std::path::PathBuf;
 
@@ -14,12 +15,17 @@ pub struct ImportArgs {
     /// The official model config as JSON: the `config` object of the official
     /// code (n_vocab, d_model, d_k, d_v, n_code, n_head, n_layer, block_len,
     /// mem_len, ...), alone or under a `config` key.
-    #[arg(long)]
-    official_config: PathBuf,
+    #[arg(long, required_unless_present = "hf", requires = "weights")]
+    official_config: Option<PathBuf>,
     /// Safetensors file with the official parameters under their official
     /// names (e.g. `transformer_layers_0/scanned_attn1/q_proj/kernel`), float32.
-    #[arg(long)]
-    weights: PathBuf,
+    #[arg(long, requires = "official_config")]
+    weights: Option<PathBuf>,
+    /// A Hugging Face folder written by `tvq export --format hf` (perhaps
+    /// changed and saved again by `transformers`), instead of an official
+    /// checkpoint: its settings and weights are checked, then exported.
+    #[arg(long, conflicts_with_all = ["official_config", "weights", "tokenizer"])]
+    hf: Option<PathBuf>,
     /// The tokenizer.json of a tokenized model (default: byte-level, the
     /// official bytes+3 ids).
     #[arg(long)]
@@ -33,15 +39,19 @@ pub struct ImportArgs {
 /// Runs `tvq import`.
 pub fn run(args: ImportArgs) -> Result<()> {
     let device = DeviceSpec::Cpu.init()?.0;
+    if let Some(dir) = &args.hf {
+        let (info, model) = tvq_train::inference::hf::import_hf(dir, &device)?;
+        return write(&model, &info, &args.out);
+    }
+    let (Some(official_config), Some(weights)) = (&args.official_config, &args.weights) else {
+        bail!("--official-config and --weights, or --hf");
+    };
     let vocab = match &args.tokenizer {
         Some(t) => Vocab::load_tokenizer(t)?,
         None => Vocab::Bytes,
     };
-    let (model_cfg, model) = tvq_train::inference::export::import_official(
-        &args.official_config,
-        &args.weights,
-        &device,
-    )?;
+    let (model_cfg, model) =
+        tvq_train::inference::export::import_official(official_config, weights, &device)?;
     if model_cfg.vocab_size != vocab.size() {
         bail!(
             "the official model has {} tokens, the {} vocabulary {}{}",
@@ -61,11 +71,20 @@ pub fn run(args: ImportArgs) -> Result<()> {
         tokenizer: args.tokenizer,
         step: 0,
     };
-    export(&model, &info, &args.out)?;
+    write(&model, &info, &args.out)
+}
+
+/// Writes the export `out` and says so.
+fn write(
+    model: &tvq_train::placement::Model,
+    info: &ExportInfo,
+    out: &std::path::Path,
+) -> Result<()> {
+    export(model, info, out)?;
     println!(
         "wrote {} and {}",
-        args.out.display(),
-        tvq_train::inference::export::info_path(&args.out).display()
+        out.display(),
+        tvq_train::inference::export::info_path(out).display()
     );
     Ok(())
 }

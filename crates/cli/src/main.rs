@@ -51,10 +51,12 @@ enum Command {
     Eval(eval::EvalArgs),
     /// Generate text from a checkpoint with the recurrent form.
     Sample(sample::SampleArgs),
-    /// Write a checkpoint's weights as safetensors, with its config as JSON.
+    /// Write a checkpoint's weights as safetensors, with its config as JSON,
+    /// or as a folder Hugging Face `transformers` loads (`--format hf`).
     Export(export::ExportArgs),
-    /// Convert a checkpoint of the official JAX implementation into a tvq
-    /// export (for eval and sample).
+    /// Convert a checkpoint of the official JAX implementation, or a
+    /// Hugging Face folder of `tvq export --format hf`, into a tvq export
+    /// (for eval, sample and `train.init_from`).
     Import(import::ImportArgs),
     /// Draw a run's loss curves (training and validation bits per byte) to a PNG.
     Plot(plot::PlotArgs),

@@ -1945,6 +1945,9 @@ fn nodes_that_never_meet_or_disagree_fail_with_one_line() {
 mod faults;
 #[path = "cli/gpu_node.rs"]
 mod gpu_node;
+/// Hugging Face folders: `transformers` against tvq, and back.
+#[path = "cli/hf.rs"]
+mod hf;
 /// Files from anywhere: forged checkpoints, lying sizes, foreign run directories.
 #[path = "cli/hostile.rs"]
 mod hostile;

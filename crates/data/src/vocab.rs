@@ -211,6 +211,36 @@ impl Vocab {
         }
     }
 
+    /// The name of the end-of-document token (`<eos>` for bytes).
+    pub fn eos_name(&self) -> String {
+        match self {
+            Vocab::Bytes => BYTE_SPECIALS[EOS as usize].to_string(),
+            Vocab::Tokenizer { tokenizer, eos, .. } => {
+                tokenizer.id_to_token(*eos).unwrap_or_default()
+            }
+        }
+    }
+
+    /// The vocabulary as a `tokenizers` JSON file (what a Hugging Face
+    /// `PreTrainedTokenizerFast` loads): a tokenizer's own, or for bytes
+    /// one that gives the ids tvq gives (byte `b` is `b + 3`, through
+    /// `tokenizers`' byte-level alphabet, every byte its own token) and
+    /// puts the end-of-document token before a text, where tvq's
+    /// evaluation and sampling start a stream.
+    pub fn tokenizer_json(&self) -> Result<String, DataError> {
+        match self {
+            Vocab::Bytes => Ok(byte_tokenizer_json()),
+            Vocab::Tokenizer {
+                tokenizer, path, ..
+            } => tokenizer
+                .to_string(false)
+                .map_err(|e| DataError::BadTokenizer {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                }),
+        }
+    }
+
     /// Text of tokens. Byte-level: specials are dropped and invalid UTF-8
     /// becomes U+FFFD.
     pub fn decode(&self, tokens: &[u32]) -> Result<String, DataError> {
@@ -229,4 +259,57 @@ impl Vocab {
                 }),
         }
     }
+}
+
+/// The names of the byte vocabulary's special tokens, by id.
+const BYTE_SPECIALS: [&str; N_SPECIAL as usize] = ["<pad>", "<eos>", "<unk>"];
+
+/// The character `tokenizers`' byte-level alphabet (GPT-2's) gives each
+/// byte: printable Latin-1 bytes stand for themselves, the others take the
+/// code points from U+0100 up, in byte order.
+fn byte_level_char(b: u8) -> char {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    if printable(b) {
+        return char::from(b);
+    }
+    let before = (0..b).filter(|&c| !printable(c)).count() as u32;
+    char::from_u32(256 + before).expect("below U+0200")
+}
+
+/// [`Vocab::tokenizer_json`] of the byte vocabulary.
+fn byte_tokenizer_json() -> String {
+    use serde_json::{Map, json};
+    let mut vocab = Map::new();
+    for (id, name) in BYTE_SPECIALS.iter().enumerate() {
+        vocab.insert(name.to_string(), json!(id));
+    }
+    for b in 0..=255u8 {
+        vocab.insert(byte_level_char(b).to_string(), json!(byte_token(b)));
+    }
+    let eos = BYTE_SPECIALS[EOS as usize];
+    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false});
+    let special = json!({"SpecialToken": {"id": eos, "type_id": 0}});
+    let json = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        // No added tokens: a special token's name in a text is its bytes,
+        // as tvq reads it (the template puts the token itself by id).
+        "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": byte_level,
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [special, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [special, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {eos: {"id": eos, "ids": [EOS], "tokens": [eos]}},
+        },
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": BYTE_SPECIALS[UNK as usize],
+            "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
+            "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": [],
+        },
+    });
+    json.to_string()
 }

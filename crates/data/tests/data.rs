@@ -745,3 +745,33 @@ fn a_passkey_corpus_hides_keys_in_each_splits_text_and_scores_their_digits() {
     .to_string();
     assert!(e.contains("one byte-level file"), "{e}");
 }
+
+/// The byte vocabulary as a `tokenizers` file gives tvq's ids for every
+/// byte (text with 2-, 3- and 4-byte UTF-8, control bytes, the specials'
+/// names as plain text), the end-of-document token before a text when
+/// special tokens are added, and the text back; its end-of-document token
+/// is found by name.
+#[test]
+fn the_byte_vocabulary_as_a_tokenizer_file_gives_tvqs_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tokenizer.json");
+    let json = tvq_data::Vocab::Bytes.tokenizer_json().unwrap();
+    std::fs::write(&path, &json).unwrap();
+    let vocab = tvq_data::Vocab::load_tokenizer(&path).unwrap();
+    assert_eq!(vocab.size(), tvq_data::vocab::BYTE_VOCAB_SIZE);
+    assert_eq!(vocab.eos(), EOS);
+    let text = "And God said \u{e9}\u{20ac}\u{1f600}\t\u{1}\u{7f} <eos> <pad>!~\u{a0}\u{ad}\u{ff}";
+    let bytes = tvq_data::Vocab::Bytes.encode(text).unwrap();
+    assert_eq!(vocab.encode(text).unwrap(), bytes);
+    assert_eq!(vocab.decode(&bytes).unwrap(), text);
+    let tokenizer = tokenizers::Tokenizer::from_file(&path).unwrap();
+    let with_specials = tokenizer.encode(text, true).unwrap();
+    assert_eq!(with_specials.get_ids()[0], EOS);
+    assert_eq!(&with_specials.get_ids()[1..], &bytes[..]);
+    let every: Vec<u8> = (0..=255).collect();
+    let ids: Vec<u32> = every.iter().map(|&b| byte_token(b)).collect();
+    assert_eq!(
+        tokenizer.decode(&ids, false).unwrap().into_bytes(),
+        String::from_utf8_lossy(&every).into_owned().into_bytes()
+    );
+}

@@ -120,9 +120,17 @@ fn tvq_check_on_the_cpu_is_a_trivial_pass() {
 /// virtual or conda environment's); `None` (after a SKIPPED line, or a
 /// failure under `TVQ_REQUIRE_TORCH`) where it has no torch.
 fn python_with_torch(test: &str) -> Option<PathBuf> {
+    python_with(test, &["torch"])
+}
+
+/// [`python_with_torch`] for a Python that imports every one of `modules`.
+pub(super) fn python_with(test: &str, modules: &[&str]) -> Option<PathBuf> {
     let python = std::env::var_os("TVQ_PYTHON").map_or("python3".into(), PathBuf::from);
     let executable = Command::new(&python)
-        .args(["-c", "import sys, torch; print(sys.executable)"])
+        .args([
+            "-c",
+            &format!("import sys, {}; print(sys.executable)", modules.join(", ")),
+        ])
         .output()
         .ok()
         .filter(|o| o.status.success())
@@ -130,7 +138,11 @@ fn python_with_torch(test: &str) -> Option<PathBuf> {
     if let Some(executable) = executable.filter(|e| e.is_absolute()) {
         return Some(executable);
     }
-    let why = format!("{} has no torch (pip install torch)", python.display());
+    let why = format!(
+        "{} lacks one of {modules:?} (pip install {})",
+        python.display(),
+        modules.join(" ")
+    );
     assert!(
         std::env::var_os("TVQ_REQUIRE_TORCH").is_none(),
         "{test}: {why}, and TVQ_REQUIRE_TORCH is set"
@@ -442,4 +454,63 @@ fn bench_step_profile_counts_the_launches_of_a_step() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--device wgpu or cuda"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
+
+/// A node tunes once: a training step on the GPU (wgpu: lavapipe in CI)
+/// with an empty cache autotunes (cubecl's log says which kernel won for
+/// each shape) and keeps the results under `$XDG_CACHE_HOME/tvq/`; a second
+/// process with that cache runs the same step without tuning anything.
+#[test]
+fn a_second_process_reuses_the_tuned_kernels() {
+    let test = "a_second_process_reuses_the_tuned_kernels";
+    let gpu = Gpu::under_test();
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 2, 2);
+    let cache = dir.path().join("cache");
+    let step = |n: usize| {
+        let log = dir.path().join(format!("cubecl-{n}.log"));
+        let out = Command::new(TVQ)
+            .args(["bench", "step", "--device", gpu.name(), "--config"])
+            .arg(&config)
+            .args([
+                "--form",
+                "vq",
+                "--seq-len",
+                "32",
+                "--batch",
+                "2",
+                "--steps",
+                "1",
+                "--json",
+            ])
+            .env("XDG_CACHE_HOME", &cache)
+            .env("CUBECL_DEBUG_LOG", &log)
+            .output()
+            .unwrap();
+        (out, std::fs::read_to_string(&log).unwrap_or_default())
+    };
+    let (first, first_log) = step(1);
+    let err = String::from_utf8_lossy(&first.stderr);
+    if !first.status.success() && err.contains("is not available") {
+        gpu.missing(test, &err);
+        return;
+    }
+    assert!(first.status.success(), "{err}");
+    let tuned = |log: &str| log.matches("Fastest result").count();
+    assert!(
+        tuned(&first_log) > 0,
+        "the first process tuned nothing:\n{first_log}"
+    );
+    assert!(cache.join("tvq").is_dir(), "no cache written");
+    let (second, second_log) = step(2);
+    assert!(
+        second.status.success(),
+        "{}",
+        String::from_utf8_lossy(&second.stderr)
+    );
+    assert_eq!(
+        tuned(&second_log),
+        0,
+        "the second process tuned again:\n{second_log}"
+    );
 }
