@@ -31,6 +31,8 @@ strip -o "$bundle/tvq" "$bin"
 xz "${TVQ_BUNDLE_XZ:--9}" -T0 "$bundle/tvq"
 cp configs/*.toml "$bundle/configs/"
 cp data/kjv.txt "$bundle/data/"
+# Autotune results of earlier GPU sessions (run.sh brings them back).
+if [ -d data/kernel-cache ]; then cp -r data/kernel-cache "$bundle/kernel-cache"; fi
 cp scripts/gpu-node/run.sh "$bundle/"
 cp scripts/gpu-node/common.sh scripts/gpu-node/find_cuda.py scripts/gpu-node/summary.py scripts/torch_reference.py "$bundle/scripts/"
 chmod +x "$bundle/run.sh"

@@ -46,6 +46,15 @@ results="$out/results.jsonl"
 # kernels and autotune results under $XDG_CACHE_HOME/tvq for the next part.
 cd "$out"
 printf '[compilation.logger]\nlevel = "basic"\nfile = "%s"\n' "$out/logs/kernels.log" > cubecl.toml
+# What an earlier GPU session tuned (the repository's data/kernel-cache/,
+# shipped in the bundle as kernel-cache/) seeds tvq's cache here, files
+# already there kept; what this run tuned comes back in OUT/kernel-cache/,
+# to commit there for the next bundle (docs/benchmarks.md, "Kernel caches").
+cache_home="${XDG_CACHE_HOME:-$HOME/.cache}/tvq"
+if [ -d "$here/kernel-cache" ] && [ "$device" = cuda ]; then
+  mkdir -p "$cache_home" && cp -rn "$here/kernel-cache/." "$cache_home/" \
+    && echo "run.sh: kernel cache seeded from the bundle"
+fi
 : > "$results"
 started=$(date +%s)
 
@@ -184,6 +193,9 @@ if [ -f "$run/metrics.jsonl" ]; then
   "$python" "$here/scripts/summary.py" quickstart "$run/metrics.jsonl" "$device" >> "$results"
 fi
 
+if [ "$device" = cuda ] && [ -d "$cache_home/autotune" ]; then
+  mkdir -p "$out/kernel-cache" && cp -r "$cache_home/autotune" "$out/kernel-cache/"
+fi
 "$python" "$here/scripts/summary.py" table "$results" | tee "$out/summary.md"
 echo "run.sh: $(( $(date +%s) - started )) s in all; $failed part(s) failed; figures in $results"
 if [ -n "$pack" ]; then

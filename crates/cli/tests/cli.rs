@@ -239,8 +239,11 @@ fn the_quick_start_trains_alike_on_wgpu_and_the_cpu() {
         return;
     }
     assert!(gpu_ok, "{err}");
+    // The GPU's first step (kernels compiled and tuned) is told, not the CPU's.
+    assert!(err.contains("first step in"), "{err}");
     let (cpu_ok, err, cpu_run) = run("cpu");
     assert!(cpu_ok, "{err}");
+    assert!(!err.contains("first step in"), "{err}");
     let logged = |run: &Path| -> Vec<(String, f64)> {
         std::fs::read_to_string(run.join("metrics.jsonl"))
             .unwrap()

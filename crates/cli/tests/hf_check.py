@@ -10,10 +10,12 @@ and tokenizer saved again by `transformers` (for `tvq import --hf`).
 """
 
 import json
+import os
 import sys
 import warnings
 
 warnings.filterwarnings("ignore")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is in the folder
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from transformers.utils import logging  # noqa: E402

@@ -222,22 +222,32 @@ impl Vocab {
     }
 
     /// The vocabulary as a `tokenizers` JSON file (what a Hugging Face
-    /// `PreTrainedTokenizerFast` loads): a tokenizer's own, or for bytes
-    /// one that gives the ids tvq gives (byte `b` is `b + 3`, through
-    /// `tokenizers`' byte-level alphabet, every byte its own token) and
-    /// puts the end-of-document token before a text, where tvq's
-    /// evaluation and sampling start a stream.
+    /// `PreTrainedTokenizerFast` loads) that gives tvq's ids and, with
+    /// special tokens, puts the end-of-document token before a text, where
+    /// tvq's evaluation and sampling start a stream: a tokenizer's own
+    /// (its post-processor followed by that), or for bytes one where byte
+    /// `b` is `b + 3` (through `tokenizers`' byte-level alphabet, every
+    /// byte its own token).
     pub fn tokenizer_json(&self) -> Result<String, DataError> {
         match self {
             Vocab::Bytes => Ok(byte_tokenizer_json()),
             Vocab::Tokenizer {
-                tokenizer, path, ..
-            } => tokenizer
-                .to_string(false)
-                .map_err(|e| DataError::BadTokenizer {
+                tokenizer,
+                path,
+                eos,
+                ..
+            } => {
+                let bad = |reason: String| DataError::BadTokenizer {
                     path: path.clone(),
-                    reason: e.to_string(),
-                }),
+                    reason,
+                };
+                let text = tokenizer.to_string(false).map_err(|e| bad(e.to_string()))?;
+                let mut json: serde_json::Value =
+                    serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+                let own = json.get("post_processor").cloned();
+                json["post_processor"] = eos_first(own, &self.eos_name(), *eos);
+                Ok(json.to_string())
+            }
         }
     }
 
@@ -286,9 +296,7 @@ fn byte_tokenizer_json() -> String {
     for b in 0..=255u8 {
         vocab.insert(byte_level_char(b).to_string(), json!(byte_token(b)));
     }
-    let eos = BYTE_SPECIALS[EOS as usize];
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false});
-    let special = json!({"SpecialToken": {"id": eos, "type_id": 0}});
     let json = json!({
         "version": "1.0",
         "truncation": null,
@@ -298,12 +306,7 @@ fn byte_tokenizer_json() -> String {
         "added_tokens": [],
         "normalizer": null,
         "pre_tokenizer": byte_level,
-        "post_processor": {
-            "type": "TemplateProcessing",
-            "single": [special, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [special, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {eos: {"id": eos, "ids": [EOS], "tokens": [eos]}},
-        },
+        "post_processor": eos_first(None, BYTE_SPECIALS[EOS as usize], EOS),
         "decoder": byte_level,
         "model": {
             "type": "BPE", "dropout": null, "unk_token": BYTE_SPECIALS[UNK as usize],
@@ -312,4 +315,22 @@ fn byte_tokenizer_json() -> String {
         },
     });
     json.to_string()
+}
+
+/// A `tokenizers` post-processor that puts the end-of-document token
+/// `name` (id `id`) before a text, after `own` (a tokenizer's own
+/// post-processor, if it has one).
+fn eos_first(own: Option<serde_json::Value>, name: &str, id: u32) -> serde_json::Value {
+    use serde_json::json;
+    let special = json!({"SpecialToken": {"id": name, "type_id": 0}});
+    let template = json!({
+        "type": "TemplateProcessing",
+        "single": [special, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [special, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {name: {"id": name, "ids": [id], "tokens": [name]}},
+    });
+    match own {
+        Some(own) if !own.is_null() => json!({"type": "Sequence", "processors": [own, template]}),
+        _ => template,
+    }
 }

@@ -775,3 +775,38 @@ fn the_byte_vocabulary_as_a_tokenizer_file_gives_tvqs_ids() {
         String::from_utf8_lossy(&every).into_owned().into_bytes()
     );
 }
+
+/// A tokenizer's file for `transformers` gives its ids, and with special
+/// tokens puts its end-of-document token before a text, whether or not
+/// the tokenizer has a post-processor of its own (which still runs).
+#[test]
+fn a_tokenizers_file_for_transformers_puts_the_end_of_document_first() {
+    let dir = tempfile::tempdir().unwrap();
+    for own in [
+        serde_json::Value::Null,
+        serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}),
+    ] {
+        let path = dir.path().join("tok.json");
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": own,
+            "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "<eod>": 1, "a": 2, "b": 3},
+                      "unk_token": "<unk>"}
+        });
+        std::fs::write(&path, json.to_string()).unwrap();
+        let vocab = tvq_data::Vocab::load_tokenizer(&path).unwrap();
+        let out = dir.path().join("for-transformers.json");
+        std::fs::write(&out, vocab.tokenizer_json().unwrap()).unwrap();
+        let tokenizer = tokenizers::Tokenizer::from_file(&out).unwrap();
+        assert_eq!(
+            tokenizer.encode("a b a", false).unwrap().get_ids(),
+            [2, 3, 2]
+        );
+        assert_eq!(
+            tokenizer.encode("a b a", true).unwrap().get_ids(),
+            [1, 2, 3, 2]
+        );
+        assert_eq!(vocab.eos_name(), "<eod>");
+    }
+}

@@ -10,10 +10,13 @@ pub(crate) fn progress_bar(show: bool, len: u64, template: &str) -> ProgressBar 
     } else {
         ProgressBar::hidden()
     };
-    bar.set_style(
-        ProgressStyle::with_template(template)
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
+    bar.set_style(style(template));
     bar
+}
+
+/// tvq's progress style with indicatif's `template`.
+pub(crate) fn style(template: &str) -> ProgressStyle {
+    ProgressStyle::with_template(template)
+        .expect("valid template")
+        .progress_chars("=> ")
 }

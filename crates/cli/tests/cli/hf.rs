@@ -7,6 +7,7 @@ use std::path::Path;
 use std::process::Command;
 
 use burn::prelude::*;
+use tvq_data::Vocab;
 use tvq_model::{ModelState, Pass};
 use tvq_train::inference::load::load_for_inference;
 use tvq_train::placement::B;
@@ -35,17 +36,19 @@ fn tvq_logits(weights: &Path, blocks: usize) -> serde_json::Value {
     serde_json::json!({"ids": ids, "logits": rows})
 }
 
-/// For a Toeplitz model, and an XL model with every setting the PyTorch
-/// model covers (two heads, a binding cache limit, a code limit, the
-/// learned count weight, exact window keys): `transformers` loads the
+/// For a Toeplitz model, an XL model with every setting the PyTorch model
+/// covers (two heads, a binding cache limit, a code limit, the learned
+/// count weight, exact window keys), and a model of a BPE tokenizer's
+/// vocabulary: `transformers` loads the
 /// folder; its logits over 9 blocks equal tvq's within 1e-4 (a stream that
 /// fills the previous block and the compressed cache), and again when the
 /// stream goes through its cache a token at a time from inside a block,
 /// and under right padding; left padding is refused; its greedy
 /// `generate()` gives `tvq sample --temperature 0`'s 64 tokens; its
 /// tokenizer gives tvq's ids (UTF-8 of 2 to 4 bytes) after the
-/// end-of-document token; `tvq import --hf` of the folder, and of
-/// `transformers`' save of it, gives the export's tensors bit for bit.
+/// end-of-document token; `tvq eval` of the folder gives the export's
+/// loss; `tvq import --hf` of the folder, and of `transformers`' save of
+/// it, gives the export's tensors bit for bit.
 /// With the cache's count term dropped from the model file, the logits
 /// test fails.
 #[test]
@@ -81,7 +84,26 @@ fn a_hugging_face_export_computes_what_tvq_computes() {
         "model.count_weight=\"learned\"",
         "model.window_keys=\"exact\"",
     ];
-    for (name, sets) in [("toeplitz", &[][..]), ("xl", &xl[..])] {
+    let bpe = dir.path().join("tokenizer-bpe.json");
+    ok(&[
+        "tokenizer",
+        "train",
+        "--corpus",
+        dir.path().join("kjv-small.txt").to_str().unwrap(),
+        "--kind",
+        "bpe",
+        "--vocab-size",
+        "300",
+        "--out",
+        bpe.to_str().unwrap(),
+    ]);
+    let tokenized = format!("data.tokenizer=\"{}\"", bpe.display());
+    let cases = [
+        ("toeplitz", &[][..]),
+        ("xl", &xl[..]),
+        ("bpe", &[tokenized.as_str()][..]),
+    ];
+    for (name, sets) in cases {
         let run = dir.path().join(name);
         let mut args = vec!["train", "--config", config.to_str().unwrap(), "--quiet"];
         args.extend(["--run-dir", run.to_str().unwrap()]);
@@ -90,6 +112,21 @@ fn a_hugging_face_export_computes_what_tvq_computes() {
         }
         ok(&args);
         let export = dir.path().join(format!("{name}.safetensors"));
+        if name == "bpe" {
+            // An export whose config would replace the tokenizer is refused.
+            let over = bpe.with_extension("safetensors");
+            fails(
+                &["export", "--checkpoint", run.to_str().unwrap()]
+                    .into_iter()
+                    .chain(["--out", over.to_str().unwrap()])
+                    .collect::<Vec<_>>(),
+                "tokenizer",
+            );
+            assert!(
+                Vocab::load_tokenizer(&bpe).is_ok(),
+                "the tokenizer was changed"
+            );
+        }
         let folder = dir.path().join(format!("{name}-hf"));
         for (out, format) in [(&export, "tvq"), (&folder, "hf")] {
             ok(&["export", "--checkpoint", run.to_str().unwrap()]
@@ -131,7 +168,13 @@ fn a_hugging_face_export_computes_what_tvq_computes() {
             tvq_greedy.trim_end_matches('\n'),
             "{name}"
         );
-        let bytes: Vec<u64> = prompt.bytes().map(|b| u64::from(b) + 3).collect();
+        let vocab = match name {
+            "bpe" => Vocab::load_tokenizer(&bpe).unwrap(),
+            _ => Vocab::Bytes,
+        };
+        let tvq_ids: Vec<u64> = (vocab.encode(prompt).unwrap().into_iter())
+            .map(u64::from)
+            .collect();
         let ids = |key: &str| -> Vec<u64> {
             hf[key]
                 .as_array()
@@ -140,9 +183,16 @@ fn a_hugging_face_export_computes_what_tvq_computes() {
                 .map(|v| v.as_u64().unwrap())
                 .collect()
         };
-        assert_eq!(ids("plain_ids"), bytes);
-        assert_eq!(ids("prompt_ids")[0], 1);
-        assert_eq!(ids("prompt_ids")[1..], bytes[..]);
+        assert_eq!(ids("plain_ids"), tvq_ids, "{name}");
+        assert_eq!(ids("prompt_ids")[0], u64::from(vocab.eos()), "{name}");
+        assert_eq!(ids("prompt_ids")[1..], tvq_ids[..], "{name}");
+        // tvq reads the folder itself as it reads the export.
+        let config = run.join("config.toml");
+        assert_eq!(
+            super::export_loss(&folder, &config),
+            super::export_loss(&export, &config),
+            "{name}"
+        );
         let saved = dir.path().join(format!("{name}-saved"));
         for (from, back) in [(&folder, "back"), (&saved, "saved-back")] {
             let back = dir.path().join(format!("{name}-{back}.safetensors"));
@@ -156,13 +206,14 @@ fn a_hugging_face_export_computes_what_tvq_computes() {
             assert_eq!(tensors_of(&back), tensors_of(&export), "{name}: {back:?}");
         }
         if name == "xl" {
-            // The perturbed model file: the cache's codes weigh as one key each.
+            // The perturbed model file: the cache's codes weigh as one key
+            // each (empty ones still masked).
             let modeling = folder.join("modeling_tvq.py");
             let text = std::fs::read_to_string(&modeling).unwrap();
-            let line = "cache = cache + self.count_term(n, weight, b, h, r)";
+            let line = "term = weight * capped.clamp_min(1.0).log()[:, :, :, None] + shift";
             assert!(text.contains(line));
-            let masked = "cache = cache.masked_fill((n == 0)[:, :, :, None], float(\"-inf\"))";
-            std::fs::write(&modeling, text.replace(line, masked)).unwrap();
+            let dropped = "term = weight * 0 * capped[:, :, :, None] + shift";
+            std::fs::write(&modeling, text.replace(line, dropped)).unwrap();
             let perturbed = run_check(&folder, name);
             let diff = perturbed["logits_max_diff"].as_f64().unwrap();
             assert!(diff > 1e-2, "the count term dropped: logits within {diff}");

@@ -400,12 +400,14 @@ pub enum Source {
     /// A checkpoint directory (a run directory's newest valid one, where
     /// a run directory was given).
     Checkpoint(PathBuf),
+    /// A Hugging Face folder of `tvq export --format hf` ([`crate::inference::hf`]).
+    Hf(PathBuf),
 }
 
-/// `read` of what `path` names: an export, a checkpoint directory, or a
-/// run directory's newest valid checkpoint. A run being trained deletes
-/// old checkpoints once it has written a newer one, maybe the one being
-/// read: then the newest is looked for again.
+/// `read` of what `path` names: an export, a checkpoint directory, a
+/// Hugging Face folder, or a run directory's newest valid checkpoint. A
+/// run being trained deletes old checkpoints once it has written a newer
+/// one, maybe the one being read: then the newest is looked for again.
 pub fn read_source<T>(
     path: &Path,
     mut read: impl FnMut(&Source) -> Result<T, TrainError>,
@@ -415,6 +417,9 @@ pub fn read_source<T>(
     }
     if path.join("manifest.json").is_file() {
         return read(&Source::Checkpoint(path.to_path_buf()));
+    }
+    if path.join(crate::inference::hf::CONFIG).is_file() {
+        return read(&Source::Hf(path.to_path_buf()));
     }
     for _ in 0..100 {
         let dir = latest_valid(path).ok_or_else(|| TrainError::NoModel(path.to_path_buf()))?;
@@ -440,6 +445,7 @@ pub fn read_weights_from(
         Source::Checkpoint(dir) => {
             read_checkpoint_weights(dir, verify(dir)?, model.clone(), device)
         }
+        Source::Hf(dir) => read_weights(&dir.join(crate::inference::hf::WEIGHTS), model.clone()),
     })
 }
 

@@ -45,6 +45,22 @@ pub fn info_path(weights: &Path) -> PathBuf {
 
 /// Writes `model` to `weights` (safetensors) and its [`ExportInfo`] beside it.
 pub fn export(model: &Model, info: &ExportInfo, weights: &Path) -> Result<(), TrainError> {
+    let path = info_path(weights);
+    // `--out bpe.safetensors` beside the tokenizer `bpe.json` would write
+    // the config over the tokenizer the export needs.
+    let same = |a: &Path, b: &Path| {
+        std::fs::canonicalize(a)
+            .ok()
+            .is_some_and(|a| std::fs::canonicalize(b).ok() == Some(a))
+    };
+    if info.tokenizer.as_deref().is_some_and(|t| same(t, &path)) {
+        return Err(TrainError::io(
+            &path,
+            std::io::Error::other(
+                "is the model's tokenizer, which the export's config would replace: choose another --out",
+            ),
+        ));
+    }
     // The channel width the weights have, whatever the config left to its
     // default (a missing key reads as an export from before the channel).
     let mut info = info.clone();
@@ -56,7 +72,6 @@ pub fn export(model: &Model, info: &ExportInfo, weights: &Path) -> Result<(), Tr
     std::fs::File::create(weights)
         .and_then(|file| tensor_file::write(file, &meta, checkpoint::model_tensors(model)))
         .map_err(|e| TrainError::io(weights, e))?;
-    let path = info_path(weights);
     std::fs::write(
         &path,
         serde_json::to_vec_pretty(&info).expect("serializable"),

@@ -1,6 +1,7 @@
 //! The model a path names, ready for inference: a checkpoint directory, a
 //! run directory (its newest valid checkpoint, even while the run trains
-//! and prunes), or a `tvq export` file.
+//! and prunes), a `tvq export` file, or a Hugging Face folder of `tvq
+//! export --format hf`.
 
 use std::path::Path;
 
@@ -11,7 +12,8 @@ use tvq_model::TransformerVqConfig;
 use crate::checkpoint::{self, Source};
 use crate::config::RunConfig;
 use crate::error::TrainError;
-use crate::inference::export::load_export;
+use crate::inference::export::{ExportInfo, load_export};
+use crate::inference::hf::import_hf;
 use crate::placement::Model;
 
 /// A model ready for inference and where it came from.
@@ -39,18 +41,19 @@ pub fn load_for_inference(
 ) -> Result<Loaded, TrainError> {
     let explicit = config.map(|c| RunConfig::load(c, &[])).transpose()?;
     checkpoint::read_source(path, |source| match source {
-        Source::Export(file) => load_export_file(file, explicit.clone(), device),
+        Source::Export(file) => exported(file, load_export(file, device)?, explicit.clone()),
+        Source::Hf(dir) => exported(dir, import_hf(dir, device)?, explicit.clone()),
         Source::Checkpoint(dir) => load_checkpoint(dir, explicit.clone(), device),
     })
 }
 
-/// Loads the export `path`, its vocabulary no larger than its model's.
-fn load_export_file(
+/// The export (or Hugging Face folder) `path` read as `(info, model)`,
+/// its vocabulary no larger than its model's.
+fn exported(
     path: &Path,
+    (info, model): (ExportInfo, Model),
     explicit: Option<RunConfig>,
-    device: &DispatchDevice,
 ) -> Result<Loaded, TrainError> {
-    let (info, model) = load_export(path, device)?;
     let vocab = match &info.tokenizer {
         Some(t) => Vocab::load_tokenizer(t)?,
         None => Vocab::Bytes,

@@ -112,6 +112,7 @@ pub fn train(
     let mut loader =
         TrainBatches::new(train_split, layout, trainer.state().cursor)?.with_rows(node_rows)?;
     let bar = step_bar(opts.progress, total, trainer.state().step);
+    let mut first_step = FirstStep::start(&bar, !matches!(devices[0], DispatchDevice::Flex(_)));
 
     // Alone, an interrupt stops before the next step; over several nodes it
     // travels with the next step's sum, so that every node stops after it.
@@ -122,6 +123,9 @@ pub fn train(
             .in_scope(|| loader.next().expect("training batches never end"));
         let step_span = tracing::debug_span!("step", step = trainer.state().step + 1);
         let outcome = step_span.in_scope(|| trainer.step(&batch, loader.cursor()))?;
+        if let Some(first) = first_step.take() {
+            first.done(&bar);
+        }
         let m = StepMetrics::new(&outcome, &facts, trainer.state().tokens);
         if let Some(log) = &mut log {
             log.append(&m)?;
@@ -665,11 +669,48 @@ fn write_config(cfg: &RunConfig, dir: &Path) -> Result<(), TrainError> {
     std::fs::rename(&tmp, &config_path).map_err(|e| TrainError::io(&config_path, e))
 }
 
+/// The step bar's template.
+const STEP_BAR: &str = "[{bar:30}] step {pos}/{len} {msg} eta {eta}";
+
 /// The progress bar of the steps (hidden when `show` is false).
 fn step_bar(show: bool, total: u64, done: u64) -> ProgressBar {
-    let bar = progress_bar(show, total, "[{bar:30}] step {pos}/{len} {msg} eta {eta}");
+    let bar = progress_bar(show, total, STEP_BAR);
     bar.set_position(done);
     bar
+}
+
+/// A GPU's first step of a process compiles its kernels and, in the
+/// default build, tunes them for each new shape: minutes on a node that has
+/// never run tvq, seconds once cubecl's caches hold them (`~/.cache/tvq`).
+/// Until it is done the step bar says so and counts the seconds; then the
+/// log says how long it took.
+struct FirstStep(std::time::Instant);
+
+impl FirstStep {
+    /// On a GPU, the notice on `bar`; on the CPU, nothing.
+    fn start(bar: &ProgressBar, gpu: bool) -> Option<Self> {
+        if !gpu {
+            return None;
+        }
+        bar.set_style(crate::progress::style(
+            "[{bar:30}] step {pos}/{len} {msg} {elapsed}",
+        ));
+        bar.set_message(
+            "first step: compiling and tuning kernels (kept in the cache for later runs)",
+        );
+        bar.enable_steady_tick(std::time::Duration::from_millis(500));
+        Some(Self(std::time::Instant::now()))
+    }
+
+    /// Back to the step bar, and the first step's time in the log.
+    fn done(self, bar: &ProgressBar) {
+        bar.disable_steady_tick();
+        bar.set_style(crate::progress::style(STEP_BAR));
+        tracing::info!(
+            "first step in {:.1} s (its kernels compiled and tuned, or read from the cache)",
+            self.0.elapsed().as_secs_f64()
+        );
+    }
 }
 
 /// Draws `loss.png` into the run directory from the metrics so far: into

@@ -82,7 +82,8 @@ pub fn export_hf(
     let eos = vocab.eos_name();
     let mut tokenizer_config = json!({
         "tokenizer_class": "PreTrainedTokenizerFast",
-        // tvq starts every stream after the end-of-document token.
+        // tvq starts every stream after the end-of-document token, which
+        // tokenizer.json's post-processor puts before a text.
         "bos_token": eos,
         "eos_token": eos,
         // A special token's name in a text is text, as tvq reads it.

@@ -9,9 +9,11 @@ against a codebook, so each block of L queries attends to its own block
 (one score per code, weighted by the code's count, over the mean of its
 values).
 
-The cache of `generate()` is the recurrent state: each sublayer's state at
-the last block boundary and the tokens read since (fewer than L), so a new
-token costs the same at any context length. Inference only: no dropout,
+The cache of `generate()` is the recurrent state: each sublayer's previous
+block, compressed cache (code counts and mean values) and the present
+block's keys and values so far, so a new token costs the same at any
+context length (the recurrent form; whole blocks of a prompt go through in
+the block form). Inference only: no dropout,
 and the codebooks are not updated.
 
 Shapes: B rows, T tokens, L block length, R blocks, D model width, H heads,
@@ -127,17 +129,25 @@ class Gau(nn.Module):
         self.bias = PositionBias(cfg)
 
     def fresh_state(self, b, device):
-        """The state of a stream that has read nothing."""
+        """The state of a stream that has read nothing: the previous block's
+        window keys, values and codes (k, v, z), the compressed cache's code
+        counts and mean values, and the present block's tokens so far (kp,
+        vp, zp; fewer than L)."""
         h, k, v, s, l = self.h, self.k, self.v, self.s, self.l
         return {
             "k": torch.zeros(b, h, l, k, device=device), "v": torch.zeros(b, h, l, v, device=device),
             "z": torch.full((b, h, l), s, dtype=torch.long, device=device),
             "counts": torch.zeros(b, h, s, device=device), "means": torch.zeros(b, h, s, v, device=device),
+            "kp": torch.zeros(b, h, 0, k, device=device), "vp": torch.zeros(b, h, 0, v, device=device),
+            "zp": torch.zeros(b, h, 0, dtype=torch.long, device=device),
             "fresh": True,
         }
 
-    def forward(self, x, state):
-        """x [B, T, D] (T a multiple of L) -> (branch [B, T, D], state after)."""
+    def project(self, x):
+        """x [B, T, D] -> the content queries q [B, H, T, K], the window's
+        keys [B, H, T, K], values [B, H, T, V], gate [B, T, H V], codes
+        [B, H, T], the bias table by distance [B|1, H, T|1, L + 1], the
+        codebook [H, S, K] and the learned count weight [B, H, T, 1] (or None)."""
         h, k, v = self.h, self.k, self.v
         scale = k ** -0.25  # twice applied: attention's 1/sqrt(K)
         x = self.input_norm(x)
@@ -155,7 +165,13 @@ class Gau(nn.Module):
         codes = (key[..., None, :] - c[None, :, None]).square().sum(-1).argmin(-1)  # [B, H, T]
         k_hat = c[torch.arange(h, device=x.device)[None, :, None], codes]  # [B, H, T, K]
         window = key if self.cfg.window_keys == "exact" else k_hat
-        o, state = self.attend(q, window, val, codes, table, c, weight, state)
+        return q, window, val, gate, codes, table, c, weight
+
+    def forward(self, x, state):
+        """The block form: x [B, T, D] (T a multiple of L, read at a block
+        boundary) -> (branch [B, T, D], state after)."""
+        q, kw, val, gate, codes, table, c, weight = self.project(x)
+        o, state = self.attend(q, kw, val, codes, table, c, weight, state)
         return (o.transpose(1, 2).flatten(2) * gate) @ self.out_proj.weight, state
 
     def position(self, q):
@@ -171,9 +187,9 @@ class Gau(nn.Module):
         return q + xl.u[None, :, None] * scale, table
 
     def attend(self, q, kw, v, z, table, c, weight, state):
-        """The block form: each block's queries against the present block
-        (causal), the previous block and the compressed cache, under one
-        softmax. kw [B, H, T, K] are the window's keys."""
+        """Each block's queries against the present block (causal), the
+        previous block and the compressed cache, under one softmax. kw
+        [B, H, T, K] are the window's keys."""
         b, h, t, k = q.shape
         l, s = self.l, self.s
         r = t // l
@@ -201,49 +217,85 @@ class Gau(nn.Module):
         hot = F.one_hot(z_prev, s + 1)[..., :s].to(q.dtype)  # [B, H, R, L, S]; code S counts nothing
         counts = hot.sum(3)  # [B, H, R, S]
         sums = hot.transpose(-1, -2) @ v_prev  # [B, H, R, S, V]
-        n_c, mean_c = state["counts"][:, :, None], state["means"][:, :, None]
-        n = n_c + counts.cumsum(2) - counts  # [B, H, R, S]
-        safe = n.clamp_min(1.0)[..., None]
-        means = torch.where(n[..., None] > 0, mean_c * n_c[..., None] / safe + (sums.cumsum(2) - sums) / safe, 0.0)
-        cache = qb @ c[None, :, None].transpose(-1, -2)  # [B, H, R, L, S]
-        cache = cache + self.count_term(n, weight, b, h, r)
+        n = state["counts"][:, :, None] + counts.cumsum(2) - counts  # [B, H, R, S]
+        means = merged_means(state["counts"][:, :, None], state["means"][:, :, None], sums.cumsum(2) - sums, n)
+        if weight is not None:
+            weight = weight.reshape(b, h, r, l, 1)
+        cache = qb @ c[None, :, None].transpose(-1, -2) + self.count_term(n, weight)  # [B, H, R, L, S]
         p = torch.softmax(torch.cat([now, prev, cache], -1), -1)  # [B, H, R, L, 2L + S]
         o = p[..., :l] @ vb + p[..., l:2 * l] @ v_prev + p[..., 2 * l:] @ means
         total = state["counts"] + counts.sum(2)
-        safe_total = total.clamp_min(1.0)[..., None]
-        total_means = state["means"] * state["counts"][..., None] / safe_total + sums.sum(2) / safe_total
-        new = {
-            "k": kb[:, :, -1], "v": vb[:, :, -1], "z": zb[:, :, -1],
-            "counts": total, "means": torch.where(total[..., None] > 0, total_means, 0.0),
-            "fresh": False,
-        }
+        new = dict(state, k=kb[:, :, -1], v=vb[:, :, -1], z=zb[:, :, -1], counts=total,
+                   means=merged_means(state["counts"], state["means"], sums.sum(2), total), fresh=False)
         return o.reshape(b, h, t, -1), new
 
-    def count_term(self, n, weight, b, h, r):
+    def step(self, x, state):
+        """The recurrent form: x [B, 1, D], the token after the present
+        block's tokens in `state` -> (branch [B, 1, D], state after). The
+        same scores as the block form's for that query; once the present
+        block is whole it becomes the previous block, and the previous
+        block enters the compressed cache."""
+        q, kw, val, gate, codes, table, c, weight = self.project(x)
+        b, h = q.shape[:2]
+        l, s = self.l, self.s
+        kp, vp = torch.cat([state["kp"], kw], 2), torch.cat([state["vp"], val], 2)  # [B, H, i + 1, .]
+        zp = torch.cat([state["zp"], codes], 2)
+        i = kp.shape[2] - 1
+        tab = table.expand(b, h, 1, l + 1)[:, :, 0]  # [B, H, L + 1]
+        d_now = i - torch.arange(i + 1, device=q.device)  # [i + 1]
+        d_prev = l + i - torch.arange(l, device=q.device)  # [L]
+        now = (q @ kp.transpose(-1, -2))[:, :, 0] + tab[:, :, d_now]  # [B, H, i + 1]
+        prev = (q @ state["k"].transpose(-1, -2))[:, :, 0]  # [B, H, L]
+        prev = prev + torch.where(d_prev <= l, tab[:, :, d_prev.clamp(max=l)], 0.0)
+        if state["fresh"]:
+            prev = torch.full_like(prev, float("-inf"))
+        n = state["counts"][:, :, None]  # [B, H, 1, S]
+        if weight is not None:
+            weight = weight.reshape(b, h, 1, 1, 1)
+        cache = (q @ c[None].transpose(-1, -2))[:, :, 0] + self.count_term(n, weight)[:, :, 0, 0]  # [B, H, S]
+        p = torch.softmax(torch.cat([now, prev, cache], -1), -1)[:, :, None]  # [B, H, 1, i + 1 + L + S]
+        o = p[..., :i + 1] @ vp + p[..., i + 1:i + 1 + l] @ state["v"] + p[..., i + 1 + l:] @ state["means"]
+        out = (o.transpose(1, 2).flatten(2) * gate) @ self.out_proj.weight  # [B, 1, D]
+        if i + 1 < l:
+            return out, dict(state, kp=kp, vp=vp, zp=zp)
+        hot = F.one_hot(state["z"], s + 1)[..., :s].to(q.dtype)  # [B, H, L, S]
+        total = state["counts"] + hot.sum(2)
+        means = merged_means(state["counts"], state["means"], hot.transpose(-1, -2) @ state["v"], total)
+        return out, dict(state, k=kp, v=vp, z=zp, counts=total, means=means, kp=kp[:, :, :0],
+                         vp=vp[:, :, :0], zp=zp[:, :, :0], fresh=False)
+
+    def count_term(self, n, weight):
         """`w ln n_s` (a code limit caps n_s) plus the cache limit's score,
-        -inf for an empty code: [B, H, R, L|1, S]."""
+        -inf for an empty code, from the counts n [B, H, R, S] and each
+        query's weight [B, H, R, Lq, 1] (None: w = 1): [B, H, R, Lq|1, S]."""
         capped = n.clamp_max(float(self.cfg.code_limit)) if self.cfg.code_limit else n
         shift = 0.0
         if self.cfg.cache_limit:
             shift = -(n.sum(-1, keepdim=True) / self.cfg.cache_limit).clamp_min(1.0).log()[..., None, :]
         if weight is None:
             return capped.log()[:, :, :, None] + shift
-        w = weight.reshape(b, h, r, self.l, 1)
-        term = w * capped.clamp_min(1.0).log()[:, :, :, None] + shift
+        term = weight * capped.clamp_min(1.0).log()[:, :, :, None] + shift
         return term.masked_fill((n == 0)[:, :, :, None], float("-inf"))
 
 
+def merged_means(n_a, means_a, sums_b, n):
+    """The mean values of a cache of n_a keys with means means_a [.., S, V]
+    and of keys summing to sums_b, n keys in all (0 where a code is empty)."""
+    safe = n.clamp_min(1.0)[..., None]
+    return torch.where(n[..., None] > 0, means_a * n_a[..., None] / safe + sums_b / safe, 0.0)
+
+
 class TvqCache:
-    """What `generate()` carries between calls: each sublayer's state at the
-    last block boundary, the tokens read since then (`pending`, [B, < L]),
-    and how many tokens have been read in all."""
+    """What `generate()` carries between calls: each sublayer's state (the
+    previous block, the compressed cache and the present block's tokens so
+    far) and how many tokens have been read in all."""
 
     is_compileable = False
     is_croppable = False
     is_linear = [True]
 
-    def __init__(self, states, pending, seen):
-        self.states, self.pending, self.seen = states, pending, seen
+    def __init__(self, states, seen):
+        self.states, self.seen = states, seen
 
     def get_seq_length(self, layer_idx=0):
         return self.seen
@@ -314,12 +366,13 @@ class TvqForCausalLM(TvqPreTrainedModel, GenerationMixin):
         return logits * self.config.logit_scale
 
     def blocks(self, ids, states):
-        """Logits of ids [B, T] (T a multiple of L) read from `states`, and
-        the states after them."""
+        """Logits of ids [B, T] read from `states`, and the states after
+        them: whole blocks (T a multiple of L, from a block boundary) in the
+        block form, a single token in the recurrent form."""
         x = self.embedding(ids)
         new = []
         for gau, state in zip(self.sublayers, states):
-            out, state = gau(x, state)
+            out, state = gau(x, state) if ids.shape[1] > 1 else gau.step(x, state)
             x = x + out
             new.append(state)
         return self.head(x), new
@@ -327,10 +380,13 @@ class TvqForCausalLM(TvqPreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, cache=None, past_key_values=None,
                 labels=None, use_cache=None, return_dict=None, **kwargs):
         """input_ids [B, T] read after what `cache` holds (from the start of
-        a stream without one): logits [B, T, vocab]. Rows are read from
-        their first token, so padding may only follow a row's tokens
-        (right padding, as causal scoring pads); `generate()` with prompts
-        of different lengths (left padding) is refused."""
+        a stream without one): logits [B, T, vocab]. Whole blocks are read
+        in the block form, tokens before and after them one at a time in
+        the recurrent form, so a token costs the same at any context
+        length. Rows are read from their first token, so padding may only
+        follow a row's tokens (right padding, as causal scoring pads);
+        `generate()` with prompts of different lengths (left padding) is
+        refused."""
         if input_ids is None:
             raise ValueError("tvq models read input_ids (inputs_embeds are not supported)")
         if attention_mask is not None:
@@ -344,34 +400,24 @@ class TvqForCausalLM(TvqPreTrainedModel, GenerationMixin):
         b, t = input_ids.shape
         l = self.config.block_len
         if cache is None:
-            states = [gau.fresh_state(b, input_ids.device) for gau in self.sublayers]
-            pending, seen = input_ids[:, :0], 0
+            states, seen = [gau.fresh_state(b, input_ids.device) for gau in self.sublayers], 0
         else:
-            states, pending, seen = cache.states, cache.pending, cache.seen
-        ids = torch.cat([pending, input_ids], 1)  # [B, P + T]
-        done = ids.shape[1] // l * l
-        logits = []
-        step = max(l, SEGMENT // l * l)
-        for start in range(0, done, step):
-            out, states = self.blocks(ids[:, start:min(start + step, done)], states)
+            states, seen = cache.states, cache.seen
+        logits, start = [], 0
+        while start < t:
+            at_boundary = states[0]["kp"].shape[2] == 0
+            whole = min((t - start) // l * l, max(l, SEGMENT // l * l)) if at_boundary else 0
+            n = whole if whole > 0 else 1
+            out, states = self.blocks(input_ids[:, start:start + n], states)
             logits.append(out)
-        if done < ids.shape[1]:
-            # The last, partial block, padded to L: its queries see no later
-            # key, so the padding changes nothing they compute; the state
-            # stays at the block boundary.
-            rest = ids[:, done:]
-            padded = F.pad(rest, (0, l - rest.shape[1]), value=self.config.pad_token_id or 0)
-            out, _ = self.blocks(padded, states)
-            logits.append(out[:, :rest.shape[1]])
-        logits = torch.cat(logits, 1)[:, pending.shape[1]:]  # [B, T, vocab]
+            start += n
+        logits = torch.cat(logits, 1)  # [B, T, vocab]
         loss = None
         if labels is not None:
             # Causal LM convention: position i predicts labels[i + 1].
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                    ignore_index=-100)
-        new_cache = None
-        if use_cache:
-            new_cache = TvqCache(states, ids[:, done:], seen + t)
+        new_cache = TvqCache(states, seen + t) if use_cache else None
         return TvqOutput(loss=loss, logits=logits, cache=new_cache)
 
     def prepare_inputs_for_generation(self, input_ids, cache=None, past_key_values=None,
