@@ -392,6 +392,12 @@ pub fn model_of_checkpoint(
     }
 }
 
+/// The config's file in a Hugging Face folder of `tvq export --format hf`
+/// (what marks a folder as one).
+pub const HF_CONFIG: &str = "config.json";
+/// The weights' file in a Hugging Face folder.
+pub const HF_WEIGHTS: &str = "model.safetensors";
+
 /// What a path given for a model names.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Source {
@@ -400,7 +406,7 @@ pub enum Source {
     /// A checkpoint directory (a run directory's newest valid one, where
     /// a run directory was given).
     Checkpoint(PathBuf),
-    /// A Hugging Face folder of `tvq export --format hf` ([`crate::inference::hf`]).
+    /// A Hugging Face folder of `tvq export --format hf`.
     Hf(PathBuf),
 }
 
@@ -418,7 +424,7 @@ pub fn read_source<T>(
     if path.join("manifest.json").is_file() {
         return read(&Source::Checkpoint(path.to_path_buf()));
     }
-    if path.join(crate::inference::hf::CONFIG).is_file() {
+    if path.join(HF_CONFIG).is_file() {
         return read(&Source::Hf(path.to_path_buf()));
     }
     for _ in 0..100 {
@@ -445,7 +451,7 @@ pub fn read_weights_from(
         Source::Checkpoint(dir) => {
             read_checkpoint_weights(dir, verify(dir)?, model.clone(), device)
         }
-        Source::Hf(dir) => read_weights(&dir.join(crate::inference::hf::WEIGHTS), model.clone()),
+        Source::Hf(dir) => read_weights(&dir.join(HF_WEIGHTS), model.clone()),
     })
 }
 

@@ -2,7 +2,8 @@
 //!
 //! [`export_hf`] writes a folder that
 //! `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` and
-//! `AutoTokenizer.from_pretrained(DIR)` load without a network:
+//! `AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)` load
+//! without a network:
 //!
 //! | file | what |
 //! |---|---|
@@ -33,10 +34,7 @@ const MODELING: &str = include_str!("modeling_tvq.py");
 /// Its configuration class.
 const CONFIGURATION: &str = include_str!("configuration_tvq.py");
 
-/// The weights' file in a folder.
-pub const WEIGHTS: &str = "model.safetensors";
-/// The config's file in a folder.
-pub const CONFIG: &str = "config.json";
+pub use crate::checkpoint::{HF_CONFIG as CONFIG, HF_WEIGHTS as WEIGHTS};
 /// The tokenizer's file in a folder.
 pub const TOKENIZER: &str = "tokenizer.json";
 
