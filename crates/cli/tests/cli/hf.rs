@@ -105,12 +105,8 @@ fn a_hugging_face_export_computes_what_tvq_computes() {
     ];
     for (name, sets) in cases {
         let run = dir.path().join(name);
-        let mut args = vec!["train", "--config", config.to_str().unwrap(), "--quiet"];
-        args.extend(["--run-dir", run.to_str().unwrap()]);
-        for s in sets {
-            args.extend(["--set", s]);
-        }
-        ok(&args);
+        let sets: Vec<&str> = sets.iter().flat_map(|s| ["--set", *s]).collect();
+        super::train_quietly(config.to_str().unwrap(), &run, &sets);
         let export = dir.path().join(format!("{name}.safetensors"));
         if name == "bpe" {
             // An export whose config would replace the tokenizer is refused.
@@ -226,18 +222,11 @@ fn a_hugging_face_export_computes_what_tvq_computes() {
     ] {
         let run = dir.path().join("refused");
         let _ = std::fs::remove_dir_all(&run);
-        ok(&[
-            "train",
-            "--config",
+        super::train_quietly(
             config.to_str().unwrap(),
-            "--quiet",
-            "--run-dir",
-            run.to_str().unwrap(),
-            "--set",
-            sets,
-            "--set",
-            "train.steps=1",
-        ]);
+            &run,
+            &["--set", sets, "--set", "train.steps=1"],
+        );
         let out = dir.path().join("refused-hf");
         fails(
             &["export", "--checkpoint", run.to_str().unwrap(), "--out"]
@@ -294,14 +283,7 @@ fn lm_evaluation_harness_scores_an_export_as_its_log_probs_say() {
     let dir = tempfile::tempdir().unwrap();
     let config = tiny_config(dir.path(), 6, 6);
     let run = dir.path().join("run");
-    ok(&[
-        "train",
-        "--config",
-        config.to_str().unwrap(),
-        "--quiet",
-        "--run-dir",
-        run.to_str().unwrap(),
-    ]);
+    super::train_quietly(config.to_str().unwrap(), &run, &[]);
     let folder = dir.path().join("hf");
     ok(&[
         "export",
