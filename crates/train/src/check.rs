@@ -24,7 +24,7 @@ use tvq_model::{
     Loss, ModelState, Pass, Precision, RelativeBias, TransformerVq, TransformerVqConfig,
 };
 
-use crate::config::TrainSection;
+use crate::config::{OptimizerName, TrainSection};
 use crate::error::TrainError;
 use crate::fault::{Point, inject};
 use crate::inference::sample::{SampleOptions, sample};
@@ -304,36 +304,21 @@ fn forward(
     Ok(compared(&name, run(&on_device)?, &run(&on_cpu)?, tolerance))
 }
 
-/// One training step in `f32`: the gradients of each side; the AdamW step
-/// and the EMA codebook update, both sides from the CPU's gradients and
-/// codebook statistics (so that only the update itself is compared); a
-/// checkpoint of the device's trainer loaded on the CPU.
-fn training_step(
+/// Trainers of the weights `net` with `settings`, one on `device` and one on
+/// `cpu`, after one update from the CPU's gradients and codebook statistics
+/// of `batch` (so that only the update itself is compared); with the
+/// trained parameters before it.
+fn updated_from_cpu_gradients(
+    net: Model,
+    settings: &TrainSection,
     device: &DispatchDevice,
     cpu: &DispatchDevice,
-    scratch: &Path,
-) -> Result<Vec<Check>, TrainError> {
-    let cfg = model_config(RelativeBias::Toeplitz);
-    let settings = settings(Precision::F32);
-    let net = drawn(&cfg)?;
-    let mut on_device =
-        Trainer::with_weights(net.clone(), &settings, std::slice::from_ref(device))?;
-    let mut on_cpu = Trainer::with_weights(net, &settings, std::slice::from_ref(cpu))?;
-    let batch = segment(0, true);
-    let grads_of = |t: &mut Trainer| -> Result<_, TrainError> {
-        let mut g = t.gradients(&batch)?;
-        let mut values = vec![];
-        flatten_grads(t.model(), &mut g.grads, &mut values);
-        Ok(values)
-    };
-    let gradients = compared(
-        "gradients of one step",
-        grads_of(&mut on_device)?,
-        &grads_of(&mut on_cpu)?,
-        1e-3 * f32_product_allowance(device),
-    );
+    batch: &Batch,
+) -> Result<([Trainer; 2], Vec<f32>), TrainError> {
+    let mut on_device = Trainer::with_weights(net.clone(), settings, std::slice::from_ref(device))?;
+    let mut on_cpu = Trainer::with_weights(net, settings, std::slice::from_ref(cpu))?;
     let before = flat(&parameters(on_cpu.model()), true);
-    let g = on_cpu.gradients(&batch)?;
+    let g = on_cpu.gradients(batch)?;
     let [cpu_grads, device_grads] = shared_grads(on_cpu.model(), g.grads, on_device.model());
     let home = on_device.model().embedding.weight.device();
     let stats: Vec<_> = g
@@ -343,20 +328,65 @@ fn training_step(
         .collect();
     on_device.apply(device_grads, &stats);
     on_cpu.apply(cpu_grads, &g.stats);
+    Ok(([on_device, on_cpu], before))
+}
+
+/// The change of the trained parameters from `before` to `after`.
+fn update(after: &[(bool, Vec<f32>)], before: &[f32]) -> Vec<f32> {
+    flat(after, true)
+        .iter()
+        .zip(before)
+        .map(|(a, b)| a - b)
+        .collect()
+}
+
+/// One training step in `f32`: the gradients of each side; the AdamW step,
+/// the Muon step and the EMA codebook update, both sides from the CPU's
+/// gradients and codebook statistics; a checkpoint of the device's trainer
+/// loaded on the CPU.
+fn training_step(
+    device: &DispatchDevice,
+    cpu: &DispatchDevice,
+    scratch: &Path,
+) -> Result<Vec<Check>, TrainError> {
+    let cfg = model_config(RelativeBias::Toeplitz);
+    let settings = settings(Precision::F32);
+    let net = drawn(&cfg)?;
+    let batch = segment(0, true);
+    let grads_of = |t: &mut Trainer| -> Result<_, TrainError> {
+        let mut g = t.gradients(&batch)?;
+        let mut values = vec![];
+        flatten_grads(t.model(), &mut g.grads, &mut values);
+        Ok(values)
+    };
+    let trainer =
+        |d: &DispatchDevice| Trainer::with_weights(net.clone(), &settings, std::slice::from_ref(d));
+    let gradients = compared(
+        "gradients of one step",
+        grads_of(&mut trainer(device)?)?,
+        &grads_of(&mut trainer(cpu)?)?,
+        1e-3 * f32_product_allowance(device),
+    );
+    let ([mut on_device, on_cpu], before) =
+        updated_from_cpu_gradients(net.clone(), &settings, device, cpu, &batch)?;
     let (after_device, after_cpu) = (parameters(on_device.model()), parameters(on_cpu.model()));
     // The update itself, so that the tolerance is relative to a step.
-    let update = |after: &[(bool, Vec<f32>)]| -> Vec<f32> {
-        flat(after, true)
-            .iter()
-            .zip(&before)
-            .map(|(a, b)| a - b)
-            .collect()
-    };
     let adamw = compared(
         "AdamW step (the CPU's gradients)",
-        update(&after_device),
-        &update(&after_cpu),
+        update(&after_device, &before),
+        &update(&after_cpu, &before),
         1e-4,
+    );
+    let mut muon_settings = settings.clone();
+    muon_settings.optimizer.name = OptimizerName::Muon;
+    let ([muon_device, muon_cpu], _) =
+        updated_from_cpu_gradients(net, &muon_settings, device, cpu, &batch)?;
+    // Newton-Schulz iterations are matrix products: the device's rounding.
+    let muon = compared(
+        "Muon step (the CPU's gradients)",
+        update(&parameters(muon_device.model()), &before),
+        &update(&parameters(muon_cpu.model()), &before),
+        1e-4 * f32_product_allowance(device),
     );
     let ema = compared(
         "EMA codebook update",
@@ -393,7 +423,7 @@ fn training_step(
         &loss_of(&mut loaded)?,
         1e-4 * f32_product_allowance(device),
     );
-    Ok(vec![gradients, adamw, ema, checkpoint, resumed])
+    Ok(vec![gradients, adamw, muon, ema, checkpoint, resumed])
 }
 
 /// The loss and gradients of one step with products in `precision`; skipped

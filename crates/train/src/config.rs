@@ -55,14 +55,9 @@ pub struct TrainSection {
     pub decay_shape: DecayShape,
     /// Floor of the learning rate, as a fraction of the peak.
     pub lr_floor: f64,
-    /// AdamW beta 1.
-    pub beta1: f64,
-    /// AdamW beta 2.
-    pub beta2: f64,
-    /// AdamW epsilon.
-    pub epsilon: f64,
-    /// Decoupled weight decay, on matrices only (not the Toeplitz tables).
-    pub weight_decay: f64,
+    /// `[train.optimizer]`: which optimizer steps the weights, and its
+    /// settings.
+    pub optimizer: OptimizerSection,
     /// Multiplier on the learning rate of the Toeplitz bias tables (1: the
     /// common rate).
     pub toeplitz_lr_scale: f64,
@@ -231,9 +226,11 @@ impl TrainSection {
                  train.decay_fraction of train.steps, \"constant\" never",
             ));
         }
+        let (adamw, muon) = (&t.optimizer.adamw, &t.optimizer.muon);
         for (key, v) in [
-            ("train.beta1", t.beta1),
-            ("train.beta2", t.beta2),
+            ("train.optimizer.adamw.beta1", adamw.beta1),
+            ("train.optimizer.adamw.beta2", adamw.beta2),
+            ("train.optimizer.muon.momentum", muon.momentum),
             ("train.codebook_decay", t.codebook_decay),
         ] {
             if !(0.0..1.0).contains(&v) {
@@ -246,10 +243,28 @@ impl TrainSection {
                 "must be a positive number",
             ));
         }
-        if t.grad_clip < 0.0 || t.weight_decay < 0.0 || t.commit_weight < 0.0 {
+        if t.grad_clip < 0.0 || t.commit_weight < 0.0 {
             return Err(invalid(
                 "train",
-                "grad_clip, weight_decay and commit_weight must not be negative",
+                "grad_clip and commit_weight must not be negative",
+            ));
+        }
+        for (key, v) in [
+            (
+                "train.optimizer.adamw.weight_decay",
+                Some(adamw.weight_decay),
+            ),
+            ("train.optimizer.adamw.epsilon", Some(adamw.epsilon)),
+            ("train.optimizer.muon.weight_decay", muon.weight_decay),
+        ] {
+            if v.is_some_and(|v| !(v.is_finite() && v >= 0.0)) {
+                return Err(invalid(key, "must be a number, not negative"));
+            }
+        }
+        if !(1..=MuonSection::MAX_NS_STEPS).contains(&muon.ns_steps) {
+            return Err(invalid(
+                "train.optimizer.muon.ns_steps",
+                format!("must be in 1..={}", MuonSection::MAX_NS_STEPS),
             ));
         }
         if t.steps == 0 {
@@ -281,10 +296,7 @@ impl Default for TrainSection {
             decay_fraction: 0.2,
             decay_shape: DecayShape::Linear,
             lr_floor: 0.1,
-            beta1: 0.9,
-            beta2: 0.98,
-            epsilon: 1e-9,
-            weight_decay: 2e-4,
+            optimizer: OptimizerSection::default(),
             toeplitz_lr_scale: 30.0,
             grad_clip: 0.1,
             commit_weight: 1e-4,
@@ -300,6 +312,141 @@ impl Default for TrainSection {
             init_from: None,
         }
     }
+}
+
+/// `[train.optimizer]`: AdamW for every parameter, or Muon for the
+/// sublayers' projection matrices with AdamW for the rest (docs/training.md,
+/// "Optimizers").
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimizerSection {
+    /// Which optimizer steps the sublayers' projection matrices.
+    pub name: OptimizerName,
+    /// `[train.optimizer.adamw]`: every parameter under `adamw`, and under
+    /// `muon` the embedding, the position terms, gains and biases.
+    pub adamw: AdamWSection,
+    /// `[train.optimizer.muon]`: read when `name = "muon"`.
+    pub muon: MuonSection,
+}
+
+/// The optimizer of the sublayers' projection matrices.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerName {
+    /// AdamW with decoupled weight decay.
+    #[default]
+    Adamw,
+    /// Muon: momentum orthogonalized by Newton-Schulz iterations.
+    Muon,
+}
+
+impl OptimizerName {
+    /// The name in configs and checkpoints.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Adamw => "adamw",
+            Self::Muon => "muon",
+        }
+    }
+}
+
+/// `[train.optimizer.adamw]` (also read from `[train]`'s flat keys
+/// `beta1`, `beta2`, `epsilon`, `weight_decay`, which older configs use).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdamWSection {
+    /// Decay of the first moment.
+    pub beta1: f64,
+    /// Decay of the second moment.
+    pub beta2: f64,
+    /// Added to the root of the second moment.
+    pub epsilon: f64,
+    /// Decoupled weight decay, on matrices only (not the Toeplitz tables).
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWSection {
+    fn default() -> Self {
+        Self {
+            beta1: 0.9,
+            beta2: 0.98,
+            epsilon: 1e-9,
+            weight_decay: 2e-4,
+        }
+    }
+}
+
+/// `[train.optimizer.muon]`. Its step is scaled to AdamW's typical update
+/// size (Moonshot's `0.2 * sqrt(max(rows, columns))`), so `train.lr` and
+/// the schedule serve both optimizers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MuonSection {
+    /// Decay of the momentum.
+    pub momentum: f64,
+    /// Nesterov momentum.
+    pub nesterov: bool,
+    /// Newton-Schulz iterations that orthogonalize the momentum.
+    pub ns_steps: usize,
+    /// Decoupled weight decay of the Muon matrices (unset: AdamW's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub weight_decay: Option<f64>,
+}
+
+impl MuonSection {
+    /// Most Newton-Schulz iterations a config may ask for (each costs three
+    /// matrix products per matrix).
+    pub const MAX_NS_STEPS: usize = 20;
+}
+
+impl Default for MuonSection {
+    fn default() -> Self {
+        Self {
+            momentum: 0.95,
+            nesterov: true,
+            ns_steps: 5,
+            weight_decay: None,
+        }
+    }
+}
+
+/// `[train]`'s flat AdamW keys, read into `[train.optimizer.adamw]`.
+const ADAMW_ALIASES: [&str; 4] = ["beta1", "beta2", "epsilon", "weight_decay"];
+
+/// Moves `[train]`'s flat AdamW keys (configs and run directories written
+/// before `[train.optimizer]`) into `[train.optimizer.adamw]`; a key set in
+/// both places is an error.
+fn read_aliases(root: &mut toml::Table) -> Result<(), TrainError> {
+    let Some(train) = root.get_mut("train").and_then(|t| t.as_table_mut()) else {
+        return Ok(());
+    };
+    let moved: Vec<(&str, toml::Value)> = ADAMW_ALIASES
+        .iter()
+        .filter_map(|k| train.remove(*k).map(|v| (*k, v)))
+        .collect();
+    if moved.is_empty() {
+        return Ok(());
+    }
+    let adamw = train
+        .entry("optimizer")
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+        .as_table_mut()
+        .and_then(|o| {
+            o.entry("adamw")
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+                .as_table_mut()
+        })
+        .ok_or_else(|| invalid("train.optimizer", "must be a table"))?;
+    for (key, value) in moved {
+        if adamw.contains_key(key) {
+            return Err(invalid(
+                &format!("train.{key}"),
+                format!("is also set as train.optimizer.adamw.{key}: keep one"),
+            ));
+        }
+        adamw.insert(key.to_string(), value);
+    }
+    Ok(())
 }
 
 /// `[eval]`.
@@ -402,11 +549,21 @@ pub fn parse_toml<T: serde::de::DeserializeOwned>(
     text: &str,
     overrides: &[String],
 ) -> Result<T, TrainError> {
+    parse_toml_with(text, overrides, |_| Ok(()))
+}
+
+/// [`parse_toml`] with `edit` applied to the table before it is read.
+fn parse_toml_with<T: serde::de::DeserializeOwned>(
+    text: &str,
+    overrides: &[String],
+    edit: impl FnOnce(&mut toml::Table) -> Result<(), TrainError>,
+) -> Result<T, TrainError> {
     let mut table: toml::Table =
         toml::from_str(text).map_err(|e| TrainError::Toml(one_line(&e, text)))?;
     for o in overrides {
         set_key(&mut table, o)?;
     }
+    edit(&mut table)?;
     toml::Value::Table(table)
         .try_into()
         .map_err(|e: toml::de::Error| TrainError::Toml(one_line(&e, text)))
@@ -453,7 +610,7 @@ impl RunConfig {
 
     /// Parses TOML text (see [`RunConfig::load`]).
     pub fn parse(text: &str, overrides: &[String]) -> Result<Self, TrainError> {
-        let config: RunConfig = parse_toml(text, overrides)?;
+        let config: RunConfig = parse_toml_with(text, overrides, read_aliases)?;
         config.validate()?;
         Ok(config)
     }
@@ -620,6 +777,31 @@ mod tests {
         assert_eq!(cfg.eval.every, 0);
     }
 
+    /// Configs and run directories written before `[train.optimizer]` keep
+    /// AdamW's settings as flat `[train]` keys: they read into the same place.
+    #[test]
+    fn the_flat_adamw_keys_read_into_the_optimizer_table() {
+        let flat = format!("{MINIMAL}[train]\nbeta1 = 0.8\nweight_decay = 0.0\n");
+        let nested = format!("{MINIMAL}[train.optimizer.adamw]\nbeta1 = 0.8\nweight_decay = 0.0\n");
+        let (flat, nested) = (
+            RunConfig::parse(&flat, &[]).unwrap(),
+            RunConfig::parse(&nested, &[]).unwrap(),
+        );
+        assert_eq!(flat, nested);
+        let adamw = &flat.train.optimizer.adamw;
+        assert_eq!((adamw.beta1, adamw.weight_decay), (0.8, 0.0));
+        assert_eq!(adamw.beta2, AdamWSection::default().beta2);
+        let muon = [
+            "train.optimizer.name=muon",
+            "train.optimizer.muon.ns_steps=3",
+        ];
+        let muon = RunConfig::parse(MINIMAL, &muon.map(String::from)).unwrap();
+        assert_eq!(muon.train.optimizer.name, OptimizerName::Muon);
+        assert_eq!(muon.train.optimizer.muon.ns_steps, 3);
+        // What a run directory keeps reads back the same.
+        assert_eq!(RunConfig::parse(&muon.to_toml(), &[]).unwrap(), muon);
+    }
+
     #[test]
     fn bad_keys_and_values_are_errors_naming_the_key() {
         assert!(error(MINIMAL, &["model.d_modle=64"]).contains("d_modle"));
@@ -630,7 +812,13 @@ mod tests {
         assert!(error(MINIMAL, &["model.n_code=1"]).contains("model.n_code"));
         assert!(error(MINIMAL, &["data.update_len=100"]).contains("data.update_len"));
         assert!(error(MINIMAL, &["train.workers=3"]).contains("train.workers"));
-        assert!(error(MINIMAL, &["train.beta2=1.0"]).contains("train.beta2"));
+        assert!(error(MINIMAL, &["train.beta2=1.0"]).contains("adamw.beta2"));
+        let twice = ["train.beta2=0.9", "train.optimizer.adamw.beta2=0.95"];
+        assert!(error(MINIMAL, &twice).contains("keep one"));
+        assert!(error(MINIMAL, &["train.optimizer.name=sgd"]).contains("sgd"));
+        assert!(error(MINIMAL, &["train.optimizer.muon.ns_steps=0"]).contains("ns_steps"));
+        let negative = ["train.optimizer.muon.weight_decay=-1"];
+        assert!(error(MINIMAL, &negative).contains("muon.weight_decay"));
         assert!(error(MINIMAL, &["train.schedule=\"step\""]).contains("schedule"));
         let wsd_with_decay_steps = ["train.schedule=\"wsd\"", "train.decay_steps=10"];
         assert!(error(MINIMAL, &wsd_with_decay_steps).contains("train.decay_steps"));

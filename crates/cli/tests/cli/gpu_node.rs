@@ -67,12 +67,12 @@ fn tvq_check_passes_on_the_gpu_and_fails_on_a_wrong_device_result() {
     assert_eq!(report["peaks"].as_array().unwrap().len(), 2);
     assert!(report["peaks"][0]["flops_per_s"].as_f64().unwrap() > 0.0);
 
-    // The 4th comparison is the gradients'; the tokens' is the 9th when
-    // bf16's two are skipped (wgpu), the 11th when they run (CUDA).
+    // The 4th comparison is the gradients'; the tokens' is the 10th when
+    // bf16's two are skipped (wgpu), the 12th when they run (CUDA).
     let tokens = if all.iter().any(|(n, _, s)| n.contains("bf16") && *s) {
-        9
+        10
     } else {
-        11
+        12
     };
     for (nth, wrong) in [
         (4, "gradients of one step"),

@@ -831,43 +831,111 @@ pub(crate) mod tests {
         (model, optim)
     }
 
+    /// Training settings with weight decay and the optimizer `name`.
+    fn settings(name: crate::config::OptimizerName) -> crate::config::TrainSection {
+        let mut settings = crate::config::TrainSection::default();
+        settings.optimizer.name = name;
+        settings.optimizer.adamw.weight_decay = 0.1;
+        settings
+    }
+
     /// A trained model and its optimizer, saved in `format` and loaded into
     /// a fresh model and optimizer of the same config, continue exactly as
-    /// the originals: the same weights after three more steps. Format 2
-    /// ties each moment to its parameter by name, format 1 by the ids in
-    /// its model record.
+    /// the originals: the same weights after three more steps, under AdamW
+    /// and under Muon. Format 2 ties each moment to its parameter by name,
+    /// format 1 (AdamW only) by the ids in its model record.
     #[test]
     fn a_loaded_checkpoint_continues_exactly_in_either_format() {
+        use crate::config::OptimizerName;
         let device = burn::DispatchDevice::autodiff(DeviceSpec::Cpu.init().unwrap().0);
-        let settings = crate::config::TrainSection {
-            weight_decay: 0.1,
-            ..Default::default()
-        };
         let cfg = tiny_config().with_bias(tvq_model::RelativeBias::Toeplitz);
         let fresh = || built(&cfg, &device).unwrap();
-        let (model, optim) = train(fresh(), Optimizers::new(&settings), 2);
-        assert!(
-            !optim.decay.to_record().is_empty() && !optim.toeplitz.to_record().is_empty(),
-            "every group has moments"
+        for (name, formats) in [
+            (OptimizerName::Adamw, &[1, 2][..]),
+            (OptimizerName::Muon, &[2]),
+        ] {
+            let settings = settings(name);
+            let (model, optim) = train(fresh(), Optimizers::new(&settings), 2);
+            let muon_moments = optim.muon.as_ref().map(|m| m.to_record().len());
+            assert_eq!(
+                muon_moments,
+                (name == OptimizerName::Muon).then_some(3 * fresh().sublayers.len()),
+                "Muon steps the three projections of each sublayer"
+            );
+            assert!(
+                !optim.decay.to_record().is_empty() && !optim.toeplitz.to_record().is_empty(),
+                "every group has moments"
+            );
+            let progress = TrainerState {
+                step: 2,
+                ..Default::default()
+            };
+            let runs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+            let dirs = runs.each_ref().map(|r| checkpoint_dir(r.path(), 2));
+            format1::write(&dirs[0], &model, &optim, &[], &progress);
+            save(runs[1].path(), &model, &optim, &[], &progress).unwrap();
+            let (want, _) = train(model.clone(), optim, 3);
+            for &format in formats {
+                let dir = &dirs[format as usize - 1];
+                assert_eq!(verify(dir).unwrap(), format);
+                let loaded =
+                    resume(dir, fresh(), Optimizers::new(&settings), &device, &device).unwrap();
+                assert_eq!(loaded.trainer, progress);
+                assert!(weights(&loaded.model) == weights(&model), "format {format}");
+                let (got, _) = train(loaded.model, loaded.optim, 3);
+                assert!(weights(&got) == weights(&want), "{name:?}, format {format}");
+            }
+        }
+    }
+
+    /// A run resumed under the other optimizer keeps the moments of the
+    /// groups that did not change and starts the moved matrices afresh:
+    /// the same weights as a fresh optimizer given those moments.
+    #[test]
+    fn a_run_resumed_under_the_other_optimizer_starts_the_moved_matrices_afresh() {
+        use crate::config::OptimizerName::{Adamw, Muon};
+        let device = burn::DispatchDevice::autodiff(DeviceSpec::Cpu.init().unwrap().0);
+        let cfg = tiny_config().with_bias(tvq_model::RelativeBias::Toeplitz);
+        let (model, optim) = train(
+            built(&cfg, &device).unwrap(),
+            Optimizers::new(&settings(Adamw)),
+            2,
         );
+        let run = tempfile::tempdir().unwrap();
         let progress = TrainerState {
             step: 2,
             ..Default::default()
         };
-        let runs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
-        let dirs = runs.each_ref().map(|r| checkpoint_dir(r.path(), 2));
-        format1::write(&dirs[0], &model, &optim, &[], &progress);
-        save(runs[1].path(), &model, &optim, &[], &progress).unwrap();
-        let (want, _) = train(model.clone(), optim, 3);
-        for (format, dir) in [1, 2].into_iter().zip(&dirs) {
-            assert_eq!(verify(dir).unwrap(), format);
-            let loaded =
-                resume(dir, fresh(), Optimizers::new(&settings), &device, &device).unwrap();
-            assert_eq!(loaded.trainer, progress);
-            assert!(weights(&loaded.model) == weights(&model), "format {format}");
-            let (got, _) = train(loaded.model, loaded.optim, 3);
-            assert!(weights(&got) == weights(&want), "format {format}");
-        }
+        save(run.path(), &model, &optim, &[], &progress).unwrap();
+        let dir = checkpoint_dir(run.path(), 2);
+        let fresh = built(&cfg, &device).unwrap();
+        let loaded = resume(
+            &dir,
+            fresh,
+            Optimizers::new(&settings(Muon)),
+            &device,
+            &device,
+        );
+        let loaded = loaded.unwrap();
+        let hidden = 3 * model.sublayers.len();
+        assert_eq!(loaded.optim.muon.as_ref().unwrap().to_record().len(), 0);
+        let matrices = optim.decay.to_record().len();
+        assert_eq!(loaded.optim.decay.to_record().len(), matrices - hidden);
+        // Saved again under Muon, the file holds no AdamW moments of them.
+        let (model, optim) = train(loaded.model, loaded.optim, 1);
+        let (meta, tensors) = named::optimizer_tensors(&model, &optim);
+        assert_eq!(meta["optimizer"], "muon");
+        let muon = tensors
+            .iter()
+            .filter(|t| t.name.starts_with("muon/"))
+            .count();
+        assert_eq!(muon, hidden);
+        assert!(
+            !tensors.iter().any(|t| t.name.starts_with("decay/")
+                && t.name.contains("_proj.weight")
+                && !t.name.contains("r_proj")),
+            "stale AdamW moments of Muon's matrices"
+        );
     }
 
     /// The same model, optimizer and states saved twice (into two runs)

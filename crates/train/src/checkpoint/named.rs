@@ -2,26 +2,33 @@
 //!
 //! A parameter's name is its module path as `tvq export` writes it
 //! (`sublayers.3.q_proj.weight`, `embedding.weight`, ...). The optimizer
-//! state of a group names each moment after its parameter:
+//! state of a group names each moment after its parameter: AdamW's
 //! `decay/sublayers.3.q_proj.weight.m1` and `.m2`, with the parameter's
-//! AdamW step count in the file's metadata under `decay/...weight.step`.
-//! Names, not burn's random `ParamId`s, tie a moment to its parameter, so
-//! the same run writes the same bytes and any reader can match them up.
+//! AdamW step count in the file's metadata under `decay/...weight.step`;
+//! Muon's `muon/sublayers.3.q_proj.weight.momentum`. Names, not burn's
+//! random `ParamId`s, tie a moment to its parameter, so the same run writes
+//! the same bytes and any reader can match them up.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::optim::momentum::MomentumState;
 use burn::optim::record::{AdaptorRecord, AdaptorRecordV1};
-use burn::optim::{AdamW, AdamWState, AdaptiveMomentumState, Optimizer};
+use burn::optim::{AdamW, AdamWState, AdaptiveMomentumState, Muon, MuonState, Optimizer};
 use burn::prelude::*;
+use burn::record::{FullPrecisionSettings, Record};
+use burn::tensor::backend::AutodiffBackend;
 use safetensors::SafeTensors;
 
 use super::tensor_file::{F32Tensor, f32_values};
 use super::{bad, untrusted};
 use crate::error::TrainError;
 use crate::placement::{B, Model};
-use crate::step::optim::{Adam, Optimizers};
+use crate::step::optim::{Group, Optimizers};
+
+/// A Muon record of one parameter.
+type MuonRecord = AdaptorRecord<Muon<<B as AutodiffBackend>::InnerBackend>, B>;
 
 /// Walks the model's float parameters with their dotted module paths.
 struct Paths<F> {
@@ -61,6 +68,10 @@ trait FloatParam {
         m2: Vec<f32>,
         device: &burn::DispatchDevice,
     ) -> AdaptorRecord<AdamW, B>;
+    /// Muon's momentum in `record` (this parameter's) as a tensor to write.
+    fn momentum(&self, name: &str, record: MuonRecord) -> F32Tensor;
+    /// A Muon record holding the momentum `v` on `device`.
+    fn muon_record(&self, v: Vec<f32>, device: &burn::DispatchDevice) -> MuonRecord;
 }
 
 fn f32_tensor<const D: usize>(name: String, t: Tensor<B, D>) -> F32Tensor {
@@ -114,6 +125,20 @@ impl<const D: usize> FloatParam for Param<Tensor<B, D>> {
         let momentum = AdaptiveMomentumState::new(time, tensor(m1), tensor(m2));
         AdaptorRecord::V1(AdaptorRecordV1::from_state::<D>(AdamWState { momentum }))
     }
+
+    fn momentum(&self, name: &str, record: MuonRecord) -> F32Tensor {
+        let state: MuonState<_, D> = record.into_state::<D>();
+        // burn keeps the velocity private; its record item is public.
+        let item = state.momentum.into_item::<FullPrecisionSettings>();
+        let velocity = Tensor::<B, D>::from_item(item.velocity, &self.val().device());
+        f32_tensor(format!("{name}.momentum"), velocity)
+    }
+
+    fn muon_record(&self, v: Vec<f32>, device: &burn::DispatchDevice) -> MuonRecord {
+        let v = Tensor::<B, D>::from_data(TensorData::new(v, self.shape()), device);
+        let state = MuonState::new(MomentumState::new(v));
+        AdaptorRecord::V1(AdaptorRecordV1::from_state::<D>(state))
+    }
 }
 
 /// Calls `each` with every float parameter of `model` and its path.
@@ -132,54 +157,96 @@ pub(crate) fn model_tensors(model: &Model) -> Vec<F32Tensor> {
     out
 }
 
-/// A group of the optimizer state: its name in the file, its optimizer,
-/// its learning-rate scale and weight decay.
-type Group<'a> = (&'static str, &'a Adam, f64, f64);
-
-/// The optimizer groups, in a fixed order.
-fn groups(optim: &Optimizers) -> [Group<'_>; 3] {
-    let decay = optim.settings.weight_decay;
-    [
-        ("decay", &optim.decay, 1.0, decay),
-        ("no_decay", &optim.no_decay, 1.0, 0.0),
-        ("toeplitz", &optim.toeplitz, optim.toeplitz_lr_scale, 0.0),
-    ]
+/// The metadata of a group: its learning-rate scale and its optimizer's
+/// settings (a record: on resume the run's config rules).
+fn group_settings(optim: &Optimizers, group: Group) -> Vec<(&'static str, String)> {
+    let (a, m) = (&optim.settings.adamw, &optim.settings.muon);
+    let adamw = |lr_scale: f64, weight_decay: f64| {
+        vec![
+            ("lr_scale", lr_scale.to_string()),
+            ("beta1", a.beta1.to_string()),
+            ("beta2", a.beta2.to_string()),
+            ("epsilon", a.epsilon.to_string()),
+            ("weight_decay", weight_decay.to_string()),
+        ]
+    };
+    match group {
+        Group::Decay => adamw(1.0, a.weight_decay),
+        Group::NoDecay => adamw(1.0, 0.0),
+        Group::Toeplitz => adamw(optim.toeplitz_lr_scale, 0.0),
+        Group::Muon => vec![
+            ("lr_scale", 1.0.to_string()),
+            ("momentum", m.momentum.to_string()),
+            ("nesterov", m.nesterov.to_string()),
+            ("ns_steps", m.ns_steps.to_string()),
+            (
+                "weight_decay",
+                m.weight_decay.unwrap_or(a.weight_decay).to_string(),
+            ),
+        ],
+    }
 }
 
-/// The moments of every group as tensors, with the metadata: each group's
-/// step count (the most steps any of its parameters took) and settings
-/// (learning-rate scale, betas, epsilon, weight decay: a record, the run's
-/// config rules), and each parameter's own step count (burn's AdamW counts
-/// per parameter; a parameter with no gradient in a step would lag).
+/// The AdamW optimizer of an AdamW group.
+fn adam_of(optim: &Optimizers, group: Group) -> Option<&crate::step::optim::Adam> {
+    match group {
+        Group::Decay => Some(&optim.decay),
+        Group::NoDecay => Some(&optim.no_decay),
+        Group::Toeplitz => Some(&optim.toeplitz),
+        Group::Muon => None,
+    }
+}
+
+/// Metadata key of the optimizer that steps the projection matrices.
+const OPTIMIZER_KEY: &str = "optimizer";
+
+/// The moments of every group as tensors, with the metadata: the optimizer
+/// (`adamw` or `muon`), each group's step count (AdamW: the most steps any
+/// of its parameters took) and settings ([`group_settings`]), and each
+/// AdamW parameter's own step count (burn's AdamW counts per parameter; a
+/// parameter with no gradient in a step would lag). Only the moments of the
+/// parameters each group holds under the run's optimizer are written.
 pub(crate) fn optimizer_tensors(
     model: &Model,
     optim: &Optimizers,
 ) -> (BTreeMap<String, String>, Vec<F32Tensor>) {
     let mut meta = BTreeMap::new();
     let mut tensors = vec![];
-    let s = optim.settings;
-    for (group, adam, lr_scale, weight_decay) in groups(optim) {
-        let mut records = adam.to_record();
-        let mut step = 0;
-        for_each_param(model, |path, p| {
-            if let Some(record) = records.remove(&p.id()) {
-                let name = format!("{group}/{path}");
-                let (time, moments) = p.moments(&name, record);
-                meta.insert(format!("{name}.step"), time.to_string());
-                step = step.max(time);
-                tensors.extend(moments);
+    let groups = optim.groups(model);
+    meta.insert(
+        OPTIMIZER_KEY.to_string(),
+        optim.settings.name.name().to_string(),
+    );
+    for group in Group::ALL {
+        let mine = |id: &ParamId| groups.get(id) == Some(&group);
+        let name = group.name();
+        match (adam_of(optim, group), &optim.muon) {
+            (Some(adam), _) => {
+                let mut records = adam.to_record();
+                let mut step = 0;
+                for_each_param(model, |path, p| {
+                    if let Some(record) = records.remove(&p.id()).filter(|_| mine(&p.id())) {
+                        let name = format!("{name}/{path}");
+                        let (time, moments) = p.moments(&name, record);
+                        meta.insert(format!("{name}.step"), time.to_string());
+                        step = step.max(time);
+                        tensors.extend(moments);
+                    }
+                });
+                meta.insert(format!("{name}/step"), step.to_string());
             }
-        });
-        debug_assert!(records.is_empty(), "moments of parameters the model lacks");
-        for (key, value) in [
-            ("step", step.to_string()),
-            ("lr_scale", lr_scale.to_string()),
-            ("beta1", s.beta1.to_string()),
-            ("beta2", s.beta2.to_string()),
-            ("epsilon", s.epsilon.to_string()),
-            ("weight_decay", weight_decay.to_string()),
-        ] {
-            meta.insert(format!("{group}/{key}"), value);
+            (None, Some(muon)) => {
+                let mut records = muon.to_record();
+                for_each_param(model, |path, p| {
+                    if let Some(record) = records.remove(&p.id()).filter(|_| mine(&p.id())) {
+                        tensors.push(p.momentum(&format!("{name}/{path}"), record));
+                    }
+                });
+            }
+            (None, None) => continue,
+        }
+        for (key, value) in group_settings(optim, group) {
+            meta.insert(format!("{name}/{key}"), value);
         }
     }
     (meta, tensors)
@@ -188,7 +255,8 @@ pub(crate) fn optimizer_tensors(
 /// `optim` with the moments of the file `path` (an `optimizer.safetensors`),
 /// keyed by the ids of `model`'s parameters; the tensors go on `device`
 /// (the optimizer's, not autodiff). A parameter without moments starts
-/// fresh (as before its first step).
+/// fresh (as before its first step), and so do all that change groups when
+/// a run resumes under another optimizer.
 pub(crate) fn read_optimizer(
     path: &Path,
     model: &Model,
@@ -199,7 +267,33 @@ pub(crate) fn read_optimizer(
     let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| bad(path, e.to_string()))?;
     let file = SafeTensors::deserialize(&bytes).map_err(|e| bad(path, e.to_string()))?;
     let meta = header.metadata().clone().unwrap_or_default();
+    let saved = meta.get(OPTIMIZER_KEY).map_or("adamw", String::as_str);
+    let now = optim.settings.name.name();
+    if saved != now {
+        tracing::warn!(
+            "the checkpoint was trained with {saved} and the config says {now}: the projection \
+             matrices' moments start afresh"
+        );
+    }
     with_moments(&file, &meta, model, optim, device).map_err(|e| bad(path, e))
+}
+
+/// The f32 tensor `name` of `file` with `shape`: `None` if it is absent, an
+/// error if it has another type or shape.
+fn moment(file: &SafeTensors<'_>, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>, String> {
+    let Ok(t) = file.tensor(name) else {
+        return Ok(None);
+    };
+    if t.dtype() != safetensors::Dtype::F32 {
+        return Err(format!("{name} is {:?}, not F32", t.dtype()));
+    }
+    if t.shape() != shape {
+        return Err(format!(
+            "{name} has shape {:?}, the parameter {shape:?}",
+            t.shape()
+        ));
+    }
+    Ok(Some(f32_values(&t)))
 }
 
 fn with_moments(
@@ -209,53 +303,55 @@ fn with_moments(
     mut optim: Optimizers,
     device: &burn::DispatchDevice,
 ) -> Result<Optimizers, String> {
+    let groups = optim.groups(model);
     let mut error = None;
-    // burn's own map type (hashbrown's).
-    let mut records: [<Adam as Optimizer<Model, B>>::Record; 3] = Default::default();
-    let names: Vec<&str> = groups(&optim).iter().map(|g| g.0).collect();
-    for (group, records) in names.iter().zip(&mut records) {
-        for_each_param(model, |path, p| {
-            let name = format!("{group}/{path}");
-            let (Ok(m1), Ok(m2)) = (
-                file.tensor(&format!("{name}.m1")),
-                file.tensor(&format!("{name}.m2")),
-            ) else {
-                return;
-            };
-            let shape = p.shape();
-            let time = meta
-                .get(&format!("{name}.step"))
-                .and_then(|s| s.parse().ok());
-            match time {
-                _ if [m1.dtype(), m2.dtype()] != [safetensors::Dtype::F32; 2] => {
-                    error.get_or_insert(format!(
-                        "the moments of {path} are {:?}, not F32",
-                        m1.dtype()
-                    ));
+    // burn's own map types (hashbrown's), one per AdamW group.
+    let mut adam: HashMap<Group, <crate::step::optim::Adam as Optimizer<Model, B>>::Record> =
+        HashMap::new();
+    let mut muon = <crate::step::optim::MuonOptimizer as Optimizer<Model, B>>::Record::default();
+    for_each_param(model, |path, p| {
+        let Some(&group) = groups.get(&p.id()) else {
+            return;
+        };
+        let name = format!("{}/{path}", group.name());
+        let shape = p.shape();
+        let read = |suffix: &str| moment(file, &format!("{name}.{suffix}"), &shape);
+        let loaded = match group {
+            Group::Muon => read("momentum").map(|v| {
+                v.map(|v| {
+                    muon.insert(p.id(), p.muon_record(v, device));
+                })
+            }),
+            _ => match (read("m1"), read("m2")) {
+                (Ok(Some(m1)), Ok(Some(m2))) => {
+                    match meta
+                        .get(&format!("{name}.step"))
+                        .and_then(|s| s.parse().ok())
+                    {
+                        Some(time) => {
+                            let record = p.record(time, m1, m2, device);
+                            adam.entry(group).or_default().insert(p.id(), record);
+                            Ok(Some(()))
+                        }
+                        None => Err(format!("no step count for {name}")),
+                    }
                 }
-                _ if m1.shape() != shape || m2.shape() != shape => {
-                    error.get_or_insert(format!(
-                        "the moments of {path} have shape {:?}, the parameter {shape:?}",
-                        m1.shape()
-                    ));
-                }
-                None => {
-                    error.get_or_insert(format!("no step count for {name}"));
-                }
-                Some(time) => {
-                    let record = p.record(time, f32_values(&m1), f32_values(&m2), device);
-                    records.insert(p.id(), record);
-                }
-            }
-        });
-    }
+                (Err(e), _) | (_, Err(e)) => Err(e),
+                _ => Ok(None),
+            },
+        };
+        if let Err(e) = loaded {
+            error.get_or_insert(e);
+        }
+    });
     if let Some(e) = error {
         return Err(e);
     }
-    let [decay, no_decay, toeplitz] = records;
-    optim.decay = optim.decay.load_record(decay);
-    optim.no_decay = optim.no_decay.load_record(no_decay);
-    optim.toeplitz = optim.toeplitz.load_record(toeplitz);
+    let mut take = |group| adam.remove(&group).unwrap_or_default();
+    optim.decay = optim.decay.load_record(take(Group::Decay));
+    optim.no_decay = optim.no_decay.load_record(take(Group::NoDecay));
+    optim.toeplitz = optim.toeplitz.load_record(take(Group::Toeplitz));
+    optim.muon = optim.muon.map(|m| m.load_record(muon));
     Ok(optim)
 }
 

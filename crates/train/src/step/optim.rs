@@ -1,26 +1,30 @@
-//! AdamW with decoupled weight decay on matrices only, global-norm clipping
-//! and the warm-up + cosine schedule.
+//! The optimizers (AdamW, and Muon for the sublayers' projection matrices),
+//! global-norm clipping and the learning-rate schedule.
 //!
 //! burn 0.21 has no parameter groups, so the gradients are split by
-//! parameter id and three AdamW optimizers each step their share: matrices
-//! (with weight decay), other parameters (without), and the Toeplitz bias
-//! tables (without, at `train.toeplitz_lr_scale` times the learning rate).
+//! parameter id and each group's optimizer steps its share ([`Group`]).
 //! burn's own clipping works per tensor; the spec clips the norm of all
 //! gradients together.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
-use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer};
+use burn::optim::decay::WeightDecayConfig;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamW, AdamWConfig, AdjustLrFn, GradientsParams, Muon, MuonConfig, Optimizer};
 use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 
-use crate::config::{DecayShape, Schedule, TrainSection};
+use crate::config::{DecayShape, OptimizerName, OptimizerSection, Schedule, TrainSection};
 use crate::placement::{B, Model};
 
 /// One AdamW optimizer over the model.
 pub type Adam = OptimizerAdaptor<AdamW, Model, B>;
+
+/// One Muon optimizer over the model (burn's).
+pub type MuonOptimizer = OptimizerAdaptor<Muon<<B as AutodiffBackend>::InnerBackend>, Model, B>;
 
 /// Learning rate at optimizer step `step` (1-based): linear warm-up to `lr`,
 /// then the [`Schedule`] down to `lr * lr_floor`: a cosine that reaches the
@@ -64,71 +68,104 @@ pub fn schedule_differs(old: &TrainSection, new: &TrainSection, done: u64) -> Op
     (1..=done).find(|&s| learning_rate(old, s) != learning_rate(new, s))
 }
 
-/// The optimizers of a run, one per parameter group.
-pub struct Optimizers {
-    /// AdamW with weight decay, for parameters of rank >= 2.
-    pub decay: Adam,
-    /// AdamW without weight decay, for gains, biases and other vectors.
-    pub no_decay: Adam,
-    /// AdamW without weight decay for the Toeplitz bias tables, stepped at
+/// A share of the parameters stepped by one optimizer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Group {
+    /// The sublayers' projection matrices under Muon (`muon` only).
+    Muon,
+    /// AdamW with weight decay: the other parameters of rank >= 2.
+    Decay,
+    /// AdamW without weight decay: gains, biases and other vectors.
+    NoDecay,
+    /// AdamW without weight decay for the Toeplitz bias tables, at
     /// `toeplitz_lr_scale` times the learning rate: AdamW moves each entry
     /// by about its learning rate per step, and at the common rate a table
     /// gains only about one nat of locality in a whole quick-start run
     /// (docs/learning.md).
+    Toeplitz,
+}
+
+impl Group {
+    /// Every group, in the order checkpoints list them.
+    pub const ALL: [Group; 4] = [Group::Decay, Group::NoDecay, Group::Toeplitz, Group::Muon];
+
+    /// The group's name in checkpoints.
+    pub fn name(self) -> &'static str {
+        match self {
+            Group::Muon => "muon",
+            Group::Decay => "decay",
+            Group::NoDecay => "no_decay",
+            Group::Toeplitz => "toeplitz",
+        }
+    }
+}
+
+/// The optimizers of a run, one per parameter group.
+pub struct Optimizers {
+    /// AdamW for [`Group::Decay`].
+    pub decay: Adam,
+    /// AdamW for [`Group::NoDecay`].
+    pub no_decay: Adam,
+    /// AdamW for [`Group::Toeplitz`].
     pub toeplitz: Adam,
+    /// Muon for [`Group::Muon`]; `None` under AdamW, whose `decay` group
+    /// holds those matrices.
+    pub muon: Option<MuonOptimizer>,
     /// Multiplier on the learning rate of the Toeplitz tables.
     pub toeplitz_lr_scale: f64,
-    /// The settings the groups were built with (recorded in checkpoints).
-    pub settings: AdamWSettings,
+    /// The settings the optimizers were built with (recorded in
+    /// checkpoints).
+    pub settings: OptimizerSection,
 }
 
-/// The AdamW settings of a run (`decay` applies `weight_decay`, the other
-/// groups none).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AdamWSettings {
-    /// Decay of the first moment.
-    pub beta1: f64,
-    /// Decay of the second moment.
-    pub beta2: f64,
-    /// Added to the root of the second moment.
-    pub epsilon: f64,
-    /// Decoupled weight decay of the `decay` group.
-    pub weight_decay: f64,
-}
-
-fn adam(t: &TrainSection, weight_decay: f64) -> Adam {
+fn adam(o: &OptimizerSection, weight_decay: f64) -> Adam {
+    let a = &o.adamw;
     AdamWConfig::new()
-        .with_beta_1(t.beta1 as f32)
-        .with_beta_2(t.beta2 as f32)
-        .with_epsilon(t.epsilon as f32)
+        .with_beta_1(a.beta1 as f32)
+        .with_beta_2(a.beta2 as f32)
+        .with_epsilon(a.epsilon as f32)
         .with_weight_decay(weight_decay as f32)
         .with_grad_clipping(None)
         .init::<B, Model>()
 }
 
-/// Ids of the Toeplitz bias tables.
-fn toeplitz_ids(model: &Model) -> HashSet<ParamId> {
-    model
-        .sublayers
-        .iter()
-        .filter_map(|g| g.bias.toeplitz.as_ref().map(|p| p.id))
-        .collect()
+/// burn's Muon with the run's settings. Its update is scaled to AdamW's
+/// size (`AdjustLrFn::MatchRmsAdamW`, symmetric in the matrix's two sides,
+/// so burn's `[in, out]` layout of a linear layer's weight does not matter)
+/// and its weight decay is decoupled like AdamW's.
+fn muon(o: &OptimizerSection) -> MuonOptimizer {
+    let m = &o.muon;
+    let weight_decay = m.weight_decay.unwrap_or(o.adamw.weight_decay);
+    MuonConfig::new()
+        .with_momentum(MomentumConfig {
+            momentum: m.momentum,
+            dampening: 0.0,
+            nesterov: m.nesterov,
+        })
+        .with_ns_steps(m.ns_steps)
+        .with_adjust_lr_fn(AdjustLrFn::MatchRmsAdamW)
+        .with_weight_decay(
+            (weight_decay > 0.0).then(|| WeightDecayConfig::new(weight_decay as f32)),
+        )
+        .init::<B, Model>()
 }
 
-/// Moves the gradients of the parameters `ids` out of `grads`.
+/// Moves the gradients of the parameters of `group` out of `grads`.
 fn take_grads(
     model: &Model,
-    ids: &HashSet<ParamId>,
+    groups: &HashMap<ParamId, Group>,
+    group: Group,
     grads: &mut GradientsParams,
 ) -> GradientsParams {
     struct Take<'a> {
-        ids: &'a HashSet<ParamId>,
+        groups: &'a HashMap<ParamId, Group>,
+        group: Group,
         from: &'a mut GradientsParams,
         to: GradientsParams,
     }
     impl ModuleVisitor<B> for Take<'_> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-            if self.ids.contains(&p.id)
+            if self.groups.get(&p.id) == Some(&self.group)
                 && let Some(g) = self.from.remove::<B, D>(p.id)
             {
                 self.to.register::<B, D>(p.id, g);
@@ -136,7 +173,8 @@ fn take_grads(
         }
     }
     let mut take = Take {
-        ids,
+        groups,
+        group,
         from: grads,
         to: GradientsParams::new(),
     };
@@ -144,47 +182,68 @@ fn take_grads(
     take.to
 }
 
-/// Ids of the parameters of rank >= 2.
-fn matrix_ids(model: &Model) -> HashSet<ParamId> {
-    struct Matrices(HashSet<ParamId>);
-    impl ModuleVisitor<B> for Matrices {
+/// The group of each parameter of `model` when the projection matrices go
+/// to `name`'s optimizer.
+pub fn groups(model: &Model, name: OptimizerName) -> HashMap<ParamId, Group> {
+    struct Ranks(HashMap<ParamId, Group>);
+    impl ModuleVisitor<B> for Ranks {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-            if D >= 2 {
-                self.0.insert(p.id);
+            let group = if D >= 2 { Group::Decay } else { Group::NoDecay };
+            self.0.insert(p.id, group);
+        }
+    }
+    let mut ranks = Ranks(HashMap::new());
+    model.visit(&mut ranks);
+    let mut groups = ranks.0;
+    for g in &model.sublayers {
+        if let Some(table) = &g.bias.toeplitz {
+            groups.insert(table.id, Group::Toeplitz);
+        }
+        if name == OptimizerName::Muon {
+            // The hidden matrices: what Muon is for. The embedding (also the
+            // head) and the position terms stay with AdamW.
+            for w in [&g.q_proj.weight, &g.kvg_proj.weight, &g.out_proj.weight] {
+                groups.insert(w.id, Group::Muon);
             }
         }
     }
-    let mut v = Matrices(HashSet::new());
-    model.visit(&mut v);
-    v.0
+    groups
 }
 
 impl Optimizers {
     /// Fresh optimizers.
     pub fn new(t: &TrainSection) -> Self {
+        let o = &t.optimizer;
         Self {
-            decay: adam(t, t.weight_decay),
-            no_decay: adam(t, 0.0),
-            toeplitz: adam(t, 0.0),
+            decay: adam(o, o.adamw.weight_decay),
+            no_decay: adam(o, 0.0),
+            toeplitz: adam(o, 0.0),
+            muon: (o.name == OptimizerName::Muon).then(|| muon(o)),
             toeplitz_lr_scale: t.toeplitz_lr_scale,
-            settings: AdamWSettings {
-                beta1: t.beta1,
-                beta2: t.beta2,
-                epsilon: t.epsilon,
-                weight_decay: t.weight_decay,
-            },
+            settings: o.clone(),
         }
+    }
+
+    /// The group of each parameter of `model` under these optimizers.
+    pub fn groups(&self, model: &Model) -> HashMap<ParamId, Group> {
+        groups(model, self.settings.name)
     }
 
     /// One update at learning rate `lr`. The groups are taken from `model`
     /// itself, whose parameter ids are the ones the optimizer state is keyed
     /// by (a loaded checkpoint brings its own ids).
     pub fn step(&mut self, lr: f64, model: Model, mut grads: GradientsParams) -> Model {
-        let tables = take_grads(&model, &toeplitz_ids(&model), &mut grads);
-        let matrices = take_grads(&model, &matrix_ids(&model), &mut grads);
+        let groups = self.groups(&model);
+        let mut take = |group| take_grads(&model, &groups, group, &mut grads);
+        let (tables, hidden, matrices) =
+            (take(Group::Toeplitz), take(Group::Muon), take(Group::Decay));
         let model = self
             .toeplitz
             .step(lr * self.toeplitz_lr_scale, model, tables);
+        let model = match &mut self.muon {
+            Some(muon) => muon.step(lr, model, hidden),
+            None => model,
+        };
         let model = self.decay.step(lr, model, matrices);
         self.no_decay.step(lr, model, grads)
     }
@@ -447,6 +506,114 @@ mod tests {
         assert_eq!(clip_global_norm(t.model(), &mut grads, 0.0, 1.0), clipped);
     }
 
+    /// Muon's update of a projection matrix, computed in f64 from the
+    /// spec: the gradient over its Frobenius norm, five quintic
+    /// Newton-Schulz iterations (on the wide side), times
+    /// `lr * 0.2 * sqrt(max(rows, columns))`. A first step's momentum is
+    /// the gradient times a constant, which the norm removes.
+    fn muon_update(g: &[f32], rows: usize, cols: usize, lr: f64) -> Vec<f64> {
+        let (a, b, c) = (3.4445, -4.775, 2.0315);
+        let tall = rows > cols;
+        let (n, m) = if tall { (cols, rows) } else { (rows, cols) };
+        // x: n x m with n <= m.
+        let at = |i: usize, j: usize| if tall { g[j * cols + i] } else { g[i * cols + j] } as f64;
+        let mut x: Vec<f64> = (0..n * m).map(|k| at(k / m, k % m)).collect();
+        let norm = x.iter().map(|v| v * v).sum::<f64>().sqrt();
+        x.iter_mut().for_each(|v| *v /= norm);
+        let matmul = |p: &[f64], q: &[f64], r: usize, k: usize, s: usize| -> Vec<f64> {
+            (0..r * s)
+                .map(|o| (0..k).map(|t| p[o / s * k + t] * q[t * s + o % s]).sum())
+                .collect()
+        };
+        for _ in 0..5 {
+            let xt: Vec<f64> = (0..m * n).map(|k| x[(k % n) * m + k / n]).collect();
+            let gram = matmul(&x, &xt, n, m, n);
+            let gram2 = matmul(&gram, &gram, n, n, n);
+            let poly: Vec<f64> = gram
+                .iter()
+                .zip(&gram2)
+                .map(|(p, q)| b * p + c * q)
+                .collect();
+            let px = matmul(&poly, &x, n, n, m);
+            x = x.iter().zip(&px).map(|(v, w)| a * v + w).collect();
+        }
+        let scale = lr * 0.2 * (rows.max(cols) as f64).sqrt();
+        (0..rows * cols)
+            .map(|k| {
+                let (i, j) = (k / cols, k % cols);
+                scale * if tall { x[j * m + i] } else { x[i * m + j] }
+            })
+            .collect()
+    }
+
+    /// Under `muon` the projection matrices move by Muon's update (checked
+    /// against [`muon_update`]); the other groups keep AdamW.
+    #[test]
+    fn muon_steps_the_projection_matrices_by_their_orthogonalized_gradient() {
+        let mut t = trainer(1, 1);
+        let grads = t.gradients(&batch(2, 8, true)).unwrap().grads;
+        let before = t.model().clone();
+        let mut settings = TrainSection::default();
+        settings.optimizer.name = OptimizerName::Muon;
+        settings.optimizer.adamw.weight_decay = 0.0;
+        let mut optim = Optimizers::new(&settings);
+        let lr = 1e-2;
+        let values =
+            |p: &Param<Tensor<B, 2>>| -> Vec<f32> { p.val().into_data().to_vec().unwrap() };
+        let g = &before.sublayers[0];
+        let mut checked = 0;
+        let projections = |g: &tvq_model::gau::Gau<B>| {
+            [
+                g.q_proj.weight.clone(),
+                g.kvg_proj.weight.clone(),
+                g.out_proj.weight.clone(),
+            ]
+        };
+        let wanted: Vec<Vec<f64>> = projections(g)
+            .iter()
+            .map(|w| {
+                let grad: Vec<f32> = grads
+                    .get::<B, 2>(w.id)
+                    .unwrap()
+                    .into_data()
+                    .to_vec()
+                    .unwrap();
+                let [rows, cols] = w.val().dims();
+                muon_update(&grad, rows, cols, lr)
+            })
+            .collect();
+        let after = optim.step(lr, before.clone(), grads);
+        for ((w0, w1), want) in projections(g)
+            .iter()
+            .zip(projections(&after.sublayers[0]))
+            .zip(&wanted)
+        {
+            let moved: Vec<f64> = values(w0)
+                .iter()
+                .zip(values(&w1))
+                .map(|(a, b)| (a - b) as f64)
+                .collect();
+            let worst = moved
+                .iter()
+                .zip(want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f64, f64::max);
+            let size = want.iter().map(|v| v.abs()).fold(0f64, f64::max);
+            assert!(worst < 1e-3 * size, "off by {worst} of {size}");
+            checked += 1;
+        }
+        assert_eq!(checked, 3);
+        // The embedding is AdamW's: its first step moves entries by about lr.
+        let e0 = values(&before.embedding.weight);
+        let e1 = values(&after.embedding.weight);
+        let most = e0
+            .iter()
+            .zip(&e1)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!((most as f64 - lr).abs() < 0.2 * lr, "{most}");
+    }
+
     #[test]
     fn the_toeplitz_tables_step_at_their_own_learning_rate() {
         let table = |t: &Trainer| -> Vec<f32> {
@@ -458,7 +625,13 @@ mod tests {
                 toeplitz_lr_scale: scale,
                 lr: 1e-3,
                 warmup_steps: 0,
-                weight_decay: 0.1,
+                optimizer: OptimizerSection {
+                    adamw: crate::config::AdamWSection {
+                        weight_decay: 0.1,
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                },
                 ..TrainSection::default()
             };
             let device = DeviceSpec::Cpu.init().unwrap().0;

@@ -8,7 +8,7 @@
 # a whole example only with SEG=0 (whole examples; BATCH=N rows per batch
 # keeps its [T, T] scores in memory).
 #
-#   LENS="256 1024 4096" scripts/research/recall-lengths.sh OUT.jsonl RUN_DIR...
+#   LENS="256 1024 4096" scripts/experiments/recall-lengths.sh OUT.jsonl RUN_DIR...
 #
 # Appends one JSON line per run and length to OUT.jsonl (the run, the
 # length, the segment, the accuracy, the accuracy by distance and, for
@@ -20,9 +20,9 @@
 # its own OUT.jsonl, as a run and length already there are skipped).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out="${1:?usage: scripts/research/recall-lengths.sh OUT.jsonl RUN_DIR...}"
+out="${1:?usage: scripts/experiments/recall-lengths.sh OUT.jsonl RUN_DIR...}"
 shift
-[ "$#" -gt 0 ] || { echo "usage: scripts/research/recall-lengths.sh OUT.jsonl RUN_DIR..." >&2; exit 2; }
+[ "$#" -gt 0 ] || { echo "usage: scripts/experiments/recall-lengths.sh OUT.jsonl RUN_DIR..." >&2; exit 2; }
 LENS=${LENS:-256 1024 4096}
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/tvq/target}"
 if [ -n "${TVQ_BIN:-}" ]; then

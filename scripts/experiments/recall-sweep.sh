@@ -8,9 +8,9 @@
 # (default) or exact: model.window_keys). Every other setting is the config's
 # (override with EXTRA="--set train.steps=800 ...").
 #
-#   scripts/research/recall-sweep.sh OUT_DIR
+#   scripts/experiments/recall-sweep.sh OUT_DIR
 #   FORMS="quadratic vq:32:toeplitz vq:128:toeplitz" PAIRS="4 8" LENS="64 256" SEEDS="0 1" \
-#     scripts/research/recall-sweep.sh runs/recall
+#     scripts/experiments/recall-sweep.sh runs/recall
 #
 # FROM=DIR starts each run from the weights of the run of the same form and
 # seed in the sweep DIR, whatever its pairs and length (train.init_from; DIR
@@ -23,7 +23,7 @@
 # (the evaluation stays on the CPU, so its figures compare with CPU-trained
 # runs'); LIMIT=SECONDS stops each training run after that long, as Ctrl-C
 # does (a checkpoint, then stop), and evaluates it where it stopped: the
-# row's "steps" says how far it got (scripts/research/recall-on-gpu.sh).
+# row's "steps" says how far it got (scripts/experiments/recall-on-gpu.sh).
 #
 # Writes OUT_DIR/results.jsonl (one line per run: the settings with FROM and
 # EXTRA, the device, the steps trained, the window, the accuracy, the
@@ -37,7 +37,7 @@
 # run again, so an interrupted sweep continues.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out="${1:?usage: scripts/research/recall-sweep.sh OUT_DIR}"
+out="${1:?usage: scripts/experiments/recall-sweep.sh OUT_DIR}"
 FORMS=${FORMS:-quadratic vq:32:toeplitz vq:128:toeplitz}
 PAIRS=${PAIRS:-4}
 LENS=${LENS:-64}

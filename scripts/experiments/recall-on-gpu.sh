@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # MQAR recall runs on a GPU node (docs/learning.md, "Recall"): the sweeps of
-# a plan, all at once on the node's one GPU, each a scripts/research/recall-sweep.sh
+# a plan, all at once on the node's one GPU, each a scripts/experiments/recall-sweep.sh
 # whose training runs stop after LIMIT seconds at most (then evaluated where
 # they stopped), evaluated on the node's CPU, and everything back as
 # OUT/r.tgz (per run: the log, config.toml, metrics.jsonl and the weights as
@@ -14,8 +14,8 @@
 #     && xz -6 -T0 -c /tmp/tvq > dist/node/tvq.xz && git rev-parse --short HEAD > dist/node/commit
 #   (and copy into dist/node/ any run a plan line starts from, FROM=dist/node/...)
 #
-#   OUT=DIR LIMIT=400 scripts/research/recall-on-gpu.sh scripts/research/recall-on-gpu.plan
-#   OUT=DIR LIMIT=60 DEVICE=cpu scripts/research/recall-on-gpu.sh PLAN   # the script's own test
+#   OUT=DIR LIMIT=400 scripts/experiments/recall-on-gpu.sh scripts/experiments/recall-on-gpu.plan
+#   OUT=DIR LIMIT=60 DEVICE=cpu scripts/experiments/recall-on-gpu.sh PLAN   # the script's own test
 #
 # PLAN: one sweep per line, "NAME VAR=VALUE ...", with recall-sweep.sh's
 # variables (FORMS, PAIRS, LENS, SEEDS, EXTRA, FROM; shell quoting, run by
@@ -23,7 +23,7 @@
 # starts a comment. Sweep NAME writes /tmp/tvq-recall/NAME/, its own kernel
 # cache beside it (several processes never share one cache file).
 set -uo pipefail
-plan="${1:?usage: OUT=DIR LIMIT=SECONDS scripts/research/recall-on-gpu.sh PLAN}"
+plan="${1:?usage: OUT=DIR LIMIT=SECONDS scripts/experiments/recall-on-gpu.sh PLAN}"
 out="${OUT:?OUT is the folder to write to}"
 export LIMIT="${LIMIT:?LIMIT is the seconds each training run may take}"
 export DEVICE="${DEVICE:-cuda}"
@@ -49,7 +49,7 @@ while read -r name vars; do
   names+=("$name")
   mkdir -p "$work/$name/cache"
   note "$name: $vars"
-  (eval "export $vars" && XDG_CACHE_HOME="$work/$name/cache" scripts/research/recall-sweep.sh "$work/$name") \
+  (eval "export $vars" && XDG_CACHE_HOME="$work/$name/cache" scripts/experiments/recall-sweep.sh "$work/$name") \
     < /dev/null > "$work/$name.log" 2>&1 &
   pids+=($!)
 done < "$plan"

@@ -10,8 +10,8 @@ writes four task files (`tvq eval --task-file`), each example's keys from
 one group and values from one, and prints each checkpoint's accuracy on
 each:
 
-    scripts/research/recall_roles.py OUT_DIR CHECKPOINT...
-    PERIOD=64 PAIRS=32 LEN=256 TVQ_BIN=target/release/tvq scripts/research/recall_roles.py ...
+    scripts/experiments/recall_roles.py OUT_DIR CHECKPOINT...
+    PERIOD=64 PAIRS=32 LEN=256 TVQ_BIN=target/release/tvq scripts/experiments/recall_roles.py ...
 
 Examples are every key asked once, at places drawn uniformly from the
 query region, as tvq's generator does (with Python's own random numbers:
@@ -47,7 +47,7 @@ def write_task(path, keys, values, pairs, length, n=256, seed=0):
 
 def main():
     if len(sys.argv) < 3:
-        sys.exit("usage: scripts/research/recall_roles.py OUT_DIR CHECKPOINT...")
+        sys.exit("usage: scripts/experiments/recall_roles.py OUT_DIR CHECKPOINT...")
     out, checkpoints = sys.argv[1], sys.argv[2:]
     period, pairs, length = (int(os.environ.get(k, d)) for k, d in
                              [("PERIOD", 64), ("PAIRS", 32), ("LEN", 256)])

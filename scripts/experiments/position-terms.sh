@@ -7,7 +7,7 @@
 # official protocol) and carried through each row. About 20 minutes per run
 # on 2 cores; runs already finished are not trained again.
 #
-#   scripts/research/position-terms.sh [RUNS_DIR] [--set KEY=VALUE ...]
+#   scripts/experiments/position-terms.sh [RUNS_DIR] [--set KEY=VALUE ...]
 #
 # Extra --set options go to every training run (e.g. --set train.steps=10
 # for a dry run). Needs `tvq` on PATH, or set TVQ=path/to/tvq.
@@ -45,7 +45,7 @@ for name in xl toeplitz-zero toeplitz rotary rotary-nochannel quadratic; do
         fi
         reset=$("$tvq" eval --checkpoint "$dir" --reset-every 512 --json | bits)
         # The trainer's final validation carries the state through each row
-        # (under the config's cache_limit, since 2026-11-23).
+        # (under the config's cache_limit).
         carried=$(grep '"kind":"final_eval"' "$dir/metrics.jsonl" | tail -1 | bits)
         printf '%-14s %-5s %-16.4f %-10.4f\n' "$name" "$seed" "$reset" "$carried"
     done
