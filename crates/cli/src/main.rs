@@ -66,7 +66,7 @@ enum Command {
     /// device's peak.
     Bench(bench::BenchArgs),
     /// Check a device against the CPU: a small model's forward pass,
-    /// gradients, AdamW and EMA updates, bf16 step, checkpoint and
+    /// gradients, AdamW, Muon and EMA updates, bf16 step, checkpoint and
     /// generation, each compared within a tolerance; the device's
     /// matrix-product peaks. Exits non-zero if any check fails.
     Check(check::CheckArgs),

@@ -30,7 +30,7 @@ pub enum BenchmarkArg {
     /// sequence length, form, precision and activation checkpointing.
     Attention,
     /// The whole training step: forward, backward, global-norm clipping,
-    /// AdamW and the EMA codebook update.
+    /// the optimizer (`train.optimizer`) and the EMA codebook update.
     Step,
     /// The fused attention kernel against the composed ops, in the model's
     /// forward and backward passes on the device's cubecl backend (wgpu or
@@ -543,7 +543,7 @@ fn bench_checkpoint(
     let cfg = model.clone().with_vocab_size(args.vocab_size as usize);
     let mut trainer =
         Trainer::new(&cfg, train, std::slice::from_ref(device)).context("benchmark model")?;
-    // One real step, so that every parameter has its AdamW moments.
+    // One real step, so that every parameter has its optimizer moments.
     let batch = pattern_batch(train.shards(), cfg.block_len, args.vocab_size);
     trainer.step(&batch, TrainCursor::default())?;
     let (mut save, mut verify, mut copy, mut bytes) = (vec![], vec![], vec![], 0u64);
