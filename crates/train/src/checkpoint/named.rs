@@ -161,40 +161,22 @@ pub(crate) fn model_tensors(model: &Model) -> Vec<F32Tensor> {
 /// settings (a record: on resume the run's config rules).
 fn group_settings(optim: &Optimizers, group: Group) -> Vec<(&'static str, String)> {
     let (a, m) = (&optim.settings.adamw, &optim.settings.muon);
-    let adamw = |lr_scale: f64, weight_decay: f64| {
-        vec![
-            ("lr_scale", lr_scale.to_string()),
-            ("beta1", a.beta1.to_string()),
-            ("beta2", a.beta2.to_string()),
-            ("epsilon", a.epsilon.to_string()),
-            ("weight_decay", weight_decay.to_string()),
-        ]
-    };
-    match group {
-        Group::Decay => adamw(1.0, a.weight_decay),
-        Group::NoDecay => adamw(1.0, 0.0),
-        Group::Toeplitz => adamw(optim.toeplitz_lr_scale, 0.0),
-        Group::Muon => vec![
-            ("lr_scale", 1.0.to_string()),
+    let mut settings = vec![("lr_scale", optim.lr_scale(group).to_string())];
+    settings.extend(match group {
+        Group::Muon => [
             ("momentum", m.momentum.to_string()),
             ("nesterov", m.nesterov.to_string()),
             ("ns_steps", m.ns_steps.to_string()),
-            (
-                "weight_decay",
-                m.weight_decay.unwrap_or(a.weight_decay).to_string(),
-            ),
         ],
-    }
-}
-
-/// The AdamW optimizer of an AdamW group.
-fn adam_of(optim: &Optimizers, group: Group) -> Option<&crate::step::optim::Adam> {
-    match group {
-        Group::Decay => Some(&optim.decay),
-        Group::NoDecay => Some(&optim.no_decay),
-        Group::Toeplitz => Some(&optim.toeplitz),
-        Group::Muon => None,
-    }
+        _ => [
+            ("beta1", a.beta1.to_string()),
+            ("beta2", a.beta2.to_string()),
+            ("epsilon", a.epsilon.to_string()),
+        ],
+    });
+    let weight_decay = group.weight_decay(&optim.settings);
+    settings.push(("weight_decay", weight_decay.to_string()));
+    settings
 }
 
 /// Metadata key of the optimizer that steps the projection matrices.
@@ -220,7 +202,7 @@ pub(crate) fn optimizer_tensors(
     for group in Group::ALL {
         let mine = |id: &ParamId| groups.get(id) == Some(&group);
         let name = group.name();
-        match (adam_of(optim, group), &optim.muon) {
+        match (optim.adam(group), &optim.muon) {
             (Some(adam), _) => {
                 let mut records = adam.to_record();
                 let mut step = 0;

@@ -89,6 +89,16 @@ impl Group {
     /// Every group, in the order checkpoints list them.
     pub const ALL: [Group; 4] = [Group::Decay, Group::NoDecay, Group::Toeplitz, Group::Muon];
 
+    /// The decoupled weight decay of the group under `o`: AdamW's for
+    /// matrices, Muon's own when set, none for the rest.
+    pub fn weight_decay(self, o: &OptimizerSection) -> f64 {
+        match self {
+            Group::Decay => o.adamw.weight_decay,
+            Group::Muon => o.muon.weight_decay.unwrap_or(o.adamw.weight_decay),
+            Group::NoDecay | Group::Toeplitz => 0.0,
+        }
+    }
+
     /// The group's name in checkpoints.
     pub fn name(self) -> &'static str {
         match self {
@@ -135,7 +145,7 @@ fn adam(o: &OptimizerSection, weight_decay: f64) -> Adam {
 /// and its weight decay is decoupled like AdamW's.
 fn muon(o: &OptimizerSection) -> MuonOptimizer {
     let m = &o.muon;
-    let weight_decay = m.weight_decay.unwrap_or(o.adamw.weight_decay);
+    let weight_decay = Group::Muon.weight_decay(o);
     MuonConfig::new()
         .with_momentum(MomentumConfig {
             momentum: m.momentum,
@@ -215,12 +225,30 @@ impl Optimizers {
     pub fn new(t: &TrainSection) -> Self {
         let o = &t.optimizer;
         Self {
-            decay: adam(o, o.adamw.weight_decay),
-            no_decay: adam(o, 0.0),
-            toeplitz: adam(o, 0.0),
+            decay: adam(o, Group::Decay.weight_decay(o)),
+            no_decay: adam(o, Group::NoDecay.weight_decay(o)),
+            toeplitz: adam(o, Group::Toeplitz.weight_decay(o)),
             muon: (o.name == OptimizerName::Muon).then(|| muon(o)),
             toeplitz_lr_scale: t.toeplitz_lr_scale,
             settings: o.clone(),
+        }
+    }
+
+    /// The AdamW optimizer of an AdamW group; `None` for [`Group::Muon`].
+    pub fn adam(&self, group: Group) -> Option<&Adam> {
+        match group {
+            Group::Decay => Some(&self.decay),
+            Group::NoDecay => Some(&self.no_decay),
+            Group::Toeplitz => Some(&self.toeplitz),
+            Group::Muon => None,
+        }
+    }
+
+    /// The multiplier on the learning rate of `group`.
+    pub fn lr_scale(&self, group: Group) -> f64 {
+        match group {
+            Group::Toeplitz => self.toeplitz_lr_scale,
+            _ => 1.0,
         }
     }
 
@@ -239,7 +267,7 @@ impl Optimizers {
             (take(Group::Toeplitz), take(Group::Muon), take(Group::Decay));
         let model = self
             .toeplitz
-            .step(lr * self.toeplitz_lr_scale, model, tables);
+            .step(lr * self.lr_scale(Group::Toeplitz), model, tables);
         let model = match &mut self.muon {
             Some(muon) => muon.step(lr, model, hidden),
             None => model,
