@@ -4,7 +4,7 @@
 
 use burn::prelude::*;
 
-use crate::config::{CacheGrad, CountWeight, WindowKeys};
+use crate::config::{CacheGrad, WindowKeys};
 use crate::kernel::Kernels;
 use crate::precision::{Precision, product_in, to_f32};
 
@@ -23,12 +23,6 @@ pub struct Compute {
     /// Most keys one code of the compressed cache weighs as
     /// ([`crate::TransformerVqConfig::code_limit`]; `None`: all of them).
     pub code_limit: Option<usize>,
-    /// Whether the query projection's last `H` columns give each query its
-    /// weight of the cache's counts ([`CountWeight::Learned`]). Unlike the
-    /// rest, part of the architecture (set from the config, never changed
-    /// on a loaded model); kept here because a new field of the sublayer
-    /// would change its record layout (see [`crate::gau::Gau::compute`]).
-    pub count_weight: CountWeight,
     /// Type of the matrix products (projections, scores, weighted values);
     /// statistics, the softmax and the compressed cache stay `f32`
     /// ([`crate::precision`]).

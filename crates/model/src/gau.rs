@@ -1,12 +1,12 @@
 //! One gated attention unit (GAU) sublayer with VQ attention.
 
 use burn::module::{Module, Param};
-use burn::nn::{Dropout, DropoutConfig, Initializer, Linear, LinearConfig};
+use burn::nn::{Initializer, Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::activation::{sigmoid, silu};
 
+use crate::attention::rotary::join_channel;
 use crate::attention::{self, AttentionInput, AttentionState};
-use crate::bias::PositionBias;
 use crate::compute::Compute;
 use crate::config::{AttentionForm, CountWeight, TransformerVqConfig, WindowKeys};
 use crate::dropout::{self, SublayerDropout, SublayerMasks};
@@ -14,6 +14,7 @@ use crate::error::ModelError;
 use crate::kernel::{Kernels, VqBackend};
 use crate::layout::{merge_heads, split_heads};
 use crate::norm::{RmsNorm, rms_normalize};
+use crate::position::PositionTerm;
 use crate::precision::{Precision, to_f32};
 use crate::quantizer::{CodebookStats, VectorQuantizer};
 
@@ -65,12 +66,10 @@ pub struct Gau<B: Backend> {
     pub out_proj: Linear<B>,
     /// EMA codebook of the keys.
     pub quantizer: VectorQuantizer<B>,
-    /// Relative position bias.
-    pub bias: PositionBias<B>,
-    /// Residual dropout: only its probability is used (masks come from
-    /// [`Gau::dropout_masks`]); kept as burn's `Dropout` so the recorded
-    /// layout of checkpoints does not change.
-    pub dropout: Dropout,
+    /// The position term (`bias` in parameter paths, as it always was).
+    pub bias: PositionTerm<B>,
+    /// Residual dropout probability (masks come from [`Gau::dropout_masks`]).
+    pub dropout: f64,
     /// Heads `H`.
     pub n_head: usize,
     /// Key width `K`.
@@ -80,14 +79,16 @@ pub struct Gau<B: Backend> {
     /// Block length `L`.
     pub block_len: usize,
     /// How the sublayer computes (from the config or set later, not
-    /// learned). One field for all such settings: each field of a module,
-    /// even a skipped one, takes a place in burn's binary record (format-1
-    /// checkpoints), so a new one would make them unreadable.
+    /// learned).
     #[module(skip)]
     pub compute: Compute,
     /// VQ attention or the quadratic baseline.
     #[module(skip)]
     pub form: AttentionForm,
+    /// Whether the query projection's last `H` columns give each query its
+    /// weight of the cache's counts ([`CountWeight::Learned`]).
+    #[module(skip)]
+    pub count_weight: CountWeight,
 }
 
 /// What a GAU sublayer returns for one segment.
@@ -123,8 +124,8 @@ impl<B: VqBackend> Gau<B> {
     /// A sublayer initialised as the spec says.
     pub fn new(cfg: &TransformerVqConfig, device: &B::Device) -> Self {
         let (d, h, k, v) = (cfg.d_model, cfg.n_head, cfg.d_k, cfg.d_v);
-        let channel = cfg.rotary_channel_width();
-        let mut q_proj = projection(d, h * (k + channel), device);
+        let bias = PositionTerm::new(cfg, device);
+        let mut q_proj = projection(d, h * (k + bias.channel()), device);
         if cfg.count_weight == CountWeight::Learned {
             q_proj.weight = with_zero_columns(q_proj.weight, h);
         }
@@ -134,8 +135,8 @@ impl<B: VqBackend> Gau<B> {
             kvg_proj: projection(d, h * (k + 2 * v), device),
             out_proj: projection(h * v, d, device),
             quantizer: VectorQuantizer::new(h, cfg.n_code, k, device),
-            bias: PositionBias::new(cfg, device),
-            dropout: DropoutConfig::new(cfg.dropout_residual).init(),
+            bias,
+            dropout: cfg.dropout_residual,
             n_head: h,
             d_k: k,
             d_v: v,
@@ -144,12 +145,12 @@ impl<B: VqBackend> Gau<B> {
                 cache_grad: cfg.cache_grad,
                 cache_limit: cfg.cache_limit,
                 code_limit: cfg.code_limit,
-                count_weight: cfg.count_weight,
                 precision: Precision::F32,
                 window_keys: cfg.window_keys,
                 kernels: Kernels::default(),
             },
             form: cfg.attention,
+            count_weight: cfg.count_weight,
         }
     }
 
@@ -158,15 +159,9 @@ impl<B: VqBackend> Gau<B> {
         let (h, k, v) = (self.n_head, self.d_k, self.d_v);
         let scale = (k as f64).powf(-0.25); // twice applied: the 1/sqrt(K) of attention
         let x = cx.cast(self.input_norm.forward(x)); // statistics in f32, then the compute type
-        // The rotary form without a position channel sharpens its scores
-        // through the query (`Rotary::LOGIT_SCALE`); with one, the channel's
-        // unnormalised features give the scores their range.
-        let q_scale = match self.rotary() {
-            Some(r) if r.channel == 0 => scale * attention::Rotary::LOGIT_SCALE,
-            _ => scale,
-        };
+        let q_scale = scale * self.bias.query_scale();
         let (hk, hv) = (h * k, h * v);
-        let channel = self.rotary_channel();
+        let channel = self.bias.channel();
         let heads = |x: Tensor<B, 3>| to_f32(split_heads(x, h));
         let q = if channel == 0 {
             let [q] = column_blocks(&x, self.q_proj.weight.val(), [hk], cx);
@@ -177,10 +172,10 @@ impl<B: VqBackend> Gau<B> {
             let [content, pos] = column_blocks(&x, self.q_proj.weight.val(), [hk, h * channel], cx);
             let content = rms_normalize(heads(content)) * q_scale; // [B, H, T, K]
             let pos = heads(pos) * scale; // [B, H, T, P]
-            with_channel(content, pos)
+            join_channel(content, pos)
         };
         let [k_raw, v_raw, g_raw] = column_blocks(&x, self.kvg_proj.weight.val(), [hk, hv, hv], cx);
-        let count_weight = (self.compute.count_weight == CountWeight::Learned).then(|| {
+        let count_weight = (self.count_weight == CountWeight::Learned).then(|| {
             let w = self.q_proj.weight.val();
             let [d, cols] = w.dims();
             let w = w.slice([0..d, cols - h..cols]).unsqueeze::<3>(); // [1, D, H]
@@ -220,45 +215,20 @@ impl<B: VqBackend> Gau<B> {
         }
     }
 
-    /// The windowed rotary position, when it is this sublayer's position term.
-    fn rotary(&self) -> Option<attention::Rotary> {
-        self.bias
-            .is_rotary()
-            .then(|| attention::Rotary::new(self.block_len).with_channel(self.rotary_channel()))
-    }
-
-    /// Features `P` of the rotary position channel, read from the query
-    /// projection's width (`H (K + P + W)`, `W` the learned count weight's
-    /// column), so a model saved before the channel existed loads as one
-    /// without it.
-    pub fn rotary_channel(&self) -> usize {
-        let width = self.q_proj.weight.dims()[1] / self.n_head;
-        width - self.d_k - self.compute.count_weight.width()
-    }
-
-    /// Keys (or codewords) `[.., K]` with the position channel's constant
-    /// features appended to each half.
+    /// Keys (or codewords) `[.., K]` with the rotary position channel's
+    /// constant features joined in (the keys themselves for other terms).
     fn keys_with_channel<const D: usize>(&self, k: Tensor<B, D>) -> Tensor<B, D> {
-        let channel = self.rotary_channel();
-        if channel == 0 {
-            return k;
+        match self.bias.rotary() {
+            Some(r) => r.keys_with_channel(k, (self.d_k as f64).powf(-0.25)),
+            None => k,
         }
-        let mut dims = k.dims();
-        dims[D - 1] = channel;
-        let scale = (self.d_k as f64).powf(-0.25);
-        let ones = Tensor::<B, D>::ones(dims, &k.device()) * scale;
-        with_channel(k, ones)
     }
 
     /// Dropout probabilities of this sublayer, with the model's layer drop.
     pub fn dropout_probs(&self, layer_drop: f64) -> SublayerDropout {
         SublayerDropout {
-            sinusoid: self
-                .bias
-                .xl
-                .as_ref()
-                .map_or(0.0, |xl| xl.sinusoid_dropout.prob),
-            residual: self.dropout.prob,
+            sinusoid: self.bias.sinusoid_dropout(),
+            residual: self.dropout,
             layer: layer_drop,
         }
     }
@@ -304,7 +274,7 @@ impl<B: VqBackend> Gau<B> {
                 self.keys_with_channel(p.k),
                 p.v,
                 self.block_len,
-                self.rotary(),
+                self.bias.rotary(),
                 cx,
             );
             return Ok(GauOutput {
@@ -324,7 +294,7 @@ impl<B: VqBackend> Gau<B> {
             codes: vq.codes.clone(),
             v: p.v,
             codebook: self.keys_with_channel(self.quantizer.codebook()),
-            rotary: self.rotary(),
+            rotary: self.bias.rotary(),
             count_weight: p.count_weight,
         };
         let (o, state, attention) = if with_attention {
@@ -366,7 +336,7 @@ impl<B: VqBackend> Gau<B> {
             codes: vq.codes,
             v: p.v,
             codebook: self.keys_with_channel(self.quantizer.codebook()),
-            rotary: self.rotary(),
+            rotary: self.bias.rotary(),
             count_weight: p.count_weight,
         };
         let (o, state) = attention::recurrent_attention(input, state, self.block_len, cx)?;
@@ -399,25 +369,4 @@ fn column_blocks<B: Backend, const N: usize>(
             None => cx.product(x.clone(), w.clone().slice([0..d, cols]).unsqueeze::<3>()),
         }
     })
-}
-
-/// `x` `[.., K]` and the position channel `c` `[.., P]` as one vector
-/// `[x1, c1, x2, c2]` (halves of each), so that the rotary embedding's
-/// feature pairs `(m, m + (K + P)/2)` pair content with content and
-/// channel with channel.
-fn with_channel<B: Backend, const D: usize>(x: Tensor<B, D>, c: Tensor<B, D>) -> Tensor<B, D> {
-    let (k, p) = (x.dims()[D - 1], c.dims()[D - 1]);
-    let half = |t: &Tensor<B, D>, n: usize, first: bool| {
-        t.clone()
-            .narrow(D - 1, if first { 0 } else { n / 2 }, n / 2)
-    };
-    Tensor::cat(
-        vec![
-            half(&x, k, true),
-            half(&c, p, true),
-            half(&x, k, false),
-            half(&c, p, false),
-        ],
-        D - 1,
-    )
 }

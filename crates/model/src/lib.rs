@@ -12,7 +12,6 @@
 //! moves tensors between devices.
 
 pub mod attention;
-pub mod bias;
 pub mod compute;
 pub mod config;
 pub mod device;
@@ -26,6 +25,7 @@ pub mod model;
 pub mod norm;
 pub mod official;
 pub mod pass;
+pub mod position;
 pub mod precision;
 pub mod quantizer;
 

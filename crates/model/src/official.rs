@@ -27,6 +27,7 @@ use thiserror::Error;
 use crate::config::{CacheGrad, RelativeBias, TransformerVqConfig};
 use crate::kernel::VqBackend;
 use crate::model::TransformerVq;
+use crate::position::PositionTerm;
 
 /// The fields of the official `config` object that shape the network.
 /// Other fields (optimizer, data, sampling) are ignored.
@@ -251,7 +252,7 @@ pub fn visit_official<B: VqBackend, V: OfficialVisitor<B>>(
             &[h * dv, d],
             true,
         );
-        if let Some(xl) = gau.bias.xl.as_mut() {
+        if let PositionTerm::xl(xl) = &mut gau.bias {
             v.visit(
                 &format!("{p}/r_proj/kernel"),
                 &mut xl.r_proj.weight,

@@ -31,7 +31,7 @@ use crate::compute::Compute;
 /// offset `i` the present block's key at offset `j` scores `R(i) q . R(j) k`,
 /// the previous block's `R(i + L) q . R(j) k` while `L + i - j < L` and
 /// `R(L) q . k` beyond, as does the cache.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Module, Clone, Copy, Debug, PartialEq)]
 pub struct Rotary {
     /// The window `L`, the block length: the farthest distance told apart.
     pub window: usize,
@@ -85,6 +85,23 @@ impl Rotary {
         slowest.powf(m as f64 / (half - 1) as f64)
     }
 
+    /// Keys (or codewords) `[.., K]` with the position channel's `P`
+    /// constant features, each `scale` (the keys' `K^(-1/4)`), joined in
+    /// ([`join_channel`]); the keys themselves without a channel.
+    pub fn keys_with_channel<B: Backend, const D: usize>(
+        &self,
+        k: Tensor<B, D>,
+        scale: f64,
+    ) -> Tensor<B, D> {
+        if self.channel == 0 {
+            return k;
+        }
+        let mut dims = k.dims();
+        dims[D - 1] = self.channel;
+        let ones = Tensor::<B, D>::ones(dims, &k.device()) * scale;
+        join_channel(k, ones)
+    }
+
     /// `x` `[.., n, K]` (K even) with row `r` turned by `positions[r]`
     /// positions: `x cos + rot_half(x) sin`, `rot_half(x) = [-x2, x1]` for
     /// the halves `x1`, `x2` of the features.
@@ -118,6 +135,27 @@ impl Rotary {
         let rot_half = Tensor::cat(vec![x2.neg(), x1], D - 1);
         x * table(cos) + rot_half * table(sin)
     }
+}
+
+/// `x` `[.., K]` and the position channel `c` `[.., P]` as one vector
+/// `[x1, c1, x2, c2]` (halves of each), so that the rotary embedding's
+/// feature pairs `(m, m + (K + P)/2)` pair content with content and
+/// channel with channel.
+pub fn join_channel<B: Backend, const D: usize>(x: Tensor<B, D>, c: Tensor<B, D>) -> Tensor<B, D> {
+    let (k, p) = (x.dims()[D - 1], c.dims()[D - 1]);
+    let half = |t: &Tensor<B, D>, n: usize, first: bool| {
+        t.clone()
+            .narrow(D - 1, if first { 0 } else { n / 2 }, n / 2)
+    };
+    Tensor::cat(
+        vec![
+            half(&x, k, true),
+            half(&c, p, true),
+            half(&x, k, false),
+            half(&c, p, false),
+        ],
+        D - 1,
+    )
 }
 
 /// `q_i . R(min(i - j, L)) k_j` for every pair, `[B, H, T, T]` (future

@@ -249,7 +249,6 @@ impl Problem {
             cache_grad,
             cache_limit: self.cache_limit,
             code_limit: self.code_limit,
-            count_weight: Default::default(),
             precision: Precision::F32,
             window_keys: self.window_keys,
             kernels: Default::default(),

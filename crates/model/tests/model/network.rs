@@ -1,7 +1,7 @@
 //! Whole-network properties: forms agree, causality, state, dropout, EMA.
 
-use burn::nn::DropoutConfig;
 use burn::prelude::*;
+use tvq_model::position::PositionTerm;
 use tvq_model::{
     AttentionForm, CacheGrad, CountWeight, Logits, ModelError, Pass, RelativeBias, TransformerVq,
     TransformerVqConfig, WindowKeys,
@@ -251,9 +251,9 @@ fn with_dropout(m: &TransformerVq<B>, p: f64) -> TransformerVq<B> {
     let mut m = m.clone();
     m.layer_drop = p;
     for g in m.sublayers.iter_mut() {
-        g.dropout = DropoutConfig::new(p).init();
-        if let Some(xl) = g.bias.xl.as_mut() {
-            xl.sinusoid_dropout = DropoutConfig::new(p).init();
+        g.dropout = p;
+        if let PositionTerm::xl(xl) = &mut g.bias {
+            xl.sinusoid_dropout = p;
         }
     }
     m

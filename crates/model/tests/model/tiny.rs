@@ -2,6 +2,7 @@
 //! ways they read it: block form, token by token, positions.
 
 use burn::prelude::*;
+use tvq_model::position::PositionTerm;
 use tvq_model::{ModelState, Pass, RelativeBias, TransformerVq, TransformerVqConfig};
 
 use crate::common::*;
@@ -35,12 +36,13 @@ pub fn model(
 fn randomize_biases(mut m: TransformerVq<B>, device: &burn::DispatchDevice) -> TransformerVq<B> {
     use burn::module::Param;
     for gau in m.sublayers.iter_mut() {
-        if let Some(t) = gau.bias.toeplitz.as_mut() {
-            *t = Param::from_tensor(randn(t.dims(), device));
-        }
-        if let Some(xl) = gau.bias.xl.as_mut() {
-            xl.u = Param::from_tensor(randn(xl.u.dims(), device));
-            xl.w = Param::from_tensor(randn(xl.w.dims(), device));
+        match &mut gau.bias {
+            PositionTerm::toeplitz(t) => *t = Param::from_tensor(randn(t.dims(), device)),
+            PositionTerm::xl(xl) => {
+                xl.u = Param::from_tensor(randn(xl.u.dims(), device));
+                xl.w = Param::from_tensor(randn(xl.w.dims(), device));
+            }
+            PositionTerm::rotary(_) => {}
         }
     }
     m

@@ -758,6 +758,35 @@ pub(crate) mod tests {
         assert_eq!(logits(&loaded), logits(&old));
     }
 
+    /// A format-1 record holds each sublayer's position term as it was
+    /// laid out then; one read under a config naming another term (a
+    /// run directory's config edited by hand) is a one-line error, not a
+    /// model with a term of the other kind.
+    #[test]
+    fn a_format1_record_under_a_config_of_another_position_term_is_refused() {
+        let run = tempfile::tempdir().unwrap();
+        let device = burn::DispatchDevice::autodiff(DeviceSpec::Cpu.init().unwrap().0);
+        let cfg = tiny_config().with_bias(tvq_model::RelativeBias::Xl);
+        let model = built(&cfg, &device).unwrap();
+        let optim = Optimizers::new(&crate::config::TrainSection::default());
+        let dir = checkpoint_dir(run.path(), 0);
+        format1::write(&dir, &model, &optim, &[], &TrainerState::default());
+        let loaded = model_of_checkpoint(&dir, &cfg, &device).unwrap();
+        let tokens = Tensor::<B, 2, Int>::from_data([[1, 2, 3, 4, 5, 6]], &device);
+        let logits = |m: &Model| {
+            let out = m.forward(tokens.clone(), m.empty_state(), Pass::new());
+            values(&out.unwrap().logits.unwrap())
+        };
+        assert_eq!(logits(&loaded), logits(&model));
+        let err = model_of_checkpoint(&dir, &tiny_config(), &device)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("holds a Xl position term in sublayer 0, its config Toeplitz"),
+            "{err}"
+        );
+    }
+
     /// A format-1 model record whose first long length (a tensor's bytes)
     /// is forged to a trillion trillion, its manifest forged to match, is a
     /// one-line error: the length is held to the file's size before

@@ -65,7 +65,7 @@ pub fn export(model: &Model, info: &ExportInfo, weights: &Path) -> Result<(), Tr
     // default (a missing key reads as an export from before the channel).
     let mut info = info.clone();
     if info.model.bias == RelativeBias::Rotary {
-        info.model.rotary_channel = model.sublayers.first().map(|g| g.rotary_channel());
+        info.model.rotary_channel = model.sublayers.first().map(|g| g.bias.channel());
     }
     // The same writer as checkpoints: the same weights, the same bytes.
     let meta = checkpoint::weights_metadata(info.step);
@@ -213,7 +213,7 @@ mod tests {
             }
             let (back, loaded) = load_export(&weights, &device).unwrap();
             assert_eq!(back.model.rotary_channel, Some(want));
-            assert_eq!(loaded.sublayers[0].rotary_channel(), want);
+            assert_eq!(loaded.sublayers[0].bias.channel(), want);
             assert_eq!(logits(&loaded), logits(&model));
         }
     }

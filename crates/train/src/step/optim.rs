@@ -16,6 +16,7 @@ use burn::optim::{AdamW, AdamWConfig, AdjustLrFn, GradientsParams, Muon, MuonCon
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
+use tvq_model::position::PositionTerm;
 
 use crate::config::{DecayShape, OptimizerName, OptimizerSection, Schedule, TrainSection};
 use crate::placement::{B, Model};
@@ -206,7 +207,7 @@ pub fn groups(model: &Model, name: OptimizerName) -> HashMap<ParamId, Group> {
     model.visit(&mut ranks);
     let mut groups = ranks.0;
     for g in &model.sublayers {
-        if let Some(table) = &g.bias.toeplitz {
+        if let PositionTerm::toeplitz(table) = &g.bias {
             groups.insert(table.id, Group::Toeplitz);
         }
         if name == OptimizerName::Muon {
@@ -645,7 +646,9 @@ mod tests {
     #[test]
     fn the_toeplitz_tables_step_at_their_own_learning_rate() {
         let table = |t: &Trainer| -> Vec<f32> {
-            let p = t.model().sublayers[0].bias.toeplitz.as_ref().unwrap();
+            let PositionTerm::toeplitz(p) = &t.model().sublayers[0].bias else {
+                panic!("the default position term is the Toeplitz table")
+            };
             p.val().into_data().to_vec().unwrap()
         };
         let moved = |scale: f64| {
