@@ -263,18 +263,17 @@ impl<B: VqBackend> Gau<B> {
         let device = x.device();
         let cx = self.compute;
         let p = self.project(x, cx);
-        let (q, bias) = self.bias.apply(p.q, self.block_len, masks.sinusoid.take());
+        let (q, position) = self.bias.apply(p.q, self.block_len, masks.sinusoid.take());
         if self.form == AttentionForm::Quadratic {
             if state.pos != 0 || state.prev.is_some() {
                 return Err(ModelError::QuadraticIsStateless);
             }
             let o = attention::quadratic_attention(
                 q,
-                bias,
+                position,
                 self.keys_with_channel(p.k),
                 p.v,
                 self.block_len,
-                self.bias.rotary(),
                 cx,
             );
             return Ok(GauOutput {
@@ -289,12 +288,11 @@ impl<B: VqBackend> Gau<B> {
         let vq = self.quantizer.quantize(p.k.clone(), valid, cx.kernels);
         let input = AttentionInput {
             q,
-            bias,
+            position,
             k_window: self.window_keys(&vq.k_hat, &p.k),
             codes: vq.codes.clone(),
             v: p.v,
             codebook: self.keys_with_channel(self.quantizer.codebook()),
-            rotary: self.bias.rotary(),
             count_weight: p.count_weight,
         };
         let (o, state, attention) = if with_attention {
@@ -327,16 +325,15 @@ impl<B: VqBackend> Gau<B> {
         }
         let cx = self.compute.in_f32();
         let p = self.project(x, cx);
-        let (q, bias) = self.bias.apply(p.q, self.block_len, masks.sinusoid.take());
+        let (q, position) = self.bias.apply(p.q, self.block_len, masks.sinusoid.take());
         let vq = self.quantizer.quantize(p.k.clone(), None, cx.kernels);
         let input = AttentionInput {
             q,
-            bias,
+            position,
             k_window: self.window_keys(&vq.k_hat, &p.k),
             codes: vq.codes,
             v: p.v,
             codebook: self.keys_with_channel(self.quantizer.codebook()),
-            rotary: self.bias.rotary(),
             count_weight: p.count_weight,
         };
         let (o, state) = attention::recurrent_attention(input, state, self.block_len, cx)?;

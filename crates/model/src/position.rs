@@ -2,13 +2,15 @@
 //! one variant per kind (Toeplitz, Transformer-XL, windowed rotary), each
 //! owning its parameters and what it adds to the scores.
 //!
-//! The additive terms give the attention, for every query, a table of
-//! biases by distance `d = 0..=L`; keys farther than `L` get none. The
-//! rotary term turns queries and keys instead ([`Rotary`]), and its table
-//! is zero.
+//! What a term gives the attention is a [`Position`]: the additive terms a
+//! table of biases by distance `d = 0..=L` for every query (keys farther
+//! than `L` get none), the rotary term the rotation of queries and keys
+//! ([`Rotary`]) with nothing added.
 //!
 //! Adding a term: a variant here (its parameters, [`PositionTerm::new`],
-//! [`PositionTerm::apply`]), its [`RelativeBias`] in the config, its tests.
+//! [`PositionTerm::apply`]), its [`RelativeBias`] in the config, its tests;
+//! and, only if it is neither a table nor a rotation, a [`Position`]
+//! variant and its scores in the attention forms.
 
 // The variants are named as parameter paths name them (see
 // `PositionTerm`); burn's derive repeats them in the record types here.
@@ -18,7 +20,7 @@ use burn::module::{Module, Param};
 use burn::nn::{Initializer, Linear, LinearConfig};
 use burn::prelude::*;
 
-use crate::attention::Rotary;
+use crate::attention::{Position, Rotary};
 use crate::config::{RelativeBias, TransformerVqConfig};
 
 /// Transformer-XL bias terms of one sublayer.
@@ -179,8 +181,9 @@ impl<B: Backend> PositionTerm<B> {
     }
 
     /// From the scaled query `q` `[B, H, T, K]` (already `K^(-1/4)`), the
-    /// content query (`q + u'` for XL) and the per-distance bias table
-    /// `[B or 1, H, T or 1, L + 1]` (zero for the rotary term).
+    /// content query (`q + u'` for XL) and the term's part of the window's
+    /// scores: the per-distance bias table `[B or 1, H, T or 1, L + 1]` of
+    /// the Toeplitz and XL terms, or the rotary position.
     /// `sinusoid_mask` `[L + 1, D]` is the XL sinusoid embedding's dropout
     /// mask.
     pub fn apply(
@@ -188,17 +191,13 @@ impl<B: Backend> PositionTerm<B> {
         q: Tensor<B, 4>,
         block_len: usize,
         sinusoid_mask: Option<Tensor<B, 2>>,
-    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    ) -> (Tensor<B, 4>, Position<B>) {
         let xl = match self {
             Self::toeplitz(table) => {
                 let [h, n] = table.dims();
-                return (q, table.val().reshape([1, h, 1, n]));
+                return (q, Position::Table(table.val().reshape([1, h, 1, n])));
             }
-            Self::rotary(_) => {
-                let h = q.dims()[1];
-                let zeros = Tensor::zeros([1, h, 1, block_len + 1], &q.device());
-                return (q, zeros);
-            }
+            Self::rotary(rotary) => return (q, Position::Rotary(*rotary)),
             Self::xl(xl) => xl,
         };
         let [_, h, _, k] = q.dims();
@@ -215,7 +214,7 @@ impl<B: Backend> PositionTerm<B> {
         let u = xl.u.val().reshape([1, h, 1, k]) * scale;
         let w = xl.w.val().reshape([1, h, 1, k]) * scale;
         let table = (q.clone() + w).matmul(r); // [B, H, T, L+1]
-        (q + u, table)
+        (q + u, Position::Table(table))
     }
 }
 

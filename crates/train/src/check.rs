@@ -123,7 +123,7 @@ fn settings(precision: Precision) -> TrainSection {
     TrainSection {
         lr: 1e-2,
         warmup_steps: 0,
-        precision,
+        precision: precision.into(),
         seed: SEED,
         ..TrainSection::default()
     }

@@ -88,9 +88,10 @@ pub struct TrainSection {
     /// What the backward pass recomputes instead of keeping
     /// ([`ActivationCheckpointing`]).
     pub activation_checkpointing: ActivationCheckpointing,
-    /// Type of the sublayers' matrix products ([`Precision`]); weights,
-    /// optimizer moments, codebooks and the loss stay `f32`.
-    pub precision: Precision,
+    /// Type of the sublayers' matrix products ([`PrecisionSetting`]:
+    /// `auto`, `f32`, `bf16` or `f16`); weights, optimizer moments,
+    /// codebooks and the loss stay `f32`.
+    pub precision: PrecisionSetting,
     /// Start from the weights and codebooks of this model instead of drawn
     /// ones: a `tvq export` file, a checkpoint directory, or a run
     /// directory (its newest valid checkpoint); relative to the working
@@ -206,6 +207,63 @@ impl std::str::FromStr for ActivationCheckpointing {
     }
 }
 
+/// `train.precision` as a config writes it: a type of the matrix products,
+/// or `auto`, the type a run on the device should get
+/// ([`crate::placement::device::precision_on`]: bf16 on a CUDA GPU that
+/// computes it, f32 elsewhere).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum PrecisionSetting {
+    /// The device's type. Default.
+    #[default]
+    Auto,
+    /// This type on every device.
+    Fixed(Precision),
+}
+
+impl From<Precision> for PrecisionSetting {
+    fn from(precision: Precision) -> Self {
+        Self::Fixed(precision)
+    }
+}
+
+impl std::fmt::Display for PrecisionSetting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Auto => f.pad("auto"),
+            Self::Fixed(precision) => precision.fmt(f),
+        }
+    }
+}
+
+impl std::str::FromStr for PrecisionSetting {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            _ => s
+                .parse()
+                .map(Self::Fixed)
+                .map_err(|_| format!("unknown precision {s:?} (auto, f32, bf16 or f16)")),
+        }
+    }
+}
+
+impl TryFrom<String> for PrecisionSetting {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        s.parse()
+    }
+}
+
+impl From<PrecisionSetting> for String {
+    fn from(setting: PrecisionSetting) -> Self {
+        setting.to_string()
+    }
+}
+
 impl TrainSection {
     /// Checks `[train]`'s own values.
     fn validate(&self) -> Result<(), TrainError> {
@@ -308,7 +366,7 @@ impl Default for TrainSection {
             checkpoint_every: 200,
             keep_checkpoints: 2,
             activation_checkpointing: ActivationCheckpointing::None,
-            precision: Precision::F32,
+            precision: PrecisionSetting::Auto,
             init_from: None,
         }
     }
@@ -753,6 +811,29 @@ mod tests {
         assert_eq!(cfg.train, TrainSection::default());
         // The TOML written into a run directory reads back the same.
         assert_eq!(RunConfig::parse(&cfg.to_toml(), &[]).unwrap(), cfg);
+    }
+
+    /// `train.precision` reads `auto` (the default) and each type, writes
+    /// them back as read, and refuses another name naming the choices.
+    #[test]
+    fn precision_is_auto_or_a_type() {
+        assert_eq!(TrainSection::default().precision, PrecisionSetting::Auto);
+        for (text, setting) in [
+            ("auto", PrecisionSetting::Auto),
+            ("f32", Precision::F32.into()),
+            ("bf16", Precision::Bf16.into()),
+            ("f16", Precision::F16.into()),
+        ] {
+            let set = format!("train.precision=\"{text}\"");
+            let cfg = RunConfig::parse(MINIMAL, &[set]).unwrap();
+            assert_eq!(cfg.train.precision, setting, "{text}");
+            assert!(cfg.to_toml().contains(&format!("precision = \"{text}\"")));
+        }
+        let err = error(MINIMAL, &["train.precision=\"tf32\""]);
+        assert!(
+            err.contains("tf32") && err.contains("auto, f32, bf16 or f16"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::placement::device::{check_precision, device_memory_bytes};
+use crate::placement::device::{check_precision, device_memory_bytes, precision_on};
 use burn::DispatchDevice;
 use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
@@ -86,6 +86,9 @@ pub struct StepOutcome {
 /// streams of the worker crew lent to that thread (`parallel::workers`).
 pub struct Trainer {
     settings: TrainSection,
+    /// The type of the sublayers' products: `train.precision` on the
+    /// model's device.
+    precision: Precision,
     /// The autodiff device of the model, the optimizer and the sums.
     device: DispatchDevice,
     /// The run's devices (plain), the model's first.
@@ -140,8 +143,9 @@ impl Trainer {
         devices: &[DispatchDevice],
     ) -> Result<Self, TrainError> {
         check_devices(devices, settings.workers)?;
+        let precision = precision_on(&devices[0], settings.precision);
         for d in devices {
-            check_precision(d, settings.precision).map_err(|reason| TrainError::Config {
+            check_precision(d, precision).map_err(|reason| TrainError::Config {
                 key: "train.precision".into(),
                 reason,
             })?;
@@ -155,7 +159,7 @@ impl Trainer {
         let device = DispatchDevice::autodiff(devices[0].clone());
         // Drawn on the CPU and moved: the same weights on every backend.
         let cpu = cpu_autodiff();
-        net.set_precision(settings.precision);
+        net.set_precision(precision);
         let n_sublayers = net.sublayers.len();
         let net = if device == cpu {
             net
@@ -164,6 +168,7 @@ impl Trainer {
         };
         Ok(Self {
             settings: settings.clone(),
+            precision,
             device,
             devices: devices.to_vec(),
             worker_devices,
@@ -172,7 +177,7 @@ impl Trainer {
             optim: Optimizers::new(settings),
             states: vec![ModelState::new(n_sublayers); settings.shards()],
             state: TrainerState {
-                loss_scale: loss_scale_for(settings.precision, None),
+                loss_scale: loss_scale_for(precision, None),
                 ..TrainerState::default()
             },
             last_checkpoint: None,
@@ -196,7 +201,7 @@ impl Trainer {
         }
         let drawn = self.model().clone();
         let mut model = checkpoint::read_weights_from(source, drawn, &self.device)?;
-        model.set_precision(self.settings.precision);
+        model.set_precision(self.precision);
         self.model = Some(model);
         Ok(())
     }
@@ -234,7 +239,7 @@ impl Trainer {
         let loaded = checkpoint::resume(dir, model, optim, &self.device, &state_device)?;
         let mut model = loaded.model;
         // Not a weight: a checkpoint of one precision resumes in another.
-        model.set_precision(self.settings.precision);
+        model.set_precision(self.precision);
         self.model = Some(model);
         self.optim = loaded.optim;
         let (here, total) = (self.states.len(), self.total_shards());
@@ -261,7 +266,7 @@ impl Trainer {
         }
         let scale = loaded.trainer.loss_scale;
         self.state = TrainerState {
-            loss_scale: loss_scale_for(self.settings.precision, scale),
+            loss_scale: loss_scale_for(self.precision, scale),
             ..loaded.trainer
         };
         self.last_checkpoint = Some(dir.to_path_buf());
@@ -1020,7 +1025,7 @@ pub(crate) mod tests {
     fn a_step_trains_in_every_precision() {
         for precision in Precision::ALL {
             let settings = TrainSection {
-                precision,
+                precision: precision.into(),
                 lr: 1e-2,
                 warmup_steps: 0,
                 ..TrainSection::default()
@@ -1047,9 +1052,9 @@ pub(crate) mod tests {
     /// more in `bf16` (8 bits), each within a few percent.
     #[test]
     fn half_precision_gradients_differ_from_f32_bf16_more_than_f16() {
-        let gradients = |precision| {
+        let gradients = |precision: Precision| {
             let settings = TrainSection {
-                precision,
+                precision: precision.into(),
                 ..TrainSection::default()
             };
             let device = DeviceSpec::Cpu.init().unwrap().0;
@@ -1090,7 +1095,7 @@ pub(crate) mod tests {
     fn a_loss_scale_that_overflows_only_f16_skips_only_the_f16_step() {
         for (precision, skipped) in [(Precision::F16, true), (Precision::F32, false)] {
             let settings = TrainSection {
-                precision,
+                precision: precision.into(),
                 ..TrainSection::default()
             };
             let device = DeviceSpec::Cpu.init().unwrap().0;
@@ -1109,7 +1114,7 @@ pub(crate) mod tests {
     #[test]
     fn an_overflowing_f16_step_is_skipped_and_lowers_the_loss_scale() {
         let settings = TrainSection {
-            precision: Precision::F16,
+            precision: Precision::F16.into(),
             ..TrainSection::default()
         };
         let device = DeviceSpec::Cpu.init().unwrap().0;
@@ -1144,9 +1149,9 @@ pub(crate) mod tests {
     fn checkpoints_of_one_precision_resume_in_another() {
         let dir = tempfile::tempdir().unwrap();
         let device = DeviceSpec::Cpu.init().unwrap().0;
-        let make = |precision| {
+        let make = |precision: Precision| {
             let settings = TrainSection {
-                precision,
+                precision: precision.into(),
                 lr: 1e-2,
                 warmup_steps: 0,
                 ..TrainSection::default()
@@ -1225,7 +1230,7 @@ pub(crate) mod tests {
     fn a_device_without_the_precision_is_a_config_error() {
         use burn::backend::wgpu::WgpuDevice;
         let settings = TrainSection {
-            precision: Precision::Bf16,
+            precision: Precision::Bf16.into(),
             ..TrainSection::default()
         };
         // Refused before any adapter is touched.

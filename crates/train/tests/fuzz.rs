@@ -22,7 +22,7 @@ use std::sync::Mutex;
 
 use tvq_data::hash::SplitMix64;
 use tvq_testkit::CountingAllocator;
-use tvq_train::placement::device::DeviceSpec;
+use tvq_train::placement::device::{DeviceSpec, precision_on};
 use tvq_train::{RunConfig, Trainer, checkpoint};
 
 #[global_allocator]
@@ -520,6 +520,10 @@ fn configs_with_fields_at_their_boundaries_build_or_fail_cleanly() {
         let rows = cfg.data.batch_size / cfg.train.micro_batches.max(1);
         let estimate = memory::training(
             &model,
+            precision_on(
+                &burn::DispatchDevice::Flex(Default::default()),
+                cfg.train.precision,
+            ),
             cfg.train.activation_checkpointing,
             rows,
             cfg.data.update_len,

@@ -17,7 +17,7 @@ use serde_json::json;
 use tvq_data::{Batch, TrainCursor};
 use tvq_model::{AttentionForm, Precision, TransformerVqConfig};
 use tvq_train::config::{ActivationCheckpointing, TrainSection};
-use tvq_train::placement::device::DeviceSpec;
+use tvq_train::placement::device::{DeviceSpec, precision_on};
 use tvq_train::{SampleOptions, Trainer, mfu, sample};
 
 type B = Dispatch;
@@ -92,7 +92,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 4, value_parser = crate::args::at_least(1))]
     batch: usize,
     /// Precisions to measure, comma separated: f32, bf16, f16 [default:
-    /// the config's train.precision].
+    /// the config's train.precision on the device, where `auto` is bf16 on
+    /// CUDA and f32 elsewhere].
     #[arg(long, value_delimiter = ',')]
     precision: Vec<Precision>,
     /// Activation checkpointing modes to measure, comma separated: none,
@@ -441,7 +442,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
     };
     let (device, info) = args.device.init()?;
-    let precisions = given_or(&args.precision, train.precision);
+    let precisions = given_or(&args.precision, precision_on(&device, train.precision));
     let whole_step = match &benchmark {
         Benchmark::Peak => {
             print_peaks(&args, &device, &info, &precisions);
@@ -476,7 +477,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             for (&precision, &peak) in precisions.iter().zip(&peaks) {
                 for &activation_checkpointing in &modes {
                     let train = TrainSection {
-                        precision,
+                        precision: precision.into(),
                         activation_checkpointing,
                         ..train.clone()
                     };

@@ -5,7 +5,7 @@ use burn::tensor::TensorPrimitive;
 
 use super::scores::{attend, attention_groups, cache_scores, window_scores_and_cache_query};
 use super::state::{AttentionState, CachedBlock, CompressedCache, empty_block};
-use super::{AttentionGroups, AttentionInput};
+use super::{AttentionGroups, AttentionInput, Position};
 use crate::compute::Compute;
 use crate::config::CacheGrad;
 use crate::error::ModelError;
@@ -305,12 +305,11 @@ fn block_attention_impl<B: VqBackend>(
 ) -> Result<BlockAttention<B>, ModelError> {
     let AttentionInput {
         q,
-        bias,
+        position,
         k_window,
         codes,
         v,
         codebook,
-        rotary,
         count_weight,
     } = input;
     let [b, h, t, dk] = q.dims();
@@ -340,12 +339,11 @@ fn block_attention_impl<B: VqBackend>(
     // 3 and 5 in one kernel, where the backend has one that covers them.
     let fusable = B::FUSES_ATTENTION
         && cx.kernels == Kernels::Fused
-        && rotary.is_none()
         && !with_groups
         && cx.precision == Precision::F32
         && kernel::attention::covers(l, dk);
-    let fused = if fusable {
-        fused_attention(FusedInputs {
+    let fused = match &position {
+        Position::Table(bias) if fusable => fused_attention(FusedInputs {
             q: q.clone(),
             blocks: &blocks,
             prev: &prev,
@@ -356,9 +354,8 @@ fn block_attention_impl<B: VqBackend>(
             count_weight: count_weight.clone(),
             has_prev: carried.has_prev,
             cx,
-        })
-    } else {
-        None
+        }),
+        _ => None,
     };
     let (out, groups) = match fused {
         Some(out) => (out, None),
@@ -368,9 +365,8 @@ fn block_attention_impl<B: VqBackend>(
                 q,
                 blocks.k_window.clone(),
                 prev.k_window.clone(),
-                bias,
+                position,
                 0..l,
-                rotary,
                 cx,
             );
             if !carried.has_prev {

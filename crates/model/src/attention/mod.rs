@@ -52,13 +52,25 @@ pub use rotary::{Rotary, rotary_scores};
 pub use scores::{AttentionGroups, cache_limit_bias};
 pub use state::{AttentionState, CachedBlock, CompressedCache};
 
+/// The position term's part of the window's scores, as the attention
+/// forms take it (what [`crate::position::PositionTerm::apply`] gives).
+#[derive(Clone, Debug)]
+pub enum Position<B: Backend> {
+    /// An additive bias by distance `d = 0..=L` for each query, `[B or 1,
+    /// H, T or 1, L + 1]` (the Toeplitz and XL terms).
+    Table(Tensor<B, 4>),
+    /// The windowed rotary position: queries and keys rotated by their
+    /// distance, nothing added.
+    Rotary(Rotary),
+}
+
 /// Inputs of one sublayer's attention, already projected, normalised and quantized.
 #[derive(Clone, Debug)]
 pub struct AttentionInput<B: Backend> {
     /// Query for the content scores (`q + u` under the XL bias), `[B, H, T, K]`.
     pub q: Tensor<B, 4>,
-    /// Bias by distance `d = 0..=L` for each query, `[B or 1, H, T or 1, L + 1]`.
-    pub bias: Tensor<B, 4>,
+    /// The position term in the window.
+    pub position: Position<B>,
     /// The keys the two-block window scores against, `[B, H, T, K]`: the
     /// quantized keys `k_hat` (straight-through), as in the paper, or the
     /// keys themselves under [`WindowKeys::Exact`]. Keys older than the
@@ -70,9 +82,6 @@ pub struct AttentionInput<B: Backend> {
     pub v: Tensor<B, 4>,
     /// Codebook, no gradient, `[H, S, K]`.
     pub codebook: Tensor<B, 3>,
-    /// The windowed rotary position, when it is the position term (then
-    /// `bias` is all zero).
-    pub rotary: Option<Rotary>,
     /// Each query's weight `w` of the compressed cache's counts, `q . C_s +
     /// w ln n_s`, `[B, H, T, 1]` ([`crate::CountWeight::Learned`]); `None`:
     /// 1, the paper's cache.

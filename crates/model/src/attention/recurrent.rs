@@ -36,12 +36,11 @@ pub fn recurrent_attention<B: Backend>(
 ) -> Result<(Tensor<B, 4>, AttentionState<B>), ModelError> {
     let AttentionInput {
         q,
-        bias,
+        position,
         k_window,
         codes,
         v,
         codebook,
-        rotary,
         count_weight,
     } = input;
     let [b, h, t, dk] = q.dims();
@@ -71,9 +70,8 @@ pub fn recurrent_attention<B: Backend>(
         q,
         block(&current.k_window),
         block(&prev.k_window),
-        bias,
+        position,
         i..i + 1,
-        rotary,
         cx,
     ); // [B, H, 1, 1, L] each
     if !has_prev {

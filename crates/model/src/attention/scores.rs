@@ -4,35 +4,42 @@
 
 use burn::prelude::*;
 
-use super::rotary::Rotary;
+use super::Position;
 use crate::compute::Compute;
 
 /// The present and previous blocks' scores `[B, H, R, n, L]` for queries
 /// `q` `[B, H, R, n, K]` at block offsets `rows`, against keys
-/// `present` and `previous` `[B, H, R, L, K]`, and the query the compressed
-/// cache sees (`q` itself, or `R(L)^T q` under [`Rotary`]).
+/// `present` and `previous` `[B, H, R, L, K]`, with the `position` term, and
+/// the query the compressed cache sees (`q` itself, or `R(L)^T q` under
+/// [`Position::Rotary`]).
 pub(super) fn window_scores_and_cache_query<B: Backend>(
     q: Tensor<B, 5>,
     present: Tensor<B, 5>,
     previous: Tensor<B, 5>,
-    bias: Tensor<B, 4>,
+    position: Position<B>,
     rows: std::ops::Range<usize>,
-    rotary: Option<Rotary>,
     cx: Compute,
 ) -> (Tensor<B, 5>, Tensor<B, 5>, Tensor<B, 5>) {
-    let Some(rot) = rotary else {
-        let present = window_scores(
-            q.clone(),
-            present,
-            bias.clone(),
-            WindowBlock::Present,
-            rows.clone(),
-            cx,
-        );
-        let previous = window_scores(q.clone(), previous, bias, WindowBlock::Previous, rows, cx);
-        return (present, previous, q);
+    let rot = match position {
+        Position::Table(bias) => {
+            let present = window_scores(
+                q.clone(),
+                present,
+                bias.clone(),
+                WindowBlock::Present,
+                rows.clone(),
+                cx,
+            );
+            let previous =
+                window_scores(q.clone(), previous, bias, WindowBlock::Previous, rows, cx);
+            return (present, previous, q);
+        }
+        Position::Rotary(rot) => rot,
     };
-    let l = present.dims()[3];
+    // No bias, but a zero table still carries the causal mask (see
+    // [`window_scores`]).
+    let [_, h, _, l, _] = present.dims();
+    let bias = Tensor::zeros([1, h, 1, l + 1], &q.device());
     let offsets: Vec<f64> = (0..l).map(|j| j as f64).collect();
     let at = |shift: usize| -> Vec<f64> { rows.clone().map(|i| (i + shift) as f64).collect() };
     let q_far = rot.rotate(q.clone(), &vec![l as f64; rows.len()]);

@@ -3,7 +3,7 @@
 use burn::prelude::*;
 use burn::tensor::Distribution;
 use tvq_model::attention::{
-    AttentionInput, AttentionState, Rotary, block_attention, block_attention_with_groups,
+    AttentionInput, AttentionState, Position, Rotary, block_attention, block_attention_with_groups,
     recurrent_attention, rotary_scores,
 };
 use tvq_model::precision::Precision;
@@ -24,8 +24,7 @@ struct Shape {
     s: usize,
     /// Bias table per query (`[B, H, T, L+1]`, as XL gives) or shared (`[1, H, 1, L+1]`, Toeplitz).
     per_query_bias: bool,
-    /// With the windowed rotary position (on top of the bias table, which
-    /// the model sets to zero then; any table must work).
+    /// With the windowed rotary position instead of the bias table.
     rotary: bool,
     /// The compressed cache's key limit.
     cache_limit: Option<usize>,
@@ -141,7 +140,7 @@ const SHAPES: [Shape; 8] = [
         code_limit: Some(1),
         count_weight: false,
     },
-    // rotary: block length 1, per-query bias
+    // rotary: block length 1
     Shape {
         b: 1,
         h: 2,
@@ -233,14 +232,26 @@ impl Problem {
         };
         AttentionInput {
             q: cut(&self.q),
-            bias,
+            position: match self.rotary {
+                Some(rot) => Position::Rotary(rot),
+                None => Position::Table(bias),
+            },
             k_window,
             codes: vq.codes,
             v: cut(&self.v),
             codebook: self.quantizer.codebook(),
-            rotary: self.rotary,
             count_weight: self.count_weight.as_ref().map(cut),
         }
+    }
+
+    /// The leaves whose gradients the attention gives: q, k, v, and the bias
+    /// table where it is the position term.
+    fn leaves(&self) -> Vec<(&'static str, &Tensor<B, 4>)> {
+        let mut leaves = vec![("q", &self.q), ("k", &self.k), ("v", &self.v)];
+        if self.rotary.is_none() {
+            leaves.push(("bias", &self.bias));
+        }
+        leaves
     }
 
     /// How the problem computes under `cache_grad`: in `f32`, with its cache and code limits.
@@ -283,9 +294,8 @@ fn block_form_matches_oracle_forward_and_gradients() {
             let w = randn(out.dims(), &device);
             let g_block = (out * w.clone()).sum().backward();
             let g_oracle = (want * w).sum().backward();
-            let leaves = [("q", &p.q), ("k", &p.k), ("v", &p.v), ("bias", &p.bias)];
             let count_weight = p.count_weight.as_ref().map(|w| ("count weight", w));
-            for (name, leaf) in leaves.into_iter().chain(count_weight) {
+            for (name, leaf) in p.leaves().into_iter().chain(count_weight) {
                 let a = leaf.grad(&g_block).expect("block gradient");
                 let b = leaf.grad(&g_oracle).expect("oracle gradient");
                 assert!(
@@ -463,7 +473,7 @@ fn exact_window_keys_match_the_oracle_in_every_form() {
         let w = randn(out.dims(), &device);
         let g_block = (out.clone() * w.clone()).sum().backward();
         let g_oracle = (want * w).sum().backward();
-        for (name, leaf) in [("q", &p.q), ("k", &p.k), ("v", &p.v), ("bias", &p.bias)] {
+        for (name, leaf) in p.leaves() {
             let (a, b) = (leaf.grad(&g_block).unwrap(), leaf.grad(&g_oracle).unwrap());
             assert_close(a, b, 1e-5, &format!("d/d{name}, {sh:?}"));
         }

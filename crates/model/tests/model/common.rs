@@ -4,7 +4,7 @@ use burn::backend::flex::FlexDevice;
 use burn::prelude::*;
 use burn::tensor::Distribution;
 use burn::{Dispatch, DispatchDevice};
-use tvq_model::attention::{AttentionInput, rotary_scores};
+use tvq_model::attention::{AttentionInput, Position, rotary_scores};
 use tvq_model::{CacheGrad, Compute};
 
 pub type B = Dispatch;
@@ -54,7 +54,8 @@ pub fn assert_close<const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>, tol: f32, 
 /// keys never (they are codewords, which carry no gradient) and their values
 /// only under `full`.
 ///
-/// `bias` is `[B or 1, H, T or 1, L + 1]`, indexed by distance. Under a
+/// A bias table is `[B or 1, H, T or 1, L + 1]`, indexed by distance; the
+/// rotary position rotates the content scores instead. Under a
 /// cache limit, the keys before the query's previous block (the `N` the
 /// compressed cache holds) each score `ln(limit / N)` less when `N > limit`.
 /// Under a code limit, a cached key whose code `n` cached keys share scores
@@ -64,14 +65,17 @@ pub fn assert_close<const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>, tol: f32, 
 pub fn oracle_attention(input: AttentionInput<B>, block_len: usize, cx: Compute) -> Tensor<B, 4> {
     let AttentionInput {
         q,
-        bias,
+        position,
         k_window,
         codes,
         v,
         codebook,
-        rotary,
         count_weight,
     } = input;
+    let (bias, rotary) = match position {
+        Position::Table(bias) => (Some(bias), None),
+        Position::Rotary(rot) => (None, Some(rot)),
+    };
     let (mode, cache_limit) = (cx.cache_grad, cx.cache_limit);
     let [b, h, t, _] = q.dims();
     let l = block_len;
@@ -107,9 +111,12 @@ pub fn oracle_attention(input: AttentionInput<B>, block_len: usize, cx: Compute)
     }
     let onehot =
         Tensor::<B, 3>::from_data(TensorData::new(onehot, [t, t, l + 1]), &device).unsqueeze::<5>(); // [1, 1, T, T, L+1]
-    let pos = (bias.unsqueeze_dim::<5>(3) * onehot)
-        .sum_dim(4)
-        .squeeze_dim::<4>(4); // [B|1, H, T, T]
+    let pos = match bias {
+        Some(bias) => (bias.unsqueeze_dim::<5>(3) * onehot)
+            .sum_dim(4)
+            .squeeze_dim::<4>(4), // [B|1, H, T, T]
+        None => Tensor::zeros([1, 1, t, t], &device),
+    };
     let limit: Vec<f32> = (0..t * t)
         .map(|n| {
             let (i, j) = (n / t, n % t);

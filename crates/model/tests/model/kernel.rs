@@ -13,7 +13,7 @@ use burn::backend::wgpu::{CubeBackend, WgpuDevice, WgpuRuntime};
 use burn::module::Param;
 use burn::prelude::*;
 use burn::tensor::Distribution;
-use tvq_model::attention::{AttentionInput, AttentionState, block_attention};
+use tvq_model::attention::{AttentionInput, AttentionState, Position, block_attention};
 use tvq_model::kernel::{Kernels, fused_attention_calls, fused_quantize_calls};
 use tvq_model::quantizer::{Quantized, VectorQuantizer};
 use tvq_model::{CacheGrad, Compute};
@@ -202,13 +202,12 @@ fn run(
     let weight = tensor(&draw.count_weight, [b, h, t, 1]);
     let input = AttentionInput {
         q: q.clone(),
-        bias: bias.clone(),
+        position: Position::Table(bias.clone()),
         k_window: k.clone(),
         codes: Tensor::<Ad, 1, Int>::from_data(draw.codes.clone(), device).reshape([b, h, t]),
         v: v.clone(),
         codebook: Tensor::<Ad, 1>::from_data(draw.codebook.clone(), device)
             .reshape([h, case.s, case.k]),
-        rotary: None,
         count_weight: case.count_weight.then(|| weight.clone()),
     };
     let (out, _) = block_attention(input, state, l, case.cx(kernels)).expect("attention runs");
@@ -237,16 +236,17 @@ fn carried_state(case: &Case, device: &WgpuDevice) -> AttentionState<Ad> {
     let (b, h, t) = (case.b, case.h, case.t());
     let input = AttentionInput {
         q: Tensor::<Ad, 1>::from_data(draw.q, device).reshape([b, h, t, case.k]),
-        bias: Tensor::<Ad, 1>::from_data(draw.bias, device).reshape(if case.per_query_bias {
-            [b, h, t, case.l + 1]
-        } else {
-            [1, h, 1, case.l + 1]
-        }),
+        position: Position::Table(Tensor::<Ad, 1>::from_data(draw.bias, device).reshape(
+            if case.per_query_bias {
+                [b, h, t, case.l + 1]
+            } else {
+                [1, h, 1, case.l + 1]
+            },
+        )),
         k_window: Tensor::<Ad, 1>::from_data(draw.k, device).reshape([b, h, t, case.k]),
         codes: Tensor::<Ad, 1, Int>::from_data(draw.codes, device).reshape([b, h, t]),
         v: Tensor::<Ad, 1>::from_data(draw.v, device).reshape([b, h, t, case.v]),
         codebook: Tensor::<Ad, 1>::from_data(draw.codebook, device).reshape([h, case.s, case.k]),
-        rotary: None,
         count_weight: None,
     };
     let cx = case.cx(Kernels::Composed);

@@ -9,6 +9,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::config::PrecisionSetting;
 use burn::backend::cuda::CudaDevice;
 use burn::backend::flex::FlexDevice;
 use burn::backend::wgpu::WgpuDevice;
@@ -93,6 +94,23 @@ fn silently<R>(probe: impl FnOnce() -> R + std::panic::UnwindSafe) -> std::threa
     result
 }
 
+/// The type of the matrix products a run on `device` gets from its
+/// `train.precision`: the type it names, or for `auto` bf16 on a CUDA GPU
+/// that computes it (tensor cores at twice TF32's rate, half the bytes
+/// moved; within 0.4% of f32's bits per byte, docs/learning.md) and f32 on
+/// every other device (the CPU emulates bf16, wgpu has none).
+pub fn precision_on(device: &DispatchDevice, setting: PrecisionSetting) -> Precision {
+    match (setting, device.inner()) {
+        (PrecisionSetting::Fixed(precision), _) => precision,
+        (PrecisionSetting::Auto, DispatchDevice::Cuda(_))
+            if check_precision(device, Precision::Bf16).is_ok() =>
+        {
+            Precision::Bf16
+        }
+        (PrecisionSetting::Auto, _) => Precision::F32,
+    }
+}
+
 /// Whether `device` computes matrix products in `precision`: `Err` with a
 /// one-line reason where it does not, found before training starts (the
 /// backends panic on a type they cannot compile). bf16 is refused on wgpu
@@ -175,7 +193,9 @@ pub fn device_memory_bytes(devices: &[DispatchDevice], streams: &[StreamId]) -> 
     let held: Vec<Option<u64>> = devices
         .iter()
         .filter_map(|device| match device.inner() {
-            DispatchDevice::Cuda(d) => Some(cuda_memory_in_use(d.index)),
+            DispatchDevice::Cuda(d) => {
+                Some(cuda_memory(d.index).map(|m| (m.total - m.free) as u64))
+            }
             DispatchDevice::Wgpu(d) => Some(wgpu_memory_reserved(d, streams)),
             _ => None,
         })
@@ -184,9 +204,19 @@ pub fn device_memory_bytes(devices: &[DispatchDevice], streams: &[StreamId]) -> 
     (!held.is_empty()).then(|| held.into_iter().sum()).flatten()
 }
 
-/// Total minus free memory of CUDA device `index`, read in its primary
-/// context (the one burn's CUDA runtime uses, so this creates nothing).
-fn cuda_memory_in_use(index: usize) -> Option<u64> {
+/// Free and total memory of a CUDA device, in bytes, as its driver counts
+/// them (every process's allocations, this one's pools included).
+pub(crate) struct CudaMemory {
+    /// Bytes free.
+    pub free: usize,
+    /// Bytes in all.
+    pub total: usize,
+}
+
+/// The memory of CUDA device `index`, read in its primary context (the one
+/// burn's CUDA runtime uses, so this creates nothing). Call only for a
+/// device that was opened: without a CUDA driver the query cannot load.
+pub(crate) fn cuda_memory(index: usize) -> Option<CudaMemory> {
     use cudarc::driver::result::{ctx, device, mem_get_info, primary_ctx};
     let dev = device::get(index as i32).ok()?;
     let previous = ctx::get_current().ok()?;
@@ -200,7 +230,7 @@ fn cuda_memory_in_use(index: usize) -> Option<u64> {
             let _ = ctx::set_current(previous);
         }
         let _ = primary_ctx::release(dev);
-        info.ok().map(|(free, total)| (total - free) as u64)
+        info.ok().map(|(free, total)| CudaMemory { free, total })
     }
 }
 
@@ -527,6 +557,21 @@ mod tests {
             assert_eq!(after_mine, before_mine);
         }
         drop(tensor);
+    }
+
+    /// `auto` is f32 on the CPU and on wgpu (with or without autodiff), a
+    /// named type is itself everywhere.
+    #[test]
+    fn auto_precision_is_f32_off_cuda() {
+        let wgpu = DispatchDevice::Wgpu(WgpuDevice::DefaultDevice);
+        for device in [cpu(), wgpu] {
+            let autodiff = DispatchDevice::autodiff(device.clone());
+            for d in [&device, &autodiff] {
+                assert_eq!(precision_on(d, PrecisionSetting::Auto), Precision::F32);
+            }
+        }
+        let bf16 = PrecisionSetting::Fixed(Precision::Bf16);
+        assert_eq!(precision_on(&cpu(), bf16), Precision::Bf16);
     }
 
     /// bf16 on wgpu is refused with one line before any adapter is touched;

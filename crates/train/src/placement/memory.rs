@@ -7,13 +7,14 @@
 //! The estimates count only what must exist (every parameter and moment,
 //! the activations each token of a pass keeps, the carried state of each
 //! row), so they fall short of the real peak and never refuse a run that
-//! fits. Only the CPU's memory is known here (`MemAvailable` of Linux's
-//! `/proc/meminfo`); on a GPU, and where it cannot be read, nothing is
-//! checked.
+//! fits. The CPU's memory is read from `MemAvailable` of Linux's
+//! `/proc/meminfo`, a CUDA GPU's from its driver; on wgpu, and where it
+//! cannot be read, nothing is checked.
 
 use burn::DispatchDevice;
-use tvq_model::TransformerVqConfig;
+use tvq_model::{Precision, TransformerVqConfig};
 
+use super::device::cuda_memory;
 use crate::config::ActivationCheckpointing;
 use crate::error::TrainError;
 
@@ -40,13 +41,23 @@ fn weights(model: &TransformerVqConfig) -> f64 {
 /// `D`; the outputs of its projections `H (Q + K + 2 V)`; all it computes
 /// (its input and the input normalised, the projections, the gated values
 /// and the attention weights over the window and the codes), `2 D + H (Q +
-/// K + 3 V) + H (2 L + S)`; the logits `vocab`.
-fn per_token(model: &TransformerVqConfig) -> [f64; 4] {
+/// K + 3 V) + H (2 L + S)`; the logits `vocab`. Products and the gated
+/// values are counted in `precision`'s width, the rest in `f32`.
+fn per_token(model: &TransformerVqConfig, precision: Precision) -> [f64; 4] {
     let [d, k, v, h, s, l] = sizes(model);
     let q = k + model.rotary_channel_width() as f64;
-    let products = h * (q + k + 2.0 * v);
-    let whole = 2.0 * d + h * (q + k + 3.0 * v) + h * (2.0 * l + s);
-    [d, d + products, whole, model.vocab_size as f64].map(|x| x * F32)
+    let narrow = match precision {
+        Precision::F32 => F32,
+        Precision::Bf16 | Precision::F16 => F32 / 2.0,
+    };
+    let products = h * (q + k + 2.0 * v) * narrow;
+    let whole = 2.0 * d * F32 + h * (q + k + 3.0 * v) * narrow + h * (2.0 * l + s) * F32;
+    [
+        d * F32,
+        d * F32 + products,
+        whole,
+        model.vocab_size as f64 * F32,
+    ]
 }
 
 /// `[D, K, V, H, S, L]` of a model, as floats (no overflow on absurd
@@ -73,8 +84,12 @@ fn sublayers(model: &TransformerVqConfig) -> f64 {
 /// matrix products under `selective` (burn's balanced checkpointing
 /// recomputes the elementwise rest); only their inputs, and the one
 /// sublayer being recomputed, under `full`.
-fn training_per_token(model: &TransformerVqConfig, mode: ActivationCheckpointing) -> f64 {
-    let [input, kept, whole, logits] = per_token(model);
+fn training_per_token(
+    model: &TransformerVqConfig,
+    precision: Precision,
+    mode: ActivationCheckpointing,
+) -> f64 {
+    let [input, kept, whole, logits] = per_token(model, precision);
     let n = sublayers(model);
     logits
         + match mode {
@@ -84,10 +99,10 @@ fn training_per_token(model: &TransformerVqConfig, mode: ActivationCheckpointing
         }
 }
 
-/// Bytes a token of an inference pass holds: one sublayer's activations
-/// at a time, and the logits.
+/// Bytes a token of an inference pass holds (in `f32`, as inference
+/// computes): one sublayer's activations at a time, and the logits.
 fn inference_per_token(model: &TransformerVqConfig) -> f64 {
-    let [_, _, whole, logits] = per_token(model);
+    let [_, _, whole, logits] = per_token(model, Precision::F32);
     whole + logits
 }
 
@@ -118,9 +133,11 @@ fn named(model: &TransformerVqConfig, rest: &[(&str, usize)]) -> String {
 
 /// Training: the weights with their gradients and two AdamW moments, and
 /// the activations of the `rows` in flight at once (the batch's rows over
-/// its micro-batches) of `update_len` tokens, each with its carried state.
+/// its micro-batches) of `update_len` tokens with products in `precision`,
+/// each with its carried state.
 pub fn training(
     model: &TransformerVqConfig,
+    precision: Precision,
     checkpointing: ActivationCheckpointing,
     rows: usize,
     update_len: usize,
@@ -129,7 +146,7 @@ pub fn training(
     let tokens = rows as f64 * update_len as f64;
     Estimate {
         bytes: 4.0 * weights(model)
-            + tokens * training_per_token(model, checkpointing)
+            + tokens * training_per_token(model, precision, checkpointing)
             + batch_size as f64 * state_per_row(model),
         settings: named(
             model,
@@ -172,13 +189,15 @@ pub fn sampling(model: &TransformerVqConfig, rows: usize, max_tokens: usize) -> 
 }
 
 /// Bytes of memory the device has free, where known: the CPU's
-/// `MemAvailable` on Linux; `None` on a GPU or elsewhere.
+/// `MemAvailable` on Linux, a CUDA GPU's free memory as its driver counts
+/// it; `None` on wgpu (no such query) or where it cannot be read.
 pub fn available(device: &DispatchDevice) -> Option<f64> {
     match device {
         DispatchDevice::Flex(_) => {
             let text = std::fs::read_to_string("/proc/meminfo").ok()?;
             mem_available(&text)
         }
+        DispatchDevice::Cuda(d) => cuda_memory(d.index).map(|m| m.free as f64),
         DispatchDevice::Autodiff(inner) => available(inner),
         _ => None,
     }
@@ -263,18 +282,26 @@ mod tests {
         let m = model();
         let p = m.num_params() as f64;
         let none = ActivationCheckpointing::None;
-        let one = training(&m, none, 1, 64, 1).bytes;
+        let f32 = Precision::F32;
+        let one = training(&m, f32, none, 1, 64, 1).bytes;
         assert!(one > 16.0 * p);
-        let rows = |r: usize| training(&m, none, r, 64, r).bytes - 16.0 * p;
+        let rows = |r: usize| training(&m, f32, none, r, 64, r).bytes - 16.0 * p;
         assert!((rows(8) - 8.0 * rows(1)).abs() < 1e-6 * rows(8));
         // Recomputation keeps less, `full` least: the estimate follows, so
         // a run that fits only with it is not refused.
-        let long = |mode| training(&m.clone().with_n_layer(8), mode, 4, 8192, 4).bytes;
+        let long = |mode| training(&m.clone().with_n_layer(8), f32, mode, 4, 8192, 4).bytes;
         let selective = long(ActivationCheckpointing::Selective);
         let full = long(ActivationCheckpointing::Full);
         assert!(
             full < selective && selective < long(none),
             "{full} {selective}"
+        );
+        // Products kept in bf16 take half the bytes; the rest stays f32.
+        let activations = |precision| training(&m, precision, none, 4, 8192, 4).bytes - 16.0 * p;
+        let (f32_bytes, bf16_bytes) = (activations(f32), activations(Precision::Bf16));
+        assert!(
+            bf16_bytes < f32_bytes && bf16_bytes > 0.5 * f32_bytes,
+            "{bf16_bytes} {f32_bytes}"
         );
         let wide = m.clone().with_d_model(1_000_000_000);
         assert!(

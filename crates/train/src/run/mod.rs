@@ -28,6 +28,7 @@ use crate::inference::evaluate::{EvalOptions, EvalReport, evaluate};
 use crate::inference::sample::{SampleOptions, sample};
 use crate::mfu::training_flops_per_token;
 use crate::parallel::collective::{ClusterSpec, Collective};
+use crate::placement::device::precision_on;
 use crate::placement::memory;
 use crate::progress::progress_bar;
 use crate::trainer::{Trainer, check_devices};
@@ -166,10 +167,12 @@ fn set_up_trainer(
     let model = cfg.model_config(corpus.vocab.size());
     let node_batch = cfg.data.batch_size / nodes;
     let rows_in_flight = node_batch / cfg.train.micro_batches;
+    let precision = precision_on(&devices[0], cfg.train.precision);
     let free = memory::available(&devices[0]);
     for estimate in [
         memory::training(
             &model,
+            precision,
             cfg.train.activation_checkpointing,
             rows_in_flight,
             cfg.data.update_len,
@@ -181,19 +184,19 @@ fn set_up_trainer(
     }
     let mut trainer = Trainer::new(&model, &cfg.train, devices)?.on_node(rank, nodes);
     tracing::info!(
-        "products in {}, activation checkpointing {}",
+        "products in {precision} (train.precision = {}), activation checkpointing {}",
         cfg.train.precision,
         cfg.train.activation_checkpointing
     );
     if matches!(devices[0], DispatchDevice::Flex(_)) {
         hint_cpu_micro_batches(cfg, nodes);
     }
-    let peak = peak_flops(&devices[0], cfg.train.precision, opts.peak_tflops);
+    let peak = peak_flops(&devices[0], precision, opts.peak_tflops);
     let facts = RunFacts {
         bytes_per_token: corpus.split(Split::Train).bytes_per_token(),
         flops_per_token: training_flops_per_token(&model, cfg.data.update_len),
         peak_flops: peak.map(|p| p * (devices.len() * nodes) as f64),
-        precision: cfg.train.precision,
+        precision,
         activation_checkpointing: cfg.train.activation_checkpointing,
     };
     let lock = match rank {
