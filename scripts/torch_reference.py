@@ -11,6 +11,10 @@ compressed cache), the Toeplitz and XL biases, the same loss.
     # quadratic baseline of the same widths on scaled_dot_product_attention:
     python3 scripts/torch_reference.py bench --device cuda --seq-len 8192,32768
 
+    # the model's matrix products at its own shapes, in PyTorch, read from
+    # `tvq bench products --json` (the same shapes, side by side):
+    python3 scripts/torch_reference.py products --device cuda --from products.jsonl
+
 Shapes: B rows, T tokens, L block length, R = T / L blocks, D model width,
 H heads, K key width, V value width, S codes. Needs only torch.
 """
@@ -419,6 +423,51 @@ def bench(args):
                     print(f"{impl:<9} T={t:<7} {precision:<5} {shown}", flush=True)
 
 
+def products(args):
+    """Times each product of `tvq bench products --json`'s lines (FILE, or
+    stdin) with torch.matmul at the same shape and precision: a batch of
+    [m, k] x [k, n], one untimed, then rounds of doubling length until a
+    round lasts 0.1 s. f32 is timed twice on CUDA, in f32 and with TF32
+    allowed (what tvq's f32 products are there); bf16 is bf16 operands."""
+    device = torch.device(args.device)
+    source = open(args.source) if args.source != "-" else sys.stdin
+    rows = [json.loads(l) for l in source if l.startswith("{")]
+    rows = [r for r in rows if r.get("form") == "products" and "flops_per_s" in r]
+    for r in rows:
+        kinds = [("torch", False)]
+        if r["precision"] == "f32" and device.type == "cuda":
+            kinds.append(("torch-tf32", True))
+        for impl, tf32 in kinds:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[r["precision"]]
+            a = torch.randn(r["batch"], r["m"], r["k"], device=device).to(dtype)
+            b = torch.randn(r["batch"], r["k"], r["n"], device=device).to(dtype)
+            torch.matmul(a, b)
+            sync(device)
+            rounds = 1
+            while True:
+                started = time.perf_counter()
+                for _ in range(rounds):
+                    torch.matmul(a, b)
+                sync(device)
+                seconds = time.perf_counter() - started
+                if seconds >= 0.1:
+                    break
+                rounds *= 2
+            row = {k: r[k] for k in ("attention", "seq_len", "rows", "precision", "name", "count",
+                                     "batch", "m", "k", "n", "flops")}
+            row.update(form="products", impl=impl, flops_per_s=rounds * r["flops"] / seconds,
+                       tvq_flops_per_s=r["flops_per_s"], torch=torch.__version__,
+                       device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
+            a = b = None
+            if args.json:
+                print(json.dumps(row), flush=True)
+            else:
+                print(f"{row['name']:<32} T={row['seq_len']:<7} {row['precision']:<5} {impl:<10} "
+                      f"{row['flops_per_s'] / 1e9:,.1f} GFLOP/s (tvq {r['flops_per_s'] / 1e9:,.1f})", flush=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -450,8 +499,17 @@ def main():
     b.add_argument("--steps", type=int, default=2, help="timed steps after two warm-up steps")
     b.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads)")
     b.add_argument("--json", action="store_true", help="one JSON object per row")
+    m = sub.add_parser("products", help="the matrix products of `tvq bench products --json`, in PyTorch")
+    m.add_argument("--from", dest="source", default="-", help="tvq's JSON lines (default: stdin)")
+    m.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    m.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads)")
+    m.add_argument("--json", action="store_true", help="one JSON object per row")
     args = p.parse_args()
-    if args.command == "eval":
+    if args.command == "products":
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        products(args)
+    elif args.command == "eval":
         torch.set_grad_enabled(False)
         model, info = load_export(args.export)
         loss, tokens = evaluate(model, split_tokens(args.text, args.split), args.batch_size,

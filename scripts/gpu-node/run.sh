@@ -2,15 +2,20 @@
 # tvq on a GPU node without Rust: one command, every part under its own time
 # limit. Made by scripts/gpu-bundle.sh; run from the unpacked bundle:
 #
-#   ./run.sh                      # CUDA: tvq check, training, generation, quick start
+#   ./run.sh                      # CUDA: the step against PyTorch, profile, check, ...
 #   ./run.sh --device cpu --small # every part end to end on the CPU, small
 #
 # Options: --device cuda|cpu (default cuda), --small (small sizes),
 # --out DIR (default ./results), --layers N (layers of the enwik8-width
-# model, default 4), --parts LIST (comma separated, default all:
-# first-light,check,kernels,train,profile,train-long,torch,generate,quickstart),
-# --pack FILE (the whole OUT directory as one .tar.gz, for a node that
-# returns few files). Nothing here builds or downloads anything.
+# model, default 4), --parts LIST (comma separated, default all, in the
+# order they run: first-light,train,train-long,torch,profile,products,
+# products-torch,check,kernels,generate,quickstart), --budget SECONDS (the
+# whole run's time, default 450, so that with the binary's unpacking and
+# the summary it ends within 8 minutes; 1500 with --small: each part's
+# limit is cut to what is left, and a part with less than 15 s left is
+# skipped, which is why the parts run in the order a GPU session needs
+# them), --pack FILE (the whole OUT directory as one .tar.gz, for a node
+# that returns few files). Nothing here builds or downloads anything.
 #
 # Writes every figure to OUT/results.jsonl, each part's output to
 # OUT/logs/PART.log, the kernels cubecl compiled to OUT/logs/kernels.log,
@@ -22,8 +27,8 @@
 # is non-zero if any part failed.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-device=cuda small=0 out="$here/results" layers=4 pack=""
-parts=first-light,check,kernels,train,profile,train-long,torch,generate,quickstart
+device=cuda small=0 out="$here/results" layers=4 pack="" budget=""
+parts=first-light,train,train-long,torch,profile,products,products-torch,check,kernels,generate,quickstart
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device="$2"; shift 2 ;;
@@ -32,11 +37,14 @@ while [ $# -gt 0 ]; do
     --layers) layers="$2"; shift 2 ;;
     --parts) parts="$2"; shift 2 ;;
     --pack) pack="$2"; shift 2 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    --budget) budget="$2"; shift 2 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 case "$device" in cuda|cpu) ;; *) echo "run.sh: --device is cuda or cpu, not $device" >&2; exit 2 ;; esac
+[ -z "$budget" ] && { [ $small = 1 ] && budget=1500 || budget=450; }
+case "$budget" in ''|*[!0-9]*) echo "run.sh: --budget is a number of seconds, not $budget" >&2; exit 2 ;; esac
 mkdir -p "$out/logs"
 out="$(cd "$out" && pwd)"
 [ -n "$pack" ] && pack="$(cd "$(dirname "$pack")" && pwd)/$(basename "$pack")"
@@ -87,13 +95,22 @@ if command -v nvidia-smi >/dev/null && [ "$device" = cuda ]; then
 fi
 
 failed=0
-# part NAME SECONDS COMMAND...: runs COMMAND under a time limit, its output
-# to OUT/logs/NAME.log and its JSON lines (those starting with {) to the results.
+# part NAME SECONDS COMMAND...: runs COMMAND under a time limit (cut to what
+# is left of the budget), its output to OUT/logs/NAME.log and its JSON lines
+# (those starting with {) to the results.
 wanted() { case ",$parts," in *",$1,"*) return 0 ;; esac; return 1; }
 part() {
   local name="$1" limit="$2"; shift 2
   wanted "$name" || return 0
   local log="$out/logs/$name.log" t0=$(date +%s) status
+  rm -f "$log"
+  local left=$(( budget - (t0 - started) ))
+  if [ $left -lt 15 ]; then
+    echo "run.sh: part $name skipped: the ${budget} s budget is spent" >&2
+    echo "{\"form\": \"part\", \"part\": \"$name\", \"status\": \"skipped\", \"why\": \"the ${budget} s budget is spent\"}" >> "$results"
+    return 0
+  fi
+  [ "$limit" -gt $left ] && limit=$left
   echo "run.sh: $name (limit ${limit} s)"
   timeout --kill-after=10 "$limit" "$@" > "$log" 2>&1
   status=$?
@@ -111,23 +128,27 @@ part() {
 
 # Limits (seconds): first light's from the first run on an H100, where a tiny
 # model's first two steps did not end within 45 s (docs/benchmarks.md, "The
-# first run on a GPU"); the others sized from FLOP counts, 10 min 30 s in
-# all; the small CPU run's from the 2-core development machine. On a fresh
-# node the default (fused, autotuned) build's first light takes more than
-# 300 s ("The third run on a GPU"): bundle the unfused build there, or give
-# the first call of a node its own limit.
+# first run on a GPU"); the others sized from FLOP counts; the small CPU
+# run's from the 2-core development machine. The budget cuts them further.
+# On a fresh node the default (fused, autotuned) build's first light took
+# more than 300 s ("The third run on a GPU"), unless the bundle's kernel
+# cache spares the tuning.
 if [ $small = 1 ]; then
   seq_lens=512,1024 long_lens=2048 bench_set=(--set model.d_model=64 --set model.d_k=16
     --set model.d_v=64 --set model.n_code=16 --set model.block_len=64 --set model.n_layer=1)
   gen_lens=256,1024 qs_steps=4
-  limit_first=120 limit_check=120 limit_kernels=120 limit_train=120 limit_profile=120 limit_long=60 limit_torch=400 limit_generate=60 limit_qs=180
+  limit_first=120 limit_check=120 limit_kernels=120 limit_train=120 limit_profile=120 limit_long=60
+  limit_torch=400 limit_products=60 limit_generate=60 limit_qs=180
 else
   seq_lens=8192,32768 long_lens=131072 bench_set=(--config "$here/configs/enwik8.toml"
     --set "model.n_layer=$layers" --set model.dropout_residual=0 --set model.dropout_layer=0
     --set model.dropout_sinusoid=0)
   gen_lens=1024,8192,65536 qs_steps=200
-  limit_first=240 limit_check=60 limit_kernels=120 limit_train=90 limit_profile=45 limit_long=60 limit_torch=150 limit_generate=45 limit_qs=60
+  limit_first=240 limit_check=60 limit_kernels=120 limit_train=90 limit_profile=45 limit_long=60
+  limit_torch=150 limit_products=45 limit_generate=45 limit_qs=60
 fi
+precisions=f32,bf16
+[ "$device" = cpu ] && precisions=f32
 
 # 0. First light: two steps of a tiny model, where every kernel of a step is
 # compiled (NVRTC) and autotuned for the first time.
@@ -137,39 +158,22 @@ if grep -q '"part": "first-light", "status": "failed"' "$results"; then
   parts=none
 fi
 
-# 1. The device against the CPU (and its measured peaks, the MFU's yardstick).
-part check "$limit_check" "$tvq" check --device "$device" --json
-
-# 2. The fused attention kernel against the composed ops in the model's
-# forward and backward passes, f32 (what the kernel covers), on the GPU's
-# cubecl backend; the CPU has no kernel.
-if [ "$device" = cuda ]; then
-  part kernels "$limit_kernels" "$tvq" bench kernels --device cuda --json --batch 1 --precision f32 \
-    --steps 2 "${bench_set[@]}" --seq-len "$seq_lens"
-fi
-
-# 3. tvq's training step (forward, backward, clipping, AdamW, EMA), f32 and
+# 1. tvq's training step (forward, backward, clipping, AdamW, EMA), f32 and
 # bf16, one row per step; the longest segments recompute each sublayer in
 # the backward pass (activation checkpointing "full"), as they would not
 # fit otherwise.
-precisions=f32,bf16
-[ "$device" = cpu ] && precisions=f32
 train=("$tvq" bench step --device "$device" --json --batch 1 --form vq
   --precision "$precisions" --steps 2 "${bench_set[@]}")
 part train "$limit_train" "${train[@]}" --seq-len "$seq_lens"
-# Where a step's device time goes, by kernel, at the first length in bf16
-# (cubecl times each launch alone: the profiled step is slower).
-if [ "$device" = cuda ]; then
-  part profile "$limit_profile" "$tvq" bench step --device cuda --json --batch 1 --form vq \
-    --precision bf16 --steps 1 "${bench_set[@]}" --seq-len "${seq_lens%%,*}" --profile
-fi
 part train-long "$limit_long" "${train[@]}" --seq-len "$long_lens" --checkpointing full
 
-# 4. The same model in PyTorch (eager, compiled) and the quadratic SDPA
+# 2. The same model in PyTorch (eager, compiled) and the quadratic SDPA
 # baseline of the same widths, where PyTorch is installed.
+torch=0
+[ -n "$python" ] && "$python" -c "import torch" 2>/dev/null && torch=1
 if ! wanted torch; then
   :
-elif [ -n "$python" ] && "$python" -c "import torch" 2>/dev/null; then
+elif [ $torch = 1 ]; then
   torch_args=(--device "$device" --seq-len "$seq_lens,$long_lens" --json)
   [ $small = 1 ] && torch_args+=(--small) || torch_args+=(--layers "$layers")
   part torch "$limit_torch" "$python" "$here/scripts/torch_reference.py" bench "${torch_args[@]}"
@@ -178,10 +182,38 @@ else
   echo "{\"form\": \"part\", \"part\": \"torch\", \"status\": \"skipped\"}" >> "$results"
 fi
 
-# 5. Generation: time to the first token (block-form prefill) and per token.
+# 3. Where a step's device time goes, by kernel, at the first length in bf16
+# (cubecl times each launch alone: the profiled step is slower).
+if [ "$device" = cuda ]; then
+  part profile "$limit_profile" "$tvq" bench step --device cuda --json --batch 1 --form vq \
+    --precision bf16 --steps 1 "${bench_set[@]}" --seq-len "${seq_lens%%,*}" --profile
+fi
+
+# 4. The model's matrix products at its own shapes, at the first length:
+# tvq's, then PyTorch's (cuBLAS on CUDA) at the same shapes, read from
+# tvq's lines.
+part products "$limit_products" "$tvq" bench products --device "$device" --json --batch 1 \
+  --precision "$precisions" "${bench_set[@]}" --seq-len "${seq_lens%%,*}"
+if [ $torch = 1 ] && [ -s "$out/logs/products.log" ]; then
+  part products-torch "$limit_products" "$python" "$here/scripts/torch_reference.py" products \
+    --device "$device" --json --from "$out/logs/products.log"
+fi
+
+# 5. The device against the CPU (and its measured peaks, the MFU's yardstick).
+part check "$limit_check" "$tvq" check --device "$device" --json
+
+# 6. The fused attention kernel against the composed ops in the model's
+# forward and backward passes, f32 (what the kernel covers), on the GPU's
+# cubecl backend; the CPU has no kernel.
+if [ "$device" = cuda ]; then
+  part kernels "$limit_kernels" "$tvq" bench kernels --device cuda --json --batch 1 --precision f32 \
+    --steps 2 "${bench_set[@]}" --seq-len "$seq_lens"
+fi
+
+# 7. Generation: time to the first token (block-form prefill) and per token.
 part generate "$limit_generate" "$tvq" bench generate --device "$device" --json --seq-len "$gen_lens" --new-tokens 32
 
-# 6. The quick start on the device.
+# 8. The quick start on the device.
 run="$out/quickstart"
 rm -rf "$run"
 qs=(--set train.workers=1)

@@ -103,6 +103,25 @@ def table(path):
                 "", "| kernel | launches per step | time per step ms | share |", "|---|---|---|---|"]
         for r in at[:10]:
             out.append(f"| {r['kernel']} | {r['launches_per_step']:,.1f} | {1e3 * r['seconds'] / r['steps']:.3f} | {100 * r['share']:.1f}% |")
+    # The model's matrix products at its own shapes: tvq's rate beside
+    # PyTorch's (cuBLAS on CUDA) at the same shape and precision.
+    mine = [r for r in rows if r.get("form") == "products" and "impl" not in r and r.get("flops_per_s")]
+    theirs = {}
+    for r in rows:
+        if r.get("form") == "products" and r.get("impl"):
+            theirs[(r["name"], r["seq_len"], r["precision"], r["impl"])] = r["flops_per_s"]
+    if mine:
+        out += ["", "Matrix products at the model's shapes (GFLOP/s; tvq against PyTorch's torch.matmul)",
+                "", "| product | T | precision | batch x [m, k] x [k, n] | tvq | PyTorch | PyTorch TF32 | tvq / PyTorch |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in mine:
+            at = (r["name"], r["seq_len"], r["precision"])
+            torch_rate = theirs.get(at + ("torch-tf32",)) or theirs.get(at + ("torch",))
+            ratio = f"{r['flops_per_s'] / torch_rate:.2f}x" if torch_rate else "-"
+            shape = f"{r['batch']:,} x [{r['m']:,}, {r['k']:,}] x [{r['k']:,}, {r['n']:,}]"
+            out.append(f"| {r['name']} | {r['seq_len']:,} | {r['precision']} | {shape} | {r['flops_per_s'] / 1e9:,.1f} | "
+                       f"{fmt(theirs.get(at + ('torch',)) and theirs[at + ('torch',)] / 1e9, ',.1f')} | "
+                       f"{fmt(theirs.get(at + ('torch-tf32',)) and theirs[at + ('torch-tf32',)] / 1e9, ',.1f')} | {ratio} |")
     print("\n".join(out))
 
 

@@ -428,24 +428,29 @@ impl TransformerVqConfig {
         ])
     }
 
-    /// Model FLOPs of one token's forward pass in a segment of `seq_len`
-    /// tokens: the matrix products, a multiply-add counted as 2 FLOPs.
-    /// Per GAU sublayer (`Q = K + P` the query and key width with the
-    /// rotary position channel `P`):
+    /// The matrix products of one forward pass over `rows` segments of
+    /// `seq_len` tokens (`N = rows seq_len`; the VQ form's blocks
+    /// `R = seq_len / L`, as the block form needs `seq_len` a multiple of
+    /// `L`). Per GAU sublayer (`Q = K + P` the query and key width with the
+    /// rotary position channel `P`, `W` the learned count weight's column,
+    /// 1 or 0):
     ///
-    /// - projections `2 D (H (Q + W) + H K + 2 H V)` in (`W` the learned
-    ///   count weight's column, 1 or 0), `2 H V D` out;
-    /// - VQ attention: the codebook distances `2 H S K`, the window of
-    ///   `2 L` keys `2 H 2L (Q + V)` and the compressed cache of `S` codes
-    ///   `2 H S (K + V)`; the quadratic form instead scores all `seq_len`
-    ///   keys, `2 H seq_len (Q + V)` (the whole matrix is computed, the
-    ///   causal half masked), and quantizes nothing;
+    /// - projections in: `[N, D] x [D, H (Q + W)]` (queries) and
+    ///   `[N, D] x [D, H (K + 2 V)]` (keys, values, gates); out:
+    ///   `[N, H V] x [H V, D]`;
+    /// - VQ attention: the codebook distances `H x [N, K] x [K, S]`, the
+    ///   window of `2 L` keys `rows H R x [L, Q] x [Q, 2 L]` and
+    ///   `[L, 2 L] x [2 L, V]`, the compressed cache of `S` codes
+    ///   `rows H R x [L, K] x [K, S]` and `[L, S] x [S, V]`; the quadratic
+    ///   form instead scores all `seq_len` keys,
+    ///   `rows H x [seq_len, Q] x [Q, seq_len]` and
+    ///   `[seq_len, seq_len] x [seq_len, V]` (the whole matrix is computed,
+    ///   the causal half masked), and quantizes nothing;
     ///
-    /// and once per token the output head, `2 D vocab`. Norms, gates, the
+    /// and once the output head, `[N, D] x [D, vocab]`. Norms, gates, the
     /// softmax, the position bias and the cache's sums are elementwise or
-    /// smaller and not counted (docs/benchmarks.md). A training step costs
-    /// 3 times this (the backward pass is twice the forward).
-    pub fn forward_flops_per_token(&self, seq_len: usize) -> f64 {
+    /// smaller and not listed (docs/benchmarks.md).
+    pub fn matrix_products(&self, rows: usize, seq_len: usize) -> Vec<MatrixProduct> {
         let [d, k, v, h, s, l] = [
             self.d_model,
             self.d_k,
@@ -453,19 +458,86 @@ impl TransformerVqConfig {
             self.n_head,
             self.n_code,
             self.block_len,
-        ]
-        .map(|x| x as f64);
-        let q = k + self.rotary_channel_width() as f64;
-        let w = self.count_weight.width() as f64;
-        let projections = 2.0 * d * (h * (q + w) + h * k + 2.0 * h * v) + 2.0 * h * v * d;
-        let attention = match self.attention {
-            AttentionForm::Vq => {
-                2.0 * h * s * k + 2.0 * h * 2.0 * l * (q + v) + 2.0 * h * s * (k + v)
-            }
-            AttentionForm::Quadratic => 2.0 * h * seq_len as f64 * (q + v),
+        ];
+        let q = k + self.rotary_channel_width();
+        let w = self.count_weight.width();
+        let n = rows * seq_len;
+        let sublayers = self.n_sublayers();
+        let each = |name, batch, m, k, n| MatrixProduct {
+            name,
+            count: sublayers,
+            batch,
+            m,
+            k,
+            n,
         };
-        let head = 2.0 * d * self.vocab_size as f64;
-        self.n_sublayers() as f64 * (projections + attention) + head
+        let mut products = vec![
+            each("query projection", 1, n, d, h * (q + w)),
+            each("key, value and gate projection", 1, n, d, h * (k + 2 * v)),
+            each("output projection", 1, n, h * v, d),
+        ];
+        match self.attention {
+            AttentionForm::Vq => {
+                let blocks = rows * h * (seq_len / l);
+                products.extend([
+                    each("codebook distances", h, n, k, s),
+                    each("window scores", blocks, l, q, 2 * l),
+                    each("window values", blocks, l, 2 * l, v),
+                    each("cache scores", blocks, l, k, s),
+                    each("cache values", blocks, l, s, v),
+                ]);
+            }
+            AttentionForm::Quadratic => products.extend([
+                each("quadratic scores", rows * h, seq_len, q, seq_len),
+                each("quadratic values", rows * h, seq_len, seq_len, v),
+            ]),
+        }
+        products.push(MatrixProduct {
+            count: 1,
+            ..each("output head", 1, n, d, self.vocab_size)
+        });
+        products
+    }
+
+    /// Model FLOPs of one token's forward pass in a segment of `seq_len`
+    /// tokens: the [`matrix_products`](Self::matrix_products) of one
+    /// segment over its tokens, a multiply-add counted as 2 FLOPs. A
+    /// training step costs 3 times this (the backward pass is twice the
+    /// forward).
+    pub fn forward_flops_per_token(&self, seq_len: usize) -> f64 {
+        let products = self.matrix_products(1, seq_len);
+        products.iter().map(MatrixProduct::flops).sum::<f64>() / seq_len as f64
+    }
+}
+
+/// One kind of matrix product of a forward pass
+/// ([`TransformerVqConfig::matrix_products`]): `count` times (once per
+/// sublayer, or once) a batch of `batch` products `[m, k] x [k, n]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct MatrixProduct {
+    /// What it computes, e.g. "window scores".
+    pub name: &'static str,
+    /// How many times a forward pass computes it.
+    pub count: usize,
+    /// Products in one batch.
+    pub batch: usize,
+    /// Rows of the left operand.
+    pub m: usize,
+    /// The shared (contracted) width.
+    pub k: usize,
+    /// Columns of the right operand.
+    pub n: usize,
+}
+
+impl MatrixProduct {
+    /// FLOPs of one batch, a multiply-add counted as 2.
+    pub fn flops_once(&self) -> f64 {
+        2.0 * (self.batch * self.m) as f64 * (self.k * self.n) as f64
+    }
+
+    /// FLOPs of all `count` batches of one forward pass.
+    pub fn flops(&self) -> f64 {
+        self.count as f64 * self.flops_once()
     }
 }
 
@@ -497,5 +569,43 @@ mod tests {
             .with_bias(RelativeBias::Rotary)
             .with_rotary_channel(Some(4));
         assert_eq!(rotary.forward_flops_per_token(1024), 2.0 * 676.0 + 112.0);
+    }
+
+    /// The products' shapes for several rows and heads: blocks are batched
+    /// per row, head and block, the projections and head over every token,
+    /// and `rows` segments cost `rows` times one segment.
+    #[test]
+    fn matrix_products_batch_rows_heads_and_blocks() {
+        let cfg = TransformerVqConfig::new(7)
+            .with_d_model(8)
+            .with_d_k(4)
+            .with_d_v(6)
+            .with_n_code(3)
+            .with_n_head(2)
+            .with_n_layer(1)
+            .with_block_len(2);
+        let products = cfg.matrix_products(3, 8);
+        let find = |name: &str| *products.iter().find(|p| p.name == name).expect(name);
+        let shape = |p: MatrixProduct| [p.count, p.batch, p.m, p.k, p.n];
+        // 3 rows x 2 heads x 4 blocks of 2 queries against 4 window keys.
+        assert_eq!(shape(find("window scores")), [2, 24, 2, 4, 4]);
+        assert_eq!(shape(find("cache values")), [2, 24, 2, 3, 6]);
+        assert_eq!(shape(find("codebook distances")), [2, 2, 24, 4, 3]);
+        assert_eq!(
+            shape(find("key, value and gate projection")),
+            [2, 1, 24, 8, 2 * 16]
+        );
+        assert_eq!(shape(find("output head")), [1, 1, 24, 8, 7]);
+        let total: f64 = products.iter().map(MatrixProduct::flops).sum();
+        assert_eq!(total, 3.0 * 8.0 * cfg.forward_flops_per_token(8));
+        let quadratic = cfg
+            .with_attention(AttentionForm::Quadratic)
+            .matrix_products(3, 8);
+        assert!(quadratic.iter().all(|p| p.name != "codebook distances"));
+        let scores = quadratic
+            .iter()
+            .find(|p| p.name == "quadratic scores")
+            .unwrap();
+        assert_eq!(shape(*scores), [2, 6, 8, 4, 8]);
     }
 }

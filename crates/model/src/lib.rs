@@ -32,7 +32,8 @@ pub mod quantizer;
 pub use attention::AttentionState;
 pub use compute::Compute;
 pub use config::{
-    AttentionForm, CacheGrad, CountWeight, RelativeBias, TransformerVqConfig, WindowKeys,
+    AttentionForm, CacheGrad, CountWeight, MatrixProduct, RelativeBias, TransformerVqConfig,
+    WindowKeys,
 };
 pub use dropout::DropoutMasks;
 pub use error::{ConfigError, ModelError};

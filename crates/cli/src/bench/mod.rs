@@ -1,9 +1,11 @@
 //! `tvq bench`: what a run's speed depends on, one benchmark each
 //! ([`BenchmarkArg`]): the GAU stack's passes and the whole training step by
-//! sequence length, the fused kernels against the composed ops, generation,
-//! the data loader, checkpoints, and the device's peak.
+//! sequence length, the fused kernels against the composed ops, the matrix
+//! products at the model's shapes, generation, the data loader,
+//! checkpoints, and the device's peak.
 
 mod kernels;
+mod products;
 mod profile;
 
 use std::time::Instant;
@@ -37,6 +39,13 @@ pub enum BenchmarkArg {
     /// cuda, without burn's fusion): tokens/s of each, the sublayers that
     /// reached the kernel, and the two passes' loss and gradient difference.
     Kernels,
+    /// Each matrix product of the model's forward pass at its own shapes
+    /// (the projections, the codebook distances, the window and cache
+    /// products or the quadratic scores, the head): GFLOP/s by sequence
+    /// length and precision, each product once per form that has it
+    /// (`scripts/torch_reference.py products` times the same shapes in
+    /// PyTorch from the JSON lines).
+    Products,
     /// Generation: for each --seq-len as the prompt length, the time to the
     /// first new token (block-form prefill) and per generated token, and the
     /// recurrent form's rate on the prompt.
@@ -61,6 +70,7 @@ enum Benchmark {
     Attention,
     Step,
     Kernels,
+    Products,
     Generate,
     Loader(std::path::PathBuf),
     Checkpoint(std::path::PathBuf),
@@ -117,7 +127,8 @@ pub struct BenchArgs {
     /// Timed passes (or rounds) per setting, after one untimed warm-up.
     #[arg(long, default_value_t = 2, value_parser = crate::args::at_least(1))]
     steps: usize,
-    /// Skip a quadratic setting whose score matrix alone would exceed this many GiB.
+    /// Skip a quadratic setting whose score matrix alone would exceed this
+    /// many GiB (products: a product whose operand or output would).
     #[arg(long, default_value_t = 4.0)]
     max_score_gib: f64,
     /// Print one JSON object per setting instead of a table.
@@ -179,6 +190,7 @@ impl BenchArgs {
             (Some(BenchmarkArg::Attention), None) => Some(Benchmark::Attention),
             (Some(BenchmarkArg::Step), None) => Some(Benchmark::Step),
             (Some(BenchmarkArg::Kernels), None) => Some(Benchmark::Kernels),
+            (Some(BenchmarkArg::Products), None) => Some(Benchmark::Products),
             (Some(BenchmarkArg::Generate), None) => Some(Benchmark::Generate),
             (Some(BenchmarkArg::Peak), None) => Some(Benchmark::Peak),
         };
@@ -451,6 +463,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         Benchmark::Kernels => {
             return kernels::run(&args, &model, &train, &precisions, (&device, &info));
         }
+        Benchmark::Products => return products::run(&args, &model, &precisions, (&device, &info)),
         Benchmark::Generate => return bench_generate(&args, &model, &device, &info),
         Benchmark::Checkpoint(dir) => {
             return bench_checkpoint(&args, &model, &train, &device, dir);

@@ -260,7 +260,14 @@ fn the_bundle_runs_every_part_small_on_the_cpu_without_rust() {
             .find(|r| r["form"] == "part" && r["part"] == part)
             .map(|r| r["status"].as_str().unwrap().to_string())
     };
-    for part in ["first-light", "check", "train", "generate", "quickstart"] {
+    for part in [
+        "first-light",
+        "check",
+        "train",
+        "products",
+        "generate",
+        "quickstart",
+    ] {
         assert_eq!(status(part).as_deref(), Some("passed"), "{part}: {stderr}");
     }
     let torch = if python.is_some() {
@@ -269,6 +276,24 @@ fn the_bundle_runs_every_part_small_on_the_cpu_without_rust() {
         "skipped"
     };
     assert_eq!(status("torch").as_deref(), Some(torch), "{stderr}");
+    // The model's products at its shapes, tvq's and (with torch) PyTorch's
+    // at the same shapes, side by side in the table.
+    let products = |torch: bool| {
+        results
+            .iter()
+            .filter(|r| r["form"] == "products" && r["impl"].is_string() == torch)
+            .filter(|r| r["flops_per_s"].as_f64().is_some_and(|f| f > 0.0))
+            .map(|r| (r["name"].as_str().unwrap().to_string(), r["m"].clone()))
+            .collect::<Vec<_>>()
+    };
+    let ours = products(false);
+    assert!(
+        ours.iter().any(|(name, _)| name == "window scores"),
+        "{ours:?}"
+    );
+    if python.is_some() {
+        assert_eq!(products(true), ours, "PyTorch times every product of tvq's");
+    }
     // Figures of each part reached the results and the table.
     assert!(
         results
@@ -290,6 +315,7 @@ fn the_bundle_runs_every_part_small_on_the_cpu_without_rust() {
     let summary = std::fs::read_to_string(bundle.join("results/summary.md")).unwrap();
     assert!(summary.contains("| tvq step"), "{summary}");
     assert!(summary.contains("tvq check on cpu"), "{summary}");
+    assert!(summary.contains("| window scores |"), "{summary}");
     // --pack: the results directory as one file.
     let listed = Command::new("tar")
         .arg("-tzf")
@@ -299,6 +325,23 @@ fn the_bundle_runs_every_part_small_on_the_cpu_without_rust() {
     let listed = String::from_utf8_lossy(&listed.stdout);
     assert!(listed.contains("results/results.jsonl"), "{listed}");
     assert!(listed.contains("results/logs/first-light.log"), "{listed}");
+    // A spent budget skips the parts left, each with a line that says so.
+    let out = Command::new(bundle.join("run.sh"))
+        .args([
+            "--device", "cpu", "--small", "--parts", "check", "--budget", "1",
+        ])
+        .env("PATH", std::env::join_paths(&path).unwrap())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let results = read_results(&bundle.join("results/results.jsonl"));
+    let check = results.iter().find(|r| r["part"] == "check").unwrap();
+    assert_eq!(check["status"], "skipped", "{check}");
+    assert!(check["why"].as_str().unwrap().contains("budget"), "{check}");
 }
 
 fn read_results(path: &Path) -> Vec<serde_json::Value> {
