@@ -69,14 +69,22 @@ fn tvq(args: &[&str]) -> Output {
     Command::new(TVQ).args(args).output().expect("tvq runs")
 }
 
+/// `tvq args`, which must succeed; what it printed.
 fn ok(args: &[&str]) -> String {
-    let out = tvq(args);
+    String::from_utf8(succeeds(Command::new(TVQ).args(args)).stdout).unwrap()
+}
+
+/// Runs `command`, which must succeed (else the test fails with its
+/// output), and returns its output.
+fn succeeds(command: &mut Command) -> Output {
+    let out = command.output().expect("the command starts");
     assert!(
         out.status.success(),
-        "tvq {args:?} failed:\n{}",
+        "{command:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    String::from_utf8(out.stdout).unwrap()
+    out
 }
 
 /// `tvq args` must fail with a one-line error containing `needle`, and no panic.
@@ -920,7 +928,7 @@ fn bad_input_is_a_one_line_error() {
     // A corrupt newest checkpoint is skipped with a warning on resume.
     let newest = run.join("checkpoints/step-00000002/model.safetensors");
     std::fs::write(&newest, b"corrupt").unwrap();
-    let out = tvq(&[
+    let out = succeeds(Command::new(TVQ).args([
         "train",
         "--config",
         c,
@@ -928,12 +936,7 @@ fn bad_input_is_a_one_line_error() {
         run_s,
         "--resume",
         "--quiet",
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    ]));
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("skipping"),
         "a warning names the skipped checkpoint"
@@ -963,6 +966,18 @@ fn bad_input_is_a_one_line_error() {
     fails(&["bench", "--seq-len", "512,0"], "--seq-len");
     fails(&["bench", "--generate", "--batch", "0"], "--batch");
     fails(&["bench", "--steps", "0"], "--steps");
+    // A length the block length does not divide: the error alone, before
+    // any table header.
+    let args = [
+        "bench",
+        "products",
+        "--seq-len",
+        "256,100",
+        "--device",
+        "cpu",
+    ];
+    fails(&args, "not a multiple of the block length");
+    assert_eq!(tvq(&args).stdout, b"", "nothing printed before the error");
 }
 
 /// Waits until the run in `run` has logged 3 lines, then sends `child`
@@ -1545,13 +1560,7 @@ fn wsd_and_constant_runs_extend_on_resume_and_a_cosine_one_warns() {
                 extra,
             ]
             .concat();
-            let out = tvq(&args);
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            out
+            succeeds(Command::new(TVQ).args(&args))
         };
         let reference = dir.path().join(format!("{schedule}-12"));
         train(&reference, 12, &[]);

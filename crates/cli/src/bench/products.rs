@@ -32,6 +32,31 @@ pub(super) fn run(
     precisions: &[Precision],
     (device, info): (&DispatchDevice, &str),
 ) -> Result<()> {
+    // Every form and length checked before the header, so that a bad flag
+    // gives its error alone.
+    let forms = args
+        .form
+        .iter()
+        .map(|form| {
+            let cfg = model
+                .clone()
+                .with_vocab_size(args.vocab_size as usize)
+                .with_attention(parse_form(form)?);
+            let uneven = args
+                .seq_len
+                .iter()
+                .find(|t| !t.is_multiple_of(cfg.block_len));
+            if cfg.attention == tvq_model::AttentionForm::Vq
+                && let Some(t) = uneven
+            {
+                anyhow::bail!(
+                    "--seq-len {t} is not a multiple of the block length {}",
+                    cfg.block_len
+                );
+            }
+            Ok((form.as_str(), cfg))
+        })
+        .collect::<Result<Vec<_>>>()?;
     if !args.json {
         println!("device: {info}; batch {}", args.batch);
         println!(
@@ -42,18 +67,7 @@ pub(super) fn run(
     for &t in &args.seq_len {
         for &precision in precisions {
             let mut measured = HashSet::new();
-            for form in &args.form {
-                let cfg = model
-                    .clone()
-                    .with_vocab_size(args.vocab_size as usize)
-                    .with_attention(parse_form(form)?);
-                if cfg.attention == tvq_model::AttentionForm::Vq && !t.is_multiple_of(cfg.block_len)
-                {
-                    anyhow::bail!(
-                        "--seq-len {t} is not a multiple of the block length {}",
-                        cfg.block_len
-                    );
-                }
+            for (form, cfg) in &forms {
                 for product in cfg.matrix_products(args.batch, t) {
                     if measured.insert(product) {
                         let rate = time_product(&product, precision, args.max_score_gib, device)

@@ -7,7 +7,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use super::{TVQ, parse_json_lines, repo, tiny_config, tvq};
+use super::{TVQ, parse_json_lines, repo, succeeds, tiny_config, tvq};
 use tvq_testkit::Gpu;
 
 /// `tvq check --json` on `device`, with `TVQ_FAULT` set to `fault` if given.
@@ -186,17 +186,12 @@ fn the_torch_reference_scores_an_export_as_tvq_does() {
             export.to_str().unwrap(),
         ]);
         let tvq_loss = super::export_loss(&export, &run.join("config.toml"));
-        let out = Command::new(&python)
-            .arg(repo().join("scripts/torch_reference.py"))
-            .args(["eval", "--export", export.to_str().unwrap()])
-            .args(["--text", corpus.to_str().unwrap()])
-            .args(["--batch-size", "4", "--update-len", "64"])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        let out = succeeds(
+            Command::new(&python)
+                .arg(repo().join("scripts/torch_reference.py"))
+                .args(["eval", "--export", export.to_str().unwrap()])
+                .args(["--text", corpus.to_str().unwrap()])
+                .args(["--batch-size", "4", "--update-len", "64"]),
         );
         let torch: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         let torch_loss = torch["loss"].as_f64().unwrap();
@@ -215,16 +210,11 @@ fn the_bundle_runs_every_part_small_on_the_cpu_without_rust() {
     let test = "the_bundle_runs_every_part_small_on_the_cpu_without_rust";
     let python = python_with_torch(test);
     let dir = tempfile::tempdir().unwrap();
-    let made = Command::new(repo().join("scripts/gpu-bundle.sh"))
-        .arg(dir.path())
-        .env("TVQ_BIN", TVQ)
-        .env("TVQ_BUNDLE_XZ", "-0")
-        .output()
-        .unwrap();
-    assert!(
-        made.status.success(),
-        "{}",
-        String::from_utf8_lossy(&made.stderr)
+    succeeds(
+        Command::new(repo().join("scripts/gpu-bundle.sh"))
+            .arg(dir.path())
+            .env("TVQ_BIN", TVQ)
+            .env("TVQ_BUNDLE_XZ", "-0"),
     );
     let bundle = dir.path().join("tvq-gpu");
     let size = std::fs::metadata(dir.path().join("tvq-gpu.tar"))
@@ -241,18 +231,14 @@ fn the_bundle_runs_every_part_small_on_the_cpu_without_rust() {
         path.insert(0, p.to_path_buf());
     }
     let packed = dir.path().join("results.tar.gz");
-    let out = Command::new(bundle.join("run.sh"))
-        .args(["--device", "cpu", "--small", "--pack"])
-        .arg(&packed)
-        .env("PATH", std::env::join_paths(&path).unwrap())
-        .env_remove("CARGO_TARGET_DIR")
-        .output()
-        .unwrap();
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
+    let out = succeeds(
+        Command::new(bundle.join("run.sh"))
+            .args(["--device", "cpu", "--small", "--pack"])
+            .arg(&packed)
+            .env("PATH", std::env::join_paths(&path).unwrap())
+            .env_remove("CARGO_TARGET_DIR"),
     );
-    assert!(out.status.success(), "{stdout}\n{stderr}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
     let results = read_results(&bundle.join("results/results.jsonl"));
     let status = |part: &str| {
         results
@@ -326,17 +312,12 @@ fn the_bundle_runs_every_part_small_on_the_cpu_without_rust() {
     assert!(listed.contains("results/results.jsonl"), "{listed}");
     assert!(listed.contains("results/logs/first-light.log"), "{listed}");
     // A spent budget skips the parts left, each with a line that says so.
-    let out = Command::new(bundle.join("run.sh"))
-        .args([
-            "--device", "cpu", "--small", "--parts", "check", "--budget", "1",
-        ])
-        .env("PATH", std::env::join_paths(&path).unwrap())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    succeeds(
+        Command::new(bundle.join("run.sh"))
+            .args([
+                "--device", "cpu", "--small", "--parts", "check", "--budget", "1",
+            ])
+            .env("PATH", std::env::join_paths(&path).unwrap()),
     );
     let results = read_results(&bundle.join("results/results.jsonl"));
     let check = results.iter().find(|r| r["part"] == "check").unwrap();

@@ -14,7 +14,7 @@ use tvq_train::placement::B;
 use tvq_train::placement::device::DeviceSpec;
 
 use super::gpu_node::python_with;
-use super::{fails, ok, repo, tensors_of, tiny_config};
+use super::{fails, ok, repo, succeeds, tensors_of, tiny_config};
 
 /// tvq's input ids (the end-of-document token, then the corpus's first
 /// bytes) and logits `[T, vocab]` of the export `weights`, `T = blocks L`.
@@ -61,18 +61,13 @@ fn a_hugging_face_export_computes_what_tvq_computes() {
     let config = tiny_config(dir.path(), 6, 6);
     let prompt = "And God said, \u{e9}\u{20ac}\u{1f600} ";
     let run_check = |folder: &Path, name: &str| {
-        let out = Command::new(&python)
-            .arg(repo().join("crates/cli/tests/hf_check.py"))
-            .arg(folder)
-            .arg(dir.path().join(format!("{name}-stream.json")))
-            .arg(prompt)
-            .arg(dir.path().join(format!("{name}-saved")))
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{name}: {}",
-            String::from_utf8_lossy(&out.stderr)
+        let out = succeeds(
+            Command::new(&python)
+                .arg(repo().join("crates/cli/tests/hf_check.py"))
+                .arg(folder)
+                .arg(dir.path().join(format!("{name}-stream.json")))
+                .arg(prompt)
+                .arg(dir.path().join(format!("{name}-saved"))),
         );
         serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
     };
@@ -294,18 +289,13 @@ fn lm_evaluation_harness_scores_an_export_as_its_log_probs_say() {
         "--format",
         "hf",
     ]);
-    let out = Command::new(&python)
-        .arg(repo().join("crates/cli/tests/lm_eval_check.py"))
-        .arg(&folder)
-        .arg(dir.path().join("lm-eval"))
-        .arg("40")
-        .current_dir(repo())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = succeeds(
+        Command::new(&python)
+            .arg(repo().join("crates/cli/tests/lm_eval_check.py"))
+            .arg(&folder)
+            .arg(dir.path().join("lm-eval"))
+            .arg("40")
+            .current_dir(repo()),
     );
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["items"], 40, "{report}");

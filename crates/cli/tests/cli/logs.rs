@@ -100,15 +100,10 @@ fn assert_python_tensorboard_reads(run: &Path) {
         );
         return;
     }
-    let out = Command::new("python3")
-        .arg(crate_dir().join("tests/read_tensorboard.py"))
-        .arg(run.join("tb"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = succeeds(
+        Command::new("python3")
+            .arg(crate_dir().join("tests/read_tensorboard.py"))
+            .arg(run.join("tb")),
     );
     let read: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let (want_scalars, want_texts) = expected_tensorboard(run);

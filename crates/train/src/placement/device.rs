@@ -115,19 +115,43 @@ pub fn precision_on(device: &DispatchDevice, setting: PrecisionSetting) -> Preci
 /// one-line reason where it does not, found before training starts (the
 /// backends panic on a type they cannot compile). bf16 is refused on wgpu
 /// outright (its WGSL compiler has no bfloat16); otherwise a small product
-/// is tried, its panic caught and silenced.
+/// is tried, its panic caught and silenced, once per device and precision
+/// in a process (a run asks before it sizes its memory and again as its
+/// trainer starts).
 pub fn check_precision(device: &DispatchDevice, precision: Precision) -> Result<(), String> {
     if !precision.is_reduced() {
         return Ok(());
     }
-    let name = device_name(device);
-    if precision == Precision::Bf16 && matches!(device.inner(), DispatchDevice::Wgpu(_)) {
+    let plain = device.inner().clone();
+    let mut checked = CHECKED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some((_, _, found)) = checked
+        .iter()
+        .find(|(d, p, _)| *d == plain && *p == precision)
+    {
+        return found.clone();
+    }
+    let found = probe_precision(&plain, precision);
+    checked.push((plain, precision, found.clone()));
+    found
+}
+
+/// Each plain device and reduced precision [`check_precision`] has probed
+/// in this process, with the answer.
+type Checked = Vec<(DispatchDevice, Precision, Result<(), String>)>;
+static CHECKED: std::sync::Mutex<Checked> = std::sync::Mutex::new(Vec::new());
+
+/// [`check_precision`]'s probe of the plain device `plain`, uncached.
+fn probe_precision(plain: &DispatchDevice, precision: Precision) -> Result<(), String> {
+    let name = device_name(plain);
+    if precision == Precision::Bf16 && matches!(plain, DispatchDevice::Wgpu(_)) {
         return Err(format!(
             "bf16 does not run on {name}: wgpu's WGSL compiler has no bfloat16 \
              (use --device cuda, or f16 on an adapter with shader f16, or f32)"
         ));
     }
-    let plain = device.inner().clone();
+    let plain = plain.clone();
     let probe = move || {
         let a = Tensor::<Dispatch, 2>::ones([8, 8], &plain).cast(precision.dtype());
         let product = a.clone().matmul(a).cast(burn::tensor::FloatDType::F32);
@@ -588,5 +612,20 @@ mod tests {
         for p in Precision::ALL {
             assert_eq!(check_precision(&cpu(), p), Ok(()), "{p}");
         }
+    }
+
+    /// A device and precision is probed once a process: asked again (with
+    /// or without autodiff) the answer is remembered.
+    #[test]
+    fn a_precision_is_probed_once_per_device() {
+        let device = cpu();
+        for d in [&device, &device, &DispatchDevice::autodiff(device.clone())] {
+            assert_eq!(check_precision(d, Precision::F16), Ok(()));
+        }
+        let checked = CHECKED.lock().unwrap();
+        let probed = checked
+            .iter()
+            .filter(|(d, p, _)| *d == device && *p == Precision::F16);
+        assert_eq!(probed.count(), 1, "asked three times, probed once");
     }
 }
