@@ -13,8 +13,8 @@ const EVERY: u64 = 2;
 const KEEP: &str = "train.keep_checkpoints=2";
 
 /// `tvq train --quiet` on `config` into `run` with `extra` arguments and
-/// `TVQ_FAULT=fault` (none if empty).
-fn train_with_fault(config: &Path, run: &Path, fault: &str, extra: &[&str]) -> Output {
+/// `TVQ_FAULT=fault` (none if empty), not yet run.
+fn train_command(config: &Path, run: &Path, fault: &str, extra: &[&str]) -> Command {
     let mut cmd = Command::new(TVQ);
     cmd.args(["train", "--config", config.to_str().unwrap()])
         .args(["--run-dir", run.to_str().unwrap(), "--quiet", "--set", KEEP])
@@ -22,17 +22,19 @@ fn train_with_fault(config: &Path, run: &Path, fault: &str, extra: &[&str]) -> O
     if !fault.is_empty() {
         cmd.env("TVQ_FAULT", fault);
     }
-    cmd.output().expect("tvq runs")
+    cmd
 }
 
+/// [`train_command`] run to its end, whatever its exit.
+fn train_with_fault(config: &Path, run: &Path, fault: &str, extra: &[&str]) -> Output {
+    train_command(config, run, fault, extra)
+        .output()
+        .expect("tvq runs")
+}
+
+/// `tvq train --resume` of `run` without a fault; it must succeed.
 fn resume(config: &Path, run: &Path) -> Output {
-    let out = train_with_fault(config, run, "", &["--resume"]);
-    assert!(
-        out.status.success(),
-        "resume failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
+    succeeds(&mut train_command(config, run, "", &["--resume"]))
 }
 
 /// Every line of `metrics.jsonl`, without the timing and the memory (which
@@ -99,8 +101,7 @@ struct Reference {
 impl Reference {
     fn of(config: &Path, dir: &Path) -> Self {
         let run = dir.join("reference");
-        let out = train_with_fault(config, &run, "", &[]);
-        assert!(out.status.success());
+        succeeds(&mut train_command(config, &run, "", &[]));
         // Every training row reports its MFU (against the CPU's measured peak).
         let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
         for line in text.lines().filter(|l| l.contains(r#""kind":"train""#)) {
@@ -277,8 +278,12 @@ fn a_damaged_newest_checkpoint_or_a_torn_metrics_line_loses_nothing() {
     let config = tiny_config(dir.path(), TOTAL, EVERY);
     let reference = Reference::of(&config, dir.path());
     let base = dir.path().join("base");
-    let out = train_with_fault(&config, &base, "", &["--max-steps", "6"]);
-    assert!(out.status.success());
+    succeeds(&mut train_command(
+        &config,
+        &base,
+        "",
+        &["--max-steps", "6"],
+    ));
     let newest = base.join("checkpoints/step-00000006");
     let mut files: Vec<String> = std::fs::read_dir(&newest)
         .unwrap()
