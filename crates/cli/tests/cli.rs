@@ -976,8 +976,13 @@ fn bad_input_is_a_one_line_error() {
         "--device",
         "cpu",
     ];
-    fails(&args, "not a multiple of the block length");
-    assert_eq!(tvq(&args).stdout, b"", "nothing printed before the error");
+    let out = tvq(&args);
+    assert_one_error_line(
+        &format!("tvq {args:?}"),
+        &out,
+        "not a multiple of the block length",
+    );
+    assert_eq!(out.stdout, b"", "nothing printed before the error");
 }
 
 /// Waits until the run in `run` has logged 3 lines, then sends `child`

@@ -1,7 +1,7 @@
 //! `tvq bench kernels`: the fused attention and quantizer kernels against
 //! the composed ops they replace, in the model's forward and backward passes on the
-//! device's cubecl backend (wgpu or CUDA, without burn's fusion, where the
-//! kernels plug in: `tvq_model::kernel`).
+//! device's own backend (wgpu or CUDA: cubecl without burn's fusion; the
+//! CPU: `Flex`), where the kernels plug in (`tvq_model::kernel`).
 //!
 //! For each segment length, the same model, batch and dropout masks run
 //! both ways, alternating pass by pass; each line gives both rates, how
@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, bail};
 use burn::DispatchDevice;
 use burn::backend::Autodiff;
+use burn::backend::flex::Flex;
 use burn::prelude::*;
 use serde_json::json;
 use tvq_model::kernel::{
@@ -24,8 +25,8 @@ use tvq_train::config::TrainSection;
 
 use super::{BenchArgs, pattern_batch};
 
-/// Runs the benchmark on `device` (wgpu or CUDA) for each `--seq-len` and
-/// precision.
+/// Runs the benchmark on `device` (the CPU, wgpu or CUDA) for each
+/// `--seq-len` and precision.
 pub(super) fn run(
     args: &BenchArgs,
     model: &TransformerVqConfig,
@@ -36,7 +37,8 @@ pub(super) fn run(
     let cube = match device {
         DispatchDevice::Wgpu(d) => Cube::Wgpu(d),
         DispatchDevice::Cuda(d) => Cube::Cuda(d),
-        _ => bail!("the fused kernels run on wgpu and cuda, not on {info}"),
+        DispatchDevice::Flex(d) => Cube::Cpu(d),
+        _ => bail!("the fused kernels run on the cpu, wgpu and cuda, not on {info}"),
     };
     let on = On {
         args,
@@ -67,15 +69,17 @@ pub(super) fn run(
             match cube {
                 Cube::Wgpu(d) => on.measure::<CubeWgpu>(d, t, precision)?,
                 Cube::Cuda(d) => on.measure::<CubeCuda>(d, t, precision)?,
+                Cube::Cpu(d) => on.measure::<Flex>(d, t, precision)?,
             }
         }
     }
     Ok(())
 }
 
-/// The device as its cubecl backend sees it.
+/// The device as its own backend sees it.
 #[derive(Clone, Copy)]
 enum Cube<'a> {
+    Cpu(&'a burn::backend::flex::FlexDevice),
     Wgpu(&'a burn::backend::wgpu::WgpuDevice),
     Cuda(&'a burn::backend::cuda::CudaDevice),
 }

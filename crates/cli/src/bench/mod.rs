@@ -34,10 +34,11 @@ pub enum BenchmarkArg {
     /// The whole training step: forward, backward, global-norm clipping,
     /// the optimizer (`train.optimizer`) and the EMA codebook update.
     Step,
-    /// The fused attention kernel against the composed ops, in the model's
-    /// forward and backward passes on the device's cubecl backend (wgpu or
-    /// cuda, without burn's fusion): tokens/s of each, the sublayers that
-    /// reached the kernel, and the two passes' loss and gradient difference.
+    /// The fused attention and quantizer kernels against the composed ops,
+    /// in the model's forward and backward passes on the device's own
+    /// backend (the CPU's; wgpu's or cuda's cubecl, without burn's fusion):
+    /// tokens/s of each, the sublayers that reached the kernels, and the
+    /// two passes' loss and gradient difference.
     Kernels,
     /// Each matrix product of the model's forward pass at its own shapes
     /// (the projections, the codebook distances, the window and cache

@@ -2,8 +2,6 @@
 //! once, keeping its output and each query's log-sum-exp, and the
 //! backward kernel recomputes the scores from them.
 
-use std::sync::atomic::Ordering;
-
 use burn::backend::autodiff::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -12,7 +10,9 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 
-use super::{AttentionKernelInput, FUSED_CALLS, Nearest, QUANTIZE_CALLS, VqBackend, VqKernels};
+use super::{
+    AttentionKernelInput, FUSED_CALLS, Nearest, QUANTIZE_CALLS, VqBackend, VqKernels, count,
+};
 
 /// The backward step of the fused attention; its parents are the eight
 /// differentiable inputs in [`AttentionKernelGrads`](super::AttentionKernelGrads)'s order.
@@ -49,7 +49,7 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
     const FUSES_ATTENTION: bool = true;
 
     fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Option<Nearest<Self>> {
-        QUANTIZE_CALLS.fetch_add(1, Ordering::Relaxed);
+        count(&QUANTIZE_CALLS);
         // Nothing here carries gradient: the kernel's outputs are new leaves.
         let n = B::vq_quantize(keys.primitive, codebook.primitive);
         Some(Nearest {
@@ -60,7 +60,7 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
     }
 
     fn vq_attention(x: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {
-        FUSED_CALLS.fetch_add(1, Ordering::Relaxed);
+        count(&FUSED_CALLS);
         let parents = [
             x.q.node.clone(),
             x.k.node.clone(),

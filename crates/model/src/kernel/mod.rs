@@ -12,20 +12,20 @@
 //! |---|---|
 //! | `CubeBackend<R, ..>` (cubecl: CUDA, wgpu), with or without `Autodiff` | [`attention`], [`quantizer`] |
 //! | `burn::Dispatch` (what `tvq` trains on) | none: its tensors hide the backend they live on; `tvq bench kernels` runs the model on [`CubeWgpu`] or [`CubeCuda`] |
-//! | `Flex` (the CPU) | none |
+//! | `Flex` (the CPU), with or without `Autodiff` | attention and quantizer in Rust over its buffers (`cpu.rs`) |
 //!
 //! Shapes: `G = B H R` block rows, `L` block length, `K` key width, `V`
 //! value width, `S` codes, `T = R L`.
 
 pub mod attention;
 mod autodiff;
+mod cpu;
 mod launch;
 pub mod quantizer;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::cell::Cell;
 
 use burn::Dispatch;
-use burn::backend::flex::Flex;
 use burn::prelude::Backend;
 use burn::tensor::DType;
 use burn::tensor::ops::{FloatTensor, IntTensor};
@@ -35,10 +35,11 @@ use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
 /// Whether a sublayer's attention and quantizer may each run as one fused
 /// kernel where the backend has one, or always as composed tensor ops.
 ///
-/// Composed is the default: the kernels are exact but not yet fast (tiled,
-/// but scalar loads and no tensor cores), slower than the composed ops
-/// where measured (docs/benchmarks.md, `tvq bench kernels`). A model opts
-/// in with [`Kernels::Fused`].
+/// Composed is the default: the kernels are exact, faster than the
+/// composed ops on the CPU from T = 2,048 but slower on lavapipe (tiled,
+/// but scalar loads and no tensor cores) and not yet timed on a GPU
+/// (docs/benchmarks.md, `tvq bench kernels`). A model opts in with
+/// [`Kernels::Fused`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Kernels {
     /// The fused kernels where the backend has them and the sublayer's
@@ -170,12 +171,12 @@ impl<B: VqKernels> VqBackend for B {
     const FUSES_ATTENTION: bool = true;
 
     fn vq_attention(input: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {
-        FUSED_CALLS.fetch_add(1, Ordering::Relaxed);
+        count(&FUSED_CALLS);
         Some(B::vq_attention_forward(&input).0)
     }
 
     fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Option<Nearest<Self>> {
-        QUANTIZE_CALLS.fetch_add(1, Ordering::Relaxed);
+        count(&QUANTIZE_CALLS);
         Some(B::vq_quantize(keys, codebook))
     }
 }
@@ -226,7 +227,7 @@ macro_rules! composed {
     )*};
 }
 
-composed!(Dispatch, Flex);
+composed!(Dispatch);
 
 /// wgpu's cubecl backend without burn's fusion: where the kernels run on
 /// wgpu (and on lavapipe, in CI).
@@ -236,16 +237,25 @@ pub type CubeWgpu = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32
 /// NVIDIA GPUs.
 pub type CubeCuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
 
-static FUSED_CALLS: AtomicU64 = AtomicU64::new(0);
-static QUANTIZE_CALLS: AtomicU64 = AtomicU64::new(0);
-
-/// How many fused attention calls this process has made: how a test sees
-/// that the fused path ran rather than silently falling back.
-pub fn fused_attention_calls() -> u64 {
-    FUSED_CALLS.load(Ordering::Relaxed)
+thread_local! {
+    /// Per thread, so that tests running side by side do not see each
+    /// other's calls.
+    static FUSED_CALLS: Cell<u64> = const { Cell::new(0) };
+    static QUANTIZE_CALLS: Cell<u64> = const { Cell::new(0) };
 }
 
-/// How many fused quantizer calls this process has made.
+/// Counts one call in `counter`.
+fn count(counter: &'static std::thread::LocalKey<Cell<u64>>) {
+    counter.with(|c| c.set(c.get() + 1));
+}
+
+/// How many fused attention calls this thread has made: how a test sees
+/// that the fused path ran rather than silently falling back.
+pub fn fused_attention_calls() -> u64 {
+    FUSED_CALLS.with(Cell::get)
+}
+
+/// How many fused quantizer calls this thread has made.
 pub fn fused_quantize_calls() -> u64 {
-    QUANTIZE_CALLS.load(Ordering::Relaxed)
+    QUANTIZE_CALLS.with(Cell::get)
 }

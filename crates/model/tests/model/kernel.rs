@@ -1,5 +1,5 @@
 //! The fused kernels against the composed ops they replace, on wgpu's
-//! cubecl backend (lavapipe in CI). The attention: outputs and the
+//! cubecl backend (lavapipe in CI) and on the CPU (`Flex`). The attention: outputs and the
 //! gradients of every differentiable input, for each position-term
 //! layout, cache gradient mode, limit and the learned count weight, from a
 //! fresh stream and from a carried state. The quantizer: codes,
@@ -9,12 +9,14 @@
 use std::sync::OnceLock;
 
 use burn::backend::Autodiff;
+use burn::backend::flex::{Flex, FlexDevice};
 use burn::backend::wgpu::{CubeBackend, WgpuDevice, WgpuRuntime};
 use burn::module::Param;
 use burn::prelude::*;
 use burn::tensor::Distribution;
+use burn::tensor::backend::AutodiffBackend;
 use tvq_model::attention::{AttentionInput, AttentionState, Position, block_attention};
-use tvq_model::kernel::{Kernels, fused_attention_calls, fused_quantize_calls};
+use tvq_model::kernel::{Kernels, VqBackend, fused_attention_calls, fused_quantize_calls};
 use tvq_model::quantizer::{Quantized, VectorQuantizer};
 use tvq_model::{CacheGrad, Compute};
 use tvq_testkit::Gpu;
@@ -24,6 +26,13 @@ use crate::common::{self, cpu};
 /// wgpu's cubecl backend, unfused, so that the kernel is reached directly.
 type Cube = CubeBackend<WgpuRuntime, f32, i32, u32>;
 type Ad = Autodiff<Cube>;
+/// The CPU backend, where the kernels are Rust over its buffers.
+type Cpu = Autodiff<Flex>;
+
+/// What the tests run on: an autodiff backend whose model can reach a
+/// fused kernel.
+trait Under: AutodiffBackend + VqBackend {}
+impl<A: AutodiffBackend + VqBackend> Under for A {}
 
 /// The wgpu device, once its adapter answers; `None` (and a SKIPPED line,
 /// or a failure where wgpu is required) when there is none.
@@ -172,22 +181,22 @@ struct Run {
     grads: Vec<(&'static str, Vec<f32>)>,
 }
 
-fn host<const D: usize>(t: Tensor<Cube, D>) -> Vec<f32> {
+fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     t.into_data().convert::<f32>().to_vec().unwrap()
 }
 
 /// The case's segment through [`block_attention`] on `device` with
 /// `kernels`, from `state`.
-fn run(
+fn run<A: Under>(
     case: &Case,
     draw: &Draw,
-    state: AttentionState<Ad>,
+    state: AttentionState<A>,
     kernels: Kernels,
-    device: &WgpuDevice,
+    device: &A::Device,
 ) -> Run {
     let (b, h, t, l) = (case.b, case.h, case.t(), case.l);
     let tensor = |data: &TensorData, shape: [usize; 4]| {
-        Tensor::<Ad, 1>::from_data(data.clone(), device)
+        Tensor::<A, 1>::from_data(data.clone(), device)
             .reshape(shape)
             .require_grad()
     };
@@ -204,16 +213,16 @@ fn run(
         q: q.clone(),
         position: Position::Table(bias.clone()),
         k_window: k.clone(),
-        codes: Tensor::<Ad, 1, Int>::from_data(draw.codes.clone(), device).reshape([b, h, t]),
+        codes: Tensor::<A, 1, Int>::from_data(draw.codes.clone(), device).reshape([b, h, t]),
         v: v.clone(),
-        codebook: Tensor::<Ad, 1>::from_data(draw.codebook.clone(), device)
+        codebook: Tensor::<A, 1>::from_data(draw.codebook.clone(), device)
             .reshape([h, case.s, case.k]),
         count_weight: case.count_weight.then(|| weight.clone()),
     };
     let (out, _) = block_attention(input, state, l, case.cx(kernels)).expect("attention runs");
-    let probe = Tensor::<Ad, 1>::from_data(draw.probe.clone(), device).reshape([b, h, t, case.v]);
+    let probe = Tensor::<A, 1>::from_data(draw.probe.clone(), device).reshape([b, h, t, case.v]);
     let grads = (out.clone() * probe).sum().backward();
-    let grad = |x: Tensor<Ad, 4>| x.grad(&grads).map(host).unwrap_or_default();
+    let grad = |x: Tensor<A, 4>| x.grad(&grads).map(host).unwrap_or_default();
     let mut named = vec![
         ("q", grad(q)),
         ("k", grad(k)),
@@ -231,22 +240,22 @@ fn run(
 
 /// The state after a first segment of the case's sizes (composed ops),
 /// so that the segment under test has a previous block and a cache.
-fn carried_state(case: &Case, device: &WgpuDevice) -> AttentionState<Ad> {
+fn carried_state<A: Under>(case: &Case, device: &A::Device) -> AttentionState<A> {
     let draw = case.draw(case.t());
     let (b, h, t) = (case.b, case.h, case.t());
     let input = AttentionInput {
-        q: Tensor::<Ad, 1>::from_data(draw.q, device).reshape([b, h, t, case.k]),
-        position: Position::Table(Tensor::<Ad, 1>::from_data(draw.bias, device).reshape(
+        q: Tensor::<A, 1>::from_data(draw.q, device).reshape([b, h, t, case.k]),
+        position: Position::Table(Tensor::<A, 1>::from_data(draw.bias, device).reshape(
             if case.per_query_bias {
                 [b, h, t, case.l + 1]
             } else {
                 [1, h, 1, case.l + 1]
             },
         )),
-        k_window: Tensor::<Ad, 1>::from_data(draw.k, device).reshape([b, h, t, case.k]),
-        codes: Tensor::<Ad, 1, Int>::from_data(draw.codes, device).reshape([b, h, t]),
-        v: Tensor::<Ad, 1>::from_data(draw.v, device).reshape([b, h, t, case.v]),
-        codebook: Tensor::<Ad, 1>::from_data(draw.codebook, device).reshape([h, case.s, case.k]),
+        k_window: Tensor::<A, 1>::from_data(draw.k, device).reshape([b, h, t, case.k]),
+        codes: Tensor::<A, 1, Int>::from_data(draw.codes, device).reshape([b, h, t]),
+        v: Tensor::<A, 1>::from_data(draw.v, device).reshape([b, h, t, case.v]),
+        codebook: Tensor::<A, 1>::from_data(draw.codebook, device).reshape([h, case.s, case.k]),
         count_weight: None,
     };
     let cx = case.cx(Kernels::Composed);
@@ -271,16 +280,16 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 /// Runs `case` fused and composed and requires them to agree within `tol`
 /// (relative, [`max_diff`]) in the output and every gradient, and the
 /// fused run to have reached the kernel.
-fn agree(case: Case, device: &WgpuDevice, tol: f32) {
+fn agree<A: Under>(case: Case, device: &A::Device, tol: f32) {
     let state = if case.carried {
-        carried_state(&case, device)
+        carried_state::<A>(&case, device)
     } else {
         AttentionState::default()
     };
     let draw = case.draw(case.t());
-    let composed = run(&case, &draw, state.clone(), Kernels::Composed, device);
+    let composed = run::<A>(&case, &draw, state.clone(), Kernels::Composed, device);
     let before = fused_attention_calls();
-    let fused = run(&case, &draw, state, Kernels::Fused, device);
+    let fused = run::<A>(&case, &draw, state, Kernels::Fused, device);
     assert!(
         fused_attention_calls() > before,
         "{case:?}: the fused run did not reach the kernel"
@@ -297,12 +306,11 @@ fn agree(case: Case, device: &WgpuDevice, tol: f32) {
     }
 }
 
-#[test]
-fn fused_attention_matches_the_composed_ops() {
-    let Some(device) = wgpu("fused_attention_matches_the_composed_ops") else {
-        return;
-    };
-    let cases = [
+/// Every case the attention kernels are held to: empty and carried
+/// caches, both position-term layouts, every cache gradient mode, the
+/// limits, the count weight, and sizes that leave partial tiles.
+fn cases() -> [Case; 10] {
+    [
         // One block: no previous block, empty cache.
         Case { r: 1, ..BASE },
         // Many blocks, Toeplitz-shaped bias, every cache gradient mode.
@@ -370,15 +378,29 @@ fn fused_attention_matches_the_composed_ops() {
             s: 4,
             ..BASE
         },
-    ];
-    for case in cases {
-        agree(case, &device, 2e-5);
+    ]
+}
+
+#[test]
+fn fused_attention_matches_the_composed_ops() {
+    let Some(device) = wgpu("fused_attention_matches_the_composed_ops") else {
+        return;
+    };
+    for case in cases() {
+        agree::<Ad>(case, &device, 2e-5);
+    }
+}
+
+#[test]
+fn cpu_fused_attention_matches_the_composed_ops() {
+    for case in cases() {
+        agree::<Cpu>(case, &FlexDevice, 2e-5);
     }
 }
 
 /// A quantizer of `h` heads whose codewords are `words` `[H, S, K]`
 /// (counts of one, so that the codebook is `words` itself).
-fn quantizer_of(words: Tensor<Ad, 3>) -> VectorQuantizer<Ad> {
+fn quantizer_of<A: Under>(words: Tensor<A, 3>) -> VectorQuantizer<A> {
     let [h, s, _] = words.dims();
     let device = words.device();
     VectorQuantizer {
@@ -390,15 +412,15 @@ fn quantizer_of(words: Tensor<Ad, 3>) -> VectorQuantizer<Ad> {
 /// `keys` through `quantizer` with `kernels`, half the tokens of the
 /// first row marked invalid; the result and the gradient of `keys` under
 /// `sum(k_hat * probe) + sum(commitment)`.
-fn quantize(
-    quantizer: &VectorQuantizer<Ad>,
-    keys: &Tensor<Ad, 4>,
-    probe: &Tensor<Ad, 4>,
+fn quantize<A: Under>(
+    quantizer: &VectorQuantizer<A>,
+    keys: &Tensor<A, 4>,
+    probe: &Tensor<A, 4>,
     kernels: Kernels,
-) -> (Quantized<Ad>, Vec<f32>) {
+) -> (Quantized<A>, Vec<f32>) {
     let [b, _, t, _] = keys.dims();
     let keys = keys.clone().detach().require_grad();
-    let valid = Tensor::<Ad, 1, Int>::arange(0..(b * t) as i64, &keys.device())
+    let valid = Tensor::<A, 1, Int>::arange(0..(b * t) as i64, &keys.device())
         .reshape([b, t])
         .greater_equal_elem((t / 2) as i64);
     let vq = quantizer.quantize(keys.clone(), Some(valid), kernels);
@@ -408,7 +430,7 @@ fn quantize(
     (vq, grad)
 }
 
-fn ints<const D: usize>(t: Tensor<Ad, D, Int>) -> Vec<i64> {
+fn ints<B: Backend, const D: usize>(t: Tensor<B, D, Int>) -> Vec<i64> {
     t.into_data().convert::<i64>().to_vec().unwrap()
 }
 
@@ -422,8 +444,17 @@ fn fused_quantizer_matches_the_composed_ops() {
     let Some(device) = wgpu("fused_quantizer_matches_the_composed_ops") else {
         return;
     };
+    quantizer_agrees::<Ad>(&device);
+}
+
+#[test]
+fn cpu_fused_quantizer_matches_the_composed_ops() {
+    quantizer_agrees::<Cpu>(&FlexDevice);
+}
+
+fn quantizer_agrees<A: Under>(device: &A::Device) {
     let normal = |shape: [usize; 4], std: f64| {
-        Tensor::<Ad, 4>::random(shape, Distribution::Normal(0.0, std), &device)
+        Tensor::<A, 4>::random(shape, Distribution::Normal(0.0, std), device)
     };
     for (b, h, t, k, s) in [
         (2, 3, 5, 4, 6),
@@ -437,12 +468,9 @@ fn fused_quantizer_matches_the_composed_ops() {
         let probe = normal([b, h, t, k], 1.0);
 
         // Planted: each key a codeword plus noise far below their spacing.
-        let planted = Tensor::<Ad, 1, Int>::random(
-            [b * h * t],
-            Distribution::Uniform(0.0, s as f64),
-            &device,
-        );
-        let rows = Tensor::<Ad, 1, Int>::arange_step(0..(h * s) as i64, s, &device)
+        let planted =
+            Tensor::<A, 1, Int>::random([b * h * t], Distribution::Uniform(0.0, s as f64), device);
+        let rows = Tensor::<A, 1, Int>::arange_step(0..(h * s) as i64, s, device)
             .reshape([1, h, 1])
             .expand([b, h, t])
             .reshape([b * h * t]);

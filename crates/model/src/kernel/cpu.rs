@@ -1,0 +1,614 @@
+//! The fused VQ attention and quantizer on the CPU (burn's `Flex`
+//! backend): the computation of the cubecl kernels, block row by block
+//! row. A row's `[L, 2L + S]` scores live in one scratch buffer that stays
+//! in the core's cache, where the composed ops allocate and pass over
+//! `[B, H, R, L, L]` and `[B, H, R, L, S]` tensors op by op; the products
+//! are `gemm`'s, as `Flex`'s own matmul. The backward pass recomputes the
+//! probabilities from each query's log-sum-exp.
+//!
+//! Keys of a row number `N = 2L + S`: present `0..L`, previous `L..2L`,
+//! codes `2L..`. Masked scores (a present key after the query, the
+//! previous block of a fresh stream's block 0, an empty code) get
+//! probability 0 and no gradient.
+
+use burn::backend::flex::{Flex, FlexTensor};
+use burn::tensor::{DType, TensorData, TensorMetadata};
+
+use rayon::prelude::*;
+
+use super::{AttentionKernelGrads, AttentionKernelInput, Nearest, VqKernels};
+
+/// A matrix view of a slice: element `(i, j)` at `i rs + j cs`.
+#[derive(Clone, Copy)]
+struct Mat<'a> {
+    data: &'a [f32],
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+}
+
+impl<'a> Mat<'a> {
+    /// Rows `0..rows` of a row-major `[rows, cols]` matrix at the start of `data`.
+    fn dense(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        Self {
+            data,
+            rows,
+            cols,
+            rs: cols,
+            cs: 1,
+        }
+    }
+
+    /// The transpose (a view).
+    fn t(self) -> Self {
+        Self {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+
+    /// Whether every element lies inside `data`.
+    fn fits(&self, len: usize) -> bool {
+        self.rows == 0
+            || self.cols == 0
+            || (self.rows - 1) * self.rs + (self.cols - 1) * self.cs < len
+    }
+}
+
+/// `dst = a b` (or `dst += a b` when `acc`), `dst` a `[a.rows, b.cols]`
+/// view of `dst` with row stride `dst_rs` and unit column stride.
+fn matmul(dst: &mut [f32], dst_rs: usize, acc: bool, a: Mat<'_>, b: Mat<'_>) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert_eq!(k, b.rows, "inner sizes differ");
+    let out = Mat {
+        data: dst,
+        rows: m,
+        cols: n,
+        rs: dst_rs,
+        cs: 1,
+    };
+    assert!(
+        a.fits(a.data.len()) && b.fits(b.data.len()) && out.fits(dst.len()),
+        "a matrix view runs past its slice"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !acc {
+            for i in 0..m {
+                dst[i * dst_rs..][..n].fill(0.0);
+            }
+        }
+        return;
+    }
+    // SAFETY: every element of the three views lies inside its slice
+    // (checked above), `dst` is borrowed mutably, so it aliases neither
+    // operand, and the strides are those the views were checked with.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            acc,
+            a.data.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+/// Columns `start..start + width` of a row-major `[rows, n]` matrix.
+fn columns(m: &[f32], rows: usize, n: usize, start: usize, width: usize) -> Mat<'_> {
+    Mat {
+        data: &m[start..],
+        rows,
+        cols: width,
+        rs: n,
+        cs: 1,
+    }
+}
+
+/// Sizes of one call: `G` block rows of `R` blocks (so block `g % R` of
+/// its stream), `L`, `K`, `V`, `S` codes, `H` heads (row `g` is head
+/// `(g / R) % H`).
+#[derive(Clone, Copy, Debug)]
+struct Dims {
+    g: usize,
+    r: usize,
+    l: usize,
+    k: usize,
+    v: usize,
+    s: usize,
+    h: usize,
+}
+
+impl Dims {
+    /// Keys per row: present, previous, codes.
+    fn n(&self) -> usize {
+        2 * self.l + self.s
+    }
+}
+
+/// [`AttentionKernelInput`] as contiguous host slices.
+struct Rows<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    k_prev: &'a [f32],
+    v_prev: &'a [f32],
+    bias: &'a [f32],
+    codebook: &'a [f32],
+    log_counts: &'a [f32],
+    shift: &'a [f32],
+    count_weight: &'a [f32],
+    means: &'a [f32],
+    mask_first: bool,
+}
+
+/// Row `g`'s slice of a `[G, n, width]` tensor.
+fn row(x: &[f32], g: usize, n: usize, width: usize) -> &[f32] {
+    &x[g * n * width..][..n * width]
+}
+
+impl Rows<'_> {
+    /// Row `g`'s scores `[L, N]` into `p`, then (given each query's
+    /// log-sum-exp `lse` `[L]`, or computing it there) its probabilities.
+    fn probabilities(&self, d: Dims, g: usize, p: &mut [f32], lse: &mut [f32], known_lse: bool) {
+        let (l, k, s, n) = (d.l, d.k, d.s, d.n());
+        let q = Mat::dense(row(self.q, g, l, k), l, k);
+        let head = (g / d.r) % d.h;
+        matmul(p, n, false, q, Mat::dense(row(self.k, g, l, k), l, k).t());
+        matmul(
+            &mut p[l..],
+            n,
+            false,
+            q,
+            Mat::dense(row(self.k_prev, g, l, k), l, k).t(),
+        );
+        matmul(
+            &mut p[2 * l..],
+            n,
+            false,
+            q,
+            Mat::dense(row(self.codebook, head, s, k), s, k).t(),
+        );
+        let no_prev = self.mask_first && g.is_multiple_of(d.r);
+        let log_counts = row(self.log_counts, g, 1, s);
+        let shift = self.shift[g];
+        for i in 0..l {
+            let bias = &self.bias[(g * l + i) * (l + 1)..][..l + 1];
+            let scores = &mut p[i * n..][..n];
+            let weight = self.count_weight[g * l + i];
+            // Masked scores are -inf until the exponent makes them 0.
+            for (j, x) in scores[..l].iter_mut().enumerate() {
+                *x = if j <= i {
+                    *x + bias[i - j]
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+            for (j, x) in scores[l..2 * l].iter_mut().enumerate() {
+                *x = if no_prev {
+                    f32::NEG_INFINITY
+                } else if j >= i {
+                    *x + bias[l + i - j]
+                } else {
+                    *x
+                };
+            }
+            for (x, &c) in scores[2 * l..].iter_mut().zip(log_counts) {
+                *x = if c == f32::NEG_INFINITY {
+                    f32::NEG_INFINITY
+                } else {
+                    *x + weight * c + shift
+                };
+            }
+            if known_lse {
+                let m = lse[i];
+                scores.iter_mut().for_each(|x| *x = (*x - m).exp());
+            } else {
+                // The present key j = 0 is never masked: the maximum is finite.
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0.0;
+                for x in scores.iter_mut() {
+                    *x = (*x - max).exp();
+                    sum += *x;
+                }
+                scores.iter_mut().for_each(|x| *x /= sum);
+                lse[i] = max + sum.ln();
+            }
+        }
+    }
+
+    /// Row `g`'s output `[L, V]` from its probabilities `p` `[L, N]`.
+    fn weigh(&self, d: Dims, g: usize, p: &[f32], out: &mut [f32]) {
+        let (l, v, s, n) = (d.l, d.v, d.s, d.n());
+        let part = |start, width| columns(p, l, n, start, width);
+        matmul(
+            out,
+            v,
+            false,
+            part(0, l),
+            Mat::dense(row(self.v, g, l, v), l, v),
+        );
+        matmul(
+            out,
+            v,
+            true,
+            part(l, l),
+            Mat::dense(row(self.v_prev, g, l, v), l, v),
+        );
+        matmul(
+            out,
+            v,
+            true,
+            part(2 * l, s),
+            Mat::dense(row(self.means, g, s, v), s, v),
+        );
+    }
+}
+
+/// The forward pass: output `[G, L, V]` and each query's log-sum-exp
+/// `[G, L]`, block rows on the worker threads.
+fn forward(x: &Rows<'_>, d: Dims) -> (Vec<f32>, Vec<f32>) {
+    let mut out = vec![0.0; d.g * d.l * d.v];
+    let mut lse = vec![0.0; d.g * d.l];
+    (out.par_chunks_mut(d.l * d.v), lse.par_chunks_mut(d.l))
+        .into_par_iter()
+        .enumerate()
+        .for_each_init(
+            || vec![0.0; d.l * d.n()],
+            |p, (g, (out, lse))| {
+                x.probabilities(d, g, p, lse, false);
+                x.weigh(d, g, p, out);
+            },
+        );
+    (out, lse)
+}
+
+/// The gradients of the differentiable inputs, as host vectors in
+/// [`AttentionKernelGrads`]'s order.
+struct Grads {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    k_prev: Vec<f32>,
+    v_prev: Vec<f32>,
+    bias: Vec<f32>,
+    means: Vec<f32>,
+    count_weight: Vec<f32>,
+}
+
+/// The backward pass from the output's gradient `grad` `[G, L, V]`,
+/// block rows on the worker threads.
+fn backward(x: &Rows<'_>, d: Dims, out: &[f32], lse: &[f32], grad: &[f32]) -> Grads {
+    let (gs, l, k, v, s) = (d.g, d.l, d.k, d.v, d.s);
+    let mut grads = Grads {
+        q: vec![0.0; gs * l * k],
+        k: vec![0.0; gs * l * k],
+        v: vec![0.0; gs * l * v],
+        k_prev: vec![0.0; gs * l * k],
+        v_prev: vec![0.0; gs * l * v],
+        bias: vec![0.0; gs * l * (l + 1)],
+        means: vec![0.0; gs * s * v],
+        count_weight: vec![0.0; gs * l],
+    };
+    (
+        grads.q.par_chunks_mut(l * k),
+        grads.k.par_chunks_mut(l * k),
+        grads.v.par_chunks_mut(l * v),
+        grads.k_prev.par_chunks_mut(l * k),
+        grads.v_prev.par_chunks_mut(l * v),
+        grads.bias.par_chunks_mut(l * (l + 1)),
+        grads.means.par_chunks_mut(s * v),
+        grads.count_weight.par_chunks_mut(l),
+    )
+        .into_par_iter()
+        .enumerate()
+        .for_each_init(
+            || Scratch {
+                p: vec![0.0; l * d.n()],
+                ds: vec![0.0; l * d.n()],
+                lse: vec![0.0; l],
+            },
+            |scratch, (g, parts)| {
+                scratch.lse.copy_from_slice(row(lse, g, l, 1));
+                let io = [row(out, g, l, v), row(grad, g, l, v)];
+                let (q, k, v, k_prev, v_prev, bias, means, count_weight) = parts;
+                let grads = RowGrads {
+                    q,
+                    k,
+                    v,
+                    k_prev,
+                    v_prev,
+                    bias,
+                    means,
+                    count_weight,
+                };
+                backward_row(x, d, g, io, scratch, grads);
+            },
+        );
+    grads
+}
+
+/// One thread's buffers for [`backward_row`]: probabilities and score
+/// gradients `[L, N]`, the row's log-sum-exp `[L]`.
+struct Scratch {
+    p: Vec<f32>,
+    ds: Vec<f32>,
+    lse: Vec<f32>,
+}
+
+/// One block row's slices of [`Grads`].
+struct RowGrads<'a> {
+    q: &'a mut [f32],
+    k: &'a mut [f32],
+    v: &'a mut [f32],
+    k_prev: &'a mut [f32],
+    v_prev: &'a mut [f32],
+    bias: &'a mut [f32],
+    means: &'a mut [f32],
+    count_weight: &'a mut [f32],
+}
+
+/// Row `g`'s gradients from its output and the output's gradient
+/// `[out, grad]`, each `[L, V]`.
+fn backward_row(
+    x: &Rows<'_>,
+    d: Dims,
+    g: usize,
+    [out, grad]: [&[f32]; 2],
+    Scratch { p, ds, lse }: &mut Scratch,
+    RowGrads {
+        q: dq,
+        k: dk,
+        v: dv,
+        k_prev: dk_prev,
+        v_prev: dv_prev,
+        bias: dbias,
+        means: dmeans,
+        count_weight: dcount_weight,
+    }: RowGrads<'_>,
+) {
+    let (l, k, v, s, n) = (d.l, d.k, d.v, d.s, d.n());
+    x.probabilities(d, g, p, lse, true);
+    let d_out = Mat::dense(grad, l, v);
+    let head = (g / d.r) % d.h;
+    // dP = dO values^T, [L, N].
+    matmul(ds, n, false, d_out, Mat::dense(row(x.v, g, l, v), l, v).t());
+    matmul(
+        &mut ds[l..],
+        n,
+        false,
+        d_out,
+        Mat::dense(row(x.v_prev, g, l, v), l, v).t(),
+    );
+    matmul(
+        &mut ds[2 * l..],
+        n,
+        false,
+        d_out,
+        Mat::dense(row(x.means, g, s, v), s, v).t(),
+    );
+    // dS = P (dP - dO . O).
+    let log_counts = row(x.log_counts, g, 1, s);
+    for i in 0..l {
+        let delta: f32 = out[i * v..][..v]
+            .iter()
+            .zip(&grad[i * v..][..v])
+            .map(|(a, b)| a * b)
+            .sum();
+        let (pi, dsi) = (&p[i * n..][..n], &mut ds[i * n..][..n]);
+        for (dsij, &pij) in dsi.iter_mut().zip(pi) {
+            *dsij = pij * (*dsij - delta);
+        }
+        // Each distance 0..=L is one key's: present i - d, previous L + i - d.
+        for (dist, b) in dbias[i * (l + 1)..][..l + 1].iter_mut().enumerate() {
+            *b = if dist <= i {
+                dsi[i - dist]
+            } else {
+                dsi[l + l + i - dist]
+            };
+        }
+        dcount_weight[i] = dsi[2 * l..]
+            .iter()
+            .zip(log_counts)
+            .filter(|&(_, &c)| c != f32::NEG_INFINITY)
+            .map(|(a, c)| a * c)
+            .sum();
+    }
+    let part = |m, start, width| columns(m, l, n, start, width);
+    let q = Mat::dense(row(x.q, g, l, k), l, k);
+    // dq = dS keys.
+    matmul(
+        dq,
+        k,
+        false,
+        part(ds, 0, l),
+        Mat::dense(row(x.k, g, l, k), l, k),
+    );
+    matmul(
+        dq,
+        k,
+        true,
+        part(ds, l, l),
+        Mat::dense(row(x.k_prev, g, l, k), l, k),
+    );
+    matmul(
+        dq,
+        k,
+        true,
+        part(ds, 2 * l, s),
+        Mat::dense(row(x.codebook, head, s, k), s, k),
+    );
+    // dk = dS^T q; codewords take no gradient.
+    matmul(dk, k, false, part(ds, 0, l).t(), q);
+    matmul(dk_prev, k, false, part(ds, l, l).t(), q);
+    // dv = P^T dO.
+    matmul(dv, v, false, part(p, 0, l).t(), d_out);
+    matmul(dv_prev, v, false, part(p, l, l).t(), d_out);
+    matmul(dmeans, v, false, part(p, 2 * l, s).t(), d_out);
+}
+
+/// `t` as a contiguous `f32` tensor (a view shares its buffer; other
+/// types are converted).
+fn f32s(t: &FlexTensor) -> FlexTensor {
+    if t.dtype() == DType::F32 {
+        t.to_contiguous()
+    } else {
+        FlexTensor::from_data(t.clone().into_data().convert::<f32>())
+    }
+}
+
+/// A tensor of `shape` holding `values`, in `dtype`.
+fn tensor(values: Vec<f32>, shape: Vec<usize>, dtype: DType) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(values, shape).convert_dtype(dtype))
+}
+
+/// Runs `f` over the input's contiguous `f32` slices and its sizes.
+fn with_rows<R>(input: &AttentionKernelInput<Flex>, f: impl FnOnce(&Rows<'_>, Dims) -> R) -> R {
+    let [g, l, k] = dims3(&input.q);
+    let [h, s, _] = dims3(&input.codebook);
+    let v = dims3(&input.v)[2];
+    let t = input.bias.shape()[2];
+    let parts = [
+        &input.q,
+        &input.k,
+        &input.v,
+        &input.k_prev,
+        &input.v_prev,
+        &input.bias,
+        &input.codebook,
+        &input.log_counts,
+        &input.shift,
+        &input.count_weight,
+        &input.means,
+    ]
+    .map(f32s);
+    let slice = |i: usize| parts[i].storage::<f32>();
+    let rows = Rows {
+        q: slice(0),
+        k: slice(1),
+        v: slice(2),
+        k_prev: slice(3),
+        v_prev: slice(4),
+        bias: slice(5),
+        codebook: slice(6),
+        log_counts: slice(7),
+        shift: slice(8),
+        count_weight: slice(9),
+        means: slice(10),
+        mask_first: input.mask_first,
+    };
+    f(
+        &rows,
+        Dims {
+            g,
+            r: t / l,
+            l,
+            k,
+            v,
+            s,
+            h,
+        },
+    )
+}
+
+fn dims3(t: &FlexTensor) -> [usize; 3] {
+    let shape = t.shape();
+    [shape[0], shape[1], shape[2]]
+}
+
+impl VqKernels for Flex {
+    fn vq_quantize(keys: FlexTensor, codebook: FlexTensor) -> Nearest<Self> {
+        let dtype = keys.dtype();
+        let [g, t, k] = dims3(&keys);
+        let [h, s, _] = dims3(&codebook);
+        let (keys, words) = (f32s(&keys), f32s(&codebook));
+        let (keys, words) = (keys.storage::<f32>(), words.storage::<f32>());
+        let mut codes = vec![0i32; g * t];
+        let mut chosen = vec![0.0f32; g * t * k];
+        let mut error = vec![0.0f32; g * t];
+        for gi in 0..g {
+            let head = row(words, gi % h, s, k);
+            for ti in 0..t {
+                let n = gi * t + ti;
+                let key = &keys[n * k..][..k];
+                // `sum (k - C)^2` itself, ties to the lowest index, as the
+                // cubecl kernel's.
+                let (mut best, mut best_d) = (0, f32::INFINITY);
+                for (code, word) in head.chunks_exact(k).enumerate() {
+                    let dist: f32 = key.iter().zip(word).map(|(a, b)| (a - b) * (a - b)).sum();
+                    if dist < best_d {
+                        (best, best_d) = (code, dist);
+                    }
+                }
+                codes[n] = best as i32;
+                chosen[n * k..][..k].copy_from_slice(&head[best * k..][..k]);
+                error[n] = best_d;
+            }
+        }
+        Nearest {
+            codes: FlexTensor::from_data(TensorData::new(codes, [g, t])),
+            words: tensor(chosen, vec![g, t, k], dtype),
+            error: tensor(error, vec![g, t], dtype),
+        }
+    }
+
+    fn vq_attention_forward(input: &AttentionKernelInput<Self>) -> (FlexTensor, FlexTensor) {
+        let dtype = input.q.dtype();
+        let (out, lse, [g, l, v]) = with_rows(input, |x, d| {
+            let (out, lse) = forward(x, d);
+            (out, lse, [d.g, d.l, d.v])
+        });
+        (
+            tensor(out, vec![g, l, v], dtype),
+            tensor(lse, vec![g, l], DType::F32),
+        )
+    }
+
+    fn vq_attention_backward(
+        input: AttentionKernelInput<Self>,
+        out: FlexTensor,
+        lse: FlexTensor,
+        grad: FlexTensor,
+    ) -> AttentionKernelGrads<Self> {
+        let dtype = input.q.dtype();
+        let bias_shape = input.bias.shape().to_vec();
+        let (out, lse, grad) = (f32s(&out), f32s(&lse), f32s(&grad));
+        let (grads, d) = with_rows(&input, |x, d| {
+            (
+                backward(x, d, out.storage(), lse.storage(), grad.storage()),
+                d,
+            )
+        });
+        let (gs, l, k, v, s) = (d.g, d.l, d.k, d.v, d.s);
+        AttentionKernelGrads {
+            q: tensor(grads.q, vec![gs, l, k], dtype),
+            k: tensor(grads.k, vec![gs, l, k], dtype),
+            v: tensor(grads.v, vec![gs, l, v], dtype),
+            k_prev: tensor(grads.k_prev, vec![gs, l, k], dtype),
+            v_prev: tensor(grads.v_prev, vec![gs, l, v], dtype),
+            bias: tensor(grads.bias, bias_shape, dtype),
+            means: tensor(grads.means, vec![gs, s, v], dtype),
+            count_weight: tensor(grads.count_weight, vec![gs, l], dtype),
+        }
+    }
+}
