@@ -1,9 +1,10 @@
 //! What several subcommands share: the argument parsers, the `--device`
-//! list and the cache limit flags.
+//! list, the cache limit flags and `--kernels`.
 
 use anyhow::Result;
 use burn::DispatchDevice;
-use clap::Args;
+use clap::{Args, ValueEnum};
+use tvq_model::kernel::Kernels;
 use tvq_train::placement::Model;
 use tvq_train::placement::device::DeviceSpec;
 
@@ -74,6 +75,34 @@ pub struct CacheLimits {
     /// (docs/learning.md, "The cache's counts").
     #[arg(long, value_name = "N")]
     code_limit: Option<usize>,
+}
+
+/// `--kernels`: how inference computes each sublayer's attention and
+/// quantizer.
+#[derive(Args, Debug)]
+pub struct KernelChoice {
+    /// fused: as one kernel each where the device's kernels are reachable
+    /// (the CPU; GPUs compose for now); composed: as tensor ops, the oracle
+    /// the kernels are tested against.
+    #[arg(long, value_enum, default_value = "fused")]
+    kernels: KernelsArg,
+}
+
+/// The values of `--kernels`.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum KernelsArg {
+    Fused,
+    Composed,
+}
+
+impl KernelChoice {
+    /// Sets the choice on every sublayer of `model`.
+    pub fn apply(&self, model: &mut Model) {
+        model.set_kernels(match self.kernels {
+            KernelsArg::Fused => Kernels::Fused,
+            KernelsArg::Composed => Kernels::Composed,
+        });
+    }
 }
 
 impl CacheLimits {

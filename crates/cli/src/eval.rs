@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use crate::args::{CacheLimits, Devices};
+use crate::args::{CacheLimits, Devices, KernelChoice};
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use tvq_data::recall::read_task_file;
@@ -61,6 +61,8 @@ pub struct EvalArgs {
     reset_every: Option<usize>,
     #[command(flatten)]
     cache_limits: CacheLimits,
+    #[command(flatten)]
+    kernels: KernelChoice,
     /// Also measure the loss by position in the document (log2 buckets):
     /// written as JSON to this file, and drawn to the same name with .png.
     #[arg(long, value_name = "FILE.json")]
@@ -107,6 +109,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
     let devices = args.devices.init()?;
     let mut loaded = load_for_inference(&args.checkpoint, args.config.as_deref(), &devices[0])?;
     args.cache_limits.apply(&mut loaded.model);
+    args.kernels.apply(&mut loaded.model);
     let split = match &args.task_file {
         Some(path) => {
             let (ids, recall) = read_task_file(path, loaded.model.vocab_size())?;

@@ -3,7 +3,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use crate::args::{CacheLimits, init_device};
+use crate::args::{CacheLimits, KernelChoice, init_device};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use tvq_data::Vocab;
@@ -50,6 +50,8 @@ pub struct SampleArgs {
     num_samples: usize,
     #[command(flatten)]
     cache_limits: CacheLimits,
+    #[command(flatten)]
+    kernels: KernelChoice,
     /// Device: cpu, wgpu, wgpu:N, cuda or cuda:N.
     #[arg(long, default_value = "cpu", value_parser = crate::args::parse_device)]
     device: DeviceSpec,
@@ -76,6 +78,7 @@ pub fn run(args: SampleArgs) -> Result<()> {
     let estimate = memory::sampling(&loaded.model_config, rows, args.max_tokens);
     memory::check(&estimate, memory::available(&device), args.force)?;
     args.cache_limits.apply(&mut loaded.model);
+    args.kernels.apply(&mut loaded.model);
     let prompts = texts
         .iter()
         .map(|t| loaded.vocab.encode(t))

@@ -11,7 +11,7 @@
 //! | backend | fused |
 //! |---|---|
 //! | `CubeBackend<R, ..>` (cubecl: CUDA, wgpu), with or without `Autodiff` | [`attention`], [`quantizer`] |
-//! | `burn::Dispatch` (what `tvq` trains on) | none: its tensors hide the backend they live on; `tvq bench kernels` runs the model on [`CubeWgpu`] or [`CubeCuda`] |
+//! | `burn::Dispatch` (what `tvq` trains and infers on) | the CPU's, forward only, on a CPU device without autodiff (inference); otherwise none: its tensors hide the backend they live on, and `tvq bench kernels` runs the model on `Flex`, [`CubeWgpu`] or [`CubeCuda`] |
 //! | `Flex` (the CPU), with or without `Autodiff` | attention and quantizer in Rust over its buffers (`cpu.rs`) |
 //!
 //! Shapes: `G = B H R` block rows, `L` block length, `K` key width, `V`
@@ -25,10 +25,11 @@ pub mod quantizer;
 
 use std::cell::Cell;
 
-use burn::Dispatch;
+use burn::backend::flex::{Flex, FlexTensor};
 use burn::prelude::Backend;
-use burn::tensor::DType;
-use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::ops::{FloatTensor, FloatTensorOps, IntTensor, IntTensorOps};
+use burn::tensor::{DType, TensorPrimitive};
+use burn::{Dispatch, DispatchDevice};
 use burn_cubecl::element::BoolElement;
 use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
 
@@ -210,24 +211,62 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
     }
 }
 
-/// Backends that compose every operation.
-macro_rules! composed {
-    ($($backend:ty),*) => {$(
-        impl VqBackend for $backend {
-            const FUSES_ATTENTION: bool = false;
+/// `burn::Dispatch`, what `tvq` trains and infers on, reaches the CPU's
+/// kernels where its tensors are plain CPU tensors: inference on the CPU,
+/// by way of host data (a copy of the inputs and the output, linear in
+/// their size). Everywhere else it composes: its tensors hide the backend
+/// they live on, and burn 0.21 gives no way to add a backward step to its
+/// autodiff graph, so training composes on every device.
+impl VqBackend for Dispatch {
+    const FUSES_ATTENTION: bool = true;
 
-            fn vq_attention(_: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {
-                None
-            }
+    fn vq_attention(x: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {
+        let device = plain_cpu(&x.q)?;
+        count(&FUSED_CALLS);
+        let flex = AttentionKernelInput::<Flex> {
+            q: to_flex(x.q),
+            k: to_flex(x.k),
+            v: to_flex(x.v),
+            k_prev: to_flex(x.k_prev),
+            v_prev: to_flex(x.v_prev),
+            bias: to_flex(x.bias),
+            codebook: to_flex(x.codebook),
+            log_counts: to_flex(x.log_counts),
+            shift: to_flex(x.shift),
+            count_weight: to_flex(x.count_weight),
+            means: to_flex(x.means),
+            mask_first: x.mask_first,
+        };
+        let (out, _) = Flex::vq_attention_forward(&flex);
+        Some(Self::float_from_data(out.into_data(), &device))
+    }
 
-            fn vq_quantize(_: FloatTensor<Self>, _: FloatTensor<Self>) -> Option<Nearest<Self>> {
-                None
-            }
-        }
-    )*};
+    fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Option<Nearest<Self>> {
+        let device = plain_cpu(&keys)?;
+        count(&QUANTIZE_CALLS);
+        let n = <Flex as VqKernels>::vq_quantize(to_flex(keys), to_flex(codebook));
+        Some(Nearest {
+            codes: Self::int_from_data(n.codes.into_data(), &device),
+            words: Self::float_from_data(n.words.into_data(), &device),
+            error: Self::float_from_data(n.error.into_data(), &device),
+        })
+    }
 }
 
-composed!(Dispatch);
+/// The device of `t` if it is the CPU without autodiff.
+fn plain_cpu(t: &FloatTensor<Dispatch>) -> Option<DispatchDevice> {
+    match Dispatch::float_device(t) {
+        device @ DispatchDevice::Flex(_) => Some(device),
+        _ => None,
+    }
+}
+
+/// A CPU tensor of `Dispatch` as `Flex`'s, through host data.
+fn to_flex(t: FloatTensor<Dispatch>) -> FlexTensor {
+    // A tensor's rank is only its type's: any rank reads the primitive's data.
+    let t = burn::tensor::Tensor::<Dispatch, 1>::from_primitive(TensorPrimitive::Float(t));
+    FlexTensor::from_data(t.into_data())
+}
 
 /// wgpu's cubecl backend without burn's fusion: where the kernels run on
 /// wgpu (and on lavapipe, in CI).

@@ -565,3 +565,64 @@ fn quantizer_agrees<A: Under>(device: &A::Device) {
         );
     }
 }
+
+/// `burn::Dispatch` (what `tvq` runs on) reaches the CPU's kernels in
+/// inference: on the CPU without autodiff the network's forward pass under
+/// [`Kernels::Fused`] runs every sublayer's attention and quantizer as a
+/// kernel and agrees with the composed pass (Toeplitz and XL, two
+/// segments, so that the second starts from a carried cache); with
+/// autodiff it composes (no kernel has a backward step there): no kernel
+/// call, the composed logits.
+#[test]
+fn dispatch_reaches_the_cpu_kernels_in_inference() {
+    use crate::tiny::{config, model, random_tokens, tokens};
+    use tvq_model::{Pass, RelativeBias, TransformerVq};
+
+    for bias in [RelativeBias::Toeplitz, RelativeBias::Xl] {
+        let cfg = config(bias);
+        let (b, t) = (2, 4 * cfg.block_len);
+        let segments = [3, 4].map(|seed| random_tokens(b, t, cfg.vocab_size, seed));
+        // Each segment's logits, and the attention and quantizer kernel calls.
+        let run = |m: &TransformerVq<common::B>, kernels: Kernels| {
+            let device = m.embedding.weight.device();
+            let mut m = m.clone();
+            m.set_kernels(kernels);
+            let calls = [fused_attention_calls(), fused_quantize_calls()];
+            let mut state = m.empty_state();
+            let logits = segments.clone().map(|data| {
+                let out = m
+                    .forward(tokens(&data, b, &device), state.clone(), Pass::new())
+                    .unwrap();
+                state = out.state;
+                common::to_vec(out.logits.unwrap().detach())
+            });
+            let reached = [
+                fused_attention_calls() - calls[0],
+                fused_quantize_calls() - calls[1],
+            ];
+            (logits, reached)
+        };
+        let sublayers = 2 * cfg.n_layer as u64;
+        let plain = model(&cfg, 1, &cpu());
+        let (composed, none) = run(&plain, Kernels::Composed);
+        assert_eq!(none, [0, 0], "{bias:?}: composed ran a kernel");
+        let (fused, reached) = run(&plain, Kernels::Fused);
+        assert_eq!(
+            reached,
+            [2 * sublayers; 2],
+            "{bias:?}: every sublayer, both segments"
+        );
+        for (segment, (f, c)) in fused.iter().zip(&composed).enumerate() {
+            let diff = max_diff(f, c);
+            assert!(diff <= 1e-5, "{bias:?}, segment {segment}: {diff:e}");
+        }
+        let tracked = model(&cfg, 1, &common::cpu_ad());
+        let (autodiff, composes) = run(&tracked, Kernels::Fused);
+        assert_eq!(composes, [0, 0], "{bias:?}: a kernel ran under autodiff");
+        assert_eq!(
+            autodiff,
+            run(&tracked, Kernels::Composed).0,
+            "{bias:?}: under autodiff"
+        );
+    }
+}
