@@ -155,8 +155,9 @@ pub trait VqKernels: Backend {
 /// What the model asks of its backend: each fused operation, or `None`
 /// where the backend has no kernel for it (then the model composes it).
 pub trait VqBackend: Backend {
-    /// Whether [`Self::vq_attention`] has a kernel (answers `Some`): the
-    /// model lays out the kernel's inputs only then.
+    /// Whether [`Self::vq_attention`] may have a kernel (answer `Some`;
+    /// `Dispatch` does only on some devices): the model lays out the
+    /// kernel's inputs only then.
     const FUSES_ATTENTION: bool;
 
     /// The fused attention's output `[G, L, V]`, differentiable where the
