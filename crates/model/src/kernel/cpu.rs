@@ -168,27 +168,38 @@ fn row(x: &[f32], g: usize, n: usize, width: usize) -> &[f32] {
 }
 
 impl Rows<'_> {
+    /// Row `g`'s three groups of keys (present `[L, K]`, previous
+    /// `[L, K]`, its head's codewords `[S, K]`), each with the column of
+    /// the row's scores where the group starts.
+    fn keys(&self, d: Dims, g: usize) -> [(usize, Mat<'_>); 3] {
+        let (l, k, s) = (d.l, d.k, d.s);
+        let head = (g / d.r) % d.h;
+        [
+            (0, Mat::dense(row(self.k, g, l, k), l, k)),
+            (l, Mat::dense(row(self.k_prev, g, l, k), l, k)),
+            (2 * l, Mat::dense(row(self.codebook, head, s, k), s, k)),
+        ]
+    }
+
+    /// Row `g`'s three groups of values (present `[L, V]`, previous
+    /// `[L, V]`, cache means `[S, V]`), as [`Self::keys`].
+    fn values(&self, d: Dims, g: usize) -> [(usize, Mat<'_>); 3] {
+        let (l, v, s) = (d.l, d.v, d.s);
+        [
+            (0, Mat::dense(row(self.v, g, l, v), l, v)),
+            (l, Mat::dense(row(self.v_prev, g, l, v), l, v)),
+            (2 * l, Mat::dense(row(self.means, g, s, v), s, v)),
+        ]
+    }
+
     /// Row `g`'s scores `[L, N]` into `p`, then (given each query's
     /// log-sum-exp `lse` `[L]`, or computing it there) its probabilities.
     fn probabilities(&self, d: Dims, g: usize, p: &mut [f32], lse: &mut [f32], known_lse: bool) {
         let (l, k, s, n) = (d.l, d.k, d.s, d.n());
         let q = Mat::dense(row(self.q, g, l, k), l, k);
-        let head = (g / d.r) % d.h;
-        matmul(p, n, false, q, Mat::dense(row(self.k, g, l, k), l, k).t());
-        matmul(
-            &mut p[l..],
-            n,
-            false,
-            q,
-            Mat::dense(row(self.k_prev, g, l, k), l, k).t(),
-        );
-        matmul(
-            &mut p[2 * l..],
-            n,
-            false,
-            q,
-            Mat::dense(row(self.codebook, head, s, k), s, k).t(),
-        );
+        for (start, keys) in self.keys(d, g) {
+            matmul(&mut p[start..], n, false, q, keys.t());
+        }
         let no_prev = self.mask_first && g.is_multiple_of(d.r);
         let log_counts = row(self.log_counts, g, 1, s);
         let shift = self.shift[g];
@@ -239,29 +250,11 @@ impl Rows<'_> {
 
     /// Row `g`'s output `[L, V]` from its probabilities `p` `[L, N]`.
     fn weigh(&self, d: Dims, g: usize, p: &[f32], out: &mut [f32]) {
-        let (l, v, s, n) = (d.l, d.v, d.s, d.n());
-        let part = |start, width| columns(p, l, n, start, width);
-        matmul(
-            out,
-            v,
-            false,
-            part(0, l),
-            Mat::dense(row(self.v, g, l, v), l, v),
-        );
-        matmul(
-            out,
-            v,
-            true,
-            part(l, l),
-            Mat::dense(row(self.v_prev, g, l, v), l, v),
-        );
-        matmul(
-            out,
-            v,
-            true,
-            part(2 * l, s),
-            Mat::dense(row(self.means, g, s, v), s, v),
-        );
+        let (l, v, n) = (d.l, d.v, d.n());
+        for (start, values) in self.values(d, g) {
+            let acc = start > 0;
+            matmul(out, v, acc, columns(p, l, n, start, values.rows), values);
+        }
     }
 }
 
@@ -390,23 +383,10 @@ fn backward_row(
     let (l, k, v, s, n) = (d.l, d.k, d.v, d.s, d.n());
     x.probabilities(d, g, p, lse, true);
     let d_out = Mat::dense(grad, l, v);
-    let head = (g / d.r) % d.h;
     // dP = dO values^T, [L, N].
-    matmul(ds, n, false, d_out, Mat::dense(row(x.v, g, l, v), l, v).t());
-    matmul(
-        &mut ds[l..],
-        n,
-        false,
-        d_out,
-        Mat::dense(row(x.v_prev, g, l, v), l, v).t(),
-    );
-    matmul(
-        &mut ds[2 * l..],
-        n,
-        false,
-        d_out,
-        Mat::dense(row(x.means, g, s, v), s, v).t(),
-    );
+    for (start, values) in x.values(d, g) {
+        matmul(&mut ds[start..], n, false, d_out, values.t());
+    }
     // dS = P (dP - dO . O).
     let log_counts = row(x.log_counts, g, 1, s);
     for i in 0..l {
@@ -437,27 +417,9 @@ fn backward_row(
     let part = |m, start, width| columns(m, l, n, start, width);
     let q = Mat::dense(row(x.q, g, l, k), l, k);
     // dq = dS keys.
-    matmul(
-        dq,
-        k,
-        false,
-        part(ds, 0, l),
-        Mat::dense(row(x.k, g, l, k), l, k),
-    );
-    matmul(
-        dq,
-        k,
-        true,
-        part(ds, l, l),
-        Mat::dense(row(x.k_prev, g, l, k), l, k),
-    );
-    matmul(
-        dq,
-        k,
-        true,
-        part(ds, 2 * l, s),
-        Mat::dense(row(x.codebook, head, s, k), s, k),
-    );
+    for (start, keys) in x.keys(d, g) {
+        matmul(dq, k, start > 0, part(ds, start, keys.rows), keys);
+    }
     // dk = dS^T q; codewords take no gradient.
     matmul(dk, k, false, part(ds, 0, l).t(), q);
     matmul(dk_prev, k, false, part(ds, l, l).t(), q);
