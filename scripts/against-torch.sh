@@ -7,7 +7,9 @@
 # The model is tvq bench's default (d_model 256, d_k 64, d_v 512, 128
 # codes, blocks of 128, 2 layers, Toeplitz bias); 2 rows per step; the whole
 # step (forward, backward, clipping, AdamW, EMA); tvq on 2 worker threads,
-# PyTorch on 2 threads. Prints one JSON line per measurement, then the ratios.
+# with its fused kernels (the default) and composed (train.kernels =
+# "composed"), PyTorch on 2 threads. Prints one JSON line per measurement,
+# then the ratios.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/tvq/target}"
@@ -18,8 +20,11 @@ cargo build --release -p tvq-cli --quiet
 tvq="$CARGO_TARGET_DIR/release/tvq"
 out="$(mktemp)"
 for round in $(seq "$rounds"); do
-  "$tvq" bench step --json --form vq --batch 2 --set train.workers=2 --steps 2 \
-    --seq-len "$seq_lens" | sed "s/^{/{\"round\": $round, /" | tee -a "$out"
+  for kernels in fused composed; do
+    "$tvq" bench step --json --form vq --batch 2 --set train.workers=2 --steps 2 \
+      --set "train.kernels=\"$kernels\"" --seq-len "$seq_lens" |
+      sed "s/^{/{\"round\": $round, /" | tee -a "$out"
+  done
   "$python" scripts/torch_reference.py bench --widths bench --batch 2 --threads 2 --steps 2 \
     --seq-len "$seq_lens" --impl eager,compiled --json | sed "s/^{/{\"round\": $round, /" | tee -a "$out"
 done
@@ -28,14 +33,21 @@ import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 by = {}
 for r in rows:
-    name = "tvq" if r["form"] == "vq" else r["impl"]
+    if r["form"] == "vq":
+        name = "tvq" if r.get("kernels") else "composed"
+    else:
+        name = r["impl"]
     by.setdefault((name, r["seq_len"]), []).append(r.get("tokens_per_s"))
-print("| T | tvq tok/s | PyTorch eager | compiled | tvq / eager | tvq / compiled |")
-print("|---|---|---|---|---|---|")
+print("| T | tvq tok/s | tvq composed | PyTorch eager | compiled | tvq / composed | tvq / eager | tvq / compiled |")
+print("|---|---|---|---|---|---|---|---|")
 for t in sorted({k[1] for k in by}):
     get = lambda n: [x for x in by.get((n, t), []) if x]
-    tvq, eager, comp = get("tvq"), get("eager"), get("compiled")
+    tvq, composed = get("tvq"), get("composed")
+    eager, comp = get("eager"), get("compiled")
     fmt = lambda xs: " / ".join(f"{x:,.0f}" for x in xs) or "-"
     ratio = lambda a, b: f"{sum(a) / sum(b):.2f}x" if a and b else "-"
-    print(f"| {t:,} | {fmt(tvq)} | {fmt(eager)} | {fmt(comp)} | {ratio(tvq, eager)} | {ratio(tvq, comp)} |")
+    print(
+        f"| {t:,} | {fmt(tvq)} | {fmt(composed)} | {fmt(eager)} | {fmt(comp)} "
+        f"| {ratio(tvq, composed)} | {ratio(tvq, eager)} | {ratio(tvq, comp)} |"
+    )
 PY

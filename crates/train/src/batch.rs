@@ -2,14 +2,11 @@
 
 use std::ops::Range;
 
-use burn::DispatchDevice;
 use burn::prelude::*;
 use tvq_data::Batch;
 
-use crate::placement::B;
-
 /// Rows of a [`Batch`] as tensors, `[R, T]` each.
-pub struct BatchTensors {
+pub struct BatchTensors<B: Backend> {
     /// Token ids the model reads.
     pub inputs: Tensor<B, 2, Int>,
     /// The next token of each input.
@@ -18,9 +15,9 @@ pub struct BatchTensors {
     pub valid: Tensor<B, 2, Bool>,
 }
 
-impl BatchTensors {
+impl<B: Backend> BatchTensors<B> {
     /// Rows `rows` of `batch` on `device`.
-    pub fn rows(batch: &Batch, rows: Range<usize>, device: &DispatchDevice) -> Self {
+    pub fn rows(batch: &Batch, rows: Range<usize>, device: &B::Device) -> Self {
         let t = batch.len;
         let span = rows.start * t..rows.end * t;
         let shape = [rows.len(), t];

@@ -133,8 +133,10 @@ fn settings(precision: Precision) -> TrainSection {
 /// both sides: two draws could differ where other threads of the process
 /// draw from the backend's shared generator meanwhile.
 fn drawn(cfg: &TransformerVqConfig) -> Result<Model, TrainError> {
-    let cpu = cpu_autodiff();
-    Ok(seeded_draw(&cpu, Some(SEED), || cfg.init::<B>(&cpu))?)
+    let cpu = cpu_autodiff::<B>();
+    Ok(seeded_draw::<B, _>(&cpu, Some(SEED), || {
+        cfg.init::<B>(&cpu)
+    })?)
 }
 
 /// Segment `i` of a fixed token stream, `ROWS x LEN`.
@@ -280,7 +282,7 @@ fn forward(
     bias: RelativeBias,
 ) -> Result<Check, TrainError> {
     let cfg = model_config(bias);
-    let on_cpu: TransformerVq<B> = seeded_draw(cpu, Some(SEED), || cfg.init::<B>(cpu))?;
+    let on_cpu: TransformerVq<B> = seeded_draw::<B, _>(cpu, Some(SEED), || cfg.init::<B>(cpu))?;
     let on_device = fork_onto(&on_cpu, device);
     let run = |model: &Model| -> Result<Vec<f32>, TrainError> {
         let d = model.embedding.weight.device();
@@ -309,14 +311,16 @@ fn forward(
 /// of `batch` (so that only the update itself is compared); with the
 /// trained parameters before it.
 fn updated_from_cpu_gradients(
+    cfg: &TransformerVqConfig,
     net: Model,
     settings: &TrainSection,
     device: &DispatchDevice,
     cpu: &DispatchDevice,
     batch: &Batch,
 ) -> Result<([Trainer; 2], Vec<f32>), TrainError> {
-    let mut on_device = Trainer::with_weights(net.clone(), settings, std::slice::from_ref(device))?;
-    let mut on_cpu = Trainer::with_weights(net, settings, std::slice::from_ref(cpu))?;
+    let on = |net, d| Trainer::with_weights(cfg, net, settings, std::slice::from_ref(d));
+    let mut on_device = on(net.clone(), device)?;
+    let mut on_cpu = on(net, cpu)?;
     let before = flat(&parameters(on_cpu.model()), true);
     let g = on_cpu.gradients(batch)?;
     let [cpu_grads, device_grads] = shared_grads(on_cpu.model(), g.grads, on_device.model());
@@ -359,8 +363,9 @@ fn training_step(
         flatten_grads(t.model(), &mut g.grads, &mut values);
         Ok(values)
     };
-    let trainer =
-        |d: &DispatchDevice| Trainer::with_weights(net.clone(), &settings, std::slice::from_ref(d));
+    let trainer = |d: &DispatchDevice| {
+        Trainer::with_weights(&cfg, net.clone(), &settings, std::slice::from_ref(d))
+    };
     let gradients = compared(
         "gradients of one step",
         grads_of(&mut trainer(device)?)?,
@@ -368,7 +373,7 @@ fn training_step(
         1e-3 * f32_product_allowance(device),
     );
     let ([mut on_device, on_cpu], before) =
-        updated_from_cpu_gradients(net.clone(), &settings, device, cpu, &batch)?;
+        updated_from_cpu_gradients(&cfg, net.clone(), &settings, device, cpu, &batch)?;
     let (after_device, after_cpu) = (parameters(on_device.model()), parameters(on_cpu.model()));
     // The update itself, so that the tolerance is relative to a step.
     let adamw = compared(
@@ -380,7 +385,7 @@ fn training_step(
     let mut muon_settings = settings.clone();
     muon_settings.optimizer.name = OptimizerName::Muon;
     let ([muon_device, muon_cpu], _) =
-        updated_from_cpu_gradients(net, &muon_settings, device, cpu, &batch)?;
+        updated_from_cpu_gradients(&cfg, net, &muon_settings, device, cpu, &batch)?;
     // Newton-Schulz iterations are matrix products: the device's rounding.
     let muon = compared(
         "Muon step (the CPU's gradients)",
@@ -450,11 +455,12 @@ fn reduced_precision(
             })
             .collect());
     }
-    let net = drawn(&model_config(RelativeBias::Toeplitz))?;
+    let cfg = model_config(RelativeBias::Toeplitz);
+    let net = drawn(&cfg)?;
     let batch = segment(0, true);
     let run = |d: &DispatchDevice| -> Result<(Vec<f32>, Vec<f32>), TrainError> {
-        let mut t =
-            Trainer::with_weights(net.clone(), &settings(precision), std::slice::from_ref(d))?;
+        let devices = std::slice::from_ref(d);
+        let mut t = Trainer::with_weights(&cfg, net.clone(), &settings(precision), devices)?;
         let mut g = t.gradients(&batch)?;
         let mut values = vec![];
         flatten_grads(t.model(), &mut g.grads, &mut values);
@@ -472,7 +478,7 @@ fn reduced_precision(
 /// prefill, then the recurrent form): the share of tokens that differ.
 fn generation(device: &DispatchDevice, cpu: &DispatchDevice) -> Result<Check, TrainError> {
     let cfg = model_config(RelativeBias::Toeplitz);
-    let on_cpu: TransformerVq<B> = seeded_draw(cpu, Some(SEED), || cfg.init::<B>(cpu))?;
+    let on_cpu: TransformerVq<B> = seeded_draw::<B, _>(cpu, Some(SEED), || cfg.init::<B>(cpu))?;
     let on_device = fork_onto(&on_cpu, device);
     let prompt: Vec<u32> = segment(0, true).inputs[..20].to_vec();
     let opts = SampleOptions {

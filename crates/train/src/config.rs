@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use tvq_data::{CorpusKind, DataConfig};
-use tvq_model::{Precision, TransformerVqConfig};
+use tvq_model::{Kernels, Precision, TransformerVqConfig};
 
 use crate::error::TrainError;
 
@@ -92,6 +92,12 @@ pub struct TrainSection {
     /// `auto`, `f32`, `bf16` or `f16`); weights, optimizer moments,
     /// codebooks and the loss stay `f32`.
     pub precision: PrecisionSetting,
+    /// Whether each sublayer's attention and quantizer run as one fused
+    /// kernel where the device has one (`fused`, the default; today the
+    /// CPU, under `activation_checkpointing = "none"`), or as composed
+    /// tensor ops everywhere (`composed`: the oracle). Both compute the
+    /// same step to rounding (docs/architecture.md, "Kernels").
+    pub kernels: Kernels,
     /// Start from the weights and codebooks of this model instead of drawn
     /// ones: a `tvq export` file, a checkpoint directory, or a run
     /// directory (its newest valid checkpoint); relative to the working
@@ -367,6 +373,7 @@ impl Default for TrainSection {
             keep_checkpoints: 2,
             activation_checkpointing: ActivationCheckpointing::None,
             precision: PrecisionSetting::Auto,
+            kernels: Kernels::Fused,
             init_from: None,
         }
     }

@@ -73,7 +73,8 @@ pub fn measure_matmul_peak(device: &DispatchDevice, precision: Precision) -> f64
             .cast(precision.dtype())
     };
     // Under the draw lock: the generator is shared with every thread.
-    let (a, b) = crate::placement::seeded_draw(device, None, || (random(), random()));
+    let (a, b) =
+        crate::placement::seeded_draw::<Dispatch, _>(device, None, || (random(), random()));
     let probe = Instant::now();
     let mut best = f64::INFINITY;
     while probe.elapsed().as_secs_f64() < 0.5 {

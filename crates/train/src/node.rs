@@ -7,14 +7,12 @@
 
 use std::path::Path;
 
-use burn::DispatchDevice;
 use burn::prelude::*;
-use tvq_model::ModelState;
+use tvq_model::{ModelState, TransformerVq};
 
 use crate::checkpoint;
 use crate::error::TrainError;
 use crate::parallel::collective::Collective;
-use crate::placement::{B, Model};
 
 /// Checks that every node of `collective` joined once and agrees with this
 /// one on `words`: `[config fingerprint, step, weights hash]`. The first
@@ -69,10 +67,10 @@ pub(crate) fn agree(collective: &Collective, words: [u64; 3]) -> Result<(), Trai
 }
 
 /// A hash of every weight's bits, in module order.
-pub(crate) fn weights_hash(model: &Model) -> u64 {
+pub(crate) fn weights_hash<B: Backend>(model: &TransformerVq<B>) -> u64 {
     use burn::module::{ModuleVisitor, Param};
     struct Hash(Vec<u8>);
-    impl ModuleVisitor<B> for Hash {
+    impl<B: Backend> ModuleVisitor<B> for Hash {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
             let values = crate::placement::host_values(&p.val());
             let h = tvq_data::hash::fnv1a(
@@ -92,10 +90,10 @@ pub(crate) fn weights_hash(model: &Model) -> u64 {
 /// Sends this node's carried `states` to node 0, which gets every node's,
 /// in shard order (`None` on the other nodes). The states travel as their
 /// checkpoint bytes, two bytes to an `f32` (exact in a sum with zeros).
-pub(crate) fn gather_states(
+pub(crate) fn gather_states<B: Backend>(
     c: &Collective,
     states: &[ModelState<B>],
-    device: &DispatchDevice,
+    device: &B::Device,
 ) -> Result<Option<Vec<ModelState<B>>>, TrainError> {
     let (rank, nodes) = (c.rank(), c.nodes());
     let here = Path::new("(carried states)");

@@ -20,12 +20,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::placement::device::{check_precision, device_memory_bytes, precision_on};
-use burn::DispatchDevice;
-use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
 use burn::tensor::StreamId;
+use burn::{CheckpointingStrategy, DispatchDevice};
 use tvq_data::{Batch, TrainCursor};
-use tvq_model::{CodebookMetrics, CodebookStats, ModelState, Precision, TransformerVqConfig};
+use tvq_model::{
+    CodebookMetrics, CodebookStats, ModelState, Precision, TransformerVq, TransformerVqConfig,
+};
 
 use crate::checkpoint::{self, TrainerState};
 use crate::config::TrainSection;
@@ -33,7 +34,7 @@ use crate::error::TrainError;
 use crate::node;
 use crate::parallel::collective::Collective;
 use crate::parallel::workers::{CREWS, check_device_list};
-use crate::placement::{B, Model};
+use crate::placement::{B, Model, TrainBackend};
 use crate::placement::{autodiff_device, cpu_autodiff, fork_onto, seeded_draw};
 use crate::step::gradients::{StepGradients, compute_gradients};
 use crate::step::optim::{LossScale, Optimizers, clip_global_norm, learning_rate};
@@ -80,28 +81,32 @@ pub struct StepOutcome {
     pub device_memory_bytes: Option<u64>,
 }
 
-/// Everything a run holds in memory between steps.
+/// Everything a run holds in memory between steps, on the backend `Bk`
+/// ([`TrainBackend`]: [`B`] by default, every device; `CpuFused` for the
+/// CPU's fused kernels).
 ///
 /// Step it from one thread: on a GPU its carried states live in the
 /// streams of the worker crew lent to that thread (`parallel::workers`).
-pub struct Trainer {
+pub struct Trainer<Bk: TrainBackend = B> {
+    /// The model's config, for copies of it on [`B`] ([`Self::inference_model`]).
+    config: TransformerVqConfig,
     settings: TrainSection,
     /// The type of the sublayers' products: `train.precision` on the
     /// model's device.
     precision: Precision,
     /// The autodiff device of the model, the optimizer and the sums.
-    device: DispatchDevice,
+    device: Bk::Device,
     /// The run's devices (plain), the model's first.
     devices: Vec<DispatchDevice>,
     /// The autodiff device of each worker thread (`train.workers` of them),
     /// with burn's balanced checkpointing under `selective`.
-    worker_devices: Vec<DispatchDevice>,
+    worker_devices: Vec<Bk::Device>,
     n_sublayers: usize,
     /// Always `Some` between calls; taken while the optimizer consumes it.
-    model: Option<Model>,
-    optim: Optimizers,
+    model: Option<TransformerVq<Bk>>,
+    optim: Optimizers<Bk>,
     /// One carried state per shard of this node, in shard order.
-    states: Vec<ModelState<B>>,
+    states: Vec<ModelState<Bk>>,
     state: TrainerState,
     last_checkpoint: Option<PathBuf>,
     /// This node's rank and the number of nodes (0 and 1 alone).
@@ -113,8 +118,9 @@ pub struct Trainer {
     interrupt: Option<Arc<AtomicBool>>,
 }
 
-impl Trainer {
-    /// A fresh run of `model` trained with `settings` on `devices` (plain
+impl<Bk: TrainBackend> Trainer<Bk> {
+    /// A fresh run on the backend `Bk` ([`Trainer::new`] on [`B`]) of
+    /// `model` trained with `settings` on `devices` (plain
     /// devices of one backend; autodiff is added here). The model, its
     /// optimizer and the gradient sums live on the first device; the
     /// `train.workers` worker threads are spread over all of them in turn
@@ -123,22 +129,23 @@ impl Trainer {
     /// on the CPU and moved to the device, so that they are the same on
     /// every backend. A device that cannot compute in `train.precision` is
     /// an error here, before anything runs.
-    pub fn new(
+    pub fn start(
         model: &TransformerVqConfig,
         settings: &TrainSection,
         devices: &[DispatchDevice],
     ) -> Result<Self, TrainError> {
-        let cpu = cpu_autodiff();
-        let net = seeded_draw(&cpu, Some(settings.seed), || model.init::<B>(&cpu))?;
-        Self::with_weights(net, settings, devices)
+        let cpu = cpu_autodiff::<Bk>();
+        let net = seeded_draw::<Bk, _>(&cpu, Some(settings.seed), || model.init::<Bk>(&cpu))?;
+        Self::with_weights(model, net, settings, devices)
     }
 
-    /// [`Self::new`] with the weights of `net` (a model on the CPU with
+    /// [`Self::start`] with the weights of `net` (a model on the CPU with
     /// autodiff) instead of drawn ones: how `tvq check` gives the device
     /// and the CPU one draw, whatever else draws from the backend's shared
     /// generator meanwhile.
     pub(crate) fn with_weights(
-        mut net: Model,
+        config: &TransformerVqConfig,
+        mut net: TransformerVq<Bk>,
         settings: &TrainSection,
         devices: &[DispatchDevice],
     ) -> Result<Self, TrainError> {
@@ -152,14 +159,15 @@ impl Trainer {
         }
         let mode = settings.activation_checkpointing;
         let worker_devices = (0..settings.workers)
-            .map(|w| autodiff_device(&devices[w % devices.len()], mode))
+            .map(|w| autodiff_device::<Bk>(&devices[w % devices.len()], mode))
             .collect();
         // The model and optimizer stay on a plain autodiff device whatever
         // the mode: `selective` forks the model onto its workers' devices.
-        let device = DispatchDevice::autodiff(devices[0].clone());
+        let device = Bk::device_on(&devices[0], CheckpointingStrategy::None);
         // Drawn on the CPU and moved: the same weights on every backend.
-        let cpu = cpu_autodiff();
+        let cpu = cpu_autodiff::<Bk>();
         net.set_precision(precision);
+        net.set_kernels(settings.kernels);
         let n_sublayers = net.sublayers.len();
         let net = if device == cpu {
             net
@@ -167,6 +175,7 @@ impl Trainer {
             fork_onto(&net, &device)
         };
         Ok(Self {
+            config: config.clone(),
             settings: settings.clone(),
             precision,
             device,
@@ -202,6 +211,7 @@ impl Trainer {
         let drawn = self.model().clone();
         let mut model = checkpoint::read_weights_from(source, drawn, &self.device)?;
         model.set_precision(self.precision);
+        model.set_kernels(self.settings.kernels);
         self.model = Some(model);
         Ok(())
     }
@@ -238,8 +248,9 @@ impl Trainer {
         let state_device = self.worker_devices[0].clone();
         let loaded = checkpoint::resume(dir, model, optim, &self.device, &state_device)?;
         let mut model = loaded.model;
-        // Not a weight: a checkpoint of one precision resumes in another.
+        // Not weights: a checkpoint of one precision resumes in another.
         model.set_precision(self.precision);
+        model.set_kernels(self.settings.kernels);
         self.model = Some(model);
         self.optim = loaded.optim;
         let (here, total) = (self.states.len(), self.total_shards());
@@ -308,13 +319,19 @@ impl Trainer {
     }
 
     /// The model being trained.
-    pub fn model(&self) -> &Model {
+    pub fn model(&self) -> &TransformerVq<Bk> {
         self.model.as_ref().expect("the model is in place")
     }
 
-    /// The model without autodiff, for evaluation.
+    /// The model without autodiff on [`B`] (evaluation and sampling run
+    /// there), on the model's device.
     pub fn inference_model(&self) -> Model {
-        self.model().valid()
+        let mut model = Bk::on_dispatch(self.model()).unwrap_or_else(|| {
+            checkpoint::to_dispatch(self.model(), &self.config, &self.devices[0])
+                .expect("a model's own weights load into a model of its config")
+        });
+        model.set_kernels(self.settings.kernels);
+        model
     }
 
     /// [`Self::inference_model`] on each of the run's devices, in order (the
@@ -347,7 +364,7 @@ impl Trainer {
     /// without updating the model or summing over nodes. The states move
     /// on one segment: the trainer keeps them, and the returned `states`
     /// is empty.
-    pub fn gradients(&mut self, batch: &Batch) -> Result<StepGradients, TrainError> {
+    pub fn gradients(&mut self, batch: &Batch) -> Result<StepGradients<Bk>, TrainError> {
         let n_shards = self.states.len();
         let fresh = vec![ModelState::new(self.n_sublayers); n_shards];
         if batch.reset {
@@ -423,7 +440,7 @@ impl Trainer {
     /// clipping, AdamW at the next step's learning rate, the EMA update.
     /// `tvq check` gives two devices the same gradients this way, so that
     /// the update itself is compared. Returns the gradient norm.
-    pub(crate) fn apply(&mut self, grads: GradientsParams, stats: &[CodebookStats<B>]) -> f64 {
+    pub(crate) fn apply(&mut self, grads: GradientsParams, stats: &[CodebookStats<Bk>]) -> f64 {
         let step = self.state.step + 1;
         let lr = learning_rate(&self.settings, step);
         let (grad_norm, _) = self.update(step, lr, grads, stats, 1.0);
@@ -446,7 +463,7 @@ impl Trainer {
     fn summed_gradients(
         &mut self,
         batch: &Batch,
-    ) -> Result<(StepGradients, u64, bool), TrainError> {
+    ) -> Result<(StepGradients<Bk>, u64, bool), TrainError> {
         let g = self.gradients(batch)?;
         let tokens = batch.valid.iter().filter(|&&v| v).count() as u64;
         let Some(c) = &self.collective else {
@@ -487,7 +504,7 @@ impl Trainer {
         step: u64,
         lr: f64,
         mut grads: GradientsParams,
-        stats: &[CodebookStats<B>],
+        stats: &[CodebookStats<Bk>],
         scale: f64,
     ) -> (f64, bool) {
         let model = self.model.take().expect("the model is in place");
@@ -537,6 +554,19 @@ impl Trainer {
         );
         self.last_checkpoint = Some(dir.clone());
         Ok(dir)
+    }
+}
+
+impl Trainer {
+    /// [`Trainer::start`] on [`B`], which runs on every device and composes
+    /// its kernels in training; `Trainer::<CpuFused>::start` fuses them on
+    /// the CPU ([`crate::run::fuses_on_the_cpu`] says which a run gets).
+    pub fn new(
+        model: &TransformerVqConfig,
+        settings: &TrainSection,
+        devices: &[DispatchDevice],
+    ) -> Result<Self, TrainError> {
+        Self::start(model, settings, devices)
     }
 }
 
@@ -635,7 +665,7 @@ pub(crate) mod tests {
 
     /// The losses of three steps on 4 rows of 8 tokens, the first starting
     /// new sequences.
-    fn three_steps(t: &mut Trainer) -> Vec<f64> {
+    fn three_steps<Bk: TrainBackend>(t: &mut Trainer<Bk>) -> Vec<f64> {
         (0..3)
             .map(|i| {
                 t.step(&batch(4, 8, i == 0), TrainCursor::default())
@@ -669,11 +699,11 @@ pub(crate) mod tests {
 
     /// The values of every parameter of `model` (codebooks included), in
     /// the module's order.
-    fn every_parameter(model: &Model) -> Vec<Vec<f32>> {
+    fn every_parameter<Bk: Backend>(model: &TransformerVq<Bk>) -> Vec<Vec<f32>> {
         use burn::module::{ModuleVisitor, Param};
         struct Values(Vec<Vec<f32>>);
-        impl ModuleVisitor<B> for Values {
-            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+        impl<Bk: Backend> ModuleVisitor<Bk> for Values {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<Bk, D>>) {
                 self.0.push(crate::placement::host_values(&p.val()));
             }
         }
@@ -963,8 +993,8 @@ pub(crate) mod tests {
     /// gradient (module order), the codebook statistics and the carried
     /// states (their checkpoint bytes).
     #[allow(clippy::type_complexity)]
-    pub(crate) fn step_outcome(
-        t: &mut Trainer,
+    pub(crate) fn step_outcome<Bk: TrainBackend>(
+        t: &mut Trainer<Bk>,
         batch: &Batch,
     ) -> (Vec<f32>, Vec<Vec<f32>>, Vec<f32>, Vec<f32>) {
         let mut g = t.gradients(batch).unwrap();
@@ -1001,7 +1031,7 @@ pub(crate) mod tests {
 
     /// Every number of carried `states`: positions, previous blocks (codes
     /// as floats) and compressed caches.
-    fn state_values(states: &[ModelState<B>]) -> Vec<f32> {
+    fn state_values<Bk: Backend>(states: &[ModelState<Bk>]) -> Vec<f32> {
         use crate::placement::host_values;
         let mut v = vec![];
         for s in states.iter().flat_map(|s| &s.sublayers) {
@@ -1186,6 +1216,130 @@ pub(crate) mod tests {
             let m = b.step(&batch(2, 8, false), TrainCursor::default()).unwrap();
             assert!(m.loss.is_finite());
             path = Some(saved);
+        }
+    }
+
+    /// The CPU's fused kernels in training (`Trainer<CpuFused>`): it starts
+    /// from the weights the composed trainer draws (every backend draws
+    /// with the CPU's generator), each sublayer's forward pass reaches the
+    /// fused attention and quantizer, and one segment's gradients,
+    /// codebook statistics and carried state, then three steps, come out
+    /// as the composed trainer's to rounding (within 1e-5 of the largest
+    /// value), under both position terms the kernels cover. A checkpoint
+    /// of either resumes in the other exactly.
+    #[test]
+    fn the_cpu_fused_trainer_takes_the_composed_steps() {
+        use crate::placement::CpuFused;
+        use tvq_model::RelativeBias;
+        use tvq_model::kernel::{fused_attention_calls, fused_quantize_calls};
+        let dir = tempfile::tempdir().unwrap();
+        let device = DeviceSpec::Cpu.init().unwrap().0;
+        let settings = TrainSection {
+            lr: 1e-2,
+            warmup_steps: 0,
+            ..TrainSection::default()
+        };
+        let close = |a: &[f32], b: &[f32], what: &str| {
+            let worst = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            let largest = b.iter().map(|x| x.abs()).fold(0f32, f32::max);
+            assert_eq!(a.len(), b.len(), "{what}");
+            assert!(
+                worst <= 1e-5 * largest,
+                "{what}: off by {worst} of {largest}"
+            );
+        };
+        for bias in [RelativeBias::Toeplitz, RelativeBias::Xl] {
+            let model = TransformerVqConfig {
+                bias,
+                n_layer: 2,
+                ..tiny_model(11)
+            };
+            let devices = std::slice::from_ref(&device);
+            let mut composed = Trainer::new(&model, &settings, devices).unwrap();
+            let mut fused = Trainer::<CpuFused>::start(&model, &settings, devices).unwrap();
+            assert_eq!(
+                every_parameter(fused.model()),
+                every_parameter(composed.model())
+            );
+            let calls = (fused_attention_calls(), fused_quantize_calls());
+            // One segment's passes from the same weights: losses, every
+            // gradient, the codebook statistics and the carried state.
+            let first = batch(4, 8, true);
+            let (got, want) = (
+                step_outcome(&mut fused, &first),
+                step_outcome(&mut composed, &first),
+            );
+            close(&got.0, &want.0, "losses");
+            for (i, (g, w)) in got.1.iter().zip(&want.1).enumerate() {
+                close(g, w, &format!("{bias:?} gradient of parameter {i}"));
+            }
+            close(&got.2, &want.2, "codebook statistics");
+            close(&got.3, &want.3, "carried state");
+            // Then three steps.
+            let (want, got) = (three_steps(&mut composed), three_steps(&mut fused));
+            let sublayer_passes = 4 * 2 * model.n_layer as u64;
+            assert_eq!(
+                (
+                    fused_attention_calls() - calls.0,
+                    fused_quantize_calls() - calls.1
+                ),
+                (sublayer_passes, sublayer_passes),
+                "{bias:?}: every sublayer's forward pass fuses"
+            );
+            for (g, w) in got.iter().zip(&want) {
+                assert!(
+                    (g - w).abs() <= 1e-5 * w.abs(),
+                    "{bias:?} losses {got:?}, {want:?}"
+                );
+            }
+            let (got, want) = (
+                every_parameter(fused.model()),
+                every_parameter(composed.model()),
+            );
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                close(g, w, &format!("{bias:?} parameter {i} after the steps"));
+            }
+            close(
+                &state_values(&fused.states),
+                &state_values(&composed.states),
+                "states",
+            );
+
+            let saved = fused
+                .save(&dir.path().join(format!("{bias:?}-fused")))
+                .unwrap();
+            let mut resumed = Trainer::new(&model, &settings, devices).unwrap();
+            resumed.resume(&saved, false).unwrap();
+            assert_eq!(
+                every_parameter(resumed.model()),
+                every_parameter(fused.model())
+            );
+            assert_eq!(state_values(&resumed.states), state_values(&fused.states));
+            let saved = composed
+                .save(&dir.path().join(format!("{bias:?}-composed")))
+                .unwrap();
+            let mut resumed = Trainer::<CpuFused>::start(&model, &settings, devices).unwrap();
+            resumed.resume(&saved, false).unwrap();
+            assert_eq!(
+                every_parameter(resumed.model()),
+                every_parameter(composed.model())
+            );
+            assert_eq!(
+                state_values(&resumed.states),
+                state_values(&composed.states)
+            );
+            let next =
+                |t: &mut Trainer<CpuFused>| t.step(&batch(4, 8, false), TrainCursor::default());
+            assert!(next(&mut resumed).unwrap().loss.is_finite());
+            // What evaluation reads: the trained weights on `B`.
+            assert_eq!(
+                every_parameter(&fused.inference_model()),
+                every_parameter(fused.model())
+            );
         }
     }
 

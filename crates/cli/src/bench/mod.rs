@@ -20,6 +20,8 @@ use tvq_data::{Batch, TrainCursor};
 use tvq_model::{AttentionForm, Precision, TransformerVqConfig};
 use tvq_train::config::{ActivationCheckpointing, TrainSection};
 use tvq_train::placement::device::{DeviceSpec, precision_on};
+use tvq_train::placement::{CpuFused, TrainBackend};
+use tvq_train::run::fuses_on_the_cpu;
 use tvq_train::{SampleOptions, Trainer, mfu, sample};
 
 type B = Dispatch;
@@ -504,7 +506,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
                         whole_step,
                         log: log.as_ref(),
                     };
-                    bench_training(&args, &on, form, t)?;
+                    if fuses_on_the_cpu(&train, std::slice::from_ref(&device)) {
+                        bench_training::<CpuFused>(&args, &on, form, t)?;
+                    } else {
+                        bench_training::<B>(&args, &on, form, t)?;
+                    }
                 }
             }
         }
@@ -645,9 +651,14 @@ struct Measuring<'a> {
 }
 
 /// Times `--steps` training steps (or forward and backward passes) of
-/// `--batch` rows of `t` tokens with attention `form`, after one warm-up,
-/// and prints one line.
-fn bench_training(args: &BenchArgs, on: &Measuring, form: AttentionForm, t: usize) -> Result<()> {
+/// `--batch` rows of `t` tokens with attention `form` on the backend `Bk`
+/// (the one `tvq train` would use), after one warm-up, and prints one line.
+fn bench_training<Bk: TrainBackend>(
+    args: &BenchArgs,
+    on: &Measuring,
+    form: AttentionForm,
+    t: usize,
+) -> Result<()> {
     let Measuring {
         model,
         train,
@@ -685,8 +696,8 @@ fn bench_training(args: &BenchArgs, on: &Measuring, form: AttentionForm, t: usiz
         .clone()
         .with_vocab_size(args.vocab_size as usize)
         .with_attention(form);
-    let mut trainer =
-        Trainer::new(&cfg, train, std::slice::from_ref(device)).context("benchmark model")?;
+    let mut trainer = Trainer::<Bk>::start(&cfg, train, std::slice::from_ref(device))
+        .context("benchmark model")?;
     let batch = pattern_batch(args.batch, t, args.vocab_size);
     let mut step = || -> Result<()> {
         let _step = tracing::debug_span!("step").entered();
@@ -723,7 +734,7 @@ fn bench_training(args: &BenchArgs, on: &Measuring, form: AttentionForm, t: usiz
                 "flops_per_token": mfu::training_flops_per_token(&cfg, t),
                 "peak_rss_bytes": rss, "device_memory_bytes": gpu, "device": info,
                 "precision": precision, "activation_checkpointing": mode,
-                "workers": train.workers,
+                "workers": train.workers, "kernels": fuses_on_the_cpu(train, std::slice::from_ref(device)),
                 "step": if whole_step { "full" } else { "forward+backward" },
             })
         );

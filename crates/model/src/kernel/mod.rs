@@ -11,7 +11,7 @@
 //! | backend | fused |
 //! |---|---|
 //! | `CubeBackend<R, ..>` (cubecl: CUDA, wgpu), with or without `Autodiff` | [`attention`], [`quantizer`] |
-//! | `burn::Dispatch` (what `tvq` trains and infers on) | the CPU's, forward only, on a CPU device without autodiff (inference); otherwise none: its tensors hide the backend they live on, and `tvq bench kernels` runs the model on `Flex`, [`CubeWgpu`] or [`CubeCuda`] |
+//! | `burn::Dispatch` (what `tvq` infers on, and trains on except on the CPU) | the CPU's, forward only, on a CPU device without autodiff (inference); otherwise none: its tensors hide the backend they live on, so training on the CPU runs on `Autodiff<Flex>`, and `tvq bench kernels` on `Flex`, [`CubeWgpu`] or [`CubeCuda`] |
 //! | `Flex` (the CPU), with or without `Autodiff` | attention and quantizer in Rust over its buffers (`cpu.rs`) |
 //!
 //! Shapes: `G = B H R` block rows, `L` block length, `K` key width, `V`
@@ -41,7 +41,8 @@ use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
 /// but scalar loads and no tensor cores) and not yet timed on a GPU
 /// (docs/benchmarks.md, `tvq bench kernels`). A model opts in with
 /// [`Kernels::Fused`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Kernels {
     /// The fused kernels where the backend has them and the sublayer's
     /// settings are covered (attention: the Toeplitz and XL position
@@ -212,12 +213,12 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
     }
 }
 
-/// `burn::Dispatch`, what `tvq` trains and infers on, reaches the CPU's
-/// kernels where its tensors are plain CPU tensors: inference on the CPU,
-/// by way of host data (a copy of the inputs and the output, linear in
-/// their size). Everywhere else it composes: its tensors hide the backend
-/// they live on, and burn 0.21 gives no way to add a backward step to its
-/// autodiff graph, so training composes on every device.
+/// `burn::Dispatch`, what `tvq` infers on, reaches the CPU's kernels where
+/// its tensors are plain CPU tensors: inference on the CPU, by way of host
+/// data (a copy of the inputs and the output, linear in their size).
+/// Everywhere else it composes: its tensors hide the backend they live on,
+/// and burn 0.21 gives no way to add a backward step to its autodiff graph
+/// (training on the CPU reaches the kernels on `Autodiff<Flex>` instead).
 impl VqBackend for Dispatch {
     const FUSES_ATTENTION: bool = true;
 

@@ -29,8 +29,9 @@ use tvq_model::quantizer::VectorQuantizer;
 
 use super::{bad, untrusted};
 use crate::error::TrainError;
-use crate::placement::{B, Model};
+use crate::placement::{B, TrainBackend};
 use crate::step::optim::Optimizers;
+use tvq_model::TransformerVq;
 
 /// Records are written and read at full precision.
 type S = FullPrecisionSettings;
@@ -131,10 +132,10 @@ impl GauV1 {
 /// `device`. Decoded with bincode's byte limit at the next power of two at
 /// or above the file's size, so that no length in the file can claim more
 /// memory than twice the file.
-fn read_record<R: Record<B>>(
+fn read_record<Bk: Backend, R: Record<Bk>>(
     dir: &Path,
     name: &str,
-    device: &burn::DispatchDevice,
+    device: &Bk::Device,
 ) -> Result<R, TrainError> {
     Ok(R::from_item(read_item::<R::Item<S>>(dir, name)?, device))
 }
@@ -183,11 +184,11 @@ fn decode_bounded<I: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<I, Str
 
 /// The weights of `dir` loaded into `model` (which takes the record's
 /// parameter ids, the keys of the optimizer records).
-pub(crate) fn load_model(
+pub(crate) fn load_model<Bk: TrainBackend>(
     dir: &Path,
-    model: Model,
-    device: &burn::DispatchDevice,
-) -> Result<Model, TrainError> {
+    model: TransformerVq<Bk>,
+    device: &Bk::Device,
+) -> Result<TransformerVq<Bk>, TrainError> {
     let fail = |reason: String| bad(dir, format!("model.bin {reason}"));
     let v1: ModelV1 = read_item(dir, "model")?;
     if v1.sublayers.len() != model.sublayers.len() {
@@ -212,7 +213,7 @@ pub(crate) fn load_model(
         .map(GauV1::into_current)
         .collect::<Result<_, _>>()
         .map_err(fail)?;
-    let item = TransformerVqRecordItem {
+    let item: TransformerVqRecordItem<B, S> = TransformerVqRecordItem {
         embedding: v1.embedding,
         sublayers,
         final_norm: v1.final_norm,
@@ -221,6 +222,7 @@ pub(crate) fn load_model(
         logit_scale: v1.logit_scale,
         layer_drop: v1.layer_drop,
     };
+    let item = on_backend::<Bk>(&item).map_err(fail)?;
     let mut model = model.load_record(TransformerVqRecord::from_item(item, device));
     // A rotary model saved before the position channel existed has none:
     // the query projection's width (`H (K + P + W)`, `W` the learned count
@@ -236,13 +238,24 @@ pub(crate) fn load_model(
     Ok(model)
 }
 
+/// The record item `item`, read as format 1 laid it out for [`B`], as the
+/// item of another backend's model: the items differ in type only, so a
+/// bincode round trip carries it over.
+fn on_backend<Bk: Backend>(
+    item: &TransformerVqRecordItem<B, S>,
+) -> Result<TransformerVqRecordItem<Bk, S>, String> {
+    let config = bincode::config::standard();
+    let bytes = bincode::serde::encode_to_vec(item, config).map_err(|e| e.to_string())?;
+    decode_bounded(&bytes)
+}
+
 /// The optimizer state of `dir` loaded into `optim`, on `device` (the
 /// plain, non-autodiff one).
-pub(crate) fn load_optimizer(
+pub(crate) fn load_optimizer<Bk: TrainBackend>(
     dir: &Path,
-    mut optim: Optimizers,
-    device: &burn::DispatchDevice,
-) -> Result<Optimizers, TrainError> {
+    mut optim: Optimizers<Bk>,
+    device: &burn::tensor::Device<Bk::InnerBackend>,
+) -> Result<Optimizers<Bk>, TrainError> {
     optim.decay = optim
         .decay
         .load_record(read_record(dir, "optim-decay", device)?);
@@ -264,7 +277,7 @@ pub(crate) fn load_optimizer(
 #[cfg(test)]
 pub(crate) fn write(
     dir: &Path,
-    model: &Model,
+    model: &crate::placement::Model,
     optim: &Optimizers,
     states: &[tvq_model::ModelState<crate::placement::B>],
     trainer: &super::TrainerState,
@@ -291,7 +304,7 @@ pub(crate) fn write(
 
 /// `model`'s record as format 1 laid it out.
 #[cfg(test)]
-fn v1_of(model: &Model) -> ModelV1 {
+fn v1_of(model: &crate::placement::Model) -> ModelV1 {
     let item: TransformerVqRecordItem<B, S> = model.clone().into_record().into_item();
     let sublayers = item.sublayers.into_iter().map(|g| {
         let (toeplitz, xl) = match g.bias {

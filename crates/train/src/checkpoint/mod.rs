@@ -20,16 +20,16 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use burn::prelude::Backend;
 use burn::store::{ModuleSnapshot, SafetensorsStore};
-use burn::tensor::backend::DeviceOps;
 use serde::{Deserialize, Serialize};
 use tvq_data::TrainCursor;
-use tvq_model::{ModelState, TransformerVqConfig};
+use tvq_model::{ModelState, TransformerVq, TransformerVqConfig};
 
 use crate::error::TrainError;
 use crate::fault::{self, Point};
 use crate::nofollow;
-use crate::placement::{B, Model, seeded_draw};
+use crate::placement::{B, Model, TrainBackend, seeded_draw};
 use crate::step::optim::{LossScale, Optimizers};
 
 mod format1;
@@ -91,11 +91,11 @@ fn sync_dir(path: &Path) {
 /// leaves it for [`remove_leftovers`] at the next start. A checkpoint of
 /// the same step already in place (one that failed verification, say) is
 /// set aside first and deleted only once the new one is in place.
-pub fn save(
+pub fn save<Bk: TrainBackend>(
     run_dir: &Path,
-    model: &Model,
-    optim: &Optimizers,
-    states: &[ModelState<B>],
+    model: &TransformerVq<Bk>,
+    optim: &Optimizers<Bk>,
+    states: &[ModelState<Bk>],
     trainer: &TrainerState,
 ) -> Result<PathBuf, TrainError> {
     let final_dir = checkpoint_dir(run_dir, trainer.step);
@@ -141,11 +141,11 @@ pub(crate) fn weights_metadata(step: u64) -> BTreeMap<String, String> {
 
 /// Writes every file of a checkpoint, and its manifest, into `tmp`: each
 /// file synced and hashed as it is written, in a fixed order.
-fn write_files(
+fn write_files<Bk: TrainBackend>(
     tmp: &Path,
-    model: &Model,
-    optim: &Optimizers,
-    states: &[ModelState<B>],
+    model: &TransformerVq<Bk>,
+    optim: &Optimizers<Bk>,
+    states: &[ModelState<Bk>],
     trainer: &TrainerState,
 ) -> Result<(), TrainError> {
     // A fresh directory: one found there (or a link, which remove_dir_all
@@ -297,13 +297,13 @@ pub fn latest_valid(run_dir: &Path) -> Option<PathBuf> {
 
 /// A checkpoint read back to continue its run: everything [`resume`]
 /// restores.
-pub struct Resumed {
+pub struct Resumed<Bk: TrainBackend = B> {
     /// The model (on the autodiff device given to [`resume`]).
-    pub model: Model,
+    pub model: TransformerVq<Bk>,
     /// Optimizer state.
-    pub optim: Optimizers,
+    pub optim: Optimizers<Bk>,
     /// Carried states, one per shard of the batch.
-    pub states: Vec<ModelState<B>>,
+    pub states: Vec<ModelState<Bk>>,
     /// Progress.
     pub trainer: TrainerState,
 }
@@ -312,20 +312,20 @@ pub struct Resumed {
 /// config, the model on `device` and the carried states on `state_device`
 /// (the autodiff device the shards run on, whose checkpointing strategy the
 /// states must share).
-pub fn resume(
+pub fn resume<Bk: TrainBackend>(
     dir: &Path,
-    model: Model,
-    optim: Optimizers,
-    device: &burn::DispatchDevice,
-    state_device: &burn::DispatchDevice,
-) -> Result<Resumed, TrainError> {
+    model: TransformerVq<Bk>,
+    optim: Optimizers<Bk>,
+    device: &Bk::Device,
+    state_device: &Bk::Device,
+) -> Result<Resumed<Bk>, TrainError> {
     let format = verify(dir)?;
     let model = read_checkpoint_weights(dir, format, model, device)?;
     // Optimizer state lives on the plain (non-autodiff) device.
-    let inner = device.inner();
+    let inner = Bk::inner_device(device);
     let optim = match format {
-        1 => format1::load_optimizer(dir, optim, inner)?,
-        _ => named::read_optimizer(&dir.join(OPTIMIZER), &model, optim, inner)?,
+        1 => format1::load_optimizer(dir, optim, &inner)?,
+        _ => named::read_optimizer(&dir.join(OPTIMIZER), &model, optim, &inner)?,
     };
     let state_path = dir.join(STATE);
     let bytes = untrusted::read_at_most(&state_path, u64::MAX).map_err(io(&state_path))?;
@@ -441,11 +441,11 @@ pub fn read_source<T>(
 /// ([`read_source`]). Every tensor of `model` must be in the file, in its
 /// shape, and no other (a source of another architecture is an error
 /// naming the tensors, not a half-loaded model). `train.init_from`.
-pub fn read_weights_from(
+pub fn read_weights_from<Bk: TrainBackend>(
     path: &Path,
-    model: Model,
-    device: &burn::DispatchDevice,
-) -> Result<Model, TrainError> {
+    model: TransformerVq<Bk>,
+    device: &Bk::Device,
+) -> Result<TransformerVq<Bk>, TrainError> {
     read_source(path, |source| match source {
         Source::Export(file) => read_weights(file, model.clone()),
         Source::Checkpoint(dir) => {
@@ -455,12 +455,12 @@ pub fn read_weights_from(
     })
 }
 
-fn read_checkpoint_weights(
+fn read_checkpoint_weights<Bk: TrainBackend>(
     dir: &Path,
     format: u32,
-    model: Model,
-    device: &burn::DispatchDevice,
-) -> Result<Model, TrainError> {
+    model: TransformerVq<Bk>,
+    device: &Bk::Device,
+) -> Result<TransformerVq<Bk>, TrainError> {
     match format {
         1 => format1::load_model(dir, model, device),
         _ => read_weights(&dir.join(MODEL), model),
@@ -472,7 +472,10 @@ fn read_checkpoint_weights(
 /// stored as F16 or BF16 load widened to F32 (exactly); any other type is
 /// an error naming the tensor, checked before burn sees the file (whose
 /// loader panics on a type it does not expect).
-pub(crate) fn read_weights(path: &Path, model: Model) -> Result<Model, TrainError> {
+pub(crate) fn read_weights<Bk: Backend>(
+    path: &Path,
+    model: TransformerVq<Bk>,
+) -> Result<TransformerVq<Bk>, TrainError> {
     let bytes = untrusted::read_at_most(path, u64::MAX).map_err(|e| TrainError::io(path, e))?;
     weights_from_bytes(path, bytes, model)
 }
@@ -511,10 +514,29 @@ pub(crate) fn model_of_file(
 /// file's) drawn under the draw lock: the backend's generator is shared
 /// by every thread of the process ([`seeded_draw`]).
 fn built(cfg: &TransformerVqConfig, device: &burn::DispatchDevice) -> Result<Model, TrainError> {
-    Ok(seeded_draw(device, None, || cfg.init::<B>(device))?)
+    Ok(seeded_draw::<B, _>(device, None, || cfg.init::<B>(device))?)
 }
 
-fn weights_from_bytes(path: &Path, bytes: Vec<u8>, mut model: Model) -> Result<Model, TrainError> {
+/// `model`'s weights and codebooks in a model of `cfg` on `device`, through
+/// the bytes of a weights file: how a model trained on another backend
+/// reaches [`B`] for evaluation and sampling.
+pub(crate) fn to_dispatch<Bk: TrainBackend>(
+    model: &TransformerVq<Bk>,
+    cfg: &TransformerVqConfig,
+    device: &burn::DispatchDevice,
+) -> Result<Model, TrainError> {
+    let bytes = tensor_file::to_bytes(&BTreeMap::new(), model_tensors(model))
+        .map_err(|e| TrainError::io(Path::new("(trained weights)"), e))?;
+    let mut out = weights_from_bytes(Path::new("(trained weights)"), bytes, built(cfg, device)?)?;
+    out.set_precision(model.precision());
+    Ok(out)
+}
+
+fn weights_from_bytes<Bk: Backend>(
+    path: &Path,
+    bytes: Vec<u8>,
+    mut model: TransformerVq<Bk>,
+) -> Result<TransformerVq<Bk>, TrainError> {
     let fail = |reason: String| bad(path, reason);
     let bytes = tensor_file::widened_to_f32(bytes).map_err(fail)?;
     let result = model
@@ -642,7 +664,7 @@ pub(crate) mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .into();
             let bytes = tensor_file::to_bytes(&meta, vec![]).unwrap();
-            states_from_bytes(path, &bytes, &device).map(|s| s.len())
+            states_from_bytes::<B>(path, &bytes, &device).map(|s| s.len())
         };
         assert_eq!(state("0", "0").unwrap(), 0, "no carried state");
         for (shards, sublayers, why) in [

@@ -24,11 +24,14 @@ use safetensors::SafeTensors;
 use super::tensor_file::{F32Tensor, f32_values};
 use super::{bad, untrusted};
 use crate::error::TrainError;
-use crate::placement::{B, Model};
+use crate::placement::TrainBackend;
 use crate::step::optim::{Group, Optimizers};
+use tvq_model::TransformerVq;
 
 /// A Muon record of one parameter.
-type MuonRecord = AdaptorRecord<Muon<<B as AutodiffBackend>::InnerBackend>, B>;
+type MuonRecord<B> = AdaptorRecord<Muon<<B as AutodiffBackend>::InnerBackend>, B>;
+/// The device of optimizer moments.
+type InnerDevice<B> = burn::tensor::Device<<B as AutodiffBackend>::InnerBackend>;
 
 /// Walks the model's float parameters with their dotted module paths.
 struct Paths<F> {
@@ -36,7 +39,7 @@ struct Paths<F> {
     each: F,
 }
 
-impl<F: FnMut(String, &dyn FloatParam)> ModuleVisitor<B> for Paths<F> {
+impl<B: TrainBackend, F: FnMut(String, &dyn FloatParam<B>)> ModuleVisitor<B> for Paths<F> {
     fn enter_module(&mut self, name: &str, _container_type: &str) {
         self.stack.push(name.to_string());
     }
@@ -51,7 +54,7 @@ impl<F: FnMut(String, &dyn FloatParam)> ModuleVisitor<B> for Paths<F> {
 }
 
 /// What the writers and readers need of a parameter, whatever its rank.
-trait FloatParam {
+trait FloatParam<B: TrainBackend> {
     fn id(&self) -> ParamId;
     fn shape(&self) -> Vec<usize>;
     /// The parameter's values as a tensor to write.
@@ -66,15 +69,15 @@ trait FloatParam {
         time: usize,
         m1: Vec<f32>,
         m2: Vec<f32>,
-        device: &burn::DispatchDevice,
+        device: &InnerDevice<B>,
     ) -> AdaptorRecord<AdamW, B>;
     /// Muon's momentum in `record` (this parameter's) as a tensor to write.
-    fn momentum(&self, name: &str, record: MuonRecord) -> F32Tensor;
+    fn momentum(&self, name: &str, record: MuonRecord<B>) -> F32Tensor;
     /// A Muon record holding the momentum `v` on `device`.
-    fn muon_record(&self, v: Vec<f32>, device: &burn::DispatchDevice) -> MuonRecord;
+    fn muon_record(&self, v: Vec<f32>, device: &InnerDevice<B>) -> MuonRecord<B>;
 }
 
-fn f32_tensor<const D: usize>(name: String, t: Tensor<B, D>) -> F32Tensor {
+fn f32_tensor<B: Backend, const D: usize>(name: String, t: Tensor<B, D>) -> F32Tensor {
     F32Tensor {
         name,
         shape: t.dims().to_vec(),
@@ -87,7 +90,7 @@ fn f32_tensor<const D: usize>(name: String, t: Tensor<B, D>) -> F32Tensor {
     }
 }
 
-impl<const D: usize> FloatParam for Param<Tensor<B, D>> {
+impl<B: TrainBackend, const D: usize> FloatParam<B> for Param<Tensor<B, D>> {
     fn id(&self) -> ParamId {
         self.id
     }
@@ -101,7 +104,7 @@ impl<const D: usize> FloatParam for Param<Tensor<B, D>> {
     }
 
     fn moments(&self, name: &str, record: AdaptorRecord<AdamW, B>) -> (usize, [F32Tensor; 2]) {
-        let m: AdamWState<B, D> = record.into_state::<D>();
+        let m: AdamWState<B::InnerBackend, D> = record.into_state::<D>();
         let m = m.momentum;
         (
             m.time,
@@ -117,32 +120,37 @@ impl<const D: usize> FloatParam for Param<Tensor<B, D>> {
         time: usize,
         m1: Vec<f32>,
         m2: Vec<f32>,
-        device: &burn::DispatchDevice,
+        device: &InnerDevice<B>,
     ) -> AdaptorRecord<AdamW, B> {
         let shape = self.shape();
-        let tensor =
-            |v: Vec<f32>| Tensor::<B, D>::from_data(TensorData::new(v, shape.clone()), device);
+        let tensor = |v: Vec<f32>| {
+            Tensor::<B::InnerBackend, D>::from_data(TensorData::new(v, shape.clone()), device)
+        };
         let momentum = AdaptiveMomentumState::new(time, tensor(m1), tensor(m2));
         AdaptorRecord::V1(AdaptorRecordV1::from_state::<D>(AdamWState { momentum }))
     }
 
-    fn momentum(&self, name: &str, record: MuonRecord) -> F32Tensor {
+    fn momentum(&self, name: &str, record: MuonRecord<B>) -> F32Tensor {
         let state: MuonState<_, D> = record.into_state::<D>();
         // burn keeps the velocity private; its record item is public.
         let item = state.momentum.into_item::<FullPrecisionSettings>();
-        let velocity = Tensor::<B, D>::from_item(item.velocity, &self.val().device());
+        let device = B::inner_device(&self.val().device());
+        let velocity = Tensor::<B::InnerBackend, D>::from_item(item.velocity, &device);
         f32_tensor(format!("{name}.momentum"), velocity)
     }
 
-    fn muon_record(&self, v: Vec<f32>, device: &burn::DispatchDevice) -> MuonRecord {
-        let v = Tensor::<B, D>::from_data(TensorData::new(v, self.shape()), device);
+    fn muon_record(&self, v: Vec<f32>, device: &InnerDevice<B>) -> MuonRecord<B> {
+        let v = Tensor::<B::InnerBackend, D>::from_data(TensorData::new(v, self.shape()), device);
         let state = MuonState::new(MomentumState::new(v));
         AdaptorRecord::V1(AdaptorRecordV1::from_state::<D>(state))
     }
 }
 
 /// Calls `each` with every float parameter of `model` and its path.
-fn for_each_param(model: &Model, each: impl FnMut(String, &dyn FloatParam)) {
+fn for_each_param<B: TrainBackend>(
+    model: &TransformerVq<B>,
+    each: impl FnMut(String, &dyn FloatParam<B>),
+) {
     model.visit(&mut Paths {
         stack: vec![],
         each,
@@ -151,7 +159,7 @@ fn for_each_param(model: &Model, each: impl FnMut(String, &dyn FloatParam)) {
 
 /// Every parameter of `model` (the EMA codebook statistics included), to
 /// write under its path.
-pub(crate) fn model_tensors(model: &Model) -> Vec<F32Tensor> {
+pub(crate) fn model_tensors<B: TrainBackend>(model: &TransformerVq<B>) -> Vec<F32Tensor> {
     let mut out = vec![];
     for_each_param(model, |path, p| out.push(p.values(path)));
     out
@@ -159,7 +167,10 @@ pub(crate) fn model_tensors(model: &Model) -> Vec<F32Tensor> {
 
 /// The metadata of a group: its learning-rate scale and its optimizer's
 /// settings (a record: on resume the run's config rules).
-fn group_settings(optim: &Optimizers, group: Group) -> Vec<(&'static str, String)> {
+fn group_settings<B: TrainBackend>(
+    optim: &Optimizers<B>,
+    group: Group,
+) -> Vec<(&'static str, String)> {
     let (a, m) = (&optim.settings.adamw, &optim.settings.muon);
     let mut settings = vec![("lr_scale", optim.lr_scale(group).to_string())];
     settings.extend(match group {
@@ -188,9 +199,9 @@ const OPTIMIZER_KEY: &str = "optimizer";
 /// AdamW parameter's own step count (burn's AdamW counts per parameter; a
 /// parameter with no gradient in a step would lag). Only the moments of the
 /// parameters each group holds under the run's optimizer are written.
-pub(crate) fn optimizer_tensors(
-    model: &Model,
-    optim: &Optimizers,
+pub(crate) fn optimizer_tensors<B: TrainBackend>(
+    model: &TransformerVq<B>,
+    optim: &Optimizers<B>,
 ) -> (BTreeMap<String, String>, Vec<F32Tensor>) {
     let mut meta = BTreeMap::new();
     let mut tensors = vec![];
@@ -239,12 +250,12 @@ pub(crate) fn optimizer_tensors(
 /// (the optimizer's, not autodiff). A parameter without moments starts
 /// fresh (as before its first step), and so do all that change groups when
 /// a run resumes under another optimizer.
-pub(crate) fn read_optimizer(
+pub(crate) fn read_optimizer<B: TrainBackend>(
     path: &Path,
-    model: &Model,
-    optim: Optimizers,
-    device: &burn::DispatchDevice,
-) -> Result<Optimizers, TrainError> {
+    model: &TransformerVq<B>,
+    optim: Optimizers<B>,
+    device: &InnerDevice<B>,
+) -> Result<Optimizers<B>, TrainError> {
     let bytes = untrusted::read_at_most(path, u64::MAX).map_err(|e| TrainError::io(path, e))?;
     let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| bad(path, e.to_string()))?;
     let file = SafeTensors::deserialize(&bytes).map_err(|e| bad(path, e.to_string()))?;
@@ -278,19 +289,19 @@ fn moment(file: &SafeTensors<'_>, name: &str, shape: &[usize]) -> Result<Option<
     Ok(Some(f32_values(&t)))
 }
 
-fn with_moments(
+fn with_moments<B: TrainBackend>(
     file: &SafeTensors<'_>,
     meta: &HashMap<String, String>,
-    model: &Model,
-    mut optim: Optimizers,
-    device: &burn::DispatchDevice,
-) -> Result<Optimizers, String> {
+    model: &TransformerVq<B>,
+    mut optim: Optimizers<B>,
+    device: &InnerDevice<B>,
+) -> Result<Optimizers<B>, String> {
     let groups = optim.groups(model);
     let mut error = None;
     // burn's own map types (hashbrown's), one per AdamW group.
-    let mut adam: HashMap<Group, <crate::step::optim::Adam as Optimizer<Model, B>>::Record> =
-        HashMap::new();
-    let mut muon = <crate::step::optim::MuonOptimizer as Optimizer<Model, B>>::Record::default();
+    type Records<O, B> = <O as Optimizer<TransformerVq<B>, B>>::Record;
+    let mut adam: HashMap<Group, Records<crate::step::optim::Adam<B>, B>> = HashMap::new();
+    let mut muon = Records::<crate::step::optim::MuonOptimizer<B>, B>::default();
     for_each_param(model, |path, p| {
         let Some(&group) = groups.get(&p.id()) else {
             return;
@@ -340,7 +351,7 @@ fn with_moments(
 /// Every tensor name a checkpoint of `model` holds, for tests and readers:
 /// the parameter paths.
 #[cfg(test)]
-pub(crate) fn param_paths(model: &Model) -> Vec<(String, Vec<usize>)> {
+pub(crate) fn param_paths<B: TrainBackend>(model: &TransformerVq<B>) -> Vec<(String, Vec<usize>)> {
     let mut out = vec![];
     for_each_param(model, |path, p| out.push((path, p.shape())));
     out

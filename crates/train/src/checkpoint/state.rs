@@ -15,17 +15,16 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use burn::prelude::*;
-use tvq_model::ModelState;
 use tvq_model::attention::{AttentionState, CachedBlock, CompressedCache};
+use tvq_model::{ModelState, TransformerVq};
 
 use super::bad;
 use super::tensor_file::{self, F32Tensor, f32_values};
 use crate::error::TrainError;
-use crate::placement::{B, Model};
 
 /// The carried `states` as safetensors bytes (the same states, the same
 /// bytes).
-pub(crate) fn states_to_bytes(
+pub(crate) fn states_to_bytes<B: Backend>(
     path: &Path,
     states: &[ModelState<B>],
 ) -> Result<Vec<u8>, TrainError> {
@@ -70,10 +69,10 @@ pub(crate) fn states_to_bytes(
 /// entries that must back them, every tensor must be F32 of its slot's
 /// rank, and codes whole numbers; [`check_states`] then holds the states
 /// against the model they are to feed.
-pub(crate) fn states_from_bytes(
+pub(crate) fn states_from_bytes<B: Backend>(
     path: &Path,
     bytes: &[u8],
-    device: &burn::DispatchDevice,
+    device: &B::Device,
 ) -> Result<Vec<ModelState<B>>, TrainError> {
     let fail = |reason: String| bad(path, format!("state.safetensors: {reason}"));
     let (_, header) =
@@ -164,7 +163,10 @@ pub(crate) fn states_from_bytes(
 /// Whether `states` fit `model`: a state per sublayer, each tensor of the
 /// sublayer's heads, block length, widths and codebook, one batch of rows
 /// per state, codes within the codebook (or its empty-slot sentinel).
-pub(crate) fn check_states(states: &[ModelState<B>], model: &Model) -> Result<(), String> {
+pub(crate) fn check_states<B: Backend>(
+    states: &[ModelState<B>],
+    model: &TransformerVq<B>,
+) -> Result<(), String> {
     for (m, state) in states.iter().enumerate() {
         if state.sublayers.len() != model.sublayers.len() {
             return Err(format!(

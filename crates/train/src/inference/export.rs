@@ -191,7 +191,8 @@ mod tests {
         for (channel, old, want) in [(None, false, cfg.d_k), (Some(0), true, 0)] {
             let cfg = cfg.clone().with_rotary_channel(channel);
             let model =
-                crate::placement::seeded_draw(&device, None, || cfg.init::<B>(&device)).unwrap();
+                crate::placement::seeded_draw::<B, _>(&device, None, || cfg.init::<B>(&device))
+                    .unwrap();
             let info = ExportInfo {
                 format: "tvq".into(),
                 model: cfg,

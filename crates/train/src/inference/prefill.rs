@@ -277,7 +277,8 @@ pub(crate) mod tests {
     pub(crate) fn tiny_model(bias: RelativeBias, seed: u64) -> TransformerVq<B> {
         let device = DeviceSpec::Cpu.init().unwrap().0;
         let cfg = tvq_testkit::tiny_model(13).with_n_layer(2).with_bias(bias);
-        crate::placement::seeded_draw(&device, Some(seed), || cfg.init::<B>(&device)).unwrap()
+        crate::placement::seeded_draw::<B, _>(&device, Some(seed), || cfg.init::<B>(&device))
+            .unwrap()
     }
 
     #[test]

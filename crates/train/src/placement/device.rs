@@ -512,11 +512,13 @@ mod tests {
         for bias in [RelativeBias::Toeplitz, RelativeBias::Xl] {
             let cfg = tvq_testkit::tiny_model(29).with_bias(bias);
             let on_cpu =
-                crate::placement::seeded_draw(&cpu(), Some(5), || cfg.init::<B>(&cpu_ad)).unwrap();
+                crate::placement::seeded_draw::<B, _>(&cpu(), Some(5), || cfg.init::<B>(&cpu_ad))
+                    .unwrap();
             let bytes = recorder.record(on_cpu.clone().into_record(), ()).unwrap();
-            let on_gpu = crate::placement::seeded_draw(&gpu_ad, None, || cfg.init::<B>(&gpu_ad))
-                .unwrap()
-                .load_record(recorder.load(bytes, &gpu_ad).unwrap());
+            let on_gpu =
+                crate::placement::seeded_draw::<B, _>(&gpu_ad, None, || cfg.init::<B>(&gpu_ad))
+                    .unwrap()
+                    .load_record(recorder.load(bytes, &gpu_ad).unwrap());
 
             let data: Vec<i64> = (0..2 * 16).map(|i| (i * 7 % 29) as i64).collect();
             let run = |m: &tvq_model::TransformerVq<B>, device: &DispatchDevice| {

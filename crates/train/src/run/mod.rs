@@ -17,12 +17,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use burn::DispatchDevice;
 use indicatif::ProgressBar;
 use tvq_data::{Corpus, Split, TokenSplit, TrainBatches, Vocab};
-use tvq_model::Precision;
+use tvq_model::{Kernels, Precision};
 
 use self::lock::RunLock;
 use self::metrics::{EvalLine, MetricsLog, RunFacts, SampleLine, StepMetrics};
 use crate::checkpoint;
-use crate::config::{EvalSection, RunConfig, Schedule, TrainSection};
+use crate::config::{ActivationCheckpointing, EvalSection, RunConfig, Schedule, TrainSection};
 use crate::error::TrainError;
 use crate::inference::evaluate::{EvalOptions, EvalReport, evaluate};
 use crate::inference::sample::{SampleOptions, sample};
@@ -30,6 +30,7 @@ use crate::mfu::training_flops_per_token;
 use crate::parallel::collective::{ClusterSpec, Collective};
 use crate::placement::device::precision_on;
 use crate::placement::memory;
+use crate::placement::{B, CpuFused, TrainBackend};
 use crate::progress::progress_bar;
 use crate::trainer::{Trainer, check_devices};
 
@@ -79,6 +80,31 @@ pub fn train(
     devices: &[DispatchDevice],
     opts: &TrainOptions,
 ) -> Result<TrainSummary, TrainError> {
+    if fuses_on_the_cpu(&cfg.train, devices) {
+        tracing::info!("attention and quantizer: the CPU's fused kernels");
+        train_on::<CpuFused>(cfg, devices, opts)
+    } else {
+        train_on::<B>(cfg, devices, opts)
+    }
+}
+
+/// Whether a run of `settings` on `devices` trains on [`CpuFused`], the CPU
+/// with its fused kernels: `train.kernels = "fused"` on the CPU, where no
+/// activation checkpointing asks for burn's strategies (which `Dispatch`
+/// chooses per device, `Autodiff<Flex>` per type). Everywhere else it
+/// trains on [`B`], composed.
+pub fn fuses_on_the_cpu(settings: &TrainSection, devices: &[DispatchDevice]) -> bool {
+    settings.kernels == Kernels::Fused
+        && settings.activation_checkpointing == ActivationCheckpointing::None
+        && devices.iter().all(|d| matches!(d, DispatchDevice::Flex(_)))
+}
+
+/// [`train`] on the backend `Bk`.
+fn train_on<Bk: TrainBackend>(
+    cfg: &RunConfig,
+    devices: &[DispatchDevice],
+    opts: &TrainOptions,
+) -> Result<TrainSummary, TrainError> {
     let (rank, nodes) = opts.cluster.as_ref().map_or((0, 1), |c| (c.rank, c.nodes));
     // What can be checked without files, before anything is written.
     let node_rows = node_rows(cfg, rank, nodes)?;
@@ -87,7 +113,8 @@ pub fn train(
     let train_split = corpus.split(Split::Train);
     // The lock is held until the run returns; released by the OS however
     // it ends.
-    let (mut trainer, facts, _lock) = set_up_trainer(cfg, devices, opts, &corpus, (rank, nodes))?;
+    let (mut trainer, facts, _lock) =
+        set_up_trainer::<Bk>(cfg, devices, opts, &corpus, (rank, nodes))?;
     let total = opts
         .max_steps
         .map_or(cfg.train.steps, |m| m.min(cfg.train.steps));
@@ -157,13 +184,13 @@ pub fn train(
 /// Everything that can be refused without the run directory (the corpus,
 /// the memory the sizes need) is checked before the directory is made, so
 /// that a refused run leaves no directory behind.
-fn set_up_trainer(
+fn set_up_trainer<Bk: TrainBackend>(
     cfg: &RunConfig,
     devices: &[DispatchDevice],
     opts: &TrainOptions,
     corpus: &Corpus,
     (rank, nodes): (usize, usize),
-) -> Result<(Trainer, RunFacts, Option<RunLock>), TrainError> {
+) -> Result<(Trainer<Bk>, RunFacts, Option<RunLock>), TrainError> {
     let model = cfg.model_config(corpus.vocab.size());
     let node_batch = cfg.data.batch_size / nodes;
     let rows_in_flight = node_batch / cfg.train.micro_batches;
@@ -182,7 +209,7 @@ fn set_up_trainer(
     ] {
         memory::check(&estimate, free, opts.force)?;
     }
-    let mut trainer = Trainer::new(&model, &cfg.train, devices)?.on_node(rank, nodes);
+    let mut trainer = Trainer::<Bk>::start(&model, &cfg.train, devices)?.on_node(rank, nodes);
     tracing::info!(
         "products in {precision} (train.precision = {}), activation checkpointing {}",
         cfg.train.precision,
@@ -246,9 +273,9 @@ struct Periodic<'a> {
 impl Periodic<'_> {
     /// Validation on the first `max_segments` batches (`None`: the whole
     /// split), on every device of the run.
-    fn validate(
+    fn validate<Bk: TrainBackend>(
         &self,
-        trainer: &Trainer,
+        trainer: &Trainer<Bk>,
         max_segments: Option<usize>,
         progress: bool,
     ) -> Result<EvalReport, TrainError> {
@@ -270,9 +297,9 @@ impl Periodic<'_> {
     /// is due. Every node validates (the nodes stay in step; it is cheap
     /// next to waiting) and saves (node 0 writes); node 0, the one with the
     /// `log`, records and samples.
-    fn after_step(
+    fn after_step<Bk: TrainBackend>(
         &self,
-        trainer: &mut Trainer,
+        trainer: &mut Trainer<Bk>,
         step: u64,
         mut log: Option<&mut MetricsLog>,
         bar: &ProgressBar,
@@ -308,8 +335,8 @@ impl Periodic<'_> {
 /// drawn as `tvq sample` draws: the prompt read in block form, then the
 /// recurrent form, from the sample's own seeded stream, so that the run
 /// itself is untouched.
-fn draw_sample(
-    trainer: &Trainer,
+fn draw_sample<Bk: TrainBackend>(
+    trainer: &Trainer<Bk>,
     vocab: &Vocab,
     prompt: &[u32],
     eval: &EvalSection,
@@ -338,13 +365,13 @@ fn draw_sample(
 /// Ends a run after its loop: the last checkpoint (written unless the loop
 /// just wrote it), then, unless interrupted, the final validation over the
 /// whole split (node 0, the one with the `log`) and the loss curves.
-fn finish(
-    trainer: &mut Trainer,
+fn finish<Bk: TrainBackend>(
+    trainer: &mut Trainer<Bk>,
     log: Option<&mut MetricsLog>,
     bar: &ProgressBar,
     total: u64,
     run_dir: &Path,
-    final_validation: impl FnOnce(&Trainer) -> Result<EvalReport, TrainError>,
+    final_validation: impl FnOnce(&Trainer<Bk>) -> Result<EvalReport, TrainError>,
 ) -> Result<TrainSummary, TrainError> {
     let (step, interrupted) = (trainer.state().step, trainer.state().step < total);
     // Every node takes the same branch (all save, or none).
@@ -423,7 +450,10 @@ fn fingerprint(cfg: &RunConfig) -> u64 {
 
 /// With `--resume`, continues from the run directory's newest valid
 /// checkpoint (there is none without it: [`prepare_run_dir`]).
-fn resume_latest(trainer: &mut Trainer, opts: &TrainOptions) -> Result<(), TrainError> {
+fn resume_latest<Bk: TrainBackend>(
+    trainer: &mut Trainer<Bk>,
+    opts: &TrainOptions,
+) -> Result<(), TrainError> {
     if !opts.resume {
         return Ok(());
     }

@@ -7,25 +7,24 @@
 //! are sums over shards, and a node's sums are added to the other nodes'
 //! ([`StepGradients::all_reduce`]).
 
-use burn::DispatchDevice;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
-use burn::tensor::backend::DeviceOps;
-use tvq_model::{CodebookStats, Loss, ModelState, Pass};
+use burn::tensor::backend::AutodiffBackend;
+use tvq_model::{CodebookStats, Loss, ModelState, Pass, TransformerVq};
 
 use crate::batch::BatchTensors;
 use crate::config::ActivationCheckpointing;
 use crate::error::TrainError;
 use crate::parallel::collective::Collective;
 use crate::parallel::workers::map_in_workers;
-use crate::placement::{B, Model, cpu_autodiff, fork_onto, host_values, seeded_draw};
+use crate::placement::{TrainBackend, cpu_autodiff, fork_onto, host_values, seeded_draw};
 
 use crate::step::shard::{Shard, ShardPlan, ShardResult, shard_seed};
 
 /// What one step's forward and backward passes produce: sums over the
 /// shards computed here (and over every node after [`Self::all_reduce`]).
-pub struct StepGradients {
+pub struct StepGradients<B: TrainBackend> {
     /// Gradients of the objective (the mean over the run's shards of each
     /// shard's mean token loss), keyed by parameter.
     pub grads: GradientsParams,
@@ -43,12 +42,12 @@ pub struct StepGradients {
 
 /// The passes of shard `i` on `fork` (on its worker's device). Gradients
 /// and statistics come back on `home`, the device of the model stepped.
-fn run_shard(
-    fork: &Model,
-    (i, shard): (usize, Shard),
+fn run_shard<B: TrainBackend>(
+    fork: &TransformerVq<B>,
+    (i, shard): (usize, Shard<B>),
     plan: ShardPlan,
-    home: &DispatchDevice,
-) -> Result<ShardResult, TrainError> {
+    home: &B::Device,
+) -> Result<ShardResult<B>, TrainError> {
     let _shard = tracing::debug_span!("shard", i).entered();
     let device = fork.embedding.weight.device();
     let BatchTensors {
@@ -61,9 +60,9 @@ fn run_shard(
         .then(|| shard_seed(plan.seed, plan.first + i));
     // Drawn on the CPU whatever the device: the masks depend on the seed
     // only, not on the backend's generator.
-    let cpu = cpu_autodiff();
-    let masks =
-        seeded_draw(&cpu, seed, || fork.dropout_masks_on(inputs.dims(), &cpu)).to_device(&device);
+    let cpu = cpu_autodiff::<B>();
+    let masks = seeded_draw::<B, _>(&cpu, seed, || fork.dropout_masks_on(inputs.dims(), &cpu))
+        .to_device(&device);
     let state = shard.state.into_device(&device);
     let mut result = match plan.checkpointing {
         ActivationCheckpointing::Full => {
@@ -90,7 +89,7 @@ fn run_shard(
     if device != *home {
         let mut flat = vec![];
         let shapes = flatten_grads(fork, &mut result.grads, &mut flat);
-        result.grads = unflatten_grads(fork, shapes, &mut Pieces(&flat), home.inner());
+        result.grads = unflatten_grads(fork, shapes, &mut Pieces(&flat), &B::inner_device(home));
         result.stats = result
             .stats
             .into_iter()
@@ -107,12 +106,12 @@ fn run_shard(
 /// parameter ids, so the gradients line up. They are summed on the
 /// model's device in shard order, which makes the result independent of
 /// the number of workers (it depends on the shards only).
-pub fn compute_gradients(
-    model: &Model,
-    shards: Vec<Shard>,
+pub fn compute_gradients<B: TrainBackend>(
+    model: &TransformerVq<B>,
+    shards: Vec<Shard<B>>,
     plan: ShardPlan,
-    devices: &[DispatchDevice],
-) -> Result<StepGradients, TrainError> {
+    devices: &[B::Device],
+) -> Result<StepGradients<B>, TrainError> {
     let n = shards.len();
     let home = model.embedding.weight.device();
     let results = map_in_workers(
@@ -121,7 +120,7 @@ pub fn compute_gradients(
         |w| fork_onto(model, &devices[w]),
         |fork, shard| run_shard(fork, shard, plan, &home),
     )?;
-    let mut accumulator = GradientsAccumulator::<Model>::new();
+    let mut accumulator = GradientsAccumulator::<TransformerVq<B>>::new();
     let (mut ce_sum, mut commitment_sum) = (0f32, 0f32);
     let mut stats: Option<Vec<CodebookStats<B>>> = None;
     let mut states = Vec::with_capacity(n);
@@ -151,8 +150,8 @@ pub fn compute_gradients(
 /// Moves the gradients out of `grads` onto the end of `flat`, parameter by
 /// parameter in module order (the same on every node, whatever ids the
 /// parameters got); returns which parameters had one, with their shapes.
-pub(crate) fn flatten_grads(
-    model: &Model,
+pub(crate) fn flatten_grads<B: AutodiffBackend>(
+    model: &TransformerVq<B>,
     grads: &mut GradientsParams,
     flat: &mut Vec<f32>,
 ) -> Vec<Option<Vec<usize>>> {
@@ -161,9 +160,9 @@ pub(crate) fn flatten_grads(
         flat: &'a mut Vec<f32>,
         shapes: Vec<Option<Vec<usize>>>,
     }
-    impl ModuleVisitor<B> for Flatten<'_> {
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Flatten<'_> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-            let grad = self.grads.remove::<B, D>(p.id);
+            let grad = self.grads.remove::<B::InnerBackend, D>(p.id);
             self.shapes.push(grad.as_ref().map(|g| g.dims().to_vec()));
             if let Some(g) = grad {
                 self.flat.extend(host_values(&g));
@@ -180,28 +179,31 @@ pub(crate) fn flatten_grads(
 }
 
 /// The gradients [`flatten_grads`] took, read back from `pieces` onto `device`.
-fn unflatten_grads(
-    model: &Model,
+fn unflatten_grads<B: AutodiffBackend>(
+    model: &TransformerVq<B>,
     shapes: Vec<Option<Vec<usize>>>,
     pieces: &mut Pieces,
-    device: &DispatchDevice,
+    device: &burn::tensor::Device<B::InnerBackend>,
 ) -> GradientsParams {
-    struct Unflatten<'a, 'b> {
+    struct Unflatten<'a, 'b, B: AutodiffBackend> {
         shapes: std::vec::IntoIter<Option<Vec<usize>>>,
         pieces: &'a mut Pieces<'b>,
-        device: &'a DispatchDevice,
+        device: &'a burn::tensor::Device<B::InnerBackend>,
         grads: GradientsParams,
     }
-    impl ModuleVisitor<B> for Unflatten<'_, '_> {
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Unflatten<'_, '_, B> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
             if let Some(Some(shape)) = self.shapes.next() {
                 let values = self.pieces.take(shape.iter().product()).to_vec();
-                let grad = Tensor::<B, D>::from_data(TensorData::new(values, shape), self.device);
-                self.grads.register::<B, D>(p.id, grad);
+                let grad = Tensor::<B::InnerBackend, D>::from_data(
+                    TensorData::new(values, shape),
+                    self.device,
+                );
+                self.grads.register::<B::InnerBackend, D>(p.id, grad);
             }
         }
     }
-    let mut v = Unflatten {
+    let mut v = Unflatten::<B> {
         shapes: shapes.into_iter(),
         pieces,
         device,
@@ -215,23 +217,23 @@ fn unflatten_grads(
 /// `to`'s (the same architecture, matched parameter by parameter in module
 /// order) on `to`'s device: how `tvq check` gives two devices the same
 /// gradients.
-pub(crate) fn shared_grads(
-    from: &Model,
+pub(crate) fn shared_grads<B: TrainBackend>(
+    from: &TransformerVq<B>,
     mut grads: GradientsParams,
-    to: &Model,
+    to: &TransformerVq<B>,
 ) -> [GradientsParams; 2] {
     let mut flat = vec![];
     let shapes = flatten_grads(from, &mut grads, &mut flat);
     [from, to].map(|m| {
-        let device = m.embedding.weight.device();
-        unflatten_grads(m, shapes.clone(), &mut Pieces(&flat), device.inner())
+        let device = B::inner_device(&m.embedding.weight.device());
+        unflatten_grads(m, shapes.clone(), &mut Pieces(&flat), &device)
     })
 }
 
-fn from_values<const D: usize>(
+fn from_values<B: Backend, const D: usize>(
     values: &[f32],
     shape: [usize; D],
-    device: &DispatchDevice,
+    device: &B::Device,
 ) -> Tensor<B, D> {
     Tensor::from_data(TensorData::new(values.to_vec(), shape), device)
 }
@@ -247,14 +249,14 @@ impl<'a> Pieces<'a> {
     }
 }
 
-impl StepGradients {
+impl<B: TrainBackend> StepGradients<B> {
     /// Adds every node's sums to this node's, in one collective call: the
     /// gradients (in module order), the codebook statistics, the losses
     /// and `extra` (values every node contributes, summed). Afterwards every
     /// node holds the same sums, so every node's AdamW and EMA steps agree.
     pub fn all_reduce(
         mut self,
-        model: &Model,
+        model: &TransformerVq<B>,
         extra: &[f32],
         collective: &Collective,
     ) -> Result<(Self, Vec<f32>), TrainError> {
@@ -276,7 +278,7 @@ impl StepGradients {
         let summed = collective.all_reduce_sum(flat, "summing a step's gradients")?;
 
         let mut pieces = Pieces(&summed);
-        let grad_device = model.embedding.weight.device().inner().clone();
+        let grad_device = B::inner_device(&model.embedding.weight.device());
         let grads = unflatten_grads(model, shapes, &mut pieces, &grad_device);
         let stats = self
             .stats

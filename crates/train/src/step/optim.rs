@@ -19,13 +19,16 @@ use serde::{Deserialize, Serialize};
 use tvq_model::position::PositionTerm;
 
 use crate::config::{DecayShape, OptimizerName, OptimizerSection, Schedule, TrainSection};
-use crate::placement::{B, Model};
+use crate::placement::TrainBackend;
+use burn::Dispatch;
+use tvq_model::TransformerVq;
 
 /// One AdamW optimizer over the model.
-pub type Adam = OptimizerAdaptor<AdamW, Model, B>;
+pub type Adam<B = Dispatch> = OptimizerAdaptor<AdamW, TransformerVq<B>, B>;
 
 /// One Muon optimizer over the model (burn's).
-pub type MuonOptimizer = OptimizerAdaptor<Muon<<B as AutodiffBackend>::InnerBackend>, Model, B>;
+pub type MuonOptimizer<B = Dispatch> =
+    OptimizerAdaptor<Muon<<B as AutodiffBackend>::InnerBackend>, TransformerVq<B>, B>;
 
 /// Learning rate at optimizer step `step` (1-based): linear warm-up to `lr`,
 /// then the [`Schedule`] down to `lr * lr_floor`: a cosine that reaches the
@@ -112,16 +115,16 @@ impl Group {
 }
 
 /// The optimizers of a run, one per parameter group.
-pub struct Optimizers {
+pub struct Optimizers<B: TrainBackend = Dispatch> {
     /// AdamW for [`Group::Decay`].
-    pub decay: Adam,
+    pub decay: Adam<B>,
     /// AdamW for [`Group::NoDecay`].
-    pub no_decay: Adam,
+    pub no_decay: Adam<B>,
     /// AdamW for [`Group::Toeplitz`].
-    pub toeplitz: Adam,
+    pub toeplitz: Adam<B>,
     /// Muon for [`Group::Muon`]; `None` under AdamW, whose `decay` group
     /// holds those matrices.
-    pub muon: Option<MuonOptimizer>,
+    pub muon: Option<MuonOptimizer<B>>,
     /// Multiplier on the learning rate of the Toeplitz tables.
     pub toeplitz_lr_scale: f64,
     /// The settings the optimizers were built with (recorded in
@@ -129,7 +132,7 @@ pub struct Optimizers {
     pub settings: OptimizerSection,
 }
 
-fn adam(o: &OptimizerSection, weight_decay: f64) -> Adam {
+fn adam<B: TrainBackend>(o: &OptimizerSection, weight_decay: f64) -> Adam<B> {
     let a = &o.adamw;
     AdamWConfig::new()
         .with_beta_1(a.beta1 as f32)
@@ -137,14 +140,14 @@ fn adam(o: &OptimizerSection, weight_decay: f64) -> Adam {
         .with_epsilon(a.epsilon as f32)
         .with_weight_decay(weight_decay as f32)
         .with_grad_clipping(None)
-        .init::<B, Model>()
+        .init::<B, TransformerVq<B>>()
 }
 
 /// burn's Muon with the run's settings. Its update is scaled to AdamW's
 /// size (`AdjustLrFn::MatchRmsAdamW`, symmetric in the matrix's two sides,
 /// so burn's `[in, out]` layout of a linear layer's weight does not matter)
 /// and its weight decay is decoupled like AdamW's.
-fn muon(o: &OptimizerSection) -> MuonOptimizer {
+fn muon<B: TrainBackend>(o: &OptimizerSection) -> MuonOptimizer<B> {
     let m = &o.muon;
     let weight_decay = Group::Muon.weight_decay(o);
     MuonConfig::new()
@@ -158,12 +161,12 @@ fn muon(o: &OptimizerSection) -> MuonOptimizer {
         .with_weight_decay(
             (weight_decay > 0.0).then(|| WeightDecayConfig::new(weight_decay as f32)),
         )
-        .init::<B, Model>()
+        .init::<B, TransformerVq<B>>()
 }
 
 /// Moves the gradients of the parameters of `group` out of `grads`.
-fn take_grads(
-    model: &Model,
+fn take_grads<B: TrainBackend>(
+    model: &TransformerVq<B>,
     groups: &HashMap<ParamId, Group>,
     group: Group,
     grads: &mut GradientsParams,
@@ -174,12 +177,12 @@ fn take_grads(
         from: &'a mut GradientsParams,
         to: GradientsParams,
     }
-    impl ModuleVisitor<B> for Take<'_> {
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Take<'_> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
             if self.groups.get(&p.id) == Some(&self.group)
-                && let Some(g) = self.from.remove::<B, D>(p.id)
+                && let Some(g) = self.from.remove::<B::InnerBackend, D>(p.id)
             {
-                self.to.register::<B, D>(p.id, g);
+                self.to.register::<B::InnerBackend, D>(p.id, g);
             }
         }
     }
@@ -195,9 +198,12 @@ fn take_grads(
 
 /// The group of each parameter of `model` when the projection matrices go
 /// to `name`'s optimizer.
-pub fn groups(model: &Model, name: OptimizerName) -> HashMap<ParamId, Group> {
+pub fn groups<B: Backend>(
+    model: &TransformerVq<B>,
+    name: OptimizerName,
+) -> HashMap<ParamId, Group> {
     struct Ranks(HashMap<ParamId, Group>);
-    impl ModuleVisitor<B> for Ranks {
+    impl<B: Backend> ModuleVisitor<B> for Ranks {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
             let group = if D >= 2 { Group::Decay } else { Group::NoDecay };
             self.0.insert(p.id, group);
@@ -221,7 +227,7 @@ pub fn groups(model: &Model, name: OptimizerName) -> HashMap<ParamId, Group> {
     groups
 }
 
-impl Optimizers {
+impl<B: TrainBackend> Optimizers<B> {
     /// Fresh optimizers.
     pub fn new(t: &TrainSection) -> Self {
         let o = &t.optimizer;
@@ -236,7 +242,7 @@ impl Optimizers {
     }
 
     /// The AdamW optimizer of an AdamW group; `None` for [`Group::Muon`].
-    pub fn adam(&self, group: Group) -> Option<&Adam> {
+    pub fn adam(&self, group: Group) -> Option<&Adam<B>> {
         match group {
             Group::Decay => Some(&self.decay),
             Group::NoDecay => Some(&self.no_decay),
@@ -254,14 +260,19 @@ impl Optimizers {
     }
 
     /// The group of each parameter of `model` under these optimizers.
-    pub fn groups(&self, model: &Model) -> HashMap<ParamId, Group> {
+    pub fn groups(&self, model: &TransformerVq<B>) -> HashMap<ParamId, Group> {
         groups(model, self.settings.name)
     }
 
     /// One update at learning rate `lr`. The groups are taken from `model`
     /// itself, whose parameter ids are the ones the optimizer state is keyed
     /// by (a loaded checkpoint brings its own ids).
-    pub fn step(&mut self, lr: f64, model: Model, mut grads: GradientsParams) -> Model {
+    pub fn step(
+        &mut self,
+        lr: f64,
+        model: TransformerVq<B>,
+        mut grads: GradientsParams,
+    ) -> TransformerVq<B> {
         let groups = self.groups(&model);
         let mut take = |group| take_grads(&model, &groups, group, &mut grads);
         let (tables, hidden, matrices) =
@@ -332,19 +343,19 @@ impl Default for LossScale {
 /// `max_norm` (no clipping for `max_norm <= 0`), in one pass; returns the
 /// unscaled norm before clipping. A non-finite norm leaves the gradients as
 /// they are (the step must be skipped).
-pub fn clip_global_norm(
-    model: &Model,
+pub fn clip_global_norm<B: TrainBackend>(
+    model: &TransformerVq<B>,
     grads: &mut GradientsParams,
     max_norm: f64,
     loss_scale: f64,
 ) -> f64 {
-    struct SumSquares<'a> {
+    struct SumSquares<'a, B: AutodiffBackend> {
         grads: &'a GradientsParams,
-        total: Option<Tensor<B, 1>>,
+        total: Option<Tensor<B::InnerBackend, 1>>,
     }
-    impl ModuleVisitor<B> for SumSquares<'_> {
+    impl<B: AutodiffBackend> ModuleVisitor<B> for SumSquares<'_, B> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-            if let Some(g) = self.grads.get::<B, D>(p.id) {
+            if let Some(g) = self.grads.get::<B::InnerBackend, D>(p.id) {
                 let s = g.square().sum();
                 self.total = Some(match self.total.take() {
                     Some(t) => t + s,
@@ -353,7 +364,7 @@ pub fn clip_global_norm(
             }
         }
     }
-    let mut sum = SumSquares { grads, total: None };
+    let mut sum = SumSquares::<B> { grads, total: None };
     model.visit(&mut sum);
     let Some(total) = sum.total else { return 0.0 };
     let norm = total.into_scalar().elem::<f64>().sqrt() / loss_scale;
@@ -371,10 +382,11 @@ pub fn clip_global_norm(
             grads: &'a mut GradientsParams,
             factor: f64,
         }
-        impl ModuleVisitor<B> for Scale<'_> {
+        impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_> {
             fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-                if let Some(g) = self.grads.remove::<B, D>(p.id) {
-                    self.grads.register::<B, D>(p.id, g * self.factor);
+                if let Some(g) = self.grads.remove::<B::InnerBackend, D>(p.id) {
+                    self.grads
+                        .register::<B::InnerBackend, D>(p.id, g * self.factor);
                 }
             }
         }
@@ -387,6 +399,7 @@ pub fn clip_global_norm(
 mod tests {
     use super::*;
     use crate::config::TrainSection;
+    use crate::placement::B;
     use crate::placement::device::DeviceSpec;
     use crate::trainer::Trainer;
     use crate::trainer::tests::{batch, trainer};

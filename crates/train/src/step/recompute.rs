@@ -29,21 +29,22 @@ use burn::prelude::*;
 use tvq_model::{DropoutMasks, Graph, Logits, Loss, ModelState, Pass, Recomputable};
 
 use crate::error::TrainError;
-use crate::placement::{B, Model};
+use crate::placement::TrainBackend;
 use crate::step::shard::{ShardPlan, ShardResult};
+use tvq_model::TransformerVq;
 
 /// The forward and backward passes of one shard (`inputs`, `targets` and
 /// `valid` `[B, T]`) from `state` with dropout `masks`, recomputing each
 /// sublayer in the backward pass.
-pub(crate) fn passes(
-    model: &Model,
+pub(crate) fn passes<B: TrainBackend>(
+    model: &TransformerVq<B>,
     inputs: Tensor<B, 2, Int>,
     targets: Tensor<B, 2, Int>,
     valid: Tensor<B, 2, Bool>,
     state: ModelState<B>,
     masks: DropoutMasks<B>,
     plan: &ShardPlan,
-) -> Result<ShardResult, TrainError> {
+) -> Result<ShardResult<B>, TrainError> {
     let forward = tracing::debug_span!("forward").entered();
     // 1: forward keeping only each sublayer's input, and the last
     // sublayer's graph, as its backward pass comes first (recomputing it
@@ -65,7 +66,7 @@ pub(crate) fn passes(
     // 2: the head and the loss through the last sublayer, every other
     // sublayer's commitment a constant (each adds its own term's gradient
     // below).
-    let mut grads = GradientsAccumulator::<Model>::new();
+    let mut grads = GradientsAccumulator::<TransformerVq<B>>::new();
     let loss = Loss::from_parts(
         model.head(out.h),
         out.commitment,
@@ -112,11 +113,11 @@ pub(crate) fn passes(
 
 /// Runs `objective`'s backward pass, adds the parameters' gradients to
 /// `grads` and returns the gradient of the leaf `x` (on `x`'s device).
-fn backward(
-    model: &Model,
+fn backward<B: TrainBackend>(
+    model: &TransformerVq<B>,
     objective: Tensor<B, 1>,
     x: &Tensor<B, 3>,
-    grads: &mut GradientsAccumulator<Model>,
+    grads: &mut GradientsAccumulator<TransformerVq<B>>,
 ) -> Tensor<B, 3> {
     let mut all = objective.backward();
     let g = x

@@ -11,11 +11,11 @@ use tvq_data::Batch;
 use tvq_model::{CodebookStats, Loss, ModelState};
 
 use crate::config::{ActivationCheckpointing, LossMean};
-use crate::placement::B;
+use crate::placement::TrainBackend;
 
 /// One shard of a batch: some of its rows and the state they carry from
 /// the previous segment.
-pub struct Shard<'a> {
+pub struct Shard<'a, B: TrainBackend> {
     /// The batch.
     pub batch: &'a Batch,
     /// The shard's rows of it.
@@ -53,7 +53,7 @@ pub struct ShardPlan {
 
 impl ShardPlan {
     /// `x` times the loss scale (itself when there is none).
-    pub(crate) fn scaled(&self, x: Tensor<B, 1>) -> Tensor<B, 1> {
+    pub(crate) fn scaled<B: Backend>(&self, x: Tensor<B, 1>) -> Tensor<B, 1> {
         if self.loss_scale == 1.0 {
             x
         } else {
@@ -63,7 +63,7 @@ impl ShardPlan {
 
     /// A shard's part of the step's objective: its loss over the run's
     /// shards, scaled.
-    pub(crate) fn objective(&self, loss: &Loss<B>) -> Tensor<B, 1> {
+    pub(crate) fn objective<B: Backend>(&self, loss: &Loss<B>) -> Tensor<B, 1> {
         let ce = match self.loss_mean {
             LossMean::Token => loss.ce.clone(),
             LossMean::Row => loss.ce_per_row(),
@@ -74,7 +74,7 @@ impl ShardPlan {
 
     /// The part of the objective a per-token commitment `[B, T]` (one
     /// sublayer's) adds: the same terms as [`Self::objective`]'s.
-    pub(crate) fn commitment_objective(
+    pub(crate) fn commitment_objective<B: Backend>(
         &self,
         commitment: Tensor<B, 2>,
         valid: Option<Tensor<B, 2, Bool>>,
@@ -90,7 +90,7 @@ pub(crate) fn shard_seed(seed: u64, shard: usize) -> u64 {
 }
 
 /// What one shard's passes produce.
-pub(crate) struct ShardResult {
+pub(crate) struct ShardResult<B: TrainBackend> {
     /// Gradients of the shard's part of the objective.
     pub grads: GradientsParams,
     /// Mean cross-entropy, nats per token.
