@@ -7,7 +7,10 @@
 //!
 //! Training with a loop of one's own around [`Trainer::step`], then
 //! generating from the trained model (the examples in `examples/` do the
-//! same at full size, and load runs and exports):
+//! same at full size, and load runs and exports). `Trainer::new` runs on
+//! `burn::Dispatch`, every device, the kernels composed;
+//! `Trainer::<placement::CpuFused>::start` trains on the CPU with its fused
+//! kernels, as [`train`] does there ([`run::fuses_on_the_cpu`]):
 //!
 //! ```
 //! use tvq_data::{Corpus, Split, TrainBatches, TrainCursor};
