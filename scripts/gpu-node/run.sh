@@ -8,7 +8,7 @@
 # Options: --device cuda|cpu (default cuda), --small (small sizes),
 # --out DIR (default ./results), --layers N (layers of the enwik8-width
 # model, default 4), --parts LIST (comma separated, default all, in the
-# order they run: first-light,train,train-long,torch,profile,products,
+# order they run: first-light,train,train-fused,train-long,torch,profile,products,
 # products-torch,check,kernels,generate,quickstart), --budget SECONDS (the
 # whole run's time, default 450, so that with the binary's unpacking and
 # the summary it ends within 8 minutes; 1500 with --small: each part's
@@ -28,7 +28,7 @@
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 device=cuda small=0 out="$here/results" layers=4 pack="" budget=""
-parts=first-light,train,train-long,torch,profile,products,products-torch,check,kernels,generate,quickstart
+parts=first-light,train,train-fused,train-long,torch,profile,products,products-torch,check,kernels,generate,quickstart
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device="$2"; shift 2 ;;
@@ -159,13 +159,17 @@ if grep -q '"part": "first-light", "status": "failed"' "$results"; then
 fi
 
 # 1. tvq's training step (forward, backward, clipping, AdamW, EMA), f32 and
-# bf16, one row per step; the longest segments recompute each sublayer in
-# the backward pass (activation checkpointing "full"), as they would not
-# fit otherwise.
-train=("$tvq" bench step --device "$device" --json --batch 1 --form vq
-  --precision "$precisions" --steps 2 "${bench_set[@]}")
-part train "$limit_train" "${train[@]}" --seq-len "$seq_lens"
-part train-long "$limit_long" "${train[@]}" --seq-len "$long_lens" --checkpointing full
+# bf16, one row per step, as a run gets it by default (train.kernels
+# "auto": composed on a GPU, the fused kernels on the CPU); then f32 on the
+# device's fused kernels (train-fused); the longest segments recompute each
+# sublayer in the backward pass (activation checkpointing "full"), as they
+# would not fit otherwise.
+train=("$tvq" bench step --device "$device" --json --batch 1 --form vq --steps 2 "${bench_set[@]}")
+part train "$limit_train" "${train[@]}" --precision "$precisions" --seq-len "$seq_lens"
+part train-fused "$limit_train" "${train[@]}" --precision f32 --seq-len "$seq_lens" \
+  --set 'train.kernels="fused"'
+part train-long "$limit_long" "${train[@]}" --precision "$precisions" --seq-len "$long_lens" \
+  --checkpointing full
 
 # 2. The same model in PyTorch (eager, compiled) and the quadratic SDPA
 # baseline of the same widths, where PyTorch is installed.

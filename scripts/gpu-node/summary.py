@@ -60,7 +60,8 @@ def table(path):
             for impl in ("eager", "compiled", "sdpa"):
                 other = torch.get((impl,) + key(r))
                 ratios.append(f"{r['tokens_per_s'] / other:.2f}x" if other and r.get("tokens_per_s") else "-")
-            out.append(f"| tvq step ({r.get('batch', 1)} row, {r.get('activation_checkpointing', 'none')}) | {r['seq_len']:,} | {r.get('precision')} | "
+            kernels = "fused kernels" if r.get("kernels") else "composed"
+            out.append(f"| tvq step ({r.get('batch', 1)} row, {r.get('activation_checkpointing', 'none')}, {kernels}) | {r['seq_len']:,} | {r.get('precision')} | "
                        f"{fmt(r.get('tokens_per_s'))} | {mfu(r)} | " + " | ".join(ratios) + " |")
         elif form == "kernels":
             # The model's forward and backward passes, fused and composed:

@@ -99,4 +99,25 @@ impl<B: Backend> DropoutMasks<B> {
             .collect();
         Self { sublayers }
     }
+
+    /// The masks on `device` of another backend, through the host: how
+    /// masks drawn on the CPU reach a backend that has no CPU device.
+    pub fn onto<D: Backend>(self, device: &D::Device) -> DropoutMasks<D> {
+        fn to<B: Backend, D: Backend, const N: usize>(
+            t: Tensor<B, N>,
+            device: &D::Device,
+        ) -> Tensor<D, N> {
+            Tensor::from_data(t.into_data(), device)
+        }
+        let sublayers = self
+            .sublayers
+            .into_iter()
+            .map(|m| SublayerMasks {
+                sinusoid: m.sinusoid.map(|t| to(t, device)),
+                residual: m.residual.map(|t| to(t, device)),
+                layer: m.layer.map(|t| to(t, device)),
+            })
+            .collect();
+        DropoutMasks { sublayers }
+    }
 }

@@ -234,13 +234,14 @@ impl<B: VqBackend> Gau<B> {
     }
 
     /// Draws this sublayer's dropout masks for `[batch, len]` tokens (none
-    /// outside training), with the model's layer drop.
-    pub fn dropout_masks(
+    /// outside training), with the model's layer drop, on `device` of any
+    /// backend `D`.
+    pub fn dropout_masks<D: Backend>(
         &self,
         layer_drop: f64,
         shape: [usize; 2],
-        device: &B::Device,
-    ) -> SublayerMasks<B> {
+        device: &D::Device,
+    ) -> SublayerMasks<D> {
         let d_model = self.out_proj.weight.dims()[1];
         let p = self.dropout_probs(layer_drop);
         SublayerMasks::draw(p, shape, d_model, self.block_len, device)

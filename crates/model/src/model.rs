@@ -215,7 +215,7 @@ impl<B: VqBackend> TransformerVq<B> {
                 Some(gaus) => {
                     let device = self.embedding.weight.device();
                     gaus.iter()
-                        .map(|g| g.dropout_masks(self.layer_drop, [b, t], &device))
+                        .map(|g| g.dropout_masks::<B>(self.layer_drop, [b, t], &device))
                         .collect()
                 }
                 None => vec![], // refused by the check
@@ -400,19 +400,24 @@ impl<B: VqBackend> TransformerVq<B> {
     pub fn dropout_masks(&self, shape: [usize; 2]) -> DropoutMasks<B> {
         // The parameters' device says whether this is a training model (the
         // token tensors' does not: integer tensors carry no autodiff).
-        self.dropout_masks_on(shape, &self.embedding.weight.device())
+        self.dropout_masks_on::<B>(shape, &self.embedding.weight.device())
     }
 
     /// [`Self::dropout_masks`] drawn with `device`'s generator (on
-    /// `device`): the trainer draws them on the CPU whatever the model's
-    /// device, so that a run's masks depend on its seed only, then moves
-    /// them ([`DropoutMasks::to_device`]).
-    pub fn dropout_masks_on(&self, shape: [usize; 2], device: &B::Device) -> DropoutMasks<B> {
+    /// `device`, of any backend `D`): the trainer draws them on the CPU
+    /// whatever the model's device, so that a run's masks depend on its
+    /// seed only, then moves them ([`DropoutMasks::to_device`],
+    /// [`DropoutMasks::onto`]).
+    pub fn dropout_masks_on<D: Backend>(
+        &self,
+        shape: [usize; 2],
+        device: &D::Device,
+    ) -> DropoutMasks<D> {
         DropoutMasks {
             sublayers: self
                 .sublayers
                 .iter()
-                .map(|g| g.dropout_masks(self.layer_drop, shape, device))
+                .map(|g| g.dropout_masks::<D>(self.layer_drop, shape, device))
                 .collect(),
         }
     }

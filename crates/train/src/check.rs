@@ -8,7 +8,8 @@
 //! rounding in another summation order stays far inside and a wrong kernel
 //! does not (ten times wider for matrix products on CUDA, which rounds
 //! `f32` operands to TF32). On the CPU itself every check compares the CPU
-//! with itself: a trivial pass.
+//! with itself, a trivial pass, but the last: the fused kernels' gradients
+//! against the composed ops'.
 //!
 //! `TVQ_FAULT=device-result:error@N` scales the device's values of the
 //! `N`-th comparison by 1.01 (`crate::fault`): how the tests show that a
@@ -24,12 +25,14 @@ use tvq_model::{
     Loss, ModelState, Pass, Precision, RelativeBias, TransformerVq, TransformerVqConfig,
 };
 
-use crate::config::{OptimizerName, TrainSection};
+use crate::config::{KernelsSetting, OptimizerName, TrainSection};
 use crate::error::TrainError;
 use crate::fault::{Point, inject};
 use crate::inference::sample::{SampleOptions, sample};
 use crate::placement::device::{check_precision, device_name};
-use crate::placement::{B, Model, cpu_autodiff, fork_onto, host_values, seeded_draw};
+use crate::placement::{
+    B, Model, OnTrainBackend, TrainBackend, TrainOn, fork_onto, host_values, seeded_draw,
+};
 use crate::step::gradients::{flatten_grads, shared_grads};
 use crate::trainer::Trainer;
 
@@ -133,7 +136,7 @@ fn settings(precision: Precision) -> TrainSection {
 /// both sides: two draws could differ where other threads of the process
 /// draw from the backend's shared generator meanwhile.
 fn drawn(cfg: &TransformerVqConfig) -> Result<Model, TrainError> {
-    let cpu = cpu_autodiff::<B>();
+    let cpu = B::cpu().expect("Dispatch has a CPU device");
     Ok(seeded_draw::<B, _>(&cpu, Some(SEED), || {
         cfg.init::<B>(&cpu)
     })?)
@@ -244,6 +247,8 @@ pub fn check_device(device: &DispatchDevice, scratch: &Path) -> Result<CheckRepo
     checks.extend(training_step(device, &cpu, scratch)?);
     checks.extend(reduced_precision(device, &cpu, Precision::Bf16)?);
     checks.push(generation(device, &cpu)?);
+    // Last, so that the comparisons before it keep their numbers.
+    checks.push(fused_gradients(device, &cpu)?);
     let peaks = [Precision::F32, Precision::Bf16]
         .into_iter()
         .map(|precision| Peak {
@@ -431,6 +436,60 @@ fn training_step(
     Ok(vec![gradients, adamw, muon, ema, checkpoint, resumed])
 }
 
+/// The gradients of one `f32` step by the trainer a run on `device` uses
+/// under `train.kernels = "fused"` ([`TrainOn`]) against the composed
+/// ops' on the CPU, from the same weights (every trainer draws them on
+/// the CPU): on the CPU itself too, where it compares the CPU's kernels
+/// with the composed ops. Skipped where `device` has no fused trainer.
+fn fused_gradients(device: &DispatchDevice, cpu: &DispatchDevice) -> Result<Check, TrainError> {
+    let name = "gradients of one step, fused kernels against composed ops";
+    let cfg = model_config(RelativeBias::Toeplitz);
+    let fused = TrainSection {
+        kernels: KernelsSetting::Fused,
+        ..settings(Precision::F32)
+    };
+    let on = TrainOn::choose(&fused, std::slice::from_ref(device));
+    if !on.fused() {
+        return Ok(Check {
+            name: name.into(),
+            worst: None,
+            tolerance: 0.0,
+            skipped: Some(format!("{} has no fused kernels", device_name(device))),
+        });
+    }
+    let batch = segment(0, true);
+    /// One step's gradients on the backend chosen.
+    struct Gradients<'a>(
+        &'a TransformerVqConfig,
+        &'a TrainSection,
+        &'a DispatchDevice,
+        &'a Batch,
+    );
+    impl OnTrainBackend for Gradients<'_> {
+        type Output = Result<Vec<f32>, TrainError>;
+        fn run<Bk: TrainBackend>(self) -> Self::Output {
+            let Self(cfg, settings, device, batch) = self;
+            let mut t = Trainer::<Bk>::start(cfg, settings, std::slice::from_ref(device))?;
+            let mut g = t.gradients(batch)?;
+            let mut values = vec![];
+            flatten_grads(t.model(), &mut g.grads, &mut values);
+            Ok(values)
+        }
+    }
+    let composed = TrainSection {
+        kernels: KernelsSetting::Composed,
+        ..fused.clone()
+    };
+    let want = TrainOn::Composed.run(Gradients(&cfg, &composed, cpu, &batch))?;
+    let got = on.run(Gradients(&cfg, &fused, device, &batch))?;
+    Ok(compared(
+        name,
+        got,
+        &want,
+        1e-3 * f32_product_allowance(device),
+    ))
+}
+
 /// The loss and gradients of one step with products in `precision`; skipped
 /// where the device cannot compute in it. The tolerance allows for one
 /// rounding of a `bf16` product (`2^-8` relative) spreading through the
@@ -529,8 +588,9 @@ mod tests {
         assert!(!nan.passed(), "a NaN never passes");
     }
 
-    /// On the CPU every comparison is of the CPU with itself: all pass, at
-    /// zero difference.
+    /// On the CPU every comparison is of the CPU with itself, all pass at
+    /// zero difference, but the fused kernels' against the composed ops':
+    /// within rounding, not equal.
     #[test]
     fn the_cpu_checks_as_itself() {
         let cpu = DispatchDevice::Flex(Default::default());
@@ -538,9 +598,15 @@ mod tests {
         let report = check_device(&cpu, dir.path()).unwrap();
         assert!(report.passed(), "{report:#?}");
         assert!(report.checks.len() >= 10);
-        for c in &report.checks {
+        let (fused, rest) = report.checks.split_last().unwrap();
+        for c in rest {
             assert_eq!(c.worst, Some(0.0), "{}", c.name);
         }
+        assert!(fused.name.contains("fused kernels"), "{}", fused.name);
+        assert!(
+            fused.worst.is_some_and(|w| w > 0.0 && w <= 1e-5),
+            "{fused:?}"
+        );
         assert_eq!(
             std::fs::read_dir(dir.path()).unwrap().count(),
             0,

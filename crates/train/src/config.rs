@@ -93,11 +93,10 @@ pub struct TrainSection {
     /// codebooks and the loss stay `f32`.
     pub precision: PrecisionSetting,
     /// Whether each sublayer's attention and quantizer run as one fused
-    /// kernel where the device has one (`fused`, the default; today the
-    /// CPU, under `activation_checkpointing = "none"`), or as composed
-    /// tensor ops everywhere (`composed`: the oracle). Both compute the
-    /// same step to rounding (docs/architecture.md, "Kernels").
-    pub kernels: Kernels,
+    /// kernel ([`KernelsSetting`]: `auto`, `fused` or `composed`). Every
+    /// choice computes the same step to rounding (docs/architecture.md,
+    /// "Fused kernels").
+    pub kernels: KernelsSetting,
     /// Start from the weights and codebooks of this model instead of drawn
     /// ones: a `tvq export` file, a checkpoint directory, or a run
     /// directory (its newest valid checkpoint); relative to the working
@@ -210,6 +209,35 @@ impl std::str::FromStr for ActivationCheckpointing {
             .ok_or_else(|| {
                 format!("unknown activation checkpointing {s:?} (none, selective or full)")
             })
+    }
+}
+
+/// `train.kernels`: where the trainer runs each sublayer's attention and
+/// quantizer as one fused kernel ([`crate::placement::TrainOn::choose`];
+/// always with `f32` products and without activation checkpointing, which
+/// the kernels do not take).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KernelsSetting {
+    /// Where the kernels are measured faster than the composed ops: the
+    /// CPU. GPUs compose (the cubecl kernels are exact but not yet fast:
+    /// docs/benchmarks.md). Default.
+    #[default]
+    Auto,
+    /// On every device with kernels: the CPU, wgpu and CUDA.
+    Fused,
+    /// Composed tensor ops everywhere: the oracle.
+    Composed,
+}
+
+impl KernelsSetting {
+    /// What the model is told ([`tvq_model::TransformerVq::set_kernels`]):
+    /// fused unless `composed` (a backend without kernels composes anyway).
+    pub fn model(self) -> Kernels {
+        match self {
+            Self::Auto | Self::Fused => Kernels::Fused,
+            Self::Composed => Kernels::Composed,
+        }
     }
 }
 
@@ -373,7 +401,7 @@ impl Default for TrainSection {
             keep_checkpoints: 2,
             activation_checkpointing: ActivationCheckpointing::None,
             precision: PrecisionSetting::Auto,
-            kernels: Kernels::Fused,
+            kernels: KernelsSetting::Auto,
             init_from: None,
         }
     }

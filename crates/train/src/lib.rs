@@ -10,7 +10,8 @@
 //! same at full size, and load runs and exports). `Trainer::new` runs on
 //! `burn::Dispatch`, every device, the kernels composed;
 //! `Trainer::<placement::CpuFused>::start` trains on the CPU with its fused
-//! kernels, as [`train`] does there ([`run::fuses_on_the_cpu`]):
+//! kernels (`WgpuFused` and `CudaFused` on the GPUs), as [`train`] does
+//! ([`placement::TrainOn`]):
 //!
 //! ```
 //! use tvq_data::{Corpus, Split, TrainBatches, TrainCursor};

@@ -29,13 +29,13 @@ use tvq_model::{
 };
 
 use crate::checkpoint::{self, TrainerState};
-use crate::config::TrainSection;
+use crate::config::{ActivationCheckpointing, TrainSection};
 use crate::error::TrainError;
 use crate::node;
 use crate::parallel::collective::Collective;
 use crate::parallel::workers::{CREWS, check_device_list};
 use crate::placement::{B, Model, TrainBackend};
-use crate::placement::{autodiff_device, cpu_autodiff, fork_onto, seeded_draw};
+use crate::placement::{CpuFused, autodiff_device, fork_onto, seeded_draw};
 use crate::step::gradients::{StepGradients, compute_gradients};
 use crate::step::optim::{LossScale, Optimizers, clip_global_norm, learning_rate};
 use crate::step::shard::{Shard, ShardPlan};
@@ -82,8 +82,8 @@ pub struct StepOutcome {
 }
 
 /// Everything a run holds in memory between steps, on the backend `Bk`
-/// ([`TrainBackend`]: [`B`] by default, every device; `CpuFused` for the
-/// CPU's fused kernels).
+/// ([`TrainBackend`]: [`B`] by default, every device; `CpuFused`,
+/// `WgpuFused` and `CudaFused` for the devices' fused kernels).
 ///
 /// Step it from one thread: on a GPU its carried states live in the
 /// streams of the worker crew lent to that thread (`parallel::workers`).
@@ -134,22 +134,35 @@ impl<Bk: TrainBackend> Trainer<Bk> {
         settings: &TrainSection,
         devices: &[DispatchDevice],
     ) -> Result<Self, TrainError> {
-        let cpu = cpu_autodiff::<Bk>();
-        let net = seeded_draw::<Bk, _>(&cpu, Some(settings.seed), || model.init::<Bk>(&cpu))?;
+        check_devices::<Bk>(devices, settings.workers)?;
+        let net = match Bk::cpu() {
+            Some(cpu) => {
+                seeded_draw::<Bk, _>(&cpu, Some(settings.seed), || model.init::<Bk>(&cpu))?
+            }
+            // A backend without a CPU device: drawn on `CpuFused`, copied.
+            None => {
+                let cpu = Default::default();
+                let drawn = seeded_draw::<CpuFused, _>(&cpu, Some(settings.seed), || {
+                    model.init::<CpuFused>(&cpu)
+                })?;
+                let device = Bk::device_on(&devices[0], CheckpointingStrategy::None);
+                checkpoint::moved::<CpuFused, Bk>(&drawn, model, &device)?
+            }
+        };
         Self::with_weights(model, net, settings, devices)
     }
 
-    /// [`Self::start`] with the weights of `net` (a model on the CPU with
-    /// autodiff) instead of drawn ones: how `tvq check` gives the device
-    /// and the CPU one draw, whatever else draws from the backend's shared
-    /// generator meanwhile.
+    /// [`Self::start`] with the weights of `net` (a model with autodiff, on
+    /// the CPU or the first device) instead of drawn ones: how `tvq check`
+    /// gives the device and the CPU one draw, whatever else draws from the
+    /// backend's shared generator meanwhile.
     pub(crate) fn with_weights(
         config: &TransformerVqConfig,
         mut net: TransformerVq<Bk>,
         settings: &TrainSection,
         devices: &[DispatchDevice],
     ) -> Result<Self, TrainError> {
-        check_devices(devices, settings.workers)?;
+        check_devices::<Bk>(devices, settings.workers)?;
         let precision = precision_on(&devices[0], settings.precision);
         for d in devices {
             check_precision(d, precision).map_err(|reason| TrainError::Config {
@@ -158,6 +171,15 @@ impl<Bk: TrainBackend> Trainer<Bk> {
             })?;
         }
         let mode = settings.activation_checkpointing;
+        if mode != ActivationCheckpointing::None && !Bk::CHECKPOINTS {
+            return Err(TrainError::Config {
+                key: "train.activation_checkpointing".into(),
+                reason: format!(
+                    "is \"{mode}\", which the fused kernels' trainer does not take \
+                     (train.kernels = \"composed\" does)"
+                ),
+            });
+        }
         let worker_devices = (0..settings.workers)
             .map(|w| autodiff_device::<Bk>(&devices[w % devices.len()], mode))
             .collect();
@@ -165,11 +187,10 @@ impl<Bk: TrainBackend> Trainer<Bk> {
         // the mode: `selective` forks the model onto its workers' devices.
         let device = Bk::device_on(&devices[0], CheckpointingStrategy::None);
         // Drawn on the CPU and moved: the same weights on every backend.
-        let cpu = cpu_autodiff::<Bk>();
         net.set_precision(precision);
-        net.set_kernels(settings.kernels);
+        net.set_kernels(settings.kernels.model());
         let n_sublayers = net.sublayers.len();
-        let net = if device == cpu {
+        let net = if net.embedding.weight.device() == device {
             net
         } else {
             fork_onto(&net, &device)
@@ -211,7 +232,7 @@ impl<Bk: TrainBackend> Trainer<Bk> {
         let drawn = self.model().clone();
         let mut model = checkpoint::read_weights_from(source, drawn, &self.device)?;
         model.set_precision(self.precision);
-        model.set_kernels(self.settings.kernels);
+        model.set_kernels(self.settings.kernels.model());
         self.model = Some(model);
         Ok(())
     }
@@ -250,7 +271,7 @@ impl<Bk: TrainBackend> Trainer<Bk> {
         let mut model = loaded.model;
         // Not weights: a checkpoint of one precision resumes in another.
         model.set_precision(self.precision);
-        model.set_kernels(self.settings.kernels);
+        model.set_kernels(self.settings.kernels.model());
         self.model = Some(model);
         self.optim = loaded.optim;
         let (here, total) = (self.states.len(), self.total_shards());
@@ -327,10 +348,10 @@ impl<Bk: TrainBackend> Trainer<Bk> {
     /// there), on the model's device.
     pub fn inference_model(&self) -> Model {
         let mut model = Bk::on_dispatch(self.model()).unwrap_or_else(|| {
-            checkpoint::to_dispatch(self.model(), &self.config, &self.devices[0])
+            checkpoint::moved::<Bk, B>(self.model(), &self.config, &self.devices[0])
                 .expect("a model's own weights load into a model of its config")
         });
-        model.set_kernels(self.settings.kernels);
+        model.set_kernels(self.settings.kernels.model());
         model
     }
 
@@ -560,7 +581,8 @@ impl<Bk: TrainBackend> Trainer<Bk> {
 impl Trainer {
     /// [`Trainer::start`] on [`B`], which runs on every device and composes
     /// its kernels in training; `Trainer::<CpuFused>::start` fuses them on
-    /// the CPU ([`crate::run::fuses_on_the_cpu`] says which a run gets).
+    /// the CPU, `WgpuFused` and `CudaFused` on the GPUs
+    /// ([`crate::placement::TrainOn`] says which a run gets).
     pub fn new(
         model: &TransformerVqConfig,
         settings: &TrainSection,
@@ -577,9 +599,19 @@ fn loss_scale_for(precision: Precision, saved: Option<LossScale>) -> Option<Loss
 }
 
 /// Checks that `devices` can share `workers` threads: a valid list
-/// ([`check_device_list`]) with as many workers on each.
-pub(crate) fn check_devices(devices: &[DispatchDevice], workers: usize) -> Result<(), TrainError> {
+/// ([`check_device_list`]) of devices `Bk` runs on, with as many workers
+/// on each.
+pub(crate) fn check_devices<Bk: TrainBackend>(
+    devices: &[DispatchDevice],
+    workers: usize,
+) -> Result<(), TrainError> {
     check_device_list(devices)?;
+    if let Some(other) = devices.iter().find(|d| !Bk::runs_on(d)) {
+        return Err(TrainError::Devices(format!(
+            "names {}, where this trainer's backend does not run",
+            crate::placement::device::device_name(other)
+        )));
+    }
     if !workers.is_multiple_of(devices.len()) {
         return Err(TrainError::Config {
             key: "train.workers".into(),
@@ -598,6 +630,7 @@ pub(crate) fn check_devices(devices: &[DispatchDevice], workers: usize) -> Resul
 pub(crate) mod tests {
     use super::*;
     use crate::gpu_under_test::{gpu_under_test, two_wgpu_devices};
+    use crate::placement::TrainOn;
     use crate::placement::device::{DeviceSpec, device_name};
     use burn::prelude::*;
     use tvq_testkit::tiny_model;
@@ -739,21 +772,13 @@ pub(crate) mod tests {
             t.settings.loss_mean = loss_mean;
             step_outcome(&mut t, &b).1.concat()
         };
-        let largest_gap = |a: &[f32], b: &[f32]| {
-            let worst = a
-                .iter()
-                .zip(b)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0f32, f32::max);
-            worst / b.iter().map(|x| x.abs()).fold(0f32, f32::max)
-        };
         let per_row = grads(LossMean::Row, 1);
         let row_shards = grads(LossMean::Token, 2);
         let per_token = grads(LossMean::Token, 1);
-        assert!(largest_gap(&per_row, &row_shards) < 1e-5);
-        assert!(largest_gap(&per_token, &row_shards) > 1e-2);
+        assert!(relative_gap(&per_row, &row_shards) < 1e-5);
+        assert!(relative_gap(&per_token, &row_shards) > 1e-2);
         // The mean over rows does not depend on the shards.
-        assert!(largest_gap(&grads(LossMean::Row, 2), &per_row) < 1e-5);
+        assert!(relative_gap(&grads(LossMean::Row, 2), &per_row) < 1e-5);
     }
 
     #[test]
@@ -765,18 +790,28 @@ pub(crate) mod tests {
             DispatchDevice::Wgpu(WgpuDevice::DiscreteGpu(1)),
         );
         let reason = |devices: &[DispatchDevice], workers| {
-            check_devices(devices, workers).unwrap_err().to_string()
+            check_devices::<B>(devices, workers)
+                .unwrap_err()
+                .to_string()
         };
-        assert!(check_devices(&[gpu0.clone(), gpu1.clone()], 4).is_ok());
+        assert!(check_devices::<B>(&[gpu0.clone(), gpu1.clone()], 4).is_ok());
         assert!(reason(&[], 1).contains("no device"));
         assert_eq!(
             reason(&[cpu.clone(), cpu.clone()], 2),
             "--device names cpu twice"
         );
         assert!(reason(&[cpu, gpu0.clone()], 2).contains("mixes backends (cpu and wgpu:0)"));
-        let uneven = reason(&[gpu0, gpu1], 3);
+        let uneven = reason(&[gpu0.clone(), gpu1], 3);
         assert!(
             uneven.contains("train.workers") && uneven.contains("not a multiple of the 2 devices")
+        );
+        // A fused backend's trainer on a device of another backend.
+        let other = check_devices::<crate::placement::CpuFused>(&[gpu0], 1).unwrap_err();
+        assert!(
+            other
+                .to_string()
+                .contains("names wgpu:0, where this trainer's backend does not run"),
+            "{other}"
         );
     }
 
@@ -1219,38 +1254,41 @@ pub(crate) mod tests {
         }
     }
 
-    /// The CPU's fused kernels in training (`Trainer<CpuFused>`): it starts
+    /// The largest difference between `got` and `want`, as a share of
+    /// `want`'s largest magnitude (0 where they are equal).
+    pub(crate) fn relative_gap(got: &[f32], want: &[f32]) -> f32 {
+        assert_eq!(got.len(), want.len(), "lengths");
+        let worst = got
+            .iter()
+            .zip(want)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        if worst == 0.0 {
+            return 0.0;
+        }
+        worst / want.iter().map(|x| x.abs()).fold(0f32, f32::max)
+    }
+
+    /// A fused backend in training (`Trainer<Bk>` on `device`): it starts
     /// from the weights the composed trainer draws (every backend draws
     /// with the CPU's generator), each sublayer's forward pass reaches the
     /// fused attention and quantizer, and one segment's gradients,
     /// codebook statistics and carried state, then three steps, come out
-    /// as the composed trainer's to rounding (within 1e-5 of the largest
-    /// value), under both position terms the kernels cover. A checkpoint
-    /// of either resumes in the other exactly.
-    #[test]
-    fn the_cpu_fused_trainer_takes_the_composed_steps() {
-        use crate::placement::CpuFused;
+    /// as the composed trainer's on the same device to rounding (within
+    /// `tol` of the largest value), under both position terms the kernels
+    /// cover. A checkpoint of either resumes in the other exactly.
+    fn fused_trainer_takes_the_composed_steps<Bk: TrainBackend>(device: DispatchDevice, tol: f32) {
         use tvq_model::RelativeBias;
         use tvq_model::kernel::{fused_attention_calls, fused_quantize_calls};
         let dir = tempfile::tempdir().unwrap();
-        let device = DeviceSpec::Cpu.init().unwrap().0;
         let settings = TrainSection {
             lr: 1e-2,
             warmup_steps: 0,
             ..TrainSection::default()
         };
         let close = |a: &[f32], b: &[f32], what: &str| {
-            let worst = a
-                .iter()
-                .zip(b)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0f32, f32::max);
-            let largest = b.iter().map(|x| x.abs()).fold(0f32, f32::max);
-            assert_eq!(a.len(), b.len(), "{what}");
-            assert!(
-                worst <= 1e-5 * largest,
-                "{what}: off by {worst} of {largest}"
-            );
+            let gap = relative_gap(a, b);
+            assert!(gap <= tol, "{what}: off by {gap} of the largest value");
         };
         for bias in [RelativeBias::Toeplitz, RelativeBias::Xl] {
             let model = TransformerVqConfig {
@@ -1260,7 +1298,7 @@ pub(crate) mod tests {
             };
             let devices = std::slice::from_ref(&device);
             let mut composed = Trainer::new(&model, &settings, devices).unwrap();
-            let mut fused = Trainer::<CpuFused>::start(&model, &settings, devices).unwrap();
+            let mut fused = Trainer::<Bk>::start(&model, &settings, devices).unwrap();
             assert_eq!(
                 every_parameter(fused.model()),
                 every_parameter(composed.model())
@@ -1274,6 +1312,7 @@ pub(crate) mod tests {
                 step_outcome(&mut composed, &first),
             );
             close(&got.0, &want.0, "losses");
+            assert_eq!(got.1.len(), want.1.len(), "gradients");
             for (i, (g, w)) in got.1.iter().zip(&want.1).enumerate() {
                 close(g, w, &format!("{bias:?} gradient of parameter {i}"));
             }
@@ -1292,7 +1331,7 @@ pub(crate) mod tests {
             );
             for (g, w) in got.iter().zip(&want) {
                 assert!(
-                    (g - w).abs() <= 1e-5 * w.abs(),
+                    (g - w).abs() <= f64::from(tol) * w.abs(),
                     "{bias:?} losses {got:?}, {want:?}"
                 );
             }
@@ -1322,7 +1361,7 @@ pub(crate) mod tests {
             let saved = composed
                 .save(&dir.path().join(format!("{bias:?}-composed")))
                 .unwrap();
-            let mut resumed = Trainer::<CpuFused>::start(&model, &settings, devices).unwrap();
+            let mut resumed = Trainer::<Bk>::start(&model, &settings, devices).unwrap();
             resumed.resume(&saved, false).unwrap();
             assert_eq!(
                 every_parameter(resumed.model()),
@@ -1332,14 +1371,63 @@ pub(crate) mod tests {
                 state_values(&resumed.states),
                 state_values(&composed.states)
             );
-            let next =
-                |t: &mut Trainer<CpuFused>| t.step(&batch(4, 8, false), TrainCursor::default());
+            let next = |t: &mut Trainer<Bk>| t.step(&batch(4, 8, false), TrainCursor::default());
             assert!(next(&mut resumed).unwrap().loss.is_finite());
             // What evaluation reads: the trained weights on `B`.
             assert_eq!(
                 every_parameter(&fused.inference_model()),
                 every_parameter(fused.model())
             );
+        }
+    }
+
+    /// [`fused_trainer_takes_the_composed_steps`] on the CPU (`CpuFused`),
+    /// within 1e-5 of the largest value.
+    #[test]
+    fn the_cpu_fused_trainer_takes_the_composed_steps() {
+        let cpu = DeviceSpec::Cpu.init().unwrap().0;
+        assert_eq!(
+            TrainOn::choose(&TrainSection::default(), std::slice::from_ref(&cpu)),
+            TrainOn::CpuFused
+        );
+        fused_trainer_takes_the_composed_steps::<crate::placement::CpuFused>(cpu.clone(), 1e-5);
+        // Activation checkpointing is the composed trainer's: refused here.
+        let selective = TrainSection {
+            activation_checkpointing: ActivationCheckpointing::Selective,
+            ..TrainSection::default()
+        };
+        let refused =
+            Trainer::<crate::placement::CpuFused>::start(&tiny_model(11), &selective, &[cpu]);
+        let why = refused.err().expect("refused").to_string();
+        assert!(
+            why.contains("train.activation_checkpointing") && why.contains("\"selective\""),
+            "{why}"
+        );
+    }
+
+    /// [`fused_trainer_takes_the_composed_steps`] on the GPU under test
+    /// (`WgpuFused` on lavapipe in CI, `CudaFused` on CUDA), against the
+    /// composed trainer on the same device, within 1e-5 of the largest
+    /// value.
+    #[test]
+    fn the_gpu_fused_trainer_takes_the_composed_steps() {
+        use crate::placement::{CudaFused, WgpuFused};
+        let test = "the_gpu_fused_trainer_takes_the_composed_steps";
+        let Some(gpu) = gpu_under_test(test) else {
+            return;
+        };
+        let on = TrainOn::choose(
+            &TrainSection {
+                precision: Precision::F32.into(),
+                kernels: crate::config::KernelsSetting::Fused,
+                ..TrainSection::default()
+            },
+            std::slice::from_ref(&gpu),
+        );
+        match on {
+            TrainOn::WgpuFused => fused_trainer_takes_the_composed_steps::<WgpuFused>(gpu, 1e-5),
+            TrainOn::CudaFused => fused_trainer_takes_the_composed_steps::<CudaFused>(gpu, 1e-5),
+            other => panic!("{gpu:?} trains on {other}"),
         }
     }
 

@@ -20,8 +20,7 @@ use tvq_data::{Batch, TrainCursor};
 use tvq_model::{AttentionForm, Precision, TransformerVqConfig};
 use tvq_train::config::{ActivationCheckpointing, TrainSection};
 use tvq_train::placement::device::{DeviceSpec, precision_on};
-use tvq_train::placement::{CpuFused, TrainBackend};
-use tvq_train::run::fuses_on_the_cpu;
+use tvq_train::placement::{OnTrainBackend, TrainBackend, TrainOn};
 use tvq_train::{SampleOptions, Trainer, mfu, sample};
 
 type B = Dispatch;
@@ -506,11 +505,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
                         whole_step,
                         log: log.as_ref(),
                     };
-                    if fuses_on_the_cpu(&train, std::slice::from_ref(&device)) {
-                        bench_training::<CpuFused>(&args, &on, form, t)?;
-                    } else {
-                        bench_training::<B>(&args, &on, form, t)?;
+                    struct Bench<'a>(&'a BenchArgs, &'a Measuring<'a>, AttentionForm, usize);
+                    impl OnTrainBackend for Bench<'_> {
+                        type Output = Result<()>;
+                        fn run<Bk: TrainBackend>(self) -> Result<()> {
+                            bench_training::<Bk>(self.0, self.1, self.2, self.3)
+                        }
                     }
+                    TrainOn::choose(&train, std::slice::from_ref(&device))
+                        .run(Bench(&args, &on, form, t))?;
                 }
             }
         }
@@ -734,7 +737,7 @@ fn bench_training<Bk: TrainBackend>(
                 "flops_per_token": mfu::training_flops_per_token(&cfg, t),
                 "peak_rss_bytes": rss, "device_memory_bytes": gpu, "device": info,
                 "precision": precision, "activation_checkpointing": mode,
-                "workers": train.workers, "kernels": fuses_on_the_cpu(train, std::slice::from_ref(device)),
+                "workers": train.workers, "kernels": TrainOn::choose(train, std::slice::from_ref(device)).fused(),
                 "step": if whole_step { "full" } else { "forward+backward" },
             })
         );

@@ -250,6 +250,7 @@ fn the_bundle_runs_every_part_small_on_the_cpu_without_rust() {
         "first-light",
         "check",
         "train",
+        "train-fused",
         "products",
         "generate",
         "quickstart",
@@ -281,10 +282,12 @@ fn the_bundle_runs_every_part_small_on_the_cpu_without_rust() {
         assert_eq!(products(true), ours, "PyTorch times every product of tvq's");
     }
     // Figures of each part reached the results and the table.
+    // The step, on the CPU's fused kernels (as `auto` and `fused` train).
     assert!(
-        results
-            .iter()
-            .any(|r| r["form"] == "vq" && r["tokens_per_s"].as_f64().is_some())
+        results.iter().any(|r| r["form"] == "vq"
+            && r["kernels"] == true
+            && r["tokens_per_s"].as_f64().is_some()),
+        "{results:?}"
     );
     assert!(results.iter().any(|r| r["form"] == "generate"));
     assert!(results.iter().any(|r| r["form"] == "quickstart"));

@@ -11,7 +11,7 @@
 //! | backend | fused |
 //! |---|---|
 //! | `CubeBackend<R, ..>` (cubecl: CUDA, wgpu), with or without `Autodiff` | [`attention`], [`quantizer`] |
-//! | `burn::Dispatch` (what `tvq` infers on, and trains on except on the CPU) | the CPU's, forward only, on a CPU device without autodiff (inference); otherwise none: its tensors hide the backend they live on, so training on the CPU runs on `Autodiff<Flex>`, and `tvq bench kernels` on `Flex`, [`CubeWgpu`] or [`CubeCuda`] |
+//! | `burn::Dispatch` (what `tvq` infers on, and trains on where the kernels do not cover a run) | the CPU's, forward only, on a CPU device without autodiff (inference); otherwise none: its tensors hide the backend they live on, so training with the kernels runs on `Autodiff<Flex>`, `Autodiff<`[`CubeWgpu`]`>` or `Autodiff<`[`CubeCuda`]`>`, and `tvq bench kernels` on those |
 //! | `Flex` (the CPU), with or without `Autodiff` | attention and quantizer in Rust over its buffers (`cpu.rs`) |
 //!
 //! Shapes: `G = B H R` block rows, `L` block length, `K` key width, `V`
@@ -218,7 +218,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
 /// data (a copy of the inputs and the output, linear in their size).
 /// Everywhere else it composes: its tensors hide the backend they live on,
 /// and burn 0.21 gives no way to add a backward step to its autodiff graph
-/// (training on the CPU reaches the kernels on `Autodiff<Flex>` instead).
+/// (training reaches the kernels on `Autodiff` over `Flex`, [`CubeWgpu`] or
+/// [`CubeCuda`] instead).
 impl VqBackend for Dispatch {
     const FUSES_ATTENTION: bool = true;
 

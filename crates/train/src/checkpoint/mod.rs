@@ -24,7 +24,7 @@ use burn::prelude::Backend;
 use burn::store::{ModuleSnapshot, SafetensorsStore};
 use serde::{Deserialize, Serialize};
 use tvq_data::TrainCursor;
-use tvq_model::{ModelState, TransformerVq, TransformerVqConfig};
+use tvq_model::{ModelState, TransformerVq, TransformerVqConfig, VqBackend};
 
 use crate::error::TrainError;
 use crate::fault::{self, Point};
@@ -514,20 +514,32 @@ pub(crate) fn model_of_file(
 /// file's) drawn under the draw lock: the backend's generator is shared
 /// by every thread of the process ([`seeded_draw`]).
 fn built(cfg: &TransformerVqConfig, device: &burn::DispatchDevice) -> Result<Model, TrainError> {
-    Ok(seeded_draw::<B, _>(device, None, || cfg.init::<B>(device))?)
+    built_on::<B>(cfg, device)
 }
 
-/// `model`'s weights and codebooks in a model of `cfg` on `device`, through
-/// the bytes of a weights file: how a model trained on another backend
-/// reaches [`B`] for evaluation and sampling.
-pub(crate) fn to_dispatch<Bk: TrainBackend>(
-    model: &TransformerVq<Bk>,
+/// [`built`] on any backend.
+fn built_on<Bk: VqBackend>(
     cfg: &TransformerVqConfig,
-    device: &burn::DispatchDevice,
-) -> Result<Model, TrainError> {
+    device: &Bk::Device,
+) -> Result<TransformerVq<Bk>, TrainError> {
+    Ok(seeded_draw::<Bk, _>(device, None, || {
+        cfg.init::<Bk>(device)
+    })?)
+}
+
+/// `model`'s weights and codebooks in a model of `cfg` on `device` of
+/// another backend, through the bytes of a weights file: how a model
+/// trained on a fused backend reaches [`B`] for evaluation and sampling,
+/// and how weights drawn on the CPU reach a backend without a CPU device.
+pub(crate) fn moved<From: TrainBackend, To: VqBackend>(
+    model: &TransformerVq<From>,
+    cfg: &TransformerVqConfig,
+    device: &To::Device,
+) -> Result<TransformerVq<To>, TrainError> {
     let bytes = tensor_file::to_bytes(&BTreeMap::new(), model_tensors(model))
         .map_err(|e| TrainError::io(Path::new("(trained weights)"), e))?;
-    let mut out = weights_from_bytes(Path::new("(trained weights)"), bytes, built(cfg, device)?)?;
+    let skeleton = built_on::<To>(cfg, device)?;
+    let mut out = weights_from_bytes(Path::new("(trained weights)"), bytes, skeleton)?;
     out.set_precision(model.precision());
     Ok(out)
 }

@@ -17,12 +17,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use burn::DispatchDevice;
 use indicatif::ProgressBar;
 use tvq_data::{Corpus, Split, TokenSplit, TrainBatches, Vocab};
-use tvq_model::{Kernels, Precision};
+use tvq_model::Precision;
 
 use self::lock::RunLock;
 use self::metrics::{EvalLine, MetricsLog, RunFacts, SampleLine, StepMetrics};
 use crate::checkpoint;
-use crate::config::{ActivationCheckpointing, EvalSection, RunConfig, Schedule, TrainSection};
+use crate::config::{EvalSection, RunConfig, Schedule, TrainSection};
 use crate::error::TrainError;
 use crate::inference::evaluate::{EvalOptions, EvalReport, evaluate};
 use crate::inference::sample::{SampleOptions, sample};
@@ -30,7 +30,7 @@ use crate::mfu::training_flops_per_token;
 use crate::parallel::collective::{ClusterSpec, Collective};
 use crate::placement::device::precision_on;
 use crate::placement::memory;
-use crate::placement::{B, CpuFused, TrainBackend};
+use crate::placement::{OnTrainBackend, TrainBackend, TrainOn};
 use crate::progress::progress_bar;
 use crate::trainer::{Trainer, check_devices};
 
@@ -80,23 +80,16 @@ pub fn train(
     devices: &[DispatchDevice],
     opts: &TrainOptions,
 ) -> Result<TrainSummary, TrainError> {
-    if fuses_on_the_cpu(&cfg.train, devices) {
-        tracing::info!("attention and quantizer: the CPU's fused kernels");
-        train_on::<CpuFused>(cfg, devices, opts)
-    } else {
-        train_on::<B>(cfg, devices, opts)
+    let on = TrainOn::choose(&cfg.train, devices);
+    tracing::info!("attention and quantizer: {on}");
+    struct Train<'a>(&'a RunConfig, &'a [DispatchDevice], &'a TrainOptions);
+    impl OnTrainBackend for Train<'_> {
+        type Output = Result<TrainSummary, TrainError>;
+        fn run<Bk: TrainBackend>(self) -> Self::Output {
+            train_on::<Bk>(self.0, self.1, self.2)
+        }
     }
-}
-
-/// Whether a run of `settings` on `devices` trains on [`CpuFused`], the CPU
-/// with its fused kernels: `train.kernels = "fused"` on the CPU, where no
-/// activation checkpointing asks for burn's strategies (which `Dispatch`
-/// chooses per device, `Autodiff<Flex>` per type). Everywhere else it
-/// trains on [`B`], composed.
-pub fn fuses_on_the_cpu(settings: &TrainSection, devices: &[DispatchDevice]) -> bool {
-    settings.kernels == Kernels::Fused
-        && settings.activation_checkpointing == ActivationCheckpointing::None
-        && devices.iter().all(|d| matches!(d, DispatchDevice::Flex(_)))
+    on.run(Train(cfg, devices, opts))
 }
 
 /// [`train`] on the backend `Bk`.
@@ -108,7 +101,7 @@ fn train_on<Bk: TrainBackend>(
     let (rank, nodes) = opts.cluster.as_ref().map_or((0, 1), |c| (c.rank, c.nodes));
     // What can be checked without files, before anything is written.
     let node_rows = node_rows(cfg, rank, nodes)?;
-    check_devices(devices, cfg.train.workers)?;
+    check_devices::<Bk>(devices, cfg.train.workers)?;
     let corpus = Corpus::open(&cfg.data)?;
     let train_split = corpus.split(Split::Train);
     // The lock is held until the run returns; released by the OS however

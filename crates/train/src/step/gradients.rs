@@ -18,7 +18,7 @@ use crate::config::ActivationCheckpointing;
 use crate::error::TrainError;
 use crate::parallel::collective::Collective;
 use crate::parallel::workers::map_in_workers;
-use crate::placement::{TrainBackend, cpu_autodiff, fork_onto, host_values, seeded_draw};
+use crate::placement::{TrainBackend, drawn_masks, fork_onto, host_values};
 
 use crate::step::shard::{Shard, ShardPlan, ShardResult, shard_seed};
 
@@ -60,9 +60,7 @@ fn run_shard<B: TrainBackend>(
         .then(|| shard_seed(plan.seed, plan.first + i));
     // Drawn on the CPU whatever the device: the masks depend on the seed
     // only, not on the backend's generator.
-    let cpu = cpu_autodiff::<B>();
-    let masks = seeded_draw::<B, _>(&cpu, seed, || fork.dropout_masks_on(inputs.dims(), &cpu))
-        .to_device(&device);
+    let masks = drawn_masks(fork, inputs.dims(), seed, &device);
     let state = shard.state.into_device(&device);
     let mut result = match plan.checkpointing {
         ActivationCheckpointing::Full => {
