@@ -88,34 +88,31 @@ impl<B: Backend> DropoutMasks<B> {
     /// already are).
     pub fn to_device(self, device: &B::Device) -> Self {
         use crate::device::to_device_via_host as to;
-        let sublayers = self
-            .sublayers
-            .into_iter()
-            .map(|m| SublayerMasks {
-                sinusoid: m.sinusoid.map(|t| to(t, device)),
-                residual: m.residual.map(|t| to(t, device)),
-                layer: m.layer.map(|t| to(t, device)),
-            })
-            .collect();
-        Self { sublayers }
+        self.map(|t| to(t, device), |t| to(t, device))
     }
 
     /// The masks on `device` of another backend, through the host: how
     /// masks drawn on the CPU reach a backend that has no CPU device.
     pub fn onto<D: Backend>(self, device: &D::Device) -> DropoutMasks<D> {
-        fn to<B: Backend, D: Backend, const N: usize>(
-            t: Tensor<B, N>,
-            device: &D::Device,
-        ) -> Tensor<D, N> {
-            Tensor::from_data(t.into_data(), device)
-        }
+        self.map(
+            |t| Tensor::from_data(t.into_data(), device),
+            |t| Tensor::from_data(t.into_data(), device),
+        )
+    }
+
+    /// Every mask through `rank2` or `rank3`, by its rank.
+    fn map<D: Backend>(
+        self,
+        rank2: impl Fn(Tensor<B, 2>) -> Tensor<D, 2>,
+        rank3: impl Fn(Tensor<B, 3>) -> Tensor<D, 3>,
+    ) -> DropoutMasks<D> {
         let sublayers = self
             .sublayers
             .into_iter()
             .map(|m| SublayerMasks {
-                sinusoid: m.sinusoid.map(|t| to(t, device)),
-                residual: m.residual.map(|t| to(t, device)),
-                layer: m.layer.map(|t| to(t, device)),
+                sinusoid: m.sinusoid.map(&rank2),
+                residual: m.residual.map(&rank3),
+                layer: m.layer.map(&rank3),
             })
             .collect();
         DropoutMasks { sublayers }

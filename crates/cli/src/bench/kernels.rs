@@ -1,7 +1,8 @@
 //! `tvq bench kernels`: the fused attention and quantizer kernels against
 //! the composed ops they replace, in the model's forward and backward passes on the
-//! device's own backend (wgpu or CUDA: cubecl without burn's fusion; the
-//! CPU: `Flex`), where the kernels plug in (`tvq_model::kernel`).
+//! device's own backend (burn's wgpu or CUDA backend, with burn's fusion in
+//! the default build, as the trainer has them; the CPU: `Flex`), where the
+//! kernels plug in (`tvq_model::kernel`).
 //!
 //! For each segment length, the same model, batch and dropout masks run
 //! both ways, alternating pass by pass; each line gives both rates, how
@@ -13,13 +14,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 use burn::DispatchDevice;
-use burn::backend::Autodiff;
 use burn::backend::flex::Flex;
+use burn::backend::{Autodiff, Cuda, Wgpu};
 use burn::prelude::*;
 use serde_json::json;
-use tvq_model::kernel::{
-    CubeCuda, CubeWgpu, Kernels, VqKernels, fused_attention_calls, fused_quantize_calls,
-};
+use tvq_model::kernel::{Kernels, VqKernels, fused_attention_calls, fused_quantize_calls};
 use tvq_model::{Loss, Pass, Precision, TransformerVq, TransformerVqConfig};
 use tvq_train::config::TrainSection;
 
@@ -67,8 +66,8 @@ pub(super) fn run(
     for &t in &args.seq_len {
         for &precision in precisions {
             match cube {
-                Cube::Wgpu(d) => on.measure::<CubeWgpu>(d, t, precision)?,
-                Cube::Cuda(d) => on.measure::<CubeCuda>(d, t, precision)?,
+                Cube::Wgpu(d) => on.measure::<Wgpu>(d, t, precision)?,
+                Cube::Cuda(d) => on.measure::<Cuda>(d, t, precision)?,
                 Cube::Cpu(d) => on.measure::<Flex>(d, t, precision)?,
             }
         }

@@ -11,7 +11,8 @@
 //! | backend | fused |
 //! |---|---|
 //! | `CubeBackend<R, ..>` (cubecl: CUDA, wgpu), with or without `Autodiff` | [`attention`], [`quantizer`] |
-//! | `burn::Dispatch` (what `tvq` infers on, and trains on where the kernels do not cover a run) | the CPU's, forward only, on a CPU device without autodiff (inference); otherwise none: its tensors hide the backend they live on, so training with the kernels runs on `Autodiff<Flex>`, `Autodiff<`[`CubeWgpu`]`>` or `Autodiff<`[`CubeCuda`]`>`, and `tvq bench kernels` on those |
+//! | `Fusion<B>` (burn's fusion over such a backend: burn's `Wgpu` and `Cuda` in the default build), with or without `Autodiff` | `B`'s, each a custom operation of the fusion stream (`fusion.rs`) |
+//! | `burn::Dispatch` (what `tvq` infers on, and trains on where the kernels do not cover a run) | the CPU's, forward only, on a CPU device without autodiff (inference); otherwise none: its tensors hide the backend they live on, so training with the kernels runs on `Autodiff<Flex>`, `Autodiff<burn::backend::Wgpu>` or `Autodiff<burn::backend::Cuda>`, and `tvq bench kernels` on those |
 //! | `Flex` (the CPU), with or without `Autodiff` | attention and quantizer in Rust over its buffers (`cpu.rs`) |
 //!
 //! Shapes: `G = B H R` block rows, `L` block length, `K` key width, `V`
@@ -20,6 +21,8 @@
 pub mod attention;
 mod autodiff;
 mod cpu;
+#[cfg(feature = "fusion")]
+mod fusion;
 mod launch;
 pub mod quantizer;
 
@@ -218,8 +221,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
 /// data (a copy of the inputs and the output, linear in their size).
 /// Everywhere else it composes: its tensors hide the backend they live on,
 /// and burn 0.21 gives no way to add a backward step to its autodiff graph
-/// (training reaches the kernels on `Autodiff` over `Flex`, [`CubeWgpu`] or
-/// [`CubeCuda`] instead).
+/// (training reaches the kernels on `Autodiff` over `Flex`, burn's `Wgpu`
+/// or burn's `Cuda` instead).
 impl VqBackend for Dispatch {
     const FUSES_ATTENTION: bool = true;
 
@@ -270,14 +273,6 @@ fn to_flex(t: FloatTensor<Dispatch>) -> FlexTensor {
     let t = burn::tensor::Tensor::<Dispatch, 1>::from_primitive(TensorPrimitive::Float(t));
     FlexTensor::from_data(t.into_data())
 }
-
-/// wgpu's cubecl backend without burn's fusion: where the kernels run on
-/// wgpu (and on lavapipe, in CI).
-pub type CubeWgpu = burn_cubecl::CubeBackend<cubecl::wgpu::WgpuRuntime, f32, i32, u32>;
-
-/// CUDA's cubecl backend without burn's fusion: where the kernels run on
-/// NVIDIA GPUs.
-pub type CubeCuda = burn_cubecl::CubeBackend<cubecl::cuda::CudaRuntime, f32, i32, u8>;
 
 thread_local! {
     /// Per thread, so that tests running side by side do not see each

@@ -26,6 +26,9 @@ use crate::common::{self, cpu};
 /// wgpu's cubecl backend, unfused, so that the kernel is reached directly.
 type Cube = CubeBackend<WgpuRuntime, f32, i32, u32>;
 type Ad = Autodiff<Cube>;
+/// burn's wgpu backend as the default build has it (with burn's fusion):
+/// each kernel a custom operation of the fusion stream.
+type Fused = Autodiff<burn::backend::Wgpu>;
 /// The CPU backend, where the kernels are Rust over its buffers.
 type Cpu = Autodiff<Flex>;
 
@@ -392,6 +395,16 @@ fn fused_attention_matches_the_composed_ops() {
 }
 
 #[test]
+fn fused_attention_matches_the_composed_ops_under_burns_fusion() {
+    let Some(device) = wgpu("fused_attention_matches_the_composed_ops_under_burns_fusion") else {
+        return;
+    };
+    for case in cases() {
+        agree::<Fused>(case, &device, 2e-5);
+    }
+}
+
+#[test]
 fn cpu_fused_attention_matches_the_composed_ops() {
     for case in cases() {
         agree::<Cpu>(case, &FlexDevice, 2e-5);
@@ -445,6 +458,14 @@ fn fused_quantizer_matches_the_composed_ops() {
         return;
     };
     quantizer_agrees::<Ad>(&device);
+}
+
+#[test]
+fn fused_quantizer_matches_the_composed_ops_under_burns_fusion() {
+    let Some(device) = wgpu("fused_quantizer_matches_the_composed_ops_under_burns_fusion") else {
+        return;
+    };
+    quantizer_agrees::<Fused>(&device);
 }
 
 #[test]

@@ -8,15 +8,14 @@ pub mod memory;
 
 use std::sync::Mutex;
 
-use burn::backend::Autodiff;
 use burn::backend::flex::Flex;
+use burn::backend::{Autodiff, Cuda, Wgpu};
 use burn::module::AutodiffModule;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::prelude::*;
 use burn::tensor::backend::{AutodiffBackend, DeviceOps};
 use burn::{CheckpointingStrategy, Dispatch, DispatchDevice};
 use tvq_model::device::to_device_via_host;
-use tvq_model::kernel::{CubeCuda, CubeWgpu};
 use tvq_model::{DropoutMasks, Precision, TransformerVq, VqBackend};
 
 use crate::config::{ActivationCheckpointing, KernelsSetting, TrainSection};
@@ -37,9 +36,10 @@ pub type Model = TransformerVq<B>;
 ///   and quantizer, forward and backward; one or more worker threads, no
 ///   activation checkpointing (a strategy is part of the type there; the
 ///   trainer refuses one).
-/// - `Autodiff<CubeBackend<..>>` ([`WgpuFused`], [`CudaFused`]): one GPU
-///   runtime with the cubecl kernels, likewise without activation
-///   checkpointing, and without burn's fusion of elementwise kernels.
+/// - `Autodiff<Wgpu>`, `Autodiff<Cuda>` ([`WgpuFused`], [`CudaFused`]):
+///   one GPU runtime with the cubecl kernels, each a custom operation of
+///   burn's fusion stream (the elementwise ops around it stay fused);
+///   likewise without activation checkpointing.
 ///
 /// The run's devices are named as [`DispatchDevice`]s whatever the backend
 /// (memory, precision and naming ask about those); this trait maps them
@@ -127,12 +127,14 @@ impl TrainBackend for CpuFused {
     }
 }
 
-/// wgpu's cubecl backend with its fused kernels reachable in training (on
-/// lavapipe too, in CI).
-pub type WgpuFused = Autodiff<CubeWgpu>;
+/// burn's wgpu backend (with burn's fusion where the `fusion` feature is
+/// on, as in the default build) with the fused kernels reachable in
+/// training (on lavapipe too, in CI).
+pub type WgpuFused = Autodiff<Wgpu>;
 
-/// CUDA's cubecl backend with its fused kernels reachable in training.
-pub type CudaFused = Autodiff<CubeCuda>;
+/// burn's CUDA backend (with burn's fusion where the `fusion` feature is
+/// on) with the fused kernels reachable in training.
+pub type CudaFused = Autodiff<Cuda>;
 
 /// [`TrainBackend`] for burn's autodiff over one cubecl runtime, whose
 /// devices are those of `DispatchDevice::$variant`.

@@ -1,0 +1,235 @@
+//! The kernels under burn's fusion (`Fusion<B>`, burn's default GPU
+//! backends): each kernel is a custom operation in the fusion stream, so
+//! the elementwise ops around it stay fused. The stream runs the ops
+//! queued before a kernel, hands the kernel its inputs as `B`'s tensors
+//! and takes its outputs back; burn's own vision ops reach their kernels
+//! the same way.
+
+use std::marker::PhantomData;
+
+use burn::tensor::DType;
+use burn::tensor::Element;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Shape, TensorMetadata};
+use burn_fusion::stream::{Operation, OperationStreams};
+use burn_fusion::{Fusion, FusionBackend, FusionRuntime, FusionTensor};
+use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
+
+use super::{AttentionKernelGrads, AttentionKernelInput, Nearest, VqKernels};
+
+/// Which kernel a custom operation runs.
+#[derive(Clone, Copy, Debug)]
+enum Kernel {
+    /// Inputs: keys, codebook. Outputs: codes, words, error.
+    Quantize,
+    /// Inputs: [`AttentionKernelInput`]'s eleven tensors. Outputs: the
+    /// attention's output and log-sum-exp.
+    Forward { mask_first: bool },
+    /// Inputs: the forward pass's eleven, its output, its log-sum-exp and
+    /// the output's gradient. Outputs: [`AttentionKernelGrads`]'s eight.
+    Backward { mask_first: bool },
+}
+
+impl Kernel {
+    /// The operation's name in the stream; `mask_first` is part of it, so
+    /// that two operations that differ only there never look alike.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Quantize => "tvq_quantize",
+            Self::Forward { mask_first: true } => "tvq_attention_forward_first",
+            Self::Forward { mask_first: false } => "tvq_attention_forward",
+            Self::Backward { mask_first: true } => "tvq_attention_backward_first",
+            Self::Backward { mask_first: false } => "tvq_attention_backward",
+        }
+    }
+}
+
+/// One kernel's call, queued in the fusion stream.
+#[derive(Debug)]
+struct Custom<B> {
+    desc: CustomOpIr,
+    kernel: Kernel,
+    backend: PhantomData<B>,
+}
+
+type Handles<B> =
+    HandleContainer<<<B as FusionBackend>::FusionRuntime as FusionRuntime>::FusionHandle>;
+
+/// The attention's inputs, by their place in the operation's inputs.
+fn input_from<B: FusionBackend>(
+    handles: &mut Handles<B>,
+    ir: &[TensorIr],
+    mask_first: bool,
+) -> AttentionKernelInput<B> {
+    let mut get = |i: usize| handles.get_float_tensor::<B>(&ir[i]);
+    AttentionKernelInput {
+        q: get(0),
+        k: get(1),
+        v: get(2),
+        k_prev: get(3),
+        v_prev: get(4),
+        bias: get(5),
+        codebook: get(6),
+        log_counts: get(7),
+        shift: get(8),
+        count_weight: get(9),
+        means: get(10),
+        mask_first,
+    }
+}
+
+impl<B: FusionBackend + VqKernels> Operation<B::FusionRuntime> for Custom<B> {
+    fn execute(&self, handles: &mut Handles<B>) {
+        let (inputs, outputs) = (&self.desc.inputs, &self.desc.outputs);
+        match self.kernel {
+            Kernel::Quantize => {
+                let keys = handles.get_float_tensor::<B>(&inputs[0]);
+                let codebook = handles.get_float_tensor::<B>(&inputs[1]);
+                let n = B::vq_quantize(keys, codebook);
+                handles.register_int_tensor::<B>(&outputs[0].id, n.codes);
+                handles.register_float_tensor::<B>(&outputs[1].id, n.words);
+                handles.register_float_tensor::<B>(&outputs[2].id, n.error);
+            }
+            Kernel::Forward { mask_first } => {
+                let input = input_from::<B>(handles, inputs, mask_first);
+                let (out, lse) = B::vq_attention_forward(&input);
+                handles.register_float_tensor::<B>(&outputs[0].id, out);
+                handles.register_float_tensor::<B>(&outputs[1].id, lse);
+            }
+            Kernel::Backward { mask_first } => {
+                let input = input_from::<B>(handles, &inputs[..11], mask_first);
+                let mut get = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
+                let (out, lse, grad) = (get(11), get(12), get(13));
+                let g = B::vq_attention_backward(input, out, lse, grad);
+                let computed = [
+                    g.q,
+                    g.k,
+                    g.v,
+                    g.k_prev,
+                    g.v_prev,
+                    g.bias,
+                    g.means,
+                    g.count_weight,
+                ];
+                for (ir, grad) in outputs.iter().zip(computed) {
+                    handles.register_float_tensor::<B>(&ir.id, grad);
+                }
+            }
+        }
+    }
+}
+
+/// Queues `kernel` on `inputs`' streams with new outputs of `outputs`'
+/// shapes and types, and returns them.
+fn queue<B: FusionBackend + VqKernels, const N: usize>(
+    kernel: Kernel,
+    inputs: Vec<FusionTensor<B::FusionRuntime>>,
+    outputs: [(Shape, DType); N],
+) -> [FusionTensor<B::FusionRuntime>; N] {
+    let client = inputs[0].client.clone();
+    let streams = OperationStreams::with_inputs(&inputs);
+    let outputs =
+        outputs.map(|(shape, dtype)| TensorIr::uninit(client.create_empty_handle(), shape, dtype));
+    let inputs: Vec<TensorIr> = inputs.into_iter().map(FusionTensor::into_ir).collect();
+    let desc = CustomOpIr::new(kernel.name(), &inputs, &outputs);
+    let op = Custom::<B> {
+        desc: desc.clone(),
+        kernel,
+        backend: PhantomData,
+    };
+    client
+        .register(streams, OperationIr::Custom(desc), op)
+        .outputs()
+}
+
+/// [`AttentionKernelInput`]'s eleven tensors in the operation's order.
+fn attention_inputs<B: FusionBackend>(
+    x: AttentionKernelInput<Fusion<B>>,
+) -> Vec<FusionTensor<B::FusionRuntime>> {
+    vec![
+        x.q,
+        x.k,
+        x.v,
+        x.k_prev,
+        x.v_prev,
+        x.bias,
+        x.codebook,
+        x.log_counts,
+        x.shift,
+        x.count_weight,
+        x.means,
+    ]
+}
+
+/// `t`'s shape and type: an output like it.
+fn like(t: &impl TensorMetadata) -> (Shape, DType) {
+    (t.shape(), t.dtype())
+}
+
+impl<B: FusionBackend + VqKernels> VqKernels for Fusion<B> {
+    fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Nearest<Self> {
+        let [g, t, _] = keys.shape().dims();
+        let float = keys.dtype();
+        let outputs = [
+            (Shape::new([g, t]), <B::IntElem as Element>::dtype()),
+            (keys.shape(), float),
+            (Shape::new([g, t]), float),
+        ];
+        let [codes, words, error] = queue::<B, 3>(Kernel::Quantize, vec![keys, codebook], outputs);
+        Nearest {
+            codes,
+            words,
+            error,
+        }
+    }
+
+    fn vq_attention_forward(
+        input: &AttentionKernelInput<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let [g, l, _] = input.v.shape().dims();
+        let outputs = [
+            (input.v.shape(), input.v.dtype()),
+            (Shape::new([g, l]), input.q.dtype()),
+        ];
+        let kernel = Kernel::Forward {
+            mask_first: input.mask_first,
+        };
+        let [out, lse] = queue::<B, 2>(kernel, attention_inputs(input.clone()), outputs);
+        (out, lse)
+    }
+
+    fn vq_attention_backward(
+        input: AttentionKernelInput<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> AttentionKernelGrads<Self> {
+        let outputs = [
+            like(&input.q),
+            like(&input.k),
+            like(&input.v),
+            like(&input.k_prev),
+            like(&input.v_prev),
+            like(&input.bias),
+            like(&input.means),
+            like(&input.count_weight),
+        ];
+        let kernel = Kernel::Backward {
+            mask_first: input.mask_first,
+        };
+        let mut inputs = attention_inputs(input);
+        inputs.extend([out, lse, grad]);
+        let [q, k, v, k_prev, v_prev, bias, means, count_weight] =
+            queue::<B, 8>(kernel, inputs, outputs);
+        AttentionKernelGrads {
+            q,
+            k,
+            v,
+            k_prev,
+            v_prev,
+            bias,
+            means,
+            count_weight,
+        }
+    }
+}
