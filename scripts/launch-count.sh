@@ -3,6 +3,8 @@
 # execution log of a 3-step benchmark less a 1-step one (each after one
 # warm-up step), halved, once autotuning is cached (a first untimed run of
 # each length tunes, so that tuning's trial launches are not counted).
+# Each of the two is the fewer lines of two runs: a run that tunes again
+# all the same (seen beside a compilation) only adds lines.
 #
 #   scripts/launch-count.sh [LENGTHS] [extra tvq bench step flags...]
 #   scripts/launch-count.sh "2048 8192"
@@ -26,9 +28,10 @@ steps() { # LENGTH STEPS: the number of launches logged
   "$bin" bench step --device wgpu --seq-len "$1" --batch 1 --steps "$2" --form vq --json "${@:3}" > /dev/null
   wc -l < log
 }
+fewer() { echo $(( $1 < $2 ? $1 : $2 )); }
 for t in $lens; do
   steps "$t" 1 "$@" > /dev/null # autotuning, cached for the runs below
-  one=$(steps "$t" 1 "$@")
-  three=$(steps "$t" 3 "$@")
+  one=$(fewer "$(steps "$t" 1 "$@")" "$(steps "$t" 1 "$@")")
+  three=$(fewer "$(steps "$t" 3 "$@")" "$(steps "$t" 3 "$@")")
   echo "{\"form\": \"launches\", \"seq_len\": $t, \"per_step\": $(( (three - one) / 2 )), \"one_step_log\": $one, \"three_step_log\": $three}"
 done
