@@ -26,17 +26,7 @@ impl<B: VqKernels> Backward<B, 8> for AttentionBackward {
     fn backward(self, ops: Ops<Self::State, 8>, grads: &mut Gradients, _: &mut Checkpointer) {
         let grad = grads.consume::<B>(&ops.node);
         let (input, out, lse) = ops.state;
-        let g = B::vq_attention_backward(input, out, lse, grad);
-        let computed = [
-            g.q,
-            g.k,
-            g.v,
-            g.k_prev,
-            g.v_prev,
-            g.bias,
-            g.means,
-            g.count_weight,
-        ];
+        let computed = B::vq_attention_backward(input, out, lse, grad).into_array();
         for (parent, grad) in ops.parents.into_iter().zip(computed) {
             if let Some(node) = parent {
                 grads.register::<B>(node.id, grad);

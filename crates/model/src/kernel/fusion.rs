@@ -100,17 +100,7 @@ impl<B: FusionBackend + VqKernels> Operation<B::FusionRuntime> for Custom<B> {
                 let input = input_from::<B>(handles, &inputs[..11], mask_first);
                 let mut get = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
                 let (out, lse, grad) = (get(11), get(12), get(13));
-                let g = B::vq_attention_backward(input, out, lse, grad);
-                let computed = [
-                    g.q,
-                    g.k,
-                    g.v,
-                    g.k_prev,
-                    g.v_prev,
-                    g.bias,
-                    g.means,
-                    g.count_weight,
-                ];
+                let computed = B::vq_attention_backward(input, out, lse, grad).into_array();
                 for (ir, grad) in outputs.iter().zip(computed) {
                     handles.register_float_tensor::<B>(&ir.id, grad);
                 }
@@ -219,17 +209,6 @@ impl<B: FusionBackend + VqKernels> VqKernels for Fusion<B> {
         };
         let mut inputs = attention_inputs(input);
         inputs.extend([out, lse, grad]);
-        let [q, k, v, k_prev, v_prev, bias, means, count_weight] =
-            queue::<B, 8>(kernel, inputs, outputs);
-        AttentionKernelGrads {
-            q,
-            k,
-            v,
-            k_prev,
-            v_prev,
-            bias,
-            means,
-            count_weight,
-        }
+        AttentionKernelGrads::from_array(queue::<B, 8>(kernel, inputs, outputs))
     }
 }

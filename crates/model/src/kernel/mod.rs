@@ -120,6 +120,40 @@ pub struct AttentionKernelGrads<B: Backend> {
     pub count_weight: FloatTensor<B>,
 }
 
+impl<B: Backend> AttentionKernelGrads<B> {
+    /// The gradients in one fixed order (`q`, `k`, `v`, `k_prev`, `v_prev`,
+    /// `bias`, `means`, `count_weight`): that of the autodiff step's parents
+    /// and of the fusion operation's outputs.
+    pub(crate) fn into_array(self) -> [FloatTensor<B>; 8] {
+        [
+            self.q,
+            self.k,
+            self.v,
+            self.k_prev,
+            self.v_prev,
+            self.bias,
+            self.means,
+            self.count_weight,
+        ]
+    }
+
+    /// The gradients from [`Self::into_array`]'s order.
+    pub(crate) fn from_array(
+        [q, k, v, k_prev, v_prev, bias, means, count_weight]: [FloatTensor<B>; 8],
+    ) -> Self {
+        Self {
+            q,
+            k,
+            v,
+            k_prev,
+            v_prev,
+            bias,
+            means,
+            count_weight,
+        }
+    }
+}
+
 /// What the fused quantizer finds for keys `[G, T, K]` (`G = B H`), each
 /// against its head's codewords; nothing carries gradient.
 #[derive(Clone, Debug)]
