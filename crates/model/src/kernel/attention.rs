@@ -10,19 +10,22 @@
 //! shared by all its units, instead of once per score. Keys number
 //! `N = 2L + S` (present `0..L`, previous `L..2L`, codes `2L..`).
 //!
-//! - `forward_stats`: a cube per query tile, over every key tile: each
-//!   query's log-sum-exp (running maximum and sum, then a reduction);
-//! - `forward_values`: a cube per query tile and slice of `SLICE` value
-//!   channels: the probabilities recomputed from the log-sum-exp, times
-//!   the values (the value width, 1,536 at enwik8 widths, is split over
-//!   cubes so that a unit's accumulators stay in registers);
+//! - `attend`: a cube per query tile and slice of value channels, in one
+//!   pass over the keys: each query's running maximum and sum of
+//!   exponents, the accumulated values rescaled as the maximum grows (as
+//!   FlashAttention does), then the output and the log-sum-exp;
 //! - `backward_query`: a cube per query tile: `ds = p (dO . value - D)`
 //!   (`D = dO . O`), then `dq`, the query's row of the bias gradient and
-//!   its count weight's gradient;
-//! - `backward_key`: a cube per tile of window keys: `ds` again, then `dk`
-//!   (codewords take no gradient);
-//! - `backward_values`: a cube per key tile and value slice: `dv`,
-//!   `dv_prev` and the cache means' gradient, `p^T dO`.
+//!   its count weight's gradient, and `ds` of the window keys, from which
+//!   one batched matrix product gives `dk` and `dk_prev` (`ds^T q`);
+//! - `backward_values`: a cube per key tile and slice of value channels:
+//!   `dv`, `dv_prev` and the cache means' gradient, `p^T dO`.
+//!
+//! A slice holds up to `MAX_SLICE` value channels (each unit keeps
+//! `MAX_SLICE / TILE` accumulators), so the scores are computed once per
+//! slice: once at value widths up to 1,024, twice at enwik8's 1,536. Value
+//! rows and output gradients pass through shared memory `CHUNK` channels
+//! at a time.
 //!
 //! Tiles whose rows a unit reads across (query and key rows, the chunks of
 //! `dO . value`) keep their rows one element more than their width apart,
@@ -30,9 +33,7 @@
 //! different shared-memory banks instead of one bank 16 times.
 //!
 //! Every output element is written by exactly one unit, so nothing is
-//! zeroed first and nothing is accumulated atomically. `dO . value` is
-//! computed by both `backward_query` and `backward_key`: the price of no
-//! atomics.
+//! zeroed first and nothing is accumulated atomically.
 
 use burn::prelude::Backend;
 use burn::tensor::TensorMetadata;
@@ -46,17 +47,17 @@ use super::{AttentionKernelGrads, AttentionKernelInput};
 /// Queries (and keys) per tile; a cube is `TILE x TILE` units.
 const TILE: usize = 16;
 
-/// Value channels each unit accumulates where values are weighed.
-const PER_UNIT: usize = 8;
-
-/// Value channels per cube where values are weighed.
-const SLICE: usize = TILE * PER_UNIT;
-
-/// Value channels per step of `dO . value`.
+/// Value channels through shared memory at a time.
 const CHUNK: usize = 64;
 
+/// A unit's accumulators per chunk of value channels.
+const PER_CHUNK: usize = CHUNK / TILE;
+
+/// The most value channels one cube weighs.
+const MAX_SLICE: usize = 1024;
+
 /// Widest key a tile holds: a tile of queries and one of keys, `2 TILE K`
-/// floats, with the value slice, in 32 KiB of shared memory. Wider keys
+/// floats, with a chunk of values, in 32 KiB of shared memory. Wider keys
 /// compose.
 pub const MAX_KEY_WIDTH: usize = 128;
 
@@ -225,8 +226,8 @@ fn load_keys<F: Float>(
     }
 }
 
-/// Channels `c0..c0 + SLICE` of the values of keys `first..first + TILE`
-/// into `tile` (`TILE x SLICE`), zeros past the keys or channels.
+/// Channels `c0..c0 + CHUNK` of the values of keys `first..first + TILE`
+/// into `tile` (`TILE x CHUNK`), zeros past the keys or channels.
 #[cube]
 fn load_values<F: Float>(
     x: &Operands<F>,
@@ -237,9 +238,9 @@ fn load_values<F: Float>(
 ) {
     let keys = key_count::<F>(x);
     let mut e = UNIT_POS as usize;
-    while e < TILE * SLICE {
-        let n = first + e / SLICE;
-        let c = c0 + e % SLICE;
+    while e < TILE * CHUNK {
+        let n = first + e / CHUNK;
+        let c = c0 + e % CHUNK;
         let mut v = F::new(0.0);
         if n < keys && c < x.v.shape(2) {
             v = value::<F>(x, g, n, c);
@@ -249,8 +250,8 @@ fn load_values<F: Float>(
     }
 }
 
-/// Channels `c0..c0 + SLICE` of the output gradient of queries
-/// `first..first + TILE` into `tile` (`TILE x SLICE`), zeros past them.
+/// Channels `c0..c0 + CHUNK` of the output gradient of queries
+/// `first..first + TILE` into `tile` (`TILE x CHUNK`), zeros past them.
 #[cube]
 fn load_grads<F: Float>(
     grad: &Tensor<F>,
@@ -260,9 +261,9 @@ fn load_grads<F: Float>(
     tile: &mut SharedMemory<F>,
 ) {
     let mut e = UNIT_POS as usize;
-    while e < TILE * SLICE {
-        let i = first + e / SLICE;
-        let c = c0 + e % SLICE;
+    while e < TILE * CHUNK {
+        let i = first + e / CHUNK;
+        let c = c0 + e % CHUNK;
         let mut v = F::new(0.0);
         if i < grad.shape(1) && c < grad.shape(2) {
             v = grad[g * grad.stride(0) + i * grad.stride(1) + c * grad.stride(2)];
@@ -375,147 +376,131 @@ fn accumulate<F: Float>(
     #[comptime] stride: usize,
     #[comptime] width: usize,
 ) {
-    for j in 0..count {
-        let c = z + j * TILE;
-        if c < width {
-            let mut a = acc[j];
-            for t in 0..TILE {
-                a += weights[y * TILE + t] * rows[t * stride + c];
+    // Each weight is read once for all of the unit's columns.
+    for t in 0..TILE {
+        let w = weights[y * TILE + t];
+        for j in 0..count {
+            let c = z + j * TILE;
+            if c < width {
+                acc[j] += w * rows[t * stride + c];
             }
-            acc[j] = a;
         }
     }
 }
 
-/// The log-sum-exp of row `i` from each unit's running maximum and sum
-/// (`TILE` per row in `maxes`, `sums`).
+/// Unit `(y, z)`'s share of one chunk's product: for the chunk's channels
+/// `z + j TILE` (`j < PER_CHUNK`), `acc[at + j] += sum_t weights[y, t]
+/// rows[t, z + j TILE]` (`weights`: `TILE x TILE`, `rows`: `TILE x CHUNK`).
 #[cube]
-fn row_lse<F: Float>(maxes: &SharedMemory<F>, sums: &SharedMemory<F>, row: usize) -> F {
-    let mut top = F::new(NEG);
-    for t in 0..TILE {
-        let m = maxes[row * TILE + t];
-        if m > top {
-            top = m;
-        }
-    }
-    let mut total = F::new(0.0);
-    for t in 0..TILE {
-        total += sums[row * TILE + t] * (maxes[row * TILE + t] - top).exp();
-    }
-    top + total.ln()
-}
-
-/// A query tile's log-sum-exp: a cube per `(g, query tile)`.
-#[cube(launch)]
-fn forward_stats<F: Float>(
-    x: &Operands<F>,
-    lse: &mut Tensor<F>,
-    #[comptime] width: usize,
-    #[define(F)] _dtype: StorageType,
+fn accumulate_chunk<F: Float>(
+    acc: &mut Array<F>,
+    weights: &SharedMemory<F>,
+    rows: &SharedMemory<F>,
+    y: usize,
+    z: usize,
+    at: usize,
 ) {
-    let l = x.q.shape(1);
-    let keys = key_count::<F>(x);
-    let tiles = parts(l, TILE);
-    if CUBE_POS >= x.q.shape(0) * tiles {
-        terminate!();
-    }
-    let g = CUBE_POS / tiles;
-    let first = (CUBE_POS % tiles) * TILE;
-    let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
-    let h = head::<F>(x, g);
-    let mut queries = SharedMemory::<F>::new(TILE * (width + 1));
-    let mut key_tile = SharedMemory::<F>::new(TILE * (width + 1));
-    let mut maxes = SharedMemory::<F>::new(TILE * TILE);
-    let mut sums = SharedMemory::<F>::new(TILE * TILE);
-    load_queries::<F>(x, g, first, &mut queries, width);
-
-    // This unit's running maximum and sum over keys z, z + TILE, ...
-    let mut m = F::new(NEG);
-    let mut total = F::new(0.0);
-    let mut n0 = 0;
-    while n0 < keys {
-        sync_cube();
-        load_keys::<F>(x, g, h, n0, &mut key_tile, width);
-        sync_cube();
-        let s = score::<F>(x, g, first + y, n0 + z, &queries, y, &key_tile, z, width);
-        if s > F::new(NEG) {
-            let mut top = m;
-            if s > top {
-                top = s;
-            }
-            total = total * (m - top).exp() + (s - top).exp();
-            m = top;
+    for t in 0..TILE {
+        let w = weights[y * TILE + t];
+        #[unroll]
+        for j in 0..PER_CHUNK {
+            acc[at + j] += w * rows[t * CHUNK + z + j * TILE];
         }
-        n0 += TILE;
-    }
-    maxes[y * TILE + z] = m;
-    sums[y * TILE + z] = total;
-    sync_cube();
-    if z == 0 && first + y < l {
-        lse[g * lse.stride(0) + (first + y) * lse.stride(1)] = row_lse::<F>(&maxes, &sums, y);
     }
 }
 
-/// A query tile's output in one slice of value channels: a cube per
+/// A query tile's output in one slice of `per_unit TILE` value channels
+/// and (slice 0) its log-sum-exp, in one pass over the keys: a cube per
 /// `(g, query tile, slice)`.
 #[cube(launch)]
-fn forward_values<F: Float>(
+fn attend<F: Float>(
     x: &Operands<F>,
-    lse: &Tensor<F>,
     out: &mut Tensor<F>,
+    lse: &mut Tensor<F>,
     #[comptime] width: usize,
+    #[comptime] per_unit: usize,
     #[define(F)] _dtype: StorageType,
 ) {
     let l = x.q.shape(1);
     let dv = x.v.shape(2);
     let keys = key_count::<F>(x);
     let tiles = parts(l, TILE);
-    let slices = parts(dv, SLICE);
+    let slices = parts(dv, comptime!(per_unit * TILE));
     if CUBE_POS >= x.q.shape(0) * tiles * slices {
         terminate!();
     }
     let g = CUBE_POS / (tiles * slices);
     let first = (CUBE_POS / slices % tiles) * TILE;
-    let c0 = (CUBE_POS % slices) * SLICE;
+    let c0 = (CUBE_POS % slices) * comptime!(per_unit * TILE);
     let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
     let h = head::<F>(x, g);
     let i = first + y;
     let mut queries = SharedMemory::<F>::new(TILE * (width + 1));
     let mut key_tile = SharedMemory::<F>::new(TILE * (width + 1));
-    let mut values = SharedMemory::<F>::new(TILE * SLICE);
+    let mut scores = SharedMemory::<F>::new(TILE * TILE);
     let mut probs = SharedMemory::<F>::new(TILE * TILE);
+    let mut values = SharedMemory::<F>::new(TILE * CHUNK);
     load_queries::<F>(x, g, first, &mut queries, width);
-    let mut own_lse = F::new(0.0);
-    if i < l {
-        own_lse = lse[g * lse.stride(0) + i * lse.stride(1)];
-    }
-    let mut acc = zeros::<F>(PER_UNIT);
+
+    // Row y's running maximum and sum of exponents (every unit of the row
+    // keeps the same), and this unit's channels of the weighted values,
+    // all relative to the running maximum.
+    let mut m = F::new(NEG);
+    let mut total = F::new(0.0);
+    let mut acc = zeros::<F>(per_unit);
     let mut n0 = 0;
     while n0 < keys {
         sync_cube();
         load_keys::<F>(x, g, h, n0, &mut key_tile, width);
-        load_values::<F>(x, g, n0, c0, &mut values);
         sync_cube();
         let s = score::<F>(x, g, i, n0 + z, &queries, y, &key_tile, z, width);
+        scores[y * TILE + z] = s;
+        sync_cube();
+        let mut top = m;
+        for t in 0..TILE {
+            top = F::max(top, scores[y * TILE + t]);
+        }
         let mut p = F::new(0.0);
         if s > F::new(NEG) {
-            p = (s - own_lse).exp();
+            p = (s - top).exp();
         }
         probs[y * TILE + z] = p;
+        // exp(m - top) is 0 while m is still NEG and 1 while both are.
+        let rescale = (m - top).exp();
+        m = top;
+        for j in 0..per_unit {
+            acc[j] *= rescale;
+        }
         sync_cube();
-        accumulate::<F>(&mut acc, &probs, &values, y, z, PER_UNIT, SLICE, SLICE);
+        let mut row = F::new(0.0);
+        for t in 0..TILE {
+            row += probs[y * TILE + t];
+        }
+        total = total * rescale + row;
+        #[unroll]
+        for k in 0..comptime!(per_unit / PER_CHUNK) {
+            sync_cube();
+            load_values::<F>(x, g, n0, c0 + k * CHUNK, &mut values);
+            sync_cube();
+            accumulate_chunk::<F>(&mut acc, &probs, &values, y, z, k * PER_CHUNK);
+        }
         n0 += TILE;
     }
-    for j in 0..PER_UNIT {
-        let c = c0 + z + j * TILE;
-        if i < l && c < dv {
-            out[g * out.stride(0) + i * out.stride(1) + c * out.stride(2)] = acc[j];
+    if i < l {
+        for j in 0..per_unit {
+            let c = c0 + j / PER_CHUNK * CHUNK + z + j % PER_CHUNK * TILE;
+            if c < dv {
+                out[g * out.stride(0) + i * out.stride(1) + c * out.stride(2)] = acc[j] / total;
+            }
+        }
+        if c0 == 0 && z == 0 {
+            lse[g * lse.stride(0) + i * lse.stride(1)] = m + total.ln();
         }
     }
 }
 
-/// A query tile's `dq`, bias gradient rows and count weight gradient: a
-/// cube per `(g, query tile)`.
+/// A query tile's `dq`, bias gradient rows, count weight gradient and
+/// `ds` of the window keys (`[G, L, 2L]`): a cube per `(g, query tile)`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn backward_query<F: Float>(
@@ -526,6 +511,7 @@ fn backward_query<F: Float>(
     dq: &mut Tensor<F>,
     dbias: &mut Tensor<F>,
     dweight: &mut Tensor<F>,
+    ds_window: &mut Tensor<F>,
     #[comptime] width: usize,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -569,6 +555,10 @@ fn backward_query<F: Float>(
             ds = (s - own_lse).exp() * (dp - own_delta);
         }
         ds_tile[y * TILE + z] = ds;
+        if i < l && n < 2 * l {
+            ds_window
+                [g * ds_window.stride(0) + i * ds_window.stride(1) + n * ds_window.stride(2)] = ds;
+        }
         // Distance i - n to a present key, L + i - j to previous key j >= i:
         // each of the row's L + 1 distances is one window key's.
         if i < l && n < l {
@@ -617,83 +607,9 @@ fn backward_query<F: Float>(
     }
 }
 
-/// A tile of window keys' `dk` (present or previous block): a cube per
-/// `(g, key tile)` over `2L` keys.
-#[cube(launch)]
-#[allow(clippy::too_many_arguments)]
-fn backward_key<F: Float>(
-    x: &Operands<F>,
-    lse: &Tensor<F>,
-    grad: &Tensor<F>,
-    delta: &Tensor<F>,
-    dk: &mut Tensor<F>,
-    dk_prev: &mut Tensor<F>,
-    #[comptime] width: usize,
-    #[define(F)] _dtype: StorageType,
-) {
-    let l = x.q.shape(1);
-    let tiles = parts(2 * l, TILE);
-    if CUBE_POS >= x.q.shape(0) * tiles {
-        terminate!();
-    }
-    let g = CUBE_POS / tiles;
-    let first = (CUBE_POS % tiles) * TILE;
-    // Unit (y, z): key `first + y`, query `i0 + z` of each query tile.
-    let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
-    let h = head::<F>(x, g);
-    let n = first + y;
-    let mut queries = SharedMemory::<F>::new(TILE * (width + 1));
-    let mut key_tile = SharedMemory::<F>::new(TILE * (width + 1));
-    let mut grads = SharedMemory::<F>::new(TILE * (CHUNK + 1));
-    let mut values = SharedMemory::<F>::new(TILE * (CHUNK + 1));
-    let mut ds_tile = SharedMemory::<F>::new(TILE * TILE);
-    load_keys::<F>(x, g, h, first, &mut key_tile, width);
-    let per_unit = comptime!(width.div_ceil(TILE));
-    let mut acc = zeros::<F>(per_unit);
-    let mut i0 = 0;
-    while i0 < l {
-        sync_cube();
-        load_queries::<F>(x, g, i0, &mut queries, width);
-        sync_cube();
-        let i = i0 + z;
-        let s = score::<F>(x, g, i, n, &queries, z, &key_tile, y, width);
-        let dp = grad_dot_value::<F>(x, grad, g, i0, first, z, y, &mut grads, &mut values);
-        let mut ds = F::new(0.0);
-        if s > F::new(NEG) {
-            let own_lse = lse[g * lse.stride(0) + i * lse.stride(1)];
-            let own_delta = delta[g * delta.stride(0) + i * delta.stride(1)];
-            ds = (s - own_lse).exp() * (dp - own_delta);
-        }
-        ds_tile[y * TILE + z] = ds;
-        sync_cube();
-        accumulate::<F>(
-            &mut acc,
-            &ds_tile,
-            &queries,
-            y,
-            z,
-            per_unit,
-            comptime!(width + 1),
-            width,
-        );
-        i0 += TILE;
-    }
-    for j in 0..per_unit {
-        let c = z + j * TILE;
-        if c < width {
-            if n < l {
-                dk[g * dk.stride(0) + n * dk.stride(1) + c * dk.stride(2)] = acc[j];
-            } else if n < 2 * l {
-                dk_prev
-                    [g * dk_prev.stride(0) + (n - l) * dk_prev.stride(1) + c * dk_prev.stride(2)] =
-                    acc[j];
-            }
-        }
-    }
-}
-
 /// A key tile's value gradients (`dv`, `dv_prev` or the cache means') in
-/// one slice of channels, `p^T dO`: a cube per `(g, key tile, slice)`.
+/// one slice of `per_unit TILE` channels, `p^T dO`: a cube per `(g, key
+/// tile, slice)`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn backward_values<F: Float>(
@@ -704,34 +620,34 @@ fn backward_values<F: Float>(
     dv_prev: &mut Tensor<F>,
     dmeans: &mut Tensor<F>,
     #[comptime] width: usize,
+    #[comptime] per_unit: usize,
     #[define(F)] _dtype: StorageType,
 ) {
     let l = x.q.shape(1);
     let channels = x.v.shape(2);
     let keys = key_count::<F>(x);
     let tiles = parts(keys, TILE);
-    let slices = parts(channels, SLICE);
+    let slices = parts(channels, comptime!(per_unit * TILE));
     if CUBE_POS >= x.q.shape(0) * tiles * slices {
         terminate!();
     }
     let g = CUBE_POS / (tiles * slices);
     let first = (CUBE_POS / slices % tiles) * TILE;
-    let c0 = (CUBE_POS % slices) * SLICE;
+    let c0 = (CUBE_POS % slices) * comptime!(per_unit * TILE);
     // Unit (y, z): key `first + y`, query `i0 + z` of each query tile.
     let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
     let h = head::<F>(x, g);
     let n = first + y;
     let mut queries = SharedMemory::<F>::new(TILE * (width + 1));
     let mut key_tile = SharedMemory::<F>::new(TILE * (width + 1));
-    let mut grads = SharedMemory::<F>::new(TILE * SLICE);
+    let mut grads = SharedMemory::<F>::new(TILE * CHUNK);
     let mut probs = SharedMemory::<F>::new(TILE * TILE);
     load_keys::<F>(x, g, h, first, &mut key_tile, width);
-    let mut acc = zeros::<F>(PER_UNIT);
+    let mut acc = zeros::<F>(per_unit);
     let mut i0 = 0;
     while i0 < l {
         sync_cube();
         load_queries::<F>(x, g, i0, &mut queries, width);
-        load_grads::<F>(grad, g, i0, c0, &mut grads);
         sync_cube();
         let i = i0 + z;
         let s = score::<F>(x, g, i, n, &queries, z, &key_tile, y, width);
@@ -740,12 +656,17 @@ fn backward_values<F: Float>(
             p = (s - lse[g * lse.stride(0) + i * lse.stride(1)]).exp();
         }
         probs[y * TILE + z] = p;
-        sync_cube();
-        accumulate::<F>(&mut acc, &probs, &grads, y, z, PER_UNIT, SLICE, SLICE);
+        #[unroll]
+        for k in 0..comptime!(per_unit / PER_CHUNK) {
+            sync_cube();
+            load_grads::<F>(grad, g, i0, c0 + k * CHUNK, &mut grads);
+            sync_cube();
+            accumulate_chunk::<F>(&mut acc, &probs, &grads, y, z, k * PER_CHUNK);
+        }
         i0 += TILE;
     }
-    for j in 0..PER_UNIT {
-        let c = c0 + z + j * TILE;
+    for j in 0..per_unit {
+        let c = c0 + j / PER_CHUNK * CHUNK + z + j % PER_CHUNK * TILE;
         if c < channels {
             if n < l {
                 dv[g * dv.stride(0) + n * dv.stride(1) + c * dv.stride(2)] = acc[j];
@@ -799,6 +720,14 @@ fn operands<F: Float, R: CubeRuntime>(
     )
 }
 
+/// A unit's accumulators where values of width `dv` are weighed: a whole
+/// number of chunks, over as few slices of at most `MAX_SLICE` channels
+/// as cover `dv`.
+fn per_unit(dv: usize) -> usize {
+    let slices = dv.div_ceil(MAX_SLICE).max(1);
+    dv.div_ceil(slices * CHUNK).max(1) * PER_CHUNK
+}
+
 /// [`super::VqKernels::vq_attention_forward`] on a cubecl backend.
 pub(super) fn forward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTensor<R>>>(
     x: &AttentionKernelInput<B>,
@@ -807,24 +736,17 @@ pub(super) fn forward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTens
     let dtype = x.q.dtype;
     let out = empty_like(&x.q, vec![g, l, dv], dtype);
     let lse = empty_like(&x.q, vec![g, l], dtype);
-    let (client, query_tiles, slices) = (&x.q.client, l.div_ceil(TILE), dv.div_ceil(SLICE));
-    forward_stats::launch::<R>(
-        client,
-        cubes(g * query_tiles),
+    let per_unit = per_unit(dv);
+    let slices = dv.div_ceil(per_unit * TILE);
+    attend::launch::<R>(
+        &x.q.client,
+        cubes(g * l.div_ceil(TILE) * slices),
         tile_dim(),
         operands(x),
-        lse.clone().into_tensor_arg(),
-        dk,
-        dtype.into(),
-    );
-    forward_values::launch::<R>(
-        client,
-        cubes(g * query_tiles * slices),
-        tile_dim(),
-        operands(x),
-        lse.clone().into_tensor_arg(),
         out.clone().into_tensor_arg(),
+        lse.clone().into_tensor_arg(),
         dk,
+        per_unit,
         dtype.into(),
     );
     (out, lse)
@@ -841,18 +763,19 @@ pub(super) fn backward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTen
     let dtype = x.q.dtype;
     // D = dO . O per query, [G, L, 1].
     let delta = B::float_sum_dim(B::float_mul(grad.clone(), out), 2);
-    let grads = AttentionKernelGrads::<B> {
-        q: empty_like(&x.q, vec![g, l, dk], dtype),
-        k: empty_like(&x.q, vec![g, l, dk], dtype),
-        v: empty_like(&x.q, vec![g, l, dv], dtype),
-        k_prev: empty_like(&x.q, vec![g, l, dk], dtype),
-        v_prev: empty_like(&x.q, vec![g, l, dv], dtype),
-        bias: empty_like(&x.q, x.bias.shape().dims::<4>().to_vec(), dtype),
-        means: empty_like(&x.q, vec![g, s, dv], dtype),
-        count_weight: empty_like(&x.q, vec![g, l], dtype),
-    };
+    let (dq, dbias, dweight) = (
+        empty_like(&x.q, vec![g, l, dk], dtype),
+        empty_like(&x.q, x.bias.shape().dims::<4>().to_vec(), dtype),
+        empty_like(&x.q, vec![g, l], dtype),
+    );
+    // The window keys' ds, [G, L, 2L] (present keys, then previous ones).
+    let ds = empty_like(&x.q, vec![g, l, 2 * l], dtype);
+    let (dv_present, dv_prev, dmeans) = (
+        empty_like(&x.q, vec![g, l, dv], dtype),
+        empty_like(&x.q, vec![g, l, dv], dtype),
+        empty_like(&x.q, vec![g, s, dv], dtype),
+    );
     let client = x.q.client.clone();
-    let slices = dv.div_ceil(SLICE);
     backward_query::launch::<R>(
         &client,
         cubes(g * l.div_ceil(TILE)),
@@ -860,38 +783,45 @@ pub(super) fn backward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTen
         operands(&x),
         lse.clone().into_tensor_arg(),
         grad.clone().into_tensor_arg(),
-        delta.clone().into_tensor_arg(),
-        grads.q.clone().into_tensor_arg(),
-        grads.bias.clone().into_tensor_arg(),
-        grads.count_weight.clone().into_tensor_arg(),
-        dk,
-        dtype.into(),
-    );
-    backward_key::launch::<R>(
-        &client,
-        cubes(g * (2 * l).div_ceil(TILE)),
-        tile_dim(),
-        operands(&x),
-        lse.clone().into_tensor_arg(),
-        grad.clone().into_tensor_arg(),
         delta.into_tensor_arg(),
-        grads.k.clone().into_tensor_arg(),
-        grads.k_prev.clone().into_tensor_arg(),
+        dq.clone().into_tensor_arg(),
+        dbias.clone().into_tensor_arg(),
+        dweight.clone().into_tensor_arg(),
+        ds.clone().into_tensor_arg(),
         dk,
         dtype.into(),
     );
+    let per_unit = per_unit(dv);
     backward_values::launch::<R>(
         &client,
-        cubes(g * (2 * l + s).div_ceil(TILE) * slices),
+        cubes(g * (2 * l + s).div_ceil(TILE) * dv.div_ceil(per_unit * TILE)),
         tile_dim(),
         operands(&x),
         lse.into_tensor_arg(),
         grad.into_tensor_arg(),
-        grads.v.clone().into_tensor_arg(),
-        grads.v_prev.clone().into_tensor_arg(),
-        grads.means.clone().into_tensor_arg(),
+        dv_present.clone().into_tensor_arg(),
+        dv_prev.clone().into_tensor_arg(),
+        dmeans.clone().into_tensor_arg(),
         dk,
+        per_unit,
         dtype.into(),
     );
-    grads
+    // dk and dk_prev: ds^T q, [G, 2L, L] x [G, L, K] = [G, 2L, K].
+    let window = B::float_matmul(B::float_swap_dims(ds, 1, 2), x.q);
+    let half = |keys: std::ops::Range<usize>| {
+        B::float_slice(
+            window.clone(),
+            &[(0..g).into(), keys.into(), (0..dk).into()],
+        )
+    };
+    AttentionKernelGrads::<B> {
+        q: dq,
+        k: half(0..l),
+        v: dv_present,
+        k_prev: half(l..2 * l),
+        v_prev: dv_prev,
+        bias: dbias,
+        means: dmeans,
+        count_weight: dweight,
+    }
 }

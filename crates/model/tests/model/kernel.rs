@@ -312,7 +312,7 @@ fn agree<A: Under>(case: Case, device: &A::Device, tol: f32) {
 /// Every case the attention kernels are held to: empty and carried
 /// caches, both position-term layouts, every cache gradient mode, the
 /// limits, the count weight, and sizes that leave partial tiles.
-fn cases() -> [Case; 10] {
+fn cases() -> [Case; 11] {
     [
         // One block: no previous block, empty cache.
         Case { r: 1, ..BASE },
@@ -345,8 +345,8 @@ fn cases() -> [Case; 10] {
             carried: true,
             ..BASE
         },
-        // Several query and key tiles, each with a partial last one, two
-        // slices of value channels and keys wider than a tile.
+        // Several query and key tiles, each with a partial last one, and
+        // keys wider than a tile.
         Case {
             b: 1,
             h: 2,
@@ -368,6 +368,19 @@ fn cases() -> [Case; 10] {
             k: 16,
             v: 129,
             s: 40,
+            ..BASE
+        },
+        // Values wider than one slice of a cube (1,024 channels): two
+        // slices, the second partial.
+        Case {
+            b: 1,
+            h: 1,
+            r: 2,
+            l: 5,
+            k: 8,
+            v: 1100,
+            s: 3,
+            carried: true,
             ..BASE
         },
         // Block length 1, odd widths, a single head and row.
