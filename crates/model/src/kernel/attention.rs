@@ -409,6 +409,13 @@ fn accumulate_chunk<F: Float>(
     }
 }
 
+/// The channel of unit `z`'s accumulator `j` within its slice: chunk
+/// `j / PER_CHUNK`, column `z + (j % PER_CHUNK) TILE` of it.
+#[cube]
+fn channel(z: usize, j: usize) -> usize {
+    j / PER_CHUNK * CHUNK + z + j % PER_CHUNK * TILE
+}
+
 /// A query tile's output in one slice of `per_unit TILE` value channels
 /// and (slice 0) its log-sum-exp, in one pass over the keys: a cube per
 /// `(g, query tile, slice)`.
@@ -488,7 +495,7 @@ fn attend<F: Float>(
     }
     if i < l {
         for j in 0..per_unit {
-            let c = c0 + j / PER_CHUNK * CHUNK + z + j % PER_CHUNK * TILE;
+            let c = c0 + channel(z, j);
             if c < dv {
                 out[g * out.stride(0) + i * out.stride(1) + c * out.stride(2)] = acc[j] / total;
             }
@@ -666,7 +673,7 @@ fn backward_values<F: Float>(
         i0 += TILE;
     }
     for j in 0..per_unit {
-        let c = c0 + j / PER_CHUNK * CHUNK + z + j % PER_CHUNK * TILE;
+        let c = c0 + channel(z, j);
         if c < channels {
             if n < l {
                 dv[g * dv.stride(0) + n * dv.stride(1) + c * dv.stride(2)] = acc[j];
