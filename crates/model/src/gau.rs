@@ -356,13 +356,17 @@ fn column_blocks<B: Backend, const N: usize>(
     cx: Compute,
 ) -> [Tensor<B, 3>; N] {
     let [b, t, _] = x.dims();
-    let d = w.dims()[0];
-    let product = (t == 1).then(|| cx.product(x.clone(), w.clone().unsqueeze::<3>()));
+    let [d, cols] = w.dims();
+    // One block of every column is the weight itself (a slice's backward
+    // would zero a copy of its gradient and assign into it).
+    let whole = N == 1 && widths[0] == cols;
+    let product = (t == 1 || whole).then(|| cx.product(x.clone(), w.clone().unsqueeze::<3>()));
     let mut start = 0;
     widths.map(|n| {
         let cols = start..start + n;
         start += n;
         match &product {
+            Some(p) if whole => p.clone(),
             Some(p) => p.clone().slice([0..b, 0..1, cols]),
             None => cx.product(x.clone(), w.clone().slice([0..d, cols]).unsqueeze::<3>()),
         }

@@ -111,6 +111,53 @@ pub(crate) fn code_totals<B: Backend>(
     (counts, sums)
 }
 
+/// [`code_totals`] with row `o` of the result totalling groups `o, o +
+/// rows, o + 2 rows, ...` (`rows` divides `G`), as the backend's fused
+/// kernel under [`Kernels::Fused`] where it has one: the kernel passes no
+/// gradient on, so `values` that carry one need [`Kernels::Composed`].
+/// Returns the counts `[rows, S]` and sums `[rows, S, W]`.
+pub(crate) fn code_totals_with<B: VqBackend>(
+    codes: Tensor<B, 2, Int>,
+    weight: Option<Tensor<B, 2>>,
+    values: Tensor<B, 3>,
+    n_code: usize,
+    rows: usize,
+    kernels: Kernels,
+) -> (Tensor<B, 2>, Tensor<B, 3>) {
+    let [g, _, w] = values.dims();
+    let fused = (kernels == Kernels::Fused)
+        .then(|| {
+            B::vq_code_totals(
+                codes.clone().into_primitive(),
+                weight.clone().map(|w| w.into_primitive().tensor()),
+                values.clone().into_primitive().tensor(),
+                n_code,
+                rows,
+            )
+        })
+        .flatten();
+    if let Some(t) = fused {
+        let float = |x| TensorPrimitive::Float(x);
+        return (
+            Tensor::from_primitive(float(t.counts)),
+            Tensor::from_primitive(float(t.sums)),
+        );
+    }
+    let (counts, sums) = code_totals(codes, weight, values, n_code);
+    if rows == g {
+        return (counts, sums);
+    }
+    (
+        counts
+            .reshape([g / rows, rows, n_code])
+            .sum_dim(0)
+            .reshape([rows, n_code]),
+        sums.reshape([g / rows, rows, n_code, w])
+            .sum_dim(0)
+            .reshape([rows, n_code, w]),
+    )
+}
+
 /// Each key's nearest codeword by composed ops: `kd` `[B, H, T, K]`
 /// (detached) against `codebook` `[H, S, K]`; the codes `[B, H, T]` (ties
 /// to the lowest index) and their codewords `[B, H, T, K]`. Ranked by
@@ -238,7 +285,7 @@ impl<B: Backend> VectorQuantizer<B> {
 
         // Statistics over valid tokens only (no gradient).
         let weight = valid.map(|valid| bool_to_float(valid, &device)); // [B, T]
-        let (counts, sums) = code_totals(
+        let (counts, sums) = code_totals_with(
             codes.clone().reshape([b * h, t]),
             weight.clone().map(|w| {
                 w.unsqueeze_dim::<3>(1)
@@ -247,15 +294,17 @@ impl<B: Backend> VectorQuantizer<B> {
             }),
             kd.clone().reshape([b * h, t, d_k]),
             s,
-        );
-        let counts = counts.reshape([b, h, s]).sum_dim(0).reshape([h, s]);
-        let sums = sums.reshape([b, h, s, d_k]).sum_dim(0).reshape([h, s, d_k]);
-        let weight = weight.map_or_else(
-            || Tensor::ones([b, 1, t, 1], &device),
-            |w| w.reshape([b, 1, t, 1]),
-        );
-        let sq_error = (sq_err * weight.clone()).sum();
-        let sq_norm = (kd.square().sum_dim(3) * weight).sum();
+            h,
+            kernels,
+        ); // [H, S], [H, S, K]: summed over the batch
+        let sq_norm = kd.square().sum_dim(3); // [B, H, T, 1]
+        let (sq_error, sq_norm) = match weight {
+            Some(w) => {
+                let w = w.reshape([b, 1, t, 1]);
+                ((sq_err * w.clone()).sum(), (sq_norm * w).sum())
+            }
+            None => (sq_err.sum(), sq_norm.sum()),
+        };
 
         Quantized {
             k_hat,

@@ -73,21 +73,60 @@ fn previous_blocks<B: Backend>(
 /// Step 4: the compressed cache each block's queries see. Block `r`'s cache
 /// holds the carried cache plus the previous blocks of blocks `0..r-1`,
 /// i.e. everything up to block `r - 2`: an exclusive cumulative sum of
-/// per-block code totals. Returns the per-block counts `[B, H, R, S]` and
+/// per-block code totals (or the backend's fused kernel, a running total,
+/// under [`Kernels::Fused`] where no gradient flows into the cache). Returns the per-block counts `[B, H, R, S]` and
 /// means `[B, H, R, S, V]`, and the carried cache with every block's
 /// previous block folded in (the state after the segment, detached).
-fn block_caches<B: Backend>(
+fn block_caches<B: VqBackend>(
     carried: CompressedCache<B>,
     prev: &Blocks<B>,
     s: usize,
-    cache_grad: CacheGrad,
+    cx: Compute,
 ) -> (Tensor<B, 4>, Tensor<B, 5>, CompressedCache<B>) {
     let [b, h, r, l, dv] = prev.v.dims();
     // Counts and means in f32 whatever the compute type: they sum many keys.
-    let values = match cache_grad {
+    let values = match cx.cache_grad {
         CacheGrad::Full => to_f32(prev.v.clone()),
         CacheGrad::None | CacheGrad::Window => to_f32(prev.v.clone().detach()),
     };
+    // The fused kernel passes no gradient on: values that carry one compose.
+    let fused = (cx.kernels == Kernels::Fused && cx.cache_grad != CacheGrad::Full)
+        .then(|| {
+            B::vq_block_caches(
+                prev.codes.clone().reshape([b * h, r * l]).into_primitive(),
+                values
+                    .clone()
+                    .reshape([b * h, r * l, dv])
+                    .into_primitive()
+                    .tensor(),
+                carried
+                    .counts
+                    .clone()
+                    .reshape([b * h, s])
+                    .into_primitive()
+                    .tensor(),
+                carried
+                    .means
+                    .clone()
+                    .reshape([b * h, s, dv])
+                    .into_primitive()
+                    .tensor(),
+                r,
+            )
+        })
+        .flatten();
+    if let Some(c) = fused {
+        let float = |x| TensorPrimitive::Float(x);
+        let after = CompressedCache {
+            counts: Tensor::<B, 2>::from_primitive(float(c.counts_after)).reshape([b, h, s]),
+            means: Tensor::<B, 3>::from_primitive(float(c.means_after)).reshape([b, h, s, dv]),
+        };
+        return (
+            Tensor::<B, 3>::from_primitive(float(c.counts)).reshape([b, h, r, s]),
+            Tensor::<B, 4>::from_primitive(float(c.means)).reshape([b, h, r, s, dv]),
+            after,
+        );
+    }
     let (counts, sums) = code_totals(
         prev.codes.clone().reshape([b * h * r, l]),
         None,
@@ -333,8 +372,7 @@ fn block_attention_impl<B: VqBackend>(
     // 2: previous blocks.
     let prev = previous_blocks(carried.prev, &blocks, cx.cache_grad);
     // 4: compressed cache by cumulative sum, [B, H, R, S] and [B, H, R, S, V].
-    let (cache_counts, cache_means, cache_after) =
-        block_caches(carried.cache, &prev, s, cx.cache_grad);
+    let (cache_counts, cache_means, cache_after) = block_caches(carried.cache, &prev, s, cx);
     let count_weight = count_weight.map(|w| w.reshape([b, h, r, l, 1]));
     // 3 and 5 in one kernel, where the backend has one that covers them.
     let fusable = B::FUSES_ATTENTION

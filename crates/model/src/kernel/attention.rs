@@ -14,8 +14,8 @@
 //!   pass over the keys: each query's running maximum and sum of
 //!   exponents, the accumulated values rescaled as the maximum grows (as
 //!   FlashAttention does), then the output and the log-sum-exp;
-//! - `backward_query`: a cube per query tile: `ds = p (dO . value - D)`
-//!   (`D = dO . O`), then `dq`, the query's row of the bias gradient and
+//! - `backward_query`: a cube per query tile: `D = dO . O`, `ds = p (dO
+//!   . value - D)`, then `dq`, the query's row of the bias gradient and
 //!   its count weight's gradient, and `ds` of the window keys, from which
 //!   one batched matrix product gives `dk` and `dk_prev` (`ds^T q`);
 //! - `backward_values`: a cube per key tile and slice of value channels:
@@ -361,52 +361,52 @@ fn zeros<F: Float>(#[comptime] count: usize) -> Array<F> {
     acc
 }
 
-/// Unit `(y, z)`'s share of a tile product: `acc[j] += sum_t
-/// weights[y, t] rows[t, z + j TILE]` for the `acc.len()` columns `z, z +
-/// TILE, ...` below `width`, rows `stride` apart.
+/// Unit `(y, z)`'s share of a tile product: `acc[at + j] += sum_t
+/// weights[y, t] rows[t, z + j TILE]` for the `count` columns `z, z +
+/// TILE, ...` below `width` (`weights`: `TILE x TILE`; `rows`: `TILE`
+/// rows `stride` apart).
 #[cube]
-#[allow(clippy::too_many_arguments)]
+// The two branches differ at compile time: one is a comptime `if`.
+#[allow(clippy::too_many_arguments, clippy::if_same_then_else)]
 fn accumulate<F: Float>(
     acc: &mut Array<F>,
     weights: &SharedMemory<F>,
     rows: &SharedMemory<F>,
     y: usize,
     z: usize,
+    at: usize,
     #[comptime] count: usize,
     #[comptime] stride: usize,
     #[comptime] width: usize,
 ) {
-    // Each weight is read once for all of the unit's columns.
+    // Each weight is read once for all of the unit's columns, which stay
+    // at constant indices (unrolled); a whole number of tiles needs no bound.
     for t in 0..TILE {
         let w = weights[y * TILE + t];
+        #[unroll]
         for j in 0..count {
             let c = z + j * TILE;
-            if c < width {
-                acc[j] += w * rows[t * stride + c];
+            if comptime!(count * TILE <= width) {
+                acc[at + j] += w * rows[t * stride + c];
+            } else if c < width {
+                acc[at + j] += w * rows[t * stride + c];
             }
         }
     }
 }
 
-/// Unit `(y, z)`'s share of one chunk's product: for the chunk's channels
-/// `z + j TILE` (`j < PER_CHUNK`), `acc[at + j] += sum_t weights[y, t]
-/// rows[t, z + j TILE]` (`weights`: `TILE x TILE`, `rows`: `TILE x CHUNK`).
+/// The sum over row `y`'s units of each one's `part`, through `scratch`
+/// (`TILE x TILE`). Every unit of the cube calls it.
 #[cube]
-fn accumulate_chunk<F: Float>(
-    acc: &mut Array<F>,
-    weights: &SharedMemory<F>,
-    rows: &SharedMemory<F>,
-    y: usize,
-    z: usize,
-    at: usize,
-) {
+fn row_sum<F: Float>(scratch: &mut SharedMemory<F>, y: usize, z: usize, part: F) -> F {
+    sync_cube();
+    scratch[y * TILE + z] = part;
+    sync_cube();
+    let mut total = F::new(0.0);
     for t in 0..TILE {
-        let w = weights[y * TILE + t];
-        #[unroll]
-        for j in 0..PER_CHUNK {
-            acc[at + j] += w * rows[t * CHUNK + z + j * TILE];
-        }
+        total += scratch[y * TILE + t];
     }
+    total
 }
 
 /// The channel of unit `z`'s accumulator `j` within its slice: chunk
@@ -489,7 +489,17 @@ fn attend<F: Float>(
             sync_cube();
             load_values::<F>(x, g, n0, c0 + k * CHUNK, &mut values);
             sync_cube();
-            accumulate_chunk::<F>(&mut acc, &probs, &values, y, z, k * PER_CHUNK);
+            accumulate::<F>(
+                &mut acc,
+                &probs,
+                &values,
+                y,
+                z,
+                k * PER_CHUNK,
+                PER_CHUNK,
+                CHUNK,
+                CHUNK,
+            );
         }
         n0 += TILE;
     }
@@ -514,7 +524,7 @@ fn backward_query<F: Float>(
     x: &Operands<F>,
     lse: &Tensor<F>,
     grad: &Tensor<F>,
-    delta: &Tensor<F>,
+    out: &Tensor<F>,
     dq: &mut Tensor<F>,
     dbias: &mut Tensor<F>,
     dweight: &mut Tensor<F>,
@@ -539,12 +549,19 @@ fn backward_query<F: Float>(
     let mut values = SharedMemory::<F>::new(TILE * (CHUNK + 1));
     let mut ds_tile = SharedMemory::<F>::new(TILE * TILE);
     load_queries::<F>(x, g, first, &mut queries, width);
+    // D = dO_i . O_i, each unit of row y summing every TILE-th channel.
+    let mut part = F::new(0.0);
     let mut own_lse = F::new(0.0);
-    let mut own_delta = F::new(0.0);
     if i < l {
         own_lse = lse[g * lse.stride(0) + i * lse.stride(1)];
-        own_delta = delta[g * delta.stride(0) + i * delta.stride(1)];
+        let mut c = z;
+        while c < x.v.shape(2) {
+            part += grad[g * grad.stride(0) + i * grad.stride(1) + c * grad.stride(2)]
+                * out[g * out.stride(0) + i * out.stride(1) + c * out.stride(2)];
+            c += TILE;
+        }
     }
+    let own_delta = row_sum::<F>(&mut ds_tile, y, z, part);
     let bias_at = bias_row::<F>(x, dbias, g, i);
     let per_unit = comptime!(width.div_ceil(TILE));
     let mut acc = zeros::<F>(per_unit);
@@ -590,6 +607,7 @@ fn backward_query<F: Float>(
             &key_tile,
             y,
             z,
+            0,
             per_unit,
             comptime!(width + 1),
             width,
@@ -602,14 +620,8 @@ fn backward_query<F: Float>(
             dq[g * dq.stride(0) + i * dq.stride(1) + c * dq.stride(2)] = acc[j];
         }
     }
-    sync_cube();
-    ds_tile[y * TILE + z] = weight_grad;
-    sync_cube();
+    let total = row_sum::<F>(&mut ds_tile, y, z, weight_grad);
     if z == 0 && i < l {
-        let mut total = F::new(0.0);
-        for t in 0..TILE {
-            total += ds_tile[y * TILE + t];
-        }
         dweight[g * dweight.stride(0) + i * dweight.stride(1)] = total;
     }
 }
@@ -668,7 +680,17 @@ fn backward_values<F: Float>(
             sync_cube();
             load_grads::<F>(grad, g, i0, c0 + k * CHUNK, &mut grads);
             sync_cube();
-            accumulate_chunk::<F>(&mut acc, &probs, &grads, y, z, k * PER_CHUNK);
+            accumulate::<F>(
+                &mut acc,
+                &probs,
+                &grads,
+                y,
+                z,
+                k * PER_CHUNK,
+                PER_CHUNK,
+                CHUNK,
+                CHUNK,
+            );
         }
         i0 += TILE;
     }
@@ -768,8 +790,6 @@ pub(super) fn backward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTen
 ) -> AttentionKernelGrads<B> {
     let [g, l, dk, dv, s] = sizes(&x);
     let dtype = x.q.dtype;
-    // D = dO . O per query, [G, L, 1].
-    let delta = B::float_sum_dim(B::float_mul(grad.clone(), out), 2);
     let (dq, dbias, dweight) = (
         empty_like(&x.q, vec![g, l, dk], dtype),
         empty_like(&x.q, x.bias.shape().dims::<4>().to_vec(), dtype),
@@ -790,7 +810,7 @@ pub(super) fn backward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTen
         operands(&x),
         lse.clone().into_tensor_arg(),
         grad.clone().into_tensor_arg(),
-        delta.into_tensor_arg(),
+        out.into_tensor_arg(),
         dq.clone().into_tensor_arg(),
         dbias.clone().into_tensor_arg(),
         dweight.clone().into_tensor_arg(),

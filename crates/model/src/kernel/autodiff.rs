@@ -10,8 +10,11 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 
+use burn::tensor::ops::IntTensor;
+
 use super::{
-    AttentionKernelInput, FUSED_CALLS, Nearest, QUANTIZE_CALLS, VqBackend, VqKernels, count,
+    AttentionKernelInput, BlockCaches, CodeTotals, FUSED_CALLS, Nearest, QUANTIZE_CALLS,
+    TOTALS_CALLS, VqBackend, VqKernels, count,
 };
 
 /// The backward step of the fused attention; its parents are the eight
@@ -47,6 +50,49 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
             words: Self::from_inner(n.words),
             error: Self::from_inner(n.error),
         })
+    }
+
+    fn vq_code_totals(
+        codes: IntTensor<Self>,
+        weight: Option<FloatTensor<Self>>,
+        values: FloatTensor<Self>,
+        n_code: usize,
+        rows: usize,
+    ) -> Option<CodeTotals<Self>> {
+        count(&TOTALS_CALLS);
+        // The values carry no gradient (the caller's promise): new leaves.
+        let t = B::vq_code_totals(
+            codes,
+            weight.map(|w| w.primitive),
+            values.primitive,
+            n_code,
+            rows,
+        );
+        Some(CodeTotals {
+            counts: Self::from_inner(t.counts),
+            sums: Self::from_inner(t.sums),
+        })
+    }
+
+    fn vq_block_caches(
+        codes: IntTensor<Self>,
+        values: FloatTensor<Self>,
+        counts: FloatTensor<Self>,
+        means: FloatTensor<Self>,
+        blocks: usize,
+    ) -> Option<BlockCaches<Self>> {
+        count(&TOTALS_CALLS);
+        // Nothing carries gradient (the caller's promise): new leaves.
+        let c = B::vq_block_caches(
+            codes,
+            values.primitive,
+            counts.primitive,
+            means.primitive,
+            blocks,
+        );
+        Some(BlockCaches::from_array(
+            c.into_array().map(Self::from_inner),
+        ))
     }
 
     fn vq_attention(x: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {

@@ -16,7 +16,9 @@ use burn::tensor::{DType, TensorData, TensorMetadata};
 
 use rayon::prelude::*;
 
-use super::{AttentionKernelGrads, AttentionKernelInput, Nearest, VqKernels};
+use super::{
+    AttentionKernelGrads, AttentionKernelInput, BlockCaches, CodeTotals, Nearest, VqKernels,
+};
 
 /// A matrix view of a slice: element `(i, j)` at `i rs + j cs`.
 #[derive(Clone, Copy)]
@@ -499,6 +501,131 @@ fn dims3(t: &FlexTensor) -> [usize; 3] {
 }
 
 impl VqKernels for Flex {
+    fn vq_block_caches(
+        codes: FlexTensor,
+        values: FlexTensor,
+        counts: FlexTensor,
+        means: FlexTensor,
+        blocks: usize,
+    ) -> BlockCaches<Self> {
+        let dtype = values.dtype();
+        let [g, n, w] = dims3(&values);
+        let (s, l) = (counts.shape()[1], n / blocks);
+        let codes: Vec<i64> = codes
+            .into_data()
+            .convert::<i64>()
+            .to_vec()
+            .expect("int codes");
+        let (values, counts, means) = (f32s(&values), f32s(&counts), f32s(&means));
+        let (values, carried, carried_means) = (
+            values.storage::<f32>(),
+            counts.storage::<f32>(),
+            means.storage::<f32>(),
+        );
+        let mut out_counts = vec![0.0f32; g * blocks * s];
+        let mut out_means = vec![0.0f32; g * blocks * s * w];
+        let mut after_counts = vec![0.0f32; g * s];
+        let mut after_means = vec![0.0f32; g * s * w];
+        // The running totals of one group's previous blocks so far.
+        let (mut total, mut sums) = (vec![0.0f32; s], vec![0.0f32; s * w]);
+        // Writes the carried cache with the running totals merged in.
+        let merge =
+            |gi: usize, total: &[f32], sums: &[f32], n_out: &mut [f32], m_out: &mut [f32]| {
+                for z in 0..s {
+                    let n_c = carried[gi * s + z];
+                    let n = n_c + total[z];
+                    let d = n.max(1.0);
+                    n_out[z] = n;
+                    let mean = &carried_means[(gi * s + z) * w..][..w];
+                    for ((m, &mu), &sum) in m_out[z * w..][..w]
+                        .iter_mut()
+                        .zip(mean)
+                        .zip(&sums[z * w..][..w])
+                    {
+                        *m = mu * (n_c / d) + sum / d;
+                    }
+                }
+            };
+        for gi in 0..g {
+            total.fill(0.0);
+            sums.fill(0.0);
+            for r in 0..blocks {
+                let at = gi * blocks + r;
+                merge(
+                    gi,
+                    &total,
+                    &sums,
+                    &mut out_counts[at * s..][..s],
+                    &mut out_means[at * s * w..][..s * w],
+                );
+                let first = gi * n + r * l;
+                for (t, &z) in (first..).zip(&codes[first..first + l]) {
+                    let z = z as usize;
+                    if z < s {
+                        total[z] += 1.0;
+                        for (sum, v) in sums[z * w..][..w].iter_mut().zip(row(values, t, 1, w)) {
+                            *sum += v;
+                        }
+                    }
+                }
+            }
+            merge(
+                gi,
+                &total,
+                &sums,
+                &mut after_counts[gi * s..][..s],
+                &mut after_means[gi * s * w..][..s * w],
+            );
+        }
+        BlockCaches {
+            counts: tensor(out_counts, vec![g, blocks, s], dtype),
+            means: tensor(out_means, vec![g, blocks, s, w], dtype),
+            counts_after: tensor(after_counts, vec![g, s], dtype),
+            means_after: tensor(after_means, vec![g, s, w], dtype),
+        }
+    }
+
+    fn vq_code_totals(
+        codes: FlexTensor,
+        weight: Option<FlexTensor>,
+        values: FlexTensor,
+        n_code: usize,
+        rows: usize,
+    ) -> CodeTotals<Self> {
+        let dtype = values.dtype();
+        let [g, n, w] = dims3(&values);
+        let codes: Vec<i64> = codes
+            .into_data()
+            .convert::<i64>()
+            .to_vec()
+            .expect("int codes");
+        let weight = weight.map(|t| f32s(&t));
+        let weight = weight.as_ref().map(|t| t.storage::<f32>());
+        let values = f32s(&values);
+        let values = values.storage::<f32>();
+        let mut counts = vec![0.0f32; rows * n_code];
+        let mut sums = vec![0.0f32; rows * n_code * w];
+        for gi in 0..g {
+            let o = gi % rows;
+            for t in 0..n {
+                let z = codes[gi * n + t] as usize;
+                if z >= n_code {
+                    continue; // an empty slot
+                }
+                let wt = weight.map_or(1.0, |wt| wt[gi * n + t]);
+                counts[o * n_code + z] += wt;
+                let sum = &mut sums[(o * n_code + z) * w..][..w];
+                for (s, v) in sum.iter_mut().zip(row(values, gi * n + t, 1, w)) {
+                    *s += wt * v;
+                }
+            }
+        }
+        CodeTotals {
+            counts: tensor(counts, vec![rows, n_code], dtype),
+            sums: tensor(sums, vec![rows, n_code, w], dtype),
+        }
+    }
+
     fn vq_quantize(keys: FlexTensor, codebook: FlexTensor) -> Nearest<Self> {
         let dtype = keys.dtype();
         let [g, t, k] = dims3(&keys);

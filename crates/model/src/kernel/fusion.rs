@@ -15,13 +15,23 @@ use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime, FusionTensor};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
 
-use super::{AttentionKernelGrads, AttentionKernelInput, Nearest, VqKernels};
+use burn::tensor::ops::IntTensor;
+
+use super::{
+    AttentionKernelGrads, AttentionKernelInput, BlockCaches, CodeTotals, Nearest, VqKernels,
+};
 
 /// Which kernel a custom operation runs.
 #[derive(Clone, Copy, Debug)]
 enum Kernel {
     /// Inputs: keys, codebook. Outputs: codes, words, error.
     Quantize,
+    /// Inputs: codes, the weights when `weighted`, values. Outputs: counts,
+    /// sums (whose shapes give the code count and the output rows).
+    Totals { weighted: bool },
+    /// Inputs: codes, values, carried counts and means. Outputs:
+    /// [`BlockCaches`]' four (whose shapes give the block count).
+    Caches,
     /// Inputs: [`AttentionKernelInput`]'s eleven tensors. Outputs: the
     /// attention's output and log-sum-exp.
     Forward { mask_first: bool },
@@ -36,6 +46,9 @@ impl Kernel {
     fn name(self) -> &'static str {
         match self {
             Self::Quantize => "tvq_quantize",
+            Self::Totals { weighted: true } => "tvq_code_totals_weighted",
+            Self::Totals { weighted: false } => "tvq_code_totals",
+            Self::Caches => "tvq_block_caches",
             Self::Forward { mask_first: true } => "tvq_attention_forward_first",
             Self::Forward { mask_first: false } => "tvq_attention_forward",
             Self::Backward { mask_first: true } => "tvq_attention_backward_first",
@@ -89,6 +102,25 @@ impl<B: FusionBackend + VqKernels> Operation<B::FusionRuntime> for Custom<B> {
                 handles.register_int_tensor::<B>(&outputs[0].id, n.codes);
                 handles.register_float_tensor::<B>(&outputs[1].id, n.words);
                 handles.register_float_tensor::<B>(&outputs[2].id, n.error);
+            }
+            Kernel::Totals { weighted } => {
+                let codes = handles.get_int_tensor::<B>(&inputs[0]);
+                let weight = weighted.then(|| handles.get_float_tensor::<B>(&inputs[1]));
+                let values = handles.get_float_tensor::<B>(&inputs[inputs.len() - 1]);
+                let [rows, n_code] = outputs[0].shape.dims();
+                let t = B::vq_code_totals(codes, weight, values, n_code, rows);
+                handles.register_float_tensor::<B>(&outputs[0].id, t.counts);
+                handles.register_float_tensor::<B>(&outputs[1].id, t.sums);
+            }
+            Kernel::Caches => {
+                let codes = handles.get_int_tensor::<B>(&inputs[0]);
+                let mut get = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
+                let (values, counts, means) = (get(1), get(2), get(3));
+                let blocks = outputs[0].shape.dims::<3>()[1];
+                let c = B::vq_block_caches(codes, values, counts, means, blocks);
+                for (ir, t) in outputs.iter().zip(c.into_array()) {
+                    handles.register_float_tensor::<B>(&ir.id, t);
+                }
             }
             Kernel::Forward { mask_first } => {
                 let input = input_from::<B>(handles, inputs, mask_first);
@@ -171,6 +203,50 @@ impl<B: FusionBackend + VqKernels> VqKernels for Fusion<B> {
             words,
             error,
         }
+    }
+
+    fn vq_code_totals(
+        codes: IntTensor<Self>,
+        weight: Option<FloatTensor<Self>>,
+        values: FloatTensor<Self>,
+        n_code: usize,
+        rows: usize,
+    ) -> CodeTotals<Self> {
+        let width = values.shape().dims::<3>()[2];
+        let float = values.dtype();
+        let outputs = [
+            (Shape::new([rows, n_code]), float),
+            (Shape::new([rows, n_code, width]), float),
+        ];
+        let kernel = Kernel::Totals {
+            weighted: weight.is_some(),
+        };
+        let inputs = [Some(codes), weight, Some(values)]
+            .into_iter()
+            .flatten()
+            .collect();
+        let [counts, sums] = queue::<B, 2>(kernel, inputs, outputs);
+        CodeTotals { counts, sums }
+    }
+
+    fn vq_block_caches(
+        codes: IntTensor<Self>,
+        values: FloatTensor<Self>,
+        counts: FloatTensor<Self>,
+        means: FloatTensor<Self>,
+        blocks: usize,
+    ) -> BlockCaches<Self> {
+        let [g, s] = counts.shape().dims();
+        let width = values.shape().dims::<3>()[2];
+        let float = values.dtype();
+        let outputs = [
+            (Shape::new([g, blocks, s]), float),
+            (Shape::new([g, blocks, s, width]), float),
+            (Shape::new([g, s]), float),
+            (Shape::new([g, s, width]), float),
+        ];
+        let inputs = vec![codes, values, counts, means];
+        BlockCaches::from_array(queue::<B, 4>(Kernel::Caches, inputs, outputs))
     }
 
     fn vq_attention_forward(

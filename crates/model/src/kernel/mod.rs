@@ -10,10 +10,10 @@
 //!
 //! | backend | fused |
 //! |---|---|
-//! | `CubeBackend<R, ..>` (cubecl: CUDA, wgpu), with or without `Autodiff` | [`attention`], [`quantizer`] |
+//! | `CubeBackend<R, ..>` (cubecl: CUDA, wgpu), with or without `Autodiff` | [`attention`], [`quantizer`], code totals (`totals.rs`) |
 //! | `Fusion<B>` (burn's fusion over such a backend: burn's `Wgpu` and `Cuda` in the default build), with or without `Autodiff` | `B`'s, each a custom operation of the fusion stream (`fusion.rs`) |
 //! | `burn::Dispatch` (what `tvq` infers on, and trains on where the kernels do not cover a run) | the CPU's, forward only, on a CPU device without autodiff (inference); otherwise none: its tensors hide the backend they live on, so training with the kernels runs on `Autodiff<Flex>`, `Autodiff<burn::backend::Wgpu>` or `Autodiff<burn::backend::Cuda>`, and `tvq bench kernels` on those |
-//! | `Flex` (the CPU), with or without `Autodiff` | attention and quantizer in Rust over its buffers (`cpu.rs`) |
+//! | `Flex` (the CPU), with or without `Autodiff` | attention, quantizer and code totals in Rust over its buffers (`cpu.rs`) |
 //!
 //! Shapes: `G = B H R` block rows, `L` block length, `K` key width, `V`
 //! value width, `S` codes, `T = R L`.
@@ -25,6 +25,7 @@ mod cpu;
 mod fusion;
 mod launch;
 pub mod quantizer;
+mod totals;
 
 use std::cell::Cell;
 
@@ -166,8 +167,84 @@ pub struct Nearest<B: Backend> {
     pub error: FloatTensor<B>,
 }
 
+/// How much weight each code carries within groups of tokens, and the
+/// weighted sums of the tokens' values (see [`VqKernels::vq_code_totals`]);
+/// nothing carries gradient.
+#[derive(Clone, Debug)]
+pub struct CodeTotals<B: Backend> {
+    /// `[O, S]`.
+    pub counts: FloatTensor<B>,
+    /// `[O, S, W]`.
+    pub sums: FloatTensor<B>,
+}
+
+/// The compressed cache every block of a segment sees and the cache after
+/// the segment (see [`VqKernels::vq_block_caches`]); nothing carries
+/// gradient.
+#[derive(Clone, Debug)]
+pub struct BlockCaches<B: Backend> {
+    /// Keys per code in block `r`'s cache, `[G, R, S]`.
+    pub counts: FloatTensor<B>,
+    /// Their mean values, `[G, R, S, V]`.
+    pub means: FloatTensor<B>,
+    /// Keys per code after the segment, `[G, S]`.
+    pub counts_after: FloatTensor<B>,
+    /// Their mean values, `[G, S, V]`.
+    pub means_after: FloatTensor<B>,
+}
+
+impl<B: Backend> BlockCaches<B> {
+    /// The four tensors in one fixed order (that of the fusion
+    /// operation's outputs).
+    pub(crate) fn into_array(self) -> [FloatTensor<B>; 4] {
+        [self.counts, self.means, self.counts_after, self.means_after]
+    }
+
+    /// The tensors from [`Self::into_array`]'s order.
+    pub(crate) fn from_array(
+        [counts, means, counts_after, means_after]: [FloatTensor<B>; 4],
+    ) -> Self {
+        Self {
+            counts,
+            means,
+            counts_after,
+            means_after,
+        }
+    }
+}
+
 /// The fused kernels a backend provides.
 pub trait VqKernels: Backend {
+    /// The compressed cache each of a segment's `R = blocks` blocks sees:
+    /// the carried cache (`counts` `[G, S]` keys per code of mean values
+    /// `means` `[G, S, V]`) with the previous blocks of blocks `0..r`
+    /// merged in, whose codes `[G, R L]` and values `[G, R L, V]` come
+    /// block by block (block `r`'s previous block at `r L..(r + 1) L`;
+    /// code `S` an empty slot); and the cache after the segment, every
+    /// previous block merged in. A merge keeps the running mean:
+    /// `(mean n_c + sum) / max(n_c + n, 1)`.
+    fn vq_block_caches(
+        codes: IntTensor<Self>,
+        values: FloatTensor<Self>,
+        counts: FloatTensor<Self>,
+        means: FloatTensor<Self>,
+        blocks: usize,
+    ) -> BlockCaches<Self>;
+
+    /// How much weight each code carries and the weighted sum of the
+    /// values of the tokens that carry it: `codes` `[G, N]` in `0..=S`
+    /// (`S = n_code` marks an empty slot, which counts nowhere), `weight`
+    /// `[G, N]` (ones when `None`), `values` `[G, N, W]`. Row `o` of the
+    /// result totals groups `o, o + O, o + 2 O, ...` (`O = rows`, a divisor
+    /// of `G`).
+    fn vq_code_totals(
+        codes: IntTensor<Self>,
+        weight: Option<FloatTensor<Self>>,
+        values: FloatTensor<Self>,
+        n_code: usize,
+        rows: usize,
+    ) -> CodeTotals<Self>;
+
     /// Each key's nearest codeword: `keys` `[G, T, K]` against `codebook`
     /// `[H, S, K]`, row `g` of head `g % H`.
     fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Nearest<Self>;
@@ -205,6 +282,26 @@ pub trait VqBackend: Backend {
     /// [`VqKernels::vq_quantize`] (for keys and codebook that carry no
     /// gradient), or `None` where the backend has no kernel for it.
     fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Option<Nearest<Self>>;
+
+    /// [`VqKernels::vq_block_caches`] (for values and a carried cache that
+    /// carry no gradient), or `None` where the backend has no kernel for it.
+    fn vq_block_caches(
+        codes: IntTensor<Self>,
+        values: FloatTensor<Self>,
+        counts: FloatTensor<Self>,
+        means: FloatTensor<Self>,
+        blocks: usize,
+    ) -> Option<BlockCaches<Self>>;
+
+    /// [`VqKernels::vq_code_totals`] (for values that carry no gradient),
+    /// or `None` where the backend has no kernel for it.
+    fn vq_code_totals(
+        codes: IntTensor<Self>,
+        weight: Option<FloatTensor<Self>>,
+        values: FloatTensor<Self>,
+        n_code: usize,
+        rows: usize,
+    ) -> Option<CodeTotals<Self>>;
 }
 
 impl<B: VqKernels> VqBackend for B {
@@ -219,11 +316,54 @@ impl<B: VqKernels> VqBackend for B {
         count(&QUANTIZE_CALLS);
         Some(B::vq_quantize(keys, codebook))
     }
+
+    fn vq_code_totals(
+        codes: IntTensor<Self>,
+        weight: Option<FloatTensor<Self>>,
+        values: FloatTensor<Self>,
+        n_code: usize,
+        rows: usize,
+    ) -> Option<CodeTotals<Self>> {
+        count(&TOTALS_CALLS);
+        Some(B::vq_code_totals(codes, weight, values, n_code, rows))
+    }
+
+    fn vq_block_caches(
+        codes: IntTensor<Self>,
+        values: FloatTensor<Self>,
+        counts: FloatTensor<Self>,
+        means: FloatTensor<Self>,
+        blocks: usize,
+    ) -> Option<BlockCaches<Self>> {
+        count(&TOTALS_CALLS);
+        Some(B::vq_block_caches(codes, values, counts, means, blocks))
+    }
 }
 
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
     for CubeBackend<R, F, I, BT>
 {
+    fn vq_code_totals(
+        codes: IntTensor<Self>,
+        weight: Option<FloatTensor<Self>>,
+        values: FloatTensor<Self>,
+        n_code: usize,
+        rows: usize,
+    ) -> CodeTotals<Self> {
+        let (counts, sums) = totals::totals(codes, weight, values, n_code, rows);
+        CodeTotals { counts, sums }
+    }
+
+    fn vq_block_caches(
+        codes: IntTensor<Self>,
+        values: FloatTensor<Self>,
+        counts: FloatTensor<Self>,
+        means: FloatTensor<Self>,
+        blocks: usize,
+    ) -> BlockCaches<Self> {
+        BlockCaches::from_array(totals::caches(codes, values, counts, means, blocks))
+    }
+
     fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Nearest<Self> {
         let int: DType = I::dtype();
         let (codes, words, error) = quantizer::quantize(keys, codebook, int);
@@ -291,6 +431,28 @@ impl VqBackend for Dispatch {
             error: Self::float_from_data(n.error.into_data(), &device),
         })
     }
+
+    /// Composed: the statistics are training's, where `Dispatch` composes.
+    fn vq_code_totals(
+        _: IntTensor<Self>,
+        _: Option<FloatTensor<Self>>,
+        _: FloatTensor<Self>,
+        _: usize,
+        _: usize,
+    ) -> Option<CodeTotals<Self>> {
+        None
+    }
+
+    /// Composed, as [`Self::vq_code_totals`].
+    fn vq_block_caches(
+        _: IntTensor<Self>,
+        _: FloatTensor<Self>,
+        _: FloatTensor<Self>,
+        _: FloatTensor<Self>,
+        _: usize,
+    ) -> Option<BlockCaches<Self>> {
+        None
+    }
 }
 
 /// The device of `t` if it is the CPU without autodiff.
@@ -313,6 +475,7 @@ thread_local! {
     /// other's calls.
     static FUSED_CALLS: Cell<u64> = const { Cell::new(0) };
     static QUANTIZE_CALLS: Cell<u64> = const { Cell::new(0) };
+    static TOTALS_CALLS: Cell<u64> = const { Cell::new(0) };
 }
 
 /// Counts one call in `counter`.
@@ -329,4 +492,9 @@ pub fn fused_attention_calls() -> u64 {
 /// How many fused quantizer calls this thread has made.
 pub fn fused_quantize_calls() -> u64 {
     QUANTIZE_CALLS.with(Cell::get)
+}
+
+/// How many fused code-totals and block-cache calls this thread has made.
+pub fn fused_totals_calls() -> u64 {
+    TOTALS_CALLS.with(Cell::get)
 }

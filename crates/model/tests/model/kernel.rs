@@ -4,7 +4,8 @@
 //! layout, cache gradient mode, limit and the learned count weight, from a
 //! fresh stream and from a carried state. The quantizer: codes,
 //! straight-through keys, commitment, its gradient and the statistics, and
-//! each code a nearest one by a host oracle in `f64`.
+//! each code a nearest one by a host oracle in `f64`. The code totals:
+//! against a host oracle in `f64`.
 
 use std::sync::OnceLock;
 
@@ -14,9 +15,12 @@ use burn::backend::wgpu::{CubeBackend, WgpuDevice, WgpuRuntime};
 use burn::module::Param;
 use burn::prelude::*;
 use burn::tensor::Distribution;
+use burn::tensor::TensorPrimitive;
 use burn::tensor::backend::AutodiffBackend;
 use tvq_model::attention::{AttentionInput, AttentionState, Position, block_attention};
-use tvq_model::kernel::{Kernels, VqBackend, fused_attention_calls, fused_quantize_calls};
+use tvq_model::kernel::{
+    Kernels, VqBackend, fused_attention_calls, fused_quantize_calls, fused_totals_calls,
+};
 use tvq_model::quantizer::{Quantized, VectorQuantizer};
 use tvq_model::{CacheGrad, Compute};
 use tvq_testkit::Gpu;
@@ -176,12 +180,14 @@ impl Case {
     }
 }
 
-/// What one run gives: the output and the gradients of q, k, v, the bias
-/// table and the count weight, as host vectors.
+/// What one run gives: the output, the gradients of q, k, v, the bias
+/// table and the count weight, and the compressed cache after the segment,
+/// as host vectors.
 #[derive(Debug)]
 struct Run {
     out: Vec<f32>,
     grads: Vec<(&'static str, Vec<f32>)>,
+    after: [Vec<f32>; 2],
 }
 
 fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
@@ -222,7 +228,8 @@ fn run<A: Under>(
             .reshape([h, case.s, case.k]),
         count_weight: case.count_weight.then(|| weight.clone()),
     };
-    let (out, _) = block_attention(input, state, l, case.cx(kernels)).expect("attention runs");
+    let (out, after) = block_attention(input, state, l, case.cx(kernels)).expect("attention runs");
+    let cache = after.cache.expect("a cache after the segment");
     let probe = Tensor::<A, 1>::from_data(draw.probe.clone(), device).reshape([b, h, t, case.v]);
     let grads = (out.clone() * probe).sum().backward();
     let grad = |x: Tensor<A, 4>| x.grad(&grads).map(host).unwrap_or_default();
@@ -238,6 +245,7 @@ fn run<A: Under>(
     Run {
         out: host(out.inner()),
         grads: named,
+        after: [host(cache.counts.inner()), host(cache.means.inner())],
     }
 }
 
@@ -281,8 +289,8 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Runs `case` fused and composed and requires them to agree within `tol`
-/// (relative, [`max_diff`]) in the output and every gradient, and the
-/// fused run to have reached the kernel.
+/// (relative, [`max_diff`]) in the output, every gradient and the cache
+/// after the segment, and the fused run to have reached the kernel.
 fn agree<A: Under>(case: Case, device: &A::Device, tol: f32) {
     let state = if case.carried {
         carried_state::<A>(&case, device)
@@ -291,14 +299,27 @@ fn agree<A: Under>(case: Case, device: &A::Device, tol: f32) {
     };
     let draw = case.draw(case.t());
     let composed = run::<A>(&case, &draw, state.clone(), Kernels::Composed, device);
-    let before = fused_attention_calls();
+    let (before, caches) = (fused_attention_calls(), fused_totals_calls());
     let fused = run::<A>(&case, &draw, state, Kernels::Fused, device);
     assert!(
         fused_attention_calls() > before,
         "{case:?}: the fused run did not reach the kernel"
     );
+    // The block caches' kernel passes no gradient on: not under Full.
+    assert_eq!(
+        fused_totals_calls() > caches,
+        case.cache_grad != CacheGrad::Full,
+        "{case:?}: the block caches' kernel"
+    );
     let diff = max_diff(&fused.out, &composed.out);
     assert!(diff <= tol, "{case:?}: output max |diff| = {diff:e}");
+    for (name, f, c) in [
+        ("cache counts after", &fused.after[0], &composed.after[0]),
+        ("cache means after", &fused.after[1], &composed.after[1]),
+    ] {
+        let diff = max_diff(f, c);
+        assert!(diff <= tol, "{case:?}: {name}: max |diff| = {diff:e}");
+    }
     for ((name, f), (_, c)) in fused.grads.iter().zip(&composed.grads) {
         assert!(!c.is_empty(), "{case:?}: no gradient of {name}");
         let diff = max_diff(f, c);
@@ -514,11 +535,11 @@ fn quantizer_agrees<A: Under>(device: &A::Device) {
             .select(0, planted.clone() + rows)
             .reshape([b, h, t, k])
             + normal([b, h, t, k], 1e-3);
-        let calls = fused_quantize_calls();
+        let (calls, totals) = (fused_quantize_calls(), fused_totals_calls());
         let (fused, fused_grad) = quantize(&quantizer, &keys, &probe, Kernels::Fused);
         assert!(
-            fused_quantize_calls() > calls,
-            "{case}: the kernel did not run"
+            fused_quantize_calls() > calls && fused_totals_calls() > totals,
+            "{case}: a kernel did not run"
         );
         let (composed, composed_grad) = quantize(&quantizer, &keys, &probe, Kernels::Composed);
         let codes = ints(fused.codes.clone());
@@ -598,6 +619,100 @@ fn quantizer_agrees<A: Under>(device: &A::Device) {
             "{case}: a tie went to the higher index: {codes:?}"
         );
     }
+}
+
+/// The fused code totals against a host oracle in `f64`: codes with empty
+/// slots (`S`), with and without weights, groups folded onto fewer rows,
+/// past a cube's 16 codes and 256 tokens, and values of 1 channel and of
+/// 1,100 (five slices of a cube).
+fn code_totals_agree<A: Under>(device: &A::Device) {
+    for (g, n, w, s, rows) in [
+        (3, 5, 4, 6, 3),
+        (4, 300, 37, 70, 2),
+        (2, 9, 1100, 3, 1),
+        (1, 40, 1, 17, 1),
+    ] {
+        let codes =
+            Tensor::<A, 2, Int>::random([g, n], Distribution::Uniform(0.0, (s + 1) as f64), device);
+        let values = Tensor::<A, 3>::random([g, n, w], Distribution::Normal(0.0, 1.0), device);
+        let weight = Tensor::<A, 2>::random([g, n], Distribution::Uniform(0.0, 1.0), device);
+        let (zs, vs, ws) = (
+            ints(codes.clone()),
+            host(values.clone()),
+            host(weight.clone()),
+        );
+        for weighted in [false, true] {
+            let case = format!("G {g}, N {n}, W {w}, S {s}, rows {rows}, weighted {weighted}");
+            let calls = fused_totals_calls();
+            let t = A::vq_code_totals(
+                codes.clone().into_primitive(),
+                weighted.then(|| weight.clone().into_primitive().tensor()),
+                values.clone().into_primitive().tensor(),
+                s,
+                rows,
+            )
+            .expect("the backend has the kernel");
+            assert!(fused_totals_calls() > calls, "{case}: not counted");
+            let counts = host(Tensor::<A, 2>::from_primitive(TensorPrimitive::Float(
+                t.counts,
+            )));
+            let sums = host(Tensor::<A, 3>::from_primitive(TensorPrimitive::Float(
+                t.sums,
+            )));
+            let mut want_counts = vec![0.0f64; rows * s];
+            let mut want_sums = vec![0.0f64; rows * s * w];
+            for gi in 0..g {
+                for ti in 0..n {
+                    let z = zs[gi * n + ti] as usize;
+                    if z == s {
+                        continue;
+                    }
+                    let wt = if weighted {
+                        ws[gi * n + ti] as f64
+                    } else {
+                        1.0
+                    };
+                    let at = (gi % rows) * s + z;
+                    want_counts[at] += wt;
+                    for c in 0..w {
+                        want_sums[at * w + c] += wt * vs[(gi * n + ti) * w + c] as f64;
+                    }
+                }
+            }
+            let near = |got: &[f32], want: &[f64], what: &str| {
+                assert_eq!(got.len(), want.len(), "{case}: {what}: size");
+                for (i, (&a, &b)) in got.iter().zip(want).enumerate() {
+                    assert!(
+                        (a as f64 - b).abs() <= 1e-4 * b.abs().max(1.0),
+                        "{case}: {what}[{i}] = {a}, expected {b}"
+                    );
+                }
+            };
+            near(&counts, &want_counts, "counts");
+            near(&sums, &want_sums, "sums");
+        }
+    }
+}
+
+#[test]
+fn fused_code_totals_match_a_host_oracle() {
+    let Some(device) = wgpu("fused_code_totals_match_a_host_oracle") else {
+        return;
+    };
+    code_totals_agree::<Ad>(&device);
+}
+
+#[test]
+fn fused_code_totals_match_a_host_oracle_under_burns_fusion() {
+    let Some(device) = wgpu("fused_code_totals_match_a_host_oracle_under_burns_fusion") else {
+        return;
+    };
+    code_totals_agree::<Fused>(&device);
+}
+
+#[test]
+fn cpu_code_totals_match_a_host_oracle() {
+    code_totals_agree::<Cpu>(&FlexDevice);
 }
 
 /// `burn::Dispatch` (what `tvq` runs on) reaches the CPU's kernels in
