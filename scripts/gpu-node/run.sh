@@ -2,15 +2,18 @@
 # tvq on a GPU node without Rust: one command, every part under its own time
 # limit. Made by scripts/gpu-bundle.sh; run from the unpacked bundle:
 #
-#   ./run.sh                      # CUDA: the step against PyTorch, profile, check, ...
+#   ./run.sh                      # CUDA: kernels, the step against PyTorch, profile, ...
 #   ./run.sh --device cpu --small # every part end to end on the CPU, small
 #
 # Options: --device cuda|cpu (default cuda), --small (small sizes),
 # --out DIR (default ./results), --layers N (layers of the enwik8-width
 # model, default 4), --parts LIST (comma separated, default all, in the
-# order they run: first-light,train,train-fused,train-long,torch,profile,products,
-# products-torch,check,kernels,generate,quickstart), --budget SECONDS (the
-# whole run's time, default 450, so that with the binary's unpacking and
+# order they run: first-light,kernels,train-fused,train,torch,profile,
+# train-long,torch-long,cold-start,products,products-torch,check,generate,
+# quickstart), --build default|unfused (the build the parts time; default:
+# the unfused one where the bundle has it, as it starts at once, while the
+# cold-start part times the default build's first step apart),
+# --budget SECONDS (the whole run's time, default 450, so that with the binary's unpacking and
 # the summary it ends within 8 minutes; 1500 with --small: each part's
 # limit is cut to what is left, and a part with less than 15 s left is
 # skipped, which is why the parts run in the order a GPU session needs
@@ -27,8 +30,9 @@
 # is non-zero if any part failed.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-device=cuda small=0 out="$here/results" layers=4 pack="" budget=""
-parts=first-light,train,train-fused,train-long,torch,profile,products,products-torch,check,kernels,generate,quickstart
+device=cuda small=0 out="$here/results" layers=4 pack="" budget="" build=""
+parts=first-light,kernels,train-fused,train,torch,profile,train-long,torch-long,cold-start
+parts+=,products,products-torch,check,generate,quickstart
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device="$2"; shift 2 ;;
@@ -38,11 +42,18 @@ while [ $# -gt 0 ]; do
     --parts) parts="$2"; shift 2 ;;
     --pack) pack="$2"; shift 2 ;;
     --budget) budget="$2"; shift 2 ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    --build) build="$2"; shift 2 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 case "$device" in cuda|cpu) ;; *) echo "run.sh: --device is cuda or cpu, not $device" >&2; exit 2 ;; esac
+[ -z "$build" ] && { [ -f "$here/tvq-unfused.xz" ] && build=unfused || build=default; }
+case "$build" in
+  default) ;;
+  unfused) [ -f "$here/tvq-unfused.xz" ] || { echo "run.sh: this bundle has no unfused build" >&2; exit 2; } ;;
+  *) echo "run.sh: --build is default or unfused, not $build" >&2; exit 2 ;;
+esac
 [ -z "$budget" ] && { [ $small = 1 ] && budget=1500 || budget=450; }
 case "$budget" in ''|*[!0-9]*) echo "run.sh: --budget is a number of seconds, not $budget" >&2; exit 2 ;; esac
 mkdir -p "$out/logs"
@@ -66,17 +77,25 @@ fi
 : > "$results"
 started=$(date +%s)
 
-# --- the binary: unpacked once, next to this script --------------------------
-tvq="$here/bin/tvq"
-if [ ! -x "$tvq" ]; then
+# --- the binaries: unpacked once, next to this script -------------------------
+# unpack NAME: bin/NAME from NAME.xz.
+unpack() {
+  local bin="$here/bin/$1"
+  [ -x "$bin" ] && return 0
   mkdir -p "$here/bin"
   if command -v xz >/dev/null; then
-    xz -dc "$here/tvq.xz" > "$tvq.part"
+    xz -dc "$here/$1.xz" > "$bin.part"
   else
     python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
-      "$here/tvq.xz" "$tvq.part"
-  fi || { echo "run.sh: cannot unpack tvq.xz (needs xz or python3)" >&2; exit 1; }
-  chmod +x "$tvq.part" && mv "$tvq.part" "$tvq"
+      "$here/$1.xz" "$bin.part"
+  fi || { echo "run.sh: cannot unpack $1.xz (needs xz or python3)" >&2; return 1; }
+  chmod +x "$bin.part" && mv "$bin.part" "$bin"
+}
+unpack tvq || exit 1
+default_tvq="$here/bin/tvq" tvq="$here/bin/tvq"
+if [ "$build" = unfused ]; then
+  unpack tvq-unfused || exit 1
+  tvq="$here/bin/tvq-unfused"
 fi
 
 # --- CUDA: the driver from the system, NVRTC and headers from the system or
@@ -87,7 +106,7 @@ if [ "$device" = cuda ]; then
   use_cuda "$python" "$here/scripts/find_cuda.py" "$here/cuda" || { echo "run.sh: $cuda_found" >&2; exit 1; }
   echo "run.sh: $cuda_found"
 fi
-echo "{\"form\": \"node\", \"device\": \"$device\", \"small\": $small, \"host\": \"$(hostname)\", \"tvq\": \"$("$tvq" --version)\"}" >> "$results"
+echo "{\"form\": \"node\", \"device\": \"$device\", \"small\": $small, \"build\": \"$build\", \"host\": \"$(hostname)\", \"tvq\": \"$("$tvq" --version)\"}" >> "$results"
 if command -v nvidia-smi >/dev/null && [ "$device" = cuda ]; then
   gpu="$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
   echo "run.sh: $gpu"
@@ -132,23 +151,25 @@ part() {
 # run's from the 2-core development machine. The budget cuts them further.
 # On a fresh node the default (fused, autotuned) build's first light took
 # more than 300 s ("The third run on a GPU"), unless the bundle's kernel
-# cache spares the tuning.
+# cache spares the tuning: the unfused build times the parts then, and the
+# cold-start part gives the default build what is left.
 if [ $small = 1 ]; then
   seq_lens=512,1024 long_lens=2048 bench_set=(--set model.d_model=64 --set model.d_k=16
     --set model.d_v=64 --set model.n_code=16 --set model.block_len=64 --set model.n_layer=1)
   gen_lens=256,1024 qs_steps=4
   limit_first=120 limit_check=120 limit_kernels=120 limit_train=120 limit_profile=120 limit_long=60
-  limit_torch=400 limit_products=60 limit_generate=60 limit_qs=180
+  limit_torch=400 limit_torch_long=200 limit_cold=120 limit_products=60 limit_generate=60 limit_qs=180
 else
   seq_lens=8192,32768 long_lens=131072 bench_set=(--config "$here/configs/enwik8.toml"
     --set "model.n_layer=$layers" --set model.dropout_residual=0 --set model.dropout_layer=0
     --set model.dropout_sinusoid=0)
   gen_lens=1024,8192,65536 qs_steps=200
-  limit_first=240 limit_check=60 limit_kernels=120 limit_train=90 limit_profile=45 limit_long=60
-  limit_torch=150 limit_products=45 limit_generate=45 limit_qs=60
+  limit_first=240 limit_check=60 limit_kernels=90 limit_train=90 limit_profile=45 limit_long=60
+  limit_torch=150 limit_torch_long=120 limit_cold=240 limit_products=45 limit_generate=45 limit_qs=60
 fi
 precisions=f32,bf16
 [ "$device" = cpu ] && precisions=f32
+first_len="${seq_lens%%,*}" long_precision="${precisions##*,}"
 
 # 0. First light: two steps of a tiny model, where every kernel of a step is
 # compiled (NVRTC) and autotuned for the first time.
@@ -158,66 +179,86 @@ if grep -q '"part": "first-light", "status": "failed"' "$results"; then
   parts=none
 fi
 
-# 1. tvq's training step (forward, backward, clipping, AdamW, EMA), f32 and
-# bf16, one row per step, as a run gets it by default (train.kernels
-# "auto": composed on a GPU, the fused kernels on the CPU); then f32 on the
-# device's fused kernels (train-fused); the longest segments recompute each
-# sublayer in the backward pass (activation checkpointing "full"), as they
-# would not fit otherwise.
+# 1. The fused attention and quantizer kernels against the composed ops in
+# the model's forward and backward passes, f32 (what the kernels cover), on
+# the GPU's cubecl backend, with the two ways' loss and gradient apart.
+if [ "$device" = cuda ]; then
+  part kernels "$limit_kernels" "$tvq" bench kernels --device cuda --json --batch 1 --precision f32 \
+    --steps 2 "${bench_set[@]}" --seq-len "$first_len"
+fi
+
+# 2. tvq's training step (forward, backward, clipping, AdamW, EMA), one row
+# per step: first on the device's fused kernels (f32), then as a run gets it
+# by default (train.kernels "auto": composed on a GPU), f32 and bf16.
 train=("$tvq" bench step --device "$device" --json --batch 1 --form vq --steps 2 "${bench_set[@]}")
-part train "$limit_train" "${train[@]}" --precision "$precisions" --seq-len "$seq_lens"
 part train-fused "$limit_train" "${train[@]}" --precision f32 --seq-len "$seq_lens" \
   --set 'train.kernels="fused"'
-part train-long "$limit_long" "${train[@]}" --precision "$precisions" --seq-len "$long_lens" \
-  --checkpointing full
+part train "$limit_train" "${train[@]}" --precision "$precisions" --seq-len "$seq_lens"
 
-# 2. The same model in PyTorch (eager, compiled) and the quadratic SDPA
+# 3. The same model in PyTorch (eager, compiled) and the quadratic SDPA
 # baseline of the same widths, where PyTorch is installed.
 torch=0
 [ -n "$python" ] && "$python" -c "import torch" 2>/dev/null && torch=1
+torch_bench=("$python" "$here/scripts/torch_reference.py" bench --device "$device" --json)
+[ $small = 1 ] && torch_bench+=(--small) || torch_bench+=(--layers "$layers")
 if ! wanted torch; then
   :
 elif [ $torch = 1 ]; then
-  torch_args=(--device "$device" --seq-len "$seq_lens,$long_lens" --json)
-  [ $small = 1 ] && torch_args+=(--small) || torch_args+=(--layers "$layers")
-  part torch "$limit_torch" "$python" "$here/scripts/torch_reference.py" bench "${torch_args[@]}"
+  part torch "$limit_torch" "${torch_bench[@]}" --seq-len "$seq_lens" --precision "$precisions"
 else
   echo "run.sh: part torch skipped: no python3 with torch here" >&2
   echo "{\"form\": \"part\", \"part\": \"torch\", \"status\": \"skipped\"}" >> "$results"
 fi
 
-# 3. Where a step's device time goes, by kernel, at the first length in bf16
-# (cubecl times each launch alone: the profiled step is slower).
+# 4. Where a step's device time goes, by kernel, on the fused kernels at the
+# first length (cubecl times each launch alone: the profiled step is slower).
 if [ "$device" = cuda ]; then
-  part profile "$limit_profile" "$tvq" bench step --device cuda --json --batch 1 --form vq \
-    --precision bf16 --steps 1 "${bench_set[@]}" --seq-len "${seq_lens%%,*}" --profile
+  part profile "$limit_profile" "${train[@]}" --precision f32 --steps 1 --seq-len "$first_len" \
+    --set 'train.kernels="fused"' --profile
 fi
 
-# 4. The model's matrix products at its own shapes, at the first length:
+# 5. The longest segments: tvq's step on the fused kernels (which keep no
+# score tensor, so no activation checkpointing), then PyTorch compiled and
+# the SDPA baseline.
+part train-long "$limit_long" "${train[@]}" --precision f32 --seq-len "$long_lens" \
+  --set 'train.kernels="fused"'
+if [ $torch = 1 ]; then
+  part torch-long "$limit_torch_long" "${torch_bench[@]}" --seq-len "$long_lens" \
+    --precision "$long_precision" --impl compiled,sdpa
+fi
+
+# 6. The default build's cold start: its first steps at the first length as
+# a run gets them by default, with a kernel cache of its own (seeded from
+# the bundle's, as a user's fresh node would be): compiling and autotuning.
+# What it tuned comes back in OUT/kernel-cache/, to commit under
+# data/kernel-cache/ for the next bundle (docs/benchmarks.md, "Kernel
+# caches").
+if [ "$device" = cuda ] && [ "$build" != default ]; then
+  cold="$(mktemp -d)" && mkdir -p "$cold/tvq"
+  [ -d "$here/kernel-cache" ] && cp -r "$here/kernel-cache/." "$cold/tvq/"
+  part cold-start "$limit_cold" env XDG_CACHE_HOME="$cold" "$default_tvq" bench step \
+    --device cuda --json --batch 1 --form vq --steps 2 "${bench_set[@]}" \
+    --precision "$long_precision" --seq-len "$first_len"
+  cache_home="$cold/tvq"
+fi
+
+# 7. The model's matrix products at its own shapes, at the first length:
 # tvq's, then PyTorch's (cuBLAS on CUDA) at the same shapes, read from
 # tvq's lines.
 part products "$limit_products" "$tvq" bench products --device "$device" --json --batch 1 \
-  --precision "$precisions" "${bench_set[@]}" --seq-len "${seq_lens%%,*}"
+  --precision "$precisions" "${bench_set[@]}" --seq-len "$first_len"
 if [ $torch = 1 ] && [ -s "$out/logs/products.log" ]; then
   part products-torch "$limit_products" "$python" "$here/scripts/torch_reference.py" products \
     --device "$device" --json --from "$out/logs/products.log"
 fi
 
-# 5. The device against the CPU (and its measured peaks, the MFU's yardstick).
+# 8. The device against the CPU (and its measured peaks, the MFU's yardstick).
 part check "$limit_check" "$tvq" check --device "$device" --json
 
-# 6. The fused attention kernel against the composed ops in the model's
-# forward and backward passes, f32 (what the kernel covers), on the GPU's
-# cubecl backend; the CPU has no kernel.
-if [ "$device" = cuda ]; then
-  part kernels "$limit_kernels" "$tvq" bench kernels --device cuda --json --batch 1 --precision f32 \
-    --steps 2 "${bench_set[@]}" --seq-len "$seq_lens"
-fi
-
-# 7. Generation: time to the first token (block-form prefill) and per token.
+# 9. Generation: time to the first token (block-form prefill) and per token.
 part generate "$limit_generate" "$tvq" bench generate --device "$device" --json --seq-len "$gen_lens" --new-tokens 32
 
-# 8. The quick start on the device.
+# 10. The quick start on the device.
 run="$out/quickstart"
 rm -rf "$run"
 qs=(--set train.workers=1)
@@ -229,8 +270,8 @@ if [ -f "$run/metrics.jsonl" ]; then
   "$python" "$here/scripts/summary.py" quickstart "$run/metrics.jsonl" "$device" >> "$results"
 fi
 
-if [ "$device" = cuda ] && [ -d "$cache_home/autotune" ]; then
-  mkdir -p "$out/kernel-cache" && cp -r "$cache_home/autotune" "$out/kernel-cache/"
+if [ "$device" = cuda ] && [ -d "$cache_home" ]; then
+  mkdir -p "$out/kernel-cache" && cp -r "$cache_home/." "$out/kernel-cache/"
 fi
 "$python" "$here/scripts/summary.py" table "$results" | tee "$out/summary.md"
 echo "run.sh: $(( $(date +%s) - started )) s in all; $failed part(s) failed; figures in $results"

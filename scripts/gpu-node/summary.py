@@ -73,6 +73,10 @@ def table(path):
             out.append(f"| passes, composed ops ({r['speedup']:.2f}x slower)" if r["speedup"] >= 1 else
                        f"| passes, composed ops ({1 / r['speedup']:.2f}x faster)")
             out[-1] += f" | {r['seq_len']:,} | {r.get('precision')} | {fmt(r.get('composed_tokens_per_s'))} | - | | | |"
+        elif form == "vq" and r.get("part") == "cold-start":
+            out.append(f"| the default build's cold start: first step {fmt(r.get('first_step_s'), ',.1f')} s "
+                       f"(compiling, autotuning), then | {r['seq_len']:,} | {r.get('precision')} | "
+                       f"{fmt(r.get('tokens_per_s'))} | {mfu(r)} | | | |")
         elif form == "vq" and r.get("part") == "first-light":
             out.append(f"| first light: a tiny model's step on {r.get('device')} | {r['seq_len']:,} | {r.get('precision')} | "
                        f"{fmt(r.get('tokens_per_s'))} | - | | | |")

@@ -713,7 +713,11 @@ fn bench_training<Bk: TrainBackend>(
         Ok(())
     };
     reset_peak_rss();
-    step()?; // warm-up
+    // The warm-up compiles (and on a GPU autotunes) the step's kernels: a
+    // fresh node's cold start.
+    let warm_up = Instant::now();
+    step()?;
+    let first_step_s = warm_up.elapsed().as_secs_f64();
     let mark = log.map(profile::KernelLog::settled);
     let start = Instant::now();
     for _ in 0..args.steps {
@@ -733,7 +737,8 @@ fn bench_training<Bk: TrainBackend>(
             "{}",
             json!({
                 "form": form_name, "seq_len": t, "batch": args.batch,
-                "tokens_per_s": tokens_per_s, "mfu": utilisation, "peak_flops_per_s": peak,
+                "tokens_per_s": tokens_per_s, "first_step_s": first_step_s,
+                "mfu": utilisation, "peak_flops_per_s": peak,
                 "flops_per_token": mfu::training_flops_per_token(&cfg, t),
                 "peak_rss_bytes": rss, "device_memory_bytes": gpu, "device": info,
                 "precision": precision, "activation_checkpointing": mode,

@@ -301,6 +301,9 @@ fn the_bundle_runs_every_part_small_on_the_cpu_without_rust() {
             );
         }
     }
+    // The parts ran on the bundle's one build, the default.
+    let node = results.iter().find(|r| r["form"] == "node").unwrap();
+    assert_eq!(node["build"], "default", "{node}");
     let summary = std::fs::read_to_string(bundle.join("results/summary.md")).unwrap();
     assert!(summary.contains("| tvq step"), "{summary}");
     assert!(summary.contains("tvq check on cpu"), "{summary}");
@@ -326,6 +329,20 @@ fn the_bundle_runs_every_part_small_on_the_cpu_without_rust() {
     let check = results.iter().find(|r| r["part"] == "check").unwrap();
     assert_eq!(check["status"], "skipped", "{check}");
     assert!(check["why"].as_str().unwrap().contains("budget"), "{check}");
+    // A build the bundle lacks, or no build at all, is one line and exit 2.
+    for (build, said) in [
+        ("unfused", "this bundle has no unfused build"),
+        ("fast", "--build is default or unfused, not fast"),
+    ] {
+        let out = Command::new(bundle.join("run.sh"))
+            .args(["--device", "cpu", "--small", "--build", build])
+            .env("PATH", std::env::join_paths(&path).unwrap())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{build}: {err}");
+        assert_eq!(err.trim(), format!("run.sh: {said}"), "{build}");
+    }
 }
 
 fn read_results(path: &Path) -> Vec<serde_json::Value> {

@@ -74,9 +74,10 @@ fn previous_blocks<B: Backend>(
 /// holds the carried cache plus the previous blocks of blocks `0..r-1`,
 /// i.e. everything up to block `r - 2`: an exclusive cumulative sum of
 /// per-block code totals (or the backend's fused kernel, a running total,
-/// under [`Kernels::Fused`] where no gradient flows into the cache). Returns the per-block counts `[B, H, R, S]` and
-/// means `[B, H, R, S, V]`, and the carried cache with every block's
-/// previous block folded in (the state after the segment, detached).
+/// under [`Kernels::Fused`] where no gradient flows into the cache).
+/// Returns the per-block counts `[B, H, R, S]` and means `[B, H, R, S, V]`,
+/// and the carried cache with every block's previous block folded in (the
+/// state after the segment, detached).
 fn block_caches<B: VqBackend>(
     carried: CompressedCache<B>,
     prev: &Blocks<B>,

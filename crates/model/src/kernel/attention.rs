@@ -41,7 +41,7 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::launch::{cubes, empty_like, parts};
+use super::launch::{cubes, empty_like, parts, zeros};
 use super::{AttentionKernelGrads, AttentionKernelInput};
 
 /// Queries (and keys) per tile; a cube is `TILE x TILE` units.
@@ -349,16 +349,6 @@ fn grad_dot_value<F: Float>(
         c0 += CHUNK;
     }
     dp
-}
-
-/// `count` accumulators, zero.
-#[cube]
-fn zeros<F: Float>(#[comptime] count: usize) -> Array<F> {
-    let mut acc = Array::<F>::new(count);
-    for j in 0..count {
-        acc[j] = F::new(0.0);
-    }
-    acc
 }
 
 /// Unit `(y, z)`'s share of a tile product: `acc[at + j] += sum_t

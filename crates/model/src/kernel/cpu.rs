@@ -495,6 +495,15 @@ fn with_rows<R>(input: &AttentionKernelInput<Flex>, f: impl FnOnce(&Rows<'_>, Di
     )
 }
 
+/// The int tensor `codes` as host values.
+fn codes_of(codes: FlexTensor) -> Vec<i64> {
+    codes
+        .into_data()
+        .convert::<i64>()
+        .to_vec()
+        .expect("int codes")
+}
+
 fn dims3(t: &FlexTensor) -> [usize; 3] {
     let shape = t.shape();
     [shape[0], shape[1], shape[2]]
@@ -511,11 +520,7 @@ impl VqKernels for Flex {
         let dtype = values.dtype();
         let [g, n, w] = dims3(&values);
         let (s, l) = (counts.shape()[1], n / blocks);
-        let codes: Vec<i64> = codes
-            .into_data()
-            .convert::<i64>()
-            .to_vec()
-            .expect("int codes");
+        let codes = codes_of(codes);
         let (values, counts, means) = (f32s(&values), f32s(&counts), f32s(&means));
         let (values, carried, carried_means) = (
             values.storage::<f32>(),
@@ -594,11 +599,7 @@ impl VqKernels for Flex {
     ) -> CodeTotals<Self> {
         let dtype = values.dtype();
         let [g, n, w] = dims3(&values);
-        let codes: Vec<i64> = codes
-            .into_data()
-            .convert::<i64>()
-            .to_vec()
-            .expect("int codes");
+        let codes = codes_of(codes);
         let weight = weight.map(|t| f32s(&t));
         let weight = weight.as_ref().map(|t| t.storage::<f32>());
         let values = f32s(&values);

@@ -14,6 +14,16 @@ pub(crate) fn parts(n: usize, #[comptime] size: usize) -> usize {
     (n + size - 1) / size
 }
 
+/// `count` accumulators, zero.
+#[cube]
+pub(crate) fn zeros<F: Float>(#[comptime] count: usize) -> Array<F> {
+    let mut acc = Array::<F>::new(count);
+    for j in 0..count {
+        acc[j] = F::new(0.0);
+    }
+    acc
+}
+
 /// Cubes for `count` cubes of work, one each: CUDA and Vulkan allow 65,535
 /// along an axis, so they wrap onto a second axis (`CUBE_POS` counts them
 /// in order; the excess cubes of the last line stop at once).

@@ -138,7 +138,9 @@ impl<B: Backend> AttentionKernelGrads<B> {
         ]
     }
 
-    /// The gradients from [`Self::into_array`]'s order.
+    /// The gradients from [`Self::into_array`]'s order (the fusion
+    /// operation's outputs).
+    #[cfg(feature = "fusion")]
     pub(crate) fn from_array(
         [q, k, v, k_prev, v_prev, bias, means, count_weight]: [FloatTensor<B>; 8],
     ) -> Self {

@@ -22,7 +22,7 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::launch::{cubes, empty_like, parts};
+use super::launch::{cubes, empty_like, parts, zeros};
 
 /// Codes (and channel lanes) per cube: a cube is `TILE x TILE` units.
 const TILE: usize = 16;
@@ -52,18 +52,11 @@ fn code_totals<F: Float, I: Int>(
     let (groups, n) = (codes.shape(0), codes.shape(1));
     let (rows, s) = (counts.shape(0), counts.shape(1));
     let width = values.shape(2);
-    if CUBE_POS >= rows * parts(s, TILE) * parts(width, comptime!(per_unit * TILE)) {
-        terminate!();
-    }
-    let (o, code, c0) = place(s, width, per_unit);
+    let (o, code, c0) = place(rows, s, width, per_unit);
     let mut token_codes = SharedMemory::<I>::new(TOKENS);
     let mut token_weights = SharedMemory::<F>::new(TOKENS);
     let mut count = F::new(0.0);
-    let mut acc = Array::<F>::new(per_unit);
-    #[unroll]
-    for j in 0..per_unit {
-        acc[j] = F::new(0.0);
-    }
+    let mut acc = zeros::<F>(per_unit);
     let mut g = o;
     while g < groups {
         add_tokens::<F, I>(
@@ -99,12 +92,21 @@ fn code_totals<F: Float, I: Int>(
     }
 }
 
-/// Unit `(y, z)`'s output row, code and first channel, for rows of `s`
-/// codes and values `width` wide: a cube per `(row, code tile, slice)`.
+/// Unit `(y, z)`'s output row, code and first channel, for `rows` rows of
+/// `s` codes and values `width` wide: a cube per `(row, code tile,
+/// slice)`. The excess cubes of [`cubes`]' last line stop here.
 #[cube]
-fn place(s: usize, width: usize, #[comptime] per_unit: usize) -> (usize, usize, usize) {
+fn place(
+    rows: usize,
+    s: usize,
+    width: usize,
+    #[comptime] per_unit: usize,
+) -> (usize, usize, usize) {
     let tiles = parts(s, TILE);
     let slices = parts(width, comptime!(per_unit * TILE));
+    if CUBE_POS >= rows * tiles * slices {
+        terminate!();
+    }
     let o = CUBE_POS / (tiles * slices);
     let code = (CUBE_POS / slices % tiles) * TILE + UNIT_POS_Y as usize;
     let c0 = (CUBE_POS % slices) * comptime!(per_unit * TILE) + UNIT_POS_X as usize;
@@ -227,16 +229,13 @@ fn block_caches<F: Float, I: Int>(
     let width = values.shape(2);
     let blocks = counts.shape(1);
     let l = codes.shape(1) / blocks;
-    if CUBE_POS >= groups * parts(s, TILE) * parts(width, comptime!(per_unit * TILE)) {
-        terminate!();
-    }
-    let (g, code, c0) = place(s, width, per_unit);
+    let (g, code, c0) = place(groups, s, width, per_unit);
     let mut token_codes = SharedMemory::<I>::new(TOKENS);
     let mut token_weights = SharedMemory::<F>::new(TOKENS);
     // The carried cache of this unit's code and channels.
     let mut n_c = F::new(0.0);
     let mut mean = Array::<F>::new(per_unit);
-    let mut acc = Array::<F>::new(per_unit);
+    let mut acc = zeros::<F>(per_unit);
     #[unroll]
     for j in 0..per_unit {
         let c = c0 + j * TILE;
@@ -247,7 +246,6 @@ fn block_caches<F: Float, I: Int>(
                 + c * carried_means.stride(2)];
         }
         mean[j] = m;
-        acc[j] = F::new(0.0);
     }
     if code < s {
         n_c = carried_counts[g * carried_counts.stride(0) + code * carried_counts.stride(1)];
