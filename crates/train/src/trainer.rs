@@ -698,6 +698,13 @@ pub(crate) mod tests {
 
     /// The losses of three steps on 4 rows of 8 tokens, the first starting
     /// new sequences.
+    /// One step's gradient norm.
+    fn step_norm<Bk: TrainBackend>(t: &mut Trainer<Bk>) -> f64 {
+        t.step(&batch(4, 8, false), TrainCursor::default())
+            .unwrap()
+            .grad_norm
+    }
+
     fn three_steps<Bk: TrainBackend>(t: &mut Trainer<Bk>) -> Vec<f64> {
         (0..3)
             .map(|i| {
@@ -1276,10 +1283,15 @@ pub(crate) mod tests {
     /// codebook statistics and carried state, then three steps, come out
     /// as the composed trainer's on the same device to rounding (within
     /// `tol` of the largest value), under both position terms the kernels
-    /// cover. A checkpoint of either resumes in the other exactly.
-    fn fused_trainer_takes_the_composed_steps<Bk: TrainBackend>(device: DispatchDevice, tol: f32) {
+    /// cover; each step's gradient norm too, by one kernel per step where
+    /// `norm_kernel`. A checkpoint of either resumes in the other exactly.
+    fn fused_trainer_takes_the_composed_steps<Bk: TrainBackend>(
+        device: DispatchDevice,
+        tol: f32,
+        norm_kernel: bool,
+    ) {
         use tvq_model::RelativeBias;
-        use tvq_model::kernel::{fused_attention_calls, fused_quantize_calls};
+        use tvq_model::kernel::{fused_attention_calls, fused_norm_calls, fused_quantize_calls};
         let dir = tempfile::tempdir().unwrap();
         let settings = TrainSection {
             lr: 1e-2,
@@ -1304,6 +1316,7 @@ pub(crate) mod tests {
                 every_parameter(composed.model())
             );
             let calls = (fused_attention_calls(), fused_quantize_calls());
+            let norms = fused_norm_calls();
             // One segment's passes from the same weights: losses, every
             // gradient, the codebook statistics and the carried state.
             let first = batch(4, 8, true);
@@ -1320,7 +1333,18 @@ pub(crate) mod tests {
             close(&got.3, &want.3, "carried state");
             // Then three steps.
             let (want, got) = (three_steps(&mut composed), three_steps(&mut fused));
-            let sublayer_passes = 4 * 2 * model.n_layer as u64;
+            // A fourth step's gradient norm (`three_steps` gives losses).
+            let (want_norm, got_norm) = (step_norm(&mut composed), step_norm(&mut fused));
+            assert!(
+                (got_norm - want_norm).abs() <= f64::from(tol) * want_norm,
+                "{bias:?} gradient norm {got_norm}, composed {want_norm}"
+            );
+            assert_eq!(
+                fused_norm_calls() - norms,
+                if norm_kernel { 4 } else { 0 },
+                "{bias:?}: the gradient norm's kernel per step"
+            );
+            let sublayer_passes = 5 * 2 * model.n_layer as u64;
             assert_eq!(
                 (
                     fused_attention_calls() - calls.0,
@@ -1390,7 +1414,12 @@ pub(crate) mod tests {
             TrainOn::choose(&TrainSection::default(), std::slice::from_ref(&cpu)),
             TrainOn::CpuFused
         );
-        fused_trainer_takes_the_composed_steps::<crate::placement::CpuFused>(cpu.clone(), 1e-5);
+        // The CPU composes the gradient norm.
+        fused_trainer_takes_the_composed_steps::<crate::placement::CpuFused>(
+            cpu.clone(),
+            1e-5,
+            false,
+        );
         // Activation checkpointing is the composed trainer's: refused here.
         let selective = TrainSection {
             activation_checkpointing: ActivationCheckpointing::Selective,
@@ -1425,8 +1454,12 @@ pub(crate) mod tests {
             std::slice::from_ref(&gpu),
         );
         match on {
-            TrainOn::WgpuFused => fused_trainer_takes_the_composed_steps::<WgpuFused>(gpu, 1e-5),
-            TrainOn::CudaFused => fused_trainer_takes_the_composed_steps::<CudaFused>(gpu, 1e-5),
+            TrainOn::WgpuFused => {
+                fused_trainer_takes_the_composed_steps::<WgpuFused>(gpu, 1e-5, true)
+            }
+            TrainOn::CudaFused => {
+                fused_trainer_takes_the_composed_steps::<CudaFused>(gpu, 1e-5, true)
+            }
             other => panic!("{gpu:?} trains on {other}"),
         }
     }

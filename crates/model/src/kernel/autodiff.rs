@@ -13,8 +13,8 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::ops::IntTensor;
 
 use super::{
-    AttentionKernelInput, BlockCaches, CodeTotals, FUSED_CALLS, Nearest, QUANTIZE_CALLS,
-    TOTALS_CALLS, VqBackend, VqKernels, count,
+    AttentionKernelInput, BlockCaches, CodeTotals, FUSED_CALLS, NORM_CALLS, Nearest,
+    QUANTIZE_CALLS, TOTALS_CALLS, VqBackend, VqKernels, count,
 };
 
 /// The backward step of the fused attention; its parents are the eight
@@ -93,6 +93,13 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
         Some(BlockCaches::from_array(
             c.into_array().map(Self::from_inner),
         ))
+    }
+
+    fn vq_sum_squares(tensors: Vec<FloatTensor<Self>>) -> Option<FloatTensor<Self>> {
+        // A value, not a step of the graph: a new leaf.
+        let total = B::vq_sum_squares(tensors.into_iter().map(|t| t.primitive).collect())?;
+        count(&NORM_CALLS);
+        Some(Self::from_inner(total))
     }
 
     fn vq_attention(x: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {

@@ -38,6 +38,8 @@ enum Kernel {
     /// Inputs: the forward pass's eleven, its output, its log-sum-exp and
     /// the output's gradient. Outputs: [`AttentionKernelGrads`]'s eight.
     Backward { mask_first: bool },
+    /// Inputs: the tensors. Output: the sum of their squares, `[1]`.
+    SumSquares,
 }
 
 impl Kernel {
@@ -53,6 +55,7 @@ impl Kernel {
             Self::Forward { mask_first: false } => "tvq_attention_forward",
             Self::Backward { mask_first: true } => "tvq_attention_backward_first",
             Self::Backward { mask_first: false } => "tvq_attention_backward",
+            Self::SumSquares => "tvq_sum_squares",
         }
     }
 }
@@ -137,6 +140,15 @@ impl<B: FusionBackend + VqKernels> Operation<B::FusionRuntime> for Custom<B> {
                     handles.register_float_tensor::<B>(&ir.id, grad);
                 }
             }
+            Kernel::SumSquares => {
+                let tensors = inputs
+                    .iter()
+                    .map(|ir| handles.get_float_tensor::<B>(ir))
+                    .collect();
+                let total =
+                    B::vq_sum_squares(tensors).expect("queued only where the backend sums squares");
+                handles.register_float_tensor::<B>(&outputs[0].id, total);
+            }
         }
     }
 }
@@ -189,6 +201,18 @@ fn like(t: &impl TensorMetadata) -> (Shape, DType) {
 }
 
 impl<B: FusionBackend + VqKernels> VqKernels for Fusion<B> {
+    const SUMS_SQUARES: bool = B::SUMS_SQUARES;
+
+    fn vq_sum_squares(tensors: Vec<FloatTensor<Self>>) -> Option<FloatTensor<Self>> {
+        let float = tensors[0].dtype();
+        // The kernel declines tensors of several types (as `B`'s does).
+        if !B::SUMS_SQUARES || tensors.iter().any(|t| t.dtype() != float) {
+            return None;
+        }
+        let [total] = queue::<B, 1>(Kernel::SumSquares, tensors, [(Shape::new([1]), float)]);
+        Some(total)
+    }
+
     fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Nearest<Self> {
         let [g, t, _] = keys.shape().dims();
         let float = keys.dtype();

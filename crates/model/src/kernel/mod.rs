@@ -10,10 +10,10 @@
 //!
 //! | backend | fused |
 //! |---|---|
-//! | `CubeBackend<R, ..>` (cubecl: CUDA, wgpu), with or without `Autodiff` | [`attention`], [`quantizer`], code totals (`totals.rs`) |
+//! | `CubeBackend<R, ..>` (cubecl: CUDA, wgpu), with or without `Autodiff` | [`attention`], [`quantizer`], code totals (`totals.rs`), the sum of squares of many tensors (`norm.rs`: the global gradient norm) |
 //! | `Fusion<B>` (burn's fusion over such a backend: burn's `Wgpu` and `Cuda` in the default build), with or without `Autodiff` | `B`'s, each a custom operation of the fusion stream (`fusion.rs`) |
 //! | `burn::Dispatch` (what `tvq` infers on, and trains on where the kernels do not cover a run) | the CPU's, forward only, on a CPU device without autodiff (inference); otherwise none: its tensors hide the backend they live on, so training with the kernels runs on `Autodiff<Flex>`, `Autodiff<burn::backend::Wgpu>` or `Autodiff<burn::backend::Cuda>`, and `tvq bench kernels` on those |
-//! | `Flex` (the CPU), with or without `Autodiff` | attention, quantizer and code totals in Rust over its buffers (`cpu.rs`) |
+//! | `Flex` (the CPU), with or without `Autodiff` | attention, quantizer and code totals in Rust over its buffers (`cpu.rs`); the sum of squares composes |
 //!
 //! Shapes: `G = B H R` block rows, `L` block length, `K` key width, `V`
 //! value width, `S` codes, `T = R L`.
@@ -24,6 +24,7 @@ mod cpu;
 #[cfg(feature = "fusion")]
 mod fusion;
 mod launch;
+mod norm;
 pub mod quantizer;
 mod totals;
 
@@ -251,6 +252,19 @@ pub trait VqKernels: Backend {
     /// `[H, S, K]`, row `g` of head `g % H`.
     fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Nearest<Self>;
 
+    /// Whether [`Self::vq_sum_squares`] has a kernel (answers `Some`).
+    const SUMS_SQUARES: bool = false;
+
+    /// The sum of the squares of every element of `tensors` (at least one,
+    /// of any shapes, on one device) as a tensor `[1]`: a global gradient
+    /// norm's square in a few launches. `None` (the default) where the
+    /// backend has no kernel for it, or the tensors are not all of one
+    /// float type.
+    fn vq_sum_squares(tensors: Vec<FloatTensor<Self>>) -> Option<FloatTensor<Self>> {
+        let _ = tensors;
+        None
+    }
+
     /// The fused attention's output `[G, L, V]` and each query's
     /// log-sum-exp of its scores `[G, L]` (what the backward pass needs to
     /// recompute the probabilities instead of storing them).
@@ -304,6 +318,10 @@ pub trait VqBackend: Backend {
         n_code: usize,
         rows: usize,
     ) -> Option<CodeTotals<Self>>;
+
+    /// [`VqKernels::vq_sum_squares`] (for tensors that carry no gradient),
+    /// or `None` where the backend has no kernel for it.
+    fn vq_sum_squares(tensors: Vec<FloatTensor<Self>>) -> Option<FloatTensor<Self>>;
 }
 
 impl<B: VqKernels> VqBackend for B {
@@ -340,6 +358,12 @@ impl<B: VqKernels> VqBackend for B {
         count(&TOTALS_CALLS);
         Some(B::vq_block_caches(codes, values, counts, means, blocks))
     }
+
+    fn vq_sum_squares(tensors: Vec<FloatTensor<Self>>) -> Option<FloatTensor<Self>> {
+        let total = B::vq_sum_squares(tensors)?;
+        count(&NORM_CALLS);
+        Some(total)
+    }
 }
 
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
@@ -364,6 +388,12 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
         blocks: usize,
     ) -> BlockCaches<Self> {
         BlockCaches::from_array(totals::caches(codes, values, counts, means, blocks))
+    }
+
+    const SUMS_SQUARES: bool = true;
+
+    fn vq_sum_squares(tensors: Vec<FloatTensor<Self>>) -> Option<FloatTensor<Self>> {
+        norm::partials(tensors).map(Self::float_sum)
     }
 
     fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Nearest<Self> {
@@ -455,6 +485,11 @@ impl VqBackend for Dispatch {
     ) -> Option<BlockCaches<Self>> {
         None
     }
+
+    /// Composed, as [`Self::vq_code_totals`].
+    fn vq_sum_squares(_: Vec<FloatTensor<Self>>) -> Option<FloatTensor<Self>> {
+        None
+    }
 }
 
 /// The device of `t` if it is the CPU without autodiff.
@@ -478,6 +513,7 @@ thread_local! {
     static FUSED_CALLS: Cell<u64> = const { Cell::new(0) };
     static QUANTIZE_CALLS: Cell<u64> = const { Cell::new(0) };
     static TOTALS_CALLS: Cell<u64> = const { Cell::new(0) };
+    static NORM_CALLS: Cell<u64> = const { Cell::new(0) };
 }
 
 /// Counts one call in `counter`.
@@ -499,4 +535,9 @@ pub fn fused_quantize_calls() -> u64 {
 /// How many fused code-totals and block-cache calls this thread has made.
 pub fn fused_totals_calls() -> u64 {
     TOTALS_CALLS.with(Cell::get)
+}
+
+/// How many sums of squares by kernel this thread has made.
+pub fn fused_norm_calls() -> u64 {
+    NORM_CALLS.with(Cell::get)
 }

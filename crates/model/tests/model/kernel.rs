@@ -19,7 +19,8 @@ use burn::tensor::TensorPrimitive;
 use burn::tensor::backend::AutodiffBackend;
 use tvq_model::attention::{AttentionInput, AttentionState, Position, block_attention};
 use tvq_model::kernel::{
-    Kernels, VqBackend, fused_attention_calls, fused_quantize_calls, fused_totals_calls,
+    Kernels, VqBackend, fused_attention_calls, fused_norm_calls, fused_quantize_calls,
+    fused_totals_calls,
 };
 use tvq_model::quantizer::{Quantized, VectorQuantizer};
 use tvq_model::{CacheGrad, Compute};
@@ -713,6 +714,72 @@ fn fused_code_totals_match_a_host_oracle_under_burns_fusion() {
 #[test]
 fn cpu_code_totals_match_a_host_oracle() {
     code_totals_agree::<Cpu>(&FlexDevice);
+}
+
+/// The sum of the squares of many tensors by kernel (`VqBackend::vq_sum_squares`,
+/// the global gradient norm's) against an f64 host sum: 70 tensors, more
+/// than one launch takes, so that several launches share the partials;
+/// from one element to one past a chunk of 4,096, a transposed view (read
+/// flat) and a slice (read through a copy). `kernel`: whether the backend
+/// has the kernel (`None` and no call counted otherwise).
+fn sum_squares_agree<A: Under>(device: &A::Device, kernel: bool) {
+    let shapes = [[1, 1], [1, 4096], [1, 4097], [3, 35], [64, 130], [7, 1]];
+    let mut tensors: Vec<Tensor<A, 2>> = (0..68)
+        .map(|i| {
+            let shape = shapes[i % shapes.len()];
+            Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
+        })
+        .collect();
+    let big = Tensor::<A, 2>::random([40, 50], Distribution::Normal(0.0, 1.0), device);
+    tensors.push(big.clone().transpose());
+    tensors.push(big.slice([3..20, 5..42]));
+    let want: f64 = tensors
+        .iter()
+        .flat_map(|t| host(t.clone()))
+        .map(|x| f64::from(x) * f64::from(x))
+        .sum();
+    let calls = fused_norm_calls();
+    let got = A::vq_sum_squares(
+        tensors
+            .into_iter()
+            .map(|t| t.into_primitive().tensor())
+            .collect(),
+    );
+    let Some(got) = got else {
+        assert!(!kernel, "the backend has the kernel");
+        assert_eq!(fused_norm_calls(), calls, "no kernel, no call counted");
+        return;
+    };
+    assert!(kernel, "a sum of squares where there is no kernel");
+    assert_eq!(fused_norm_calls(), calls + 1, "one call counted");
+    let got = host(Tensor::<A, 1>::from_primitive(TensorPrimitive::Float(got)));
+    assert_eq!(got.len(), 1, "one value");
+    assert!(
+        (f64::from(got[0]) - want).abs() <= 1e-5 * want,
+        "sum of squares {}, expected {want}",
+        got[0]
+    );
+}
+
+#[test]
+fn fused_sum_of_squares_matches_a_host_oracle() {
+    let Some(device) = wgpu("fused_sum_of_squares_matches_a_host_oracle") else {
+        return;
+    };
+    sum_squares_agree::<Ad>(&device, true);
+}
+
+#[test]
+fn fused_sum_of_squares_matches_a_host_oracle_under_burns_fusion() {
+    let Some(device) = wgpu("fused_sum_of_squares_matches_a_host_oracle_under_burns_fusion") else {
+        return;
+    };
+    sum_squares_agree::<Fused>(&device, true);
+}
+
+#[test]
+fn the_cpu_composes_the_sum_of_squares() {
+    sum_squares_agree::<Cpu>(&FlexDevice, false);
 }
 
 /// `burn::Dispatch` (what `tvq` runs on) reaches the CPU's kernels in

@@ -44,7 +44,7 @@ pub type Model = TransformerVq<B>;
 /// The run's devices are named as [`DispatchDevice`]s whatever the backend
 /// (memory, precision and naming ask about those); this trait maps them
 /// to the backend's own.
-pub trait TrainBackend: AutodiffBackend + VqBackend {
+pub trait TrainBackend: AutodiffBackend<InnerBackend: VqBackend> + VqBackend {
     /// Whether it takes burn's activation checkpointing, a strategy per
     /// device (`train.activation_checkpointing` other than `none`).
     const CHECKPOINTS: bool;

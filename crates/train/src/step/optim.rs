@@ -14,14 +14,16 @@ use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamW, AdamWConfig, AdjustLrFn, GradientsParams, Muon, MuonConfig, Optimizer};
 use burn::prelude::*;
+use burn::tensor::TensorPrimitive;
 use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ops::FloatTensor;
 use serde::{Deserialize, Serialize};
 use tvq_model::position::PositionTerm;
 
 use crate::config::{DecayShape, OptimizerName, OptimizerSection, Schedule, TrainSection};
 use crate::placement::TrainBackend;
 use burn::Dispatch;
-use tvq_model::TransformerVq;
+use tvq_model::{TransformerVq, VqBackend};
 
 /// One AdamW optimizer over the model.
 pub type Adam<B = Dispatch> = OptimizerAdaptor<AdamW, TransformerVq<B>, B>;
@@ -349,24 +351,9 @@ pub fn clip_global_norm<B: TrainBackend>(
     max_norm: f64,
     loss_scale: f64,
 ) -> f64 {
-    struct SumSquares<'a, B: AutodiffBackend> {
-        grads: &'a GradientsParams,
-        total: Option<Tensor<B::InnerBackend, 1>>,
-    }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for SumSquares<'_, B> {
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-            if let Some(g) = self.grads.get::<B::InnerBackend, D>(p.id) {
-                let s = g.square().sum();
-                self.total = Some(match self.total.take() {
-                    Some(t) => t + s,
-                    None => s,
-                });
-            }
-        }
-    }
-    let mut sum = SumSquares::<B> { grads, total: None };
-    model.visit(&mut sum);
-    let Some(total) = sum.total else { return 0.0 };
+    let Some(total) = sum_squares(model, grads) else {
+        return 0.0;
+    };
     let norm = total.into_scalar().elem::<f64>().sqrt() / loss_scale;
     if !norm.is_finite() {
         return norm;
@@ -393,6 +380,55 @@ pub fn clip_global_norm<B: TrainBackend>(
         model.visit(&mut Scale { grads, factor });
     }
     norm
+}
+
+/// The sum of the squares of `model`'s gradients in `grads` (`None` where
+/// it has none): one kernel over them all where the backend has it
+/// (`VqBackend::vq_sum_squares`), else a reduction per gradient.
+fn sum_squares<B: TrainBackend>(
+    model: &TransformerVq<B>,
+    grads: &GradientsParams,
+) -> Option<Tensor<B::InnerBackend, 1>> {
+    struct Gather<'a, B: AutodiffBackend> {
+        grads: &'a GradientsParams,
+        all: Vec<FloatTensor<B::InnerBackend>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Gather<'_, B> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            if let Some(g) = self.grads.get::<B::InnerBackend, D>(p.id) {
+                self.all.push(g.into_primitive().tensor());
+            }
+        }
+    }
+    let mut gather = Gather::<B> {
+        grads,
+        all: Vec::new(),
+    };
+    model.visit(&mut gather);
+    if gather.all.is_empty() {
+        return None;
+    }
+    if let Some(total) = <B::InnerBackend as VqBackend>::vq_sum_squares(gather.all) {
+        return Some(Tensor::from_primitive(TensorPrimitive::Float(total)));
+    }
+    struct Composed<'a, B: AutodiffBackend> {
+        grads: &'a GradientsParams,
+        total: Option<Tensor<B::InnerBackend, 1>>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Composed<'_, B> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            if let Some(g) = self.grads.get::<B::InnerBackend, D>(p.id) {
+                let s = g.square().sum();
+                self.total = Some(match self.total.take() {
+                    Some(t) => t + s,
+                    None => s,
+                });
+            }
+        }
+    }
+    let mut sum = Composed::<B> { grads, total: None };
+    model.visit(&mut sum);
+    sum.total
 }
 
 #[cfg(test)]
