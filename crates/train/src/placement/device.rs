@@ -306,6 +306,39 @@ fn configure_gpu_runtime() -> bool {
     true
 }
 
+/// How many independent blocks of queued ops burn's fusion searches at
+/// once. burn's default (5) lets an op that no fuser starts with (a slice
+/// of a weight), queued beside an open block, open a second block that
+/// then takes every later op unfused, one kernel each: with one block the
+/// stream is fused in order, and a training step launches fewer kernels
+/// (docs/benchmarks.md, "launches per training step").
+const FUSION_BLOCKS: usize = 1;
+
+/// Sets burn's fusion search to [`FUSION_BLOCKS`] blocks, unless burn's
+/// settings (a `burn.toml` in the current directory or above) chose a
+/// number other than burn's default. Runs before the first fused op (burn
+/// reads its settings once); whether this call set them.
+fn configure_fusion() -> bool {
+    use burn_std::config::{BurnConfig, RuntimeConfig};
+    let mut settings = BurnConfig::storage().lock();
+    if settings.is_some() {
+        return false; // already read: too late to change
+    }
+    let config = with_tvq_fusion(BurnConfig::from_current_dir().override_from_env());
+    *settings = Some(std::sync::Arc::new(config));
+    true
+}
+
+/// `config` with [`FUSION_BLOCKS`] where it has burn's default.
+fn with_tvq_fusion(mut config: burn_std::config::BurnConfig) -> burn_std::config::BurnConfig {
+    use burn_std::config::fusion::BeamSearchConfig;
+    let search = &mut config.fusion.beam_search;
+    if search.max_blocks == BeamSearchConfig::default().max_blocks {
+        search.max_blocks = FUSION_BLOCKS;
+    }
+    config
+}
+
 /// Where [`profile_kernels`] has cubecl log each kernel launch.
 static KERNEL_LOG: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
 
@@ -388,6 +421,7 @@ impl DeviceSpec {
 
     fn probe(self) -> Result<(DispatchDevice, String), DeviceError> {
         configure_gpu_runtime();
+        configure_fusion();
         let unavailable = |reason: String| DeviceError::Unavailable {
             spec: self.to_string(),
             reason,
@@ -461,6 +495,21 @@ mod tests {
 
         let homeless = with_tvq_caches(CubeClRuntimeConfig::default(), None);
         assert!(homeless.compilation.cache.is_none());
+    }
+
+    #[test]
+    fn fusion_searches_one_block_unless_chosen() {
+        use burn_std::config::BurnConfig;
+        let ours = with_tvq_fusion(BurnConfig::default());
+        assert_eq!(ours.fusion.beam_search.max_blocks, FUSION_BLOCKS);
+        assert_ne!(
+            FUSION_BLOCKS,
+            BurnConfig::default().fusion.beam_search.max_blocks
+        );
+        let mut chosen = BurnConfig::default();
+        chosen.fusion.beam_search.max_blocks = 3;
+        let kept = with_tvq_fusion(chosen);
+        assert_eq!(kept.fusion.beam_search.max_blocks, 3);
     }
 
     #[test]
