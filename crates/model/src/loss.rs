@@ -28,15 +28,17 @@ fn sum_and_mean<B: Backend>(
     x: Tensor<B, 2>,
     marked: Option<Tensor<B, 2>>,
 ) -> (Tensor<B, 1>, Tensor<B, 1>) {
+    // Flat sums: a sum over every axis may run as one reduction per axis.
+    let n = x.dims().iter().product::<usize>();
+    let total = |x: Tensor<B, 2>| x.reshape([n]).sum();
     match marked {
         None => {
-            let n = x.dims().iter().product::<usize>() as f64;
-            let sum = x.sum();
-            (sum.clone(), sum / n)
+            let sum = total(x);
+            (sum.clone(), sum / n as f64)
         }
         Some(w) => {
-            let count = w.clone().sum().clamp_min(1.0); // [1]
-            let sum = (x * w).sum();
+            let count = total(w.clone()).clamp_min(1.0); // [1]
+            let sum = total(x * w);
             (sum.clone(), sum / count)
         }
     }

@@ -279,7 +279,11 @@ impl<B: Backend> VectorQuantizer<B> {
 
         let k_hat = k.clone() + (c_z.clone() - k.clone()).detach();
         let err = (k - c_z).square().sum_dim(3); // [B, H, T, 1]
-        let commitment = err.clone().sum_dim(1).reshape([b, t]); // [B, T]
+        // One head: its error is the sum (no reduction over an axis of one).
+        let commitment = match h {
+            1 => err.clone().reshape([b, t]),
+            _ => err.clone().sum_dim(1).reshape([b, t]),
+        }; // [B, T]
         // The kernel's squared errors where it ran (no gradient needed).
         let sq_err = sq_err.map_or_else(|| err.detach(), |e| e.reshape([b, h, t, 1]));
 
@@ -298,12 +302,14 @@ impl<B: Backend> VectorQuantizer<B> {
             kernels,
         ); // [H, S], [H, S, K]: summed over the batch
         let sq_norm = kd.square().sum_dim(3); // [B, H, T, 1]
+        // Flat sums: a sum over every axis may run as one reduction per axis.
+        let total = |x: Tensor<B, 4>| x.reshape([b * h * t]).sum();
         let (sq_error, sq_norm) = match weight {
             Some(w) => {
                 let w = w.reshape([b, 1, t, 1]);
-                ((sq_err * w.clone()).sum(), (sq_norm * w).sum())
+                (total(sq_err * w.clone()), total(sq_norm * w))
             }
-            None => (sq_err.sum(), sq_norm.sum()),
+            None => (total(sq_err), total(sq_norm)),
         };
 
         Quantized {

@@ -276,6 +276,24 @@ fn carried_state<A: Under>(case: &Case, device: &A::Device) -> AttentionState<A>
         .1
 }
 
+/// The smallest distance between two codewords of one head, `words`
+/// `[H, S, K]` flat.
+fn closest_codewords(words: &[f32], h: usize, s: usize, k: usize) -> f64 {
+    let word = |head: usize, code: usize| &words[(head * s + code) * k..][..k];
+    let mut closest = f64::INFINITY;
+    for head in 0..h {
+        for a in 0..s {
+            for b in 0..a {
+                let d: f64 = (word(head, a).iter().zip(word(head, b)))
+                    .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+                    .sum();
+                closest = closest.min(d.sqrt());
+            }
+        }
+    }
+    closest
+}
+
 /// The largest difference between `a` and the reference `b`, relative to
 /// `b`'s largest magnitude where that exceeds 1 (sums over 150 channels
 /// round differently in a tile's order than in the composed ops').
@@ -519,7 +537,13 @@ fn quantizer_agrees<A: Under>(device: &A::Device) {
         (1, 2, 40, 1, 3),
     ] {
         let case = format!("B {b}, H {h}, T {t}, K {k}, S {s}");
-        let words = normal([1, h, s, k], 1.0).reshape([h, s, k]);
+        // Codewords at least 0.05 apart within a head, so that a planted
+        // key (noise 1e-3) has one nearest codeword, in f32 too (a draw of
+        // three scalars can put two within the noise).
+        let words = (0..100)
+            .map(|_| normal([1, h, s, k], 1.0).reshape([h, s, k]))
+            .find(|w| closest_codewords(&host(w.clone().inner()), h, s, k) >= 0.05)
+            .expect("100 draws of codewords too close together");
         let quantizer = quantizer_of(words.clone());
         let probe = normal([b, h, t, k], 1.0);
 
