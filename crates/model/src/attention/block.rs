@@ -1,5 +1,7 @@
 //! The block-parallel form: every block of a segment at once.
 
+use std::cell::OnceCell;
+
 use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
 
@@ -70,6 +72,22 @@ fn previous_blocks<B: Backend>(
     }
 }
 
+/// The previous block of every block ([`previous_blocks`]), laid out only
+/// where composed ops ask for it: the fused kernels read it in place.
+struct Previous<'a, B: Backend> {
+    carried: &'a CachedBlock<B>,
+    blocks: &'a Blocks<B>,
+    cache_grad: CacheGrad,
+    laid_out: OnceCell<Blocks<B>>,
+}
+
+impl<B: Backend> Previous<'_, B> {
+    fn blocks(&self) -> &Blocks<B> {
+        self.laid_out
+            .get_or_init(|| previous_blocks(self.carried.clone(), self.blocks, self.cache_grad))
+    }
+}
+
 /// Step 4: the compressed cache each block's queries see. Block `r`'s cache
 /// holds the carried cache plus the previous blocks of blocks `0..r-1`,
 /// i.e. everything up to block `r - 2`: an exclusive cumulative sum of
@@ -80,26 +98,29 @@ fn previous_blocks<B: Backend>(
 /// state after the segment, detached).
 fn block_caches<B: VqBackend>(
     carried: CompressedCache<B>,
-    prev: &Blocks<B>,
+    prev: &Previous<'_, B>,
     s: usize,
     cx: Compute,
 ) -> (Tensor<B, 4>, Tensor<B, 5>, CompressedCache<B>) {
-    let [b, h, r, l, dv] = prev.v.dims();
-    // Counts and means in f32 whatever the compute type: they sum many keys.
-    let values = match cx.cache_grad {
-        CacheGrad::Full => to_f32(prev.v.clone()),
-        CacheGrad::None | CacheGrad::Window => to_f32(prev.v.clone().detach()),
-    };
+    let [b, h, r, l, dv] = prev.blocks.v.dims();
     // The fused kernel passes no gradient on: values that carry one compose.
     let fused = (cx.kernels == Kernels::Fused && cx.cache_grad != CacheGrad::Full)
         .then(|| {
+            // Counts and means in f32 whatever the compute type.
+            let values = |v: Tensor<B, 3>| to_f32(v.detach()).into_primitive().tensor();
             B::vq_block_caches(
-                prev.codes.clone().reshape([b * h, r * l]).into_primitive(),
-                values
+                prev.carried
+                    .codes
                     .clone()
-                    .reshape([b * h, r * l, dv])
-                    .into_primitive()
-                    .tensor(),
+                    .reshape([b * h, l])
+                    .into_primitive(),
+                values(prev.carried.v.clone().reshape([b * h, l, dv])),
+                prev.blocks
+                    .codes
+                    .clone()
+                    .reshape([b * h, r * l])
+                    .into_primitive(),
+                values(prev.blocks.v.clone().reshape([b * h, r * l, dv])),
                 carried
                     .counts
                     .clone()
@@ -112,7 +133,6 @@ fn block_caches<B: VqBackend>(
                     .reshape([b * h, s, dv])
                     .into_primitive()
                     .tensor(),
-                r,
             )
         })
         .flatten();
@@ -128,6 +148,12 @@ fn block_caches<B: VqBackend>(
             after,
         );
     }
+    let prev = prev.blocks();
+    // Counts and means in f32 whatever the compute type: they sum many keys.
+    let values = match cx.cache_grad {
+        CacheGrad::Full => to_f32(prev.v.clone()),
+        CacheGrad::None | CacheGrad::Window => to_f32(prev.v.clone().detach()),
+    };
     let (counts, sums) = code_totals(
         prev.codes.clone().reshape([b * h * r, l]),
         None,
@@ -208,7 +234,8 @@ struct FusedInputs<'a, B: Backend> {
     /// `[B, H, R, L, K]`.
     q: Tensor<B, 5>,
     blocks: &'a Blocks<B>,
-    prev: &'a Blocks<B>,
+    /// Block 0's previous block.
+    carried: &'a CachedBlock<B>,
     /// `[B or 1, H, T or 1, L + 1]`.
     bias: Tensor<B, 4>,
     /// `[H, S, K]`.
@@ -251,8 +278,20 @@ fn fused_attention<B: VqBackend>(x: FusedInputs<'_, B>) -> Option<Tensor<B, 5>> 
         q: rows(x.q, dk),
         k: rows(x.blocks.k_window.clone(), dk),
         v: rows(x.blocks.v.clone(), dv),
-        k_prev: rows(x.prev.k_window.clone(), dk),
-        v_prev: rows(x.prev.v.clone(), dv),
+        k_carried: x
+            .carried
+            .k_window
+            .clone()
+            .reshape([b * h, l, dk])
+            .into_primitive()
+            .tensor(),
+        v_carried: x
+            .carried
+            .v
+            .clone()
+            .reshape([b * h, l, dv])
+            .into_primitive()
+            .tensor(),
         bias: x
             .bias
             .expand([b, h, r * l, l + 1])
@@ -264,6 +303,7 @@ fn fused_attention<B: VqBackend>(x: FusedInputs<'_, B>) -> Option<Tensor<B, 5>> 
         count_weight: count_weight.into_primitive().tensor(),
         means: x.cache_means.reshape([g, s, dv]).into_primitive().tensor(),
         mask_first: !x.has_prev,
+        prev_grad: x.cx.cache_grad != CacheGrad::None,
     })?;
     let out = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out));
     Some(out.reshape([b, h, r, l, dv]))
@@ -370,8 +410,13 @@ fn block_attention_impl<B: VqBackend>(
         v: v.reshape([b, h, r, l, dv]),
         codes: codes.reshape([b, h, r, l]),
     };
-    // 2: previous blocks.
-    let prev = previous_blocks(carried.prev, &blocks, cx.cache_grad);
+    // 2: previous blocks (laid out where composed ops read them).
+    let prev = Previous {
+        carried: &carried.prev,
+        blocks: &blocks,
+        cache_grad: cx.cache_grad,
+        laid_out: OnceCell::new(),
+    };
     // 4: compressed cache by cumulative sum, [B, H, R, S] and [B, H, R, S, V].
     let (cache_counts, cache_means, cache_after) = block_caches(carried.cache, &prev, s, cx);
     let count_weight = count_weight.map(|w| w.reshape([b, h, r, l, 1]));
@@ -385,7 +430,7 @@ fn block_attention_impl<B: VqBackend>(
         Position::Table(bias) if fusable => fused_attention(FusedInputs {
             q: q.clone(),
             blocks: &blocks,
-            prev: &prev,
+            carried: &carried.prev,
             bias: bias.clone(),
             codebook: codebook.clone(),
             cache_counts: cache_counts.clone(),
@@ -399,6 +444,7 @@ fn block_attention_impl<B: VqBackend>(
     let (out, groups) = match fused {
         Some(out) => (out, None),
         None => {
+            let prev = prev.blocks();
             // 3: window scores, present block (causal) and previous block, [B, H, R, L, L].
             let (present_scores, mut prev_scores, q) = window_scores_and_cache_query(
                 q,
@@ -426,7 +472,7 @@ fn block_attention_impl<B: VqBackend>(
             let out = attend(
                 [
                     (present_scores, blocks.v.clone()),
-                    (prev_scores, prev.v),
+                    (prev_scores, prev.v.clone()),
                     (cache_scores, cache_means),
                 ],
                 cx,

@@ -19,7 +19,14 @@
 //!   its count weight's gradient, and `ds` of the window keys, from which
 //!   one batched matrix product gives `dk` and `dk_prev` (`ds^T q`);
 //! - `backward_values`: a cube per key tile and slice of value channels:
-//!   `dv`, `dv_prev` and the cache means' gradient, `p^T dO`.
+//!   `dv`, `dv_prev` and the cache means' gradient, `p^T dO`;
+//! - `fold_previous`: each block's previous-key and previous-value
+//!   gradients added to those of the block they were read from, the
+//!   block before (block 0's previous block is carried: no gradient).
+//!
+//! Block `r`'s previous block is read in place, block `r - 1` of the
+//! segment's keys and values (or the carried block for block 0), so that
+//! no copy of them is laid out beside each block.
 //!
 //! A slice holds up to `MAX_SLICE` value channels (each unit keeps
 //! `MAX_SLICE / TILE` accumulators), so the scores are computed once per
@@ -77,8 +84,8 @@ struct Operands<F: Float> {
     q: Tensor<F>,
     k: Tensor<F>,
     v: Tensor<F>,
-    k_prev: Tensor<F>,
-    v_prev: Tensor<F>,
+    k_carried: Tensor<F>,
+    v_carried: Tensor<F>,
     bias: Tensor<F>,
     codebook: Tensor<F>,
     log_counts: Tensor<F>,
@@ -95,11 +102,36 @@ fn key_count<F: Float>(x: &Operands<F>) -> usize {
     2 * x.q.shape(1) + x.codebook.shape(1)
 }
 
+/// Blocks per stream, `R`.
+#[cube]
+fn block_count<F: Float>(x: &Operands<F>) -> usize {
+    x.bias.shape(2) / x.q.shape(1)
+}
+
 /// The head of block row `g` (`g = (b H + h) R + r`).
 #[cube]
 fn head<F: Float>(x: &Operands<F>, g: usize) -> usize {
-    let blocks = x.bias.shape(2) / x.q.shape(1);
-    (g / blocks) % x.codebook.shape(0)
+    (g / block_count::<F>(x)) % x.codebook.shape(0)
+}
+
+/// Channel `c` of row `j` of block row `g`'s previous block: row `g - 1`
+/// of `segment` (`[G, L, W]`), or of `carried` (`[G / R, L, W]`) for a
+/// stream's block 0.
+#[cube]
+fn previous<F: Float>(
+    x: &Operands<F>,
+    segment: &Tensor<F>,
+    carried: &Tensor<F>,
+    g: usize,
+    j: usize,
+    c: usize,
+) -> F {
+    let r = block_count::<F>(x);
+    if g % r == 0 {
+        carried[g / r * carried.stride(0) + j * carried.stride(1) + c * carried.stride(2)]
+    } else {
+        segment[(g - 1) * segment.stride(0) + j * segment.stride(1) + c * segment.stride(2)]
+    }
 }
 
 /// Where query `i` of block row `g` starts in `bias` (or its gradient,
@@ -108,7 +140,7 @@ fn head<F: Float>(x: &Operands<F>, g: usize) -> usize {
 fn bias_row<F: Float>(x: &Operands<F>, bias: &Tensor<F>, g: usize, i: usize) -> usize {
     let l = x.q.shape(1);
     let heads = x.codebook.shape(0);
-    let blocks = x.bias.shape(2) / l;
+    let blocks = block_count::<F>(x);
     let r = g % blocks;
     let h = (g / blocks) % heads;
     let b = g / (blocks * heads);
@@ -131,7 +163,7 @@ fn term<F: Float>(x: &Operands<F>, g: usize, i: usize, n: usize) -> F {
             }
         } else if n < 2 * l {
             let j = n - l;
-            let r = g % (x.bias.shape(2) / l);
+            let r = g % block_count::<F>(x);
             if x.mask_first == 0 || r > 0 {
                 out = F::new(0.0);
                 // Distance L + i - j is within the window's bias when j >= i.
@@ -152,27 +184,29 @@ fn term<F: Float>(x: &Operands<F>, g: usize, i: usize, n: usize) -> F {
     out
 }
 
-/// Channel `c` of key `n`'s value: `v`, `v_prev` or the cache's `means`.
+/// Channel `c` of key `n`'s value: the present or previous block's, or
+/// the cache's `means`.
 #[cube]
 fn value<F: Float>(x: &Operands<F>, g: usize, n: usize, c: usize) -> F {
     let l = x.v.shape(1);
     if n < l {
         x.v[g * x.v.stride(0) + n * x.v.stride(1) + c * x.v.stride(2)]
     } else if n < 2 * l {
-        x.v_prev[g * x.v_prev.stride(0) + (n - l) * x.v_prev.stride(1) + c * x.v_prev.stride(2)]
+        previous::<F>(x, &x.v, &x.v_carried, g, n - l, c)
     } else {
         x.means[g * x.means.stride(0) + (n - 2 * l) * x.means.stride(1) + c * x.means.stride(2)]
     }
 }
 
-/// Channel `c` of key `n`: `k`, `k_prev` or the codeword.
+/// Channel `c` of key `n`: the present or previous block's, or the
+/// codeword.
 #[cube]
 fn key<F: Float>(x: &Operands<F>, g: usize, h: usize, n: usize, c: usize) -> F {
     let l = x.k.shape(1);
     if n < l {
         x.k[g * x.k.stride(0) + n * x.k.stride(1) + c * x.k.stride(2)]
     } else if n < 2 * l {
-        x.k_prev[g * x.k_prev.stride(0) + (n - l) * x.k_prev.stride(1) + c * x.k_prev.stride(2)]
+        previous::<F>(x, &x.k, &x.k_carried, g, n - l, c)
     } else {
         x.codebook[h * x.codebook.stride(0)
             + (n - 2 * l) * x.codebook.stride(1)
@@ -702,6 +736,45 @@ fn backward_values<F: Float>(
     }
 }
 
+/// Units per cube of [`fold_previous`].
+const FOLD_UNITS: usize = 256;
+
+/// `dk` `[G, L, K]` and `dv` `[G, L, V]` of each block row `g` with the
+/// next row's previous-block gradients added where that row is of the
+/// same stream: `dk_g = window_g[..L] + window_{g+1}[L..]` from `window`
+/// `[G, 2L, K]` (`ds^T q`), `dv_g += dv_prev_{g+1}`. A unit per element.
+#[cube(launch)]
+fn fold_previous<F: Float>(
+    window: &Tensor<F>,
+    dv_prev: &Tensor<F>,
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    blocks: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let (l, width_k, width_v) = (dk.shape(1), dk.shape(2), dv.shape(2));
+    let per_row = l * (width_k + width_v);
+    let e = CUBE_POS * FOLD_UNITS + UNIT_POS as usize;
+    if e >= dk.shape(0) * per_row {
+        terminate!();
+    }
+    let (g, at) = (e / per_row, e % per_row);
+    let next = (g + 1) % blocks != 0;
+    if at < l * width_k {
+        let (j, c) = (at / width_k, at % width_k);
+        let mut sum = window[g * window.stride(0) + j * window.stride(1) + c * window.stride(2)];
+        if next {
+            sum += window
+                [(g + 1) * window.stride(0) + (l + j) * window.stride(1) + c * window.stride(2)];
+        }
+        dk[g * dk.stride(0) + j * dk.stride(1) + c * dk.stride(2)] = sum;
+    } else if next {
+        let (j, c) = ((at - l * width_k) / width_v, (at - l * width_k) % width_v);
+        dv[g * dv.stride(0) + j * dv.stride(1) + c * dv.stride(2)] +=
+            dv_prev[(g + 1) * dv_prev.stride(0) + j * dv_prev.stride(1) + c * dv_prev.stride(2)];
+    }
+}
+
 /// A cube of `TILE x TILE` units.
 fn tile_dim() -> CubeDim {
     CubeDim::new_2d(TILE as u32, TILE as u32)
@@ -727,8 +800,8 @@ fn operands<F: Float, R: CubeRuntime>(
         x.q.clone().into_tensor_arg(),
         x.k.clone().into_tensor_arg(),
         x.v.clone().into_tensor_arg(),
-        x.k_prev.clone().into_tensor_arg(),
-        x.v_prev.clone().into_tensor_arg(),
+        x.k_carried.clone().into_tensor_arg(),
+        x.v_carried.clone().into_tensor_arg(),
         x.bias.clone().into_tensor_arg(),
         x.codebook.clone().into_tensor_arg(),
         x.log_counts.clone().into_tensor_arg(),
@@ -825,18 +898,28 @@ pub(super) fn backward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTen
     );
     // dk and dk_prev: ds^T q, [G, 2L, L] x [G, L, K] = [G, 2L, K].
     let window = B::float_matmul(B::float_swap_dims(ds, 1, 2), x.q);
-    let half = |keys: std::ops::Range<usize>| {
-        B::float_slice(
-            window.clone(),
-            &[(0..g).into(), keys.into(), (0..dk).into()],
-        )
+    let dk_all = if x.prev_grad {
+        let out = empty_like(&window, vec![g, l, dk], dtype);
+        let blocks = x.bias.shape().dims::<4>()[2] / l;
+        fold_previous::launch::<R>(
+            &client,
+            cubes((g * l * (dk + dv)).div_ceil(FOLD_UNITS)),
+            CubeDim::new_1d(FOLD_UNITS as u32),
+            window.into_tensor_arg(),
+            dv_prev.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            dv_present.clone().into_tensor_arg(),
+            blocks,
+            dtype.into(),
+        );
+        out
+    } else {
+        B::float_slice(window, &[(0..g).into(), (0..l).into(), (0..dk).into()])
     };
     AttentionKernelGrads::<B> {
         q: dq,
-        k: half(0..l),
+        k: dk_all,
         v: dv_present,
-        k_prev: half(l..2 * l),
-        v_prev: dv_prev,
         bias: dbias,
         means: dmeans,
         count_weight: dweight,

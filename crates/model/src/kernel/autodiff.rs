@@ -17,16 +17,16 @@ use super::{
     QUANTIZE_CALLS, TOTALS_CALLS, VqBackend, VqKernels, count,
 };
 
-/// The backward step of the fused attention; its parents are the eight
+/// The backward step of the fused attention; its parents are the six
 /// differentiable inputs in [`AttentionKernelGrads`](super::AttentionKernelGrads)'s order.
 #[derive(Debug)]
 struct AttentionBackward;
 
-impl<B: VqKernels> Backward<B, 8> for AttentionBackward {
+impl<B: VqKernels> Backward<B, 6> for AttentionBackward {
     /// The inputs, the output and the log-sum-exp.
     type State = (AttentionKernelInput<B>, FloatTensor<B>, FloatTensor<B>);
 
-    fn backward(self, ops: Ops<Self::State, 8>, grads: &mut Gradients, _: &mut Checkpointer) {
+    fn backward(self, ops: Ops<Self::State, 6>, grads: &mut Gradients, _: &mut Checkpointer) {
         let grad = grads.consume::<B>(&ops.node);
         let (input, out, lse) = ops.state;
         let computed = B::vq_attention_backward(input, out, lse, grad).into_array();
@@ -75,20 +75,22 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
     }
 
     fn vq_block_caches(
+        carried_codes: IntTensor<Self>,
+        carried_values: FloatTensor<Self>,
         codes: IntTensor<Self>,
         values: FloatTensor<Self>,
         counts: FloatTensor<Self>,
         means: FloatTensor<Self>,
-        blocks: usize,
     ) -> Option<BlockCaches<Self>> {
         count(&TOTALS_CALLS);
         // Nothing carries gradient (the caller's promise): new leaves.
         let c = B::vq_block_caches(
+            carried_codes,
+            carried_values.primitive,
             codes,
             values.primitive,
             counts.primitive,
             means.primitive,
-            blocks,
         );
         Some(BlockCaches::from_array(
             c.into_array().map(Self::from_inner),
@@ -108,19 +110,18 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
             x.q.node.clone(),
             x.k.node.clone(),
             x.v.node.clone(),
-            x.k_prev.node.clone(),
-            x.v_prev.node.clone(),
             x.bias.node.clone(),
             x.means.node.clone(),
             x.count_weight.node.clone(),
         ];
-        // Codebook, counts and shift carry no gradient: their primitives only.
+        // The carried block, codebook, counts and shift carry no gradient:
+        // their primitives only.
         let inner = AttentionKernelInput::<B> {
             q: x.q.primitive,
             k: x.k.primitive,
             v: x.v.primitive,
-            k_prev: x.k_prev.primitive,
-            v_prev: x.v_prev.primitive,
+            k_carried: x.k_carried.primitive,
+            v_carried: x.v_carried.primitive,
             bias: x.bias.primitive,
             codebook: x.codebook.primitive,
             log_counts: x.log_counts.primitive,
@@ -128,6 +129,7 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
             count_weight: x.count_weight.primitive,
             means: x.means.primitive,
             mask_first: x.mask_first,
+            prev_grad: x.prev_grad,
         };
         Some(
             match AttentionBackward

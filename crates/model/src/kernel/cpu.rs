@@ -153,8 +153,8 @@ struct Rows<'a> {
     q: &'a [f32],
     k: &'a [f32],
     v: &'a [f32],
-    k_prev: &'a [f32],
-    v_prev: &'a [f32],
+    k_carried: &'a [f32],
+    v_carried: &'a [f32],
     bias: &'a [f32],
     codebook: &'a [f32],
     log_counts: &'a [f32],
@@ -162,6 +162,7 @@ struct Rows<'a> {
     count_weight: &'a [f32],
     means: &'a [f32],
     mask_first: bool,
+    prev_grad: bool,
 }
 
 /// Row `g`'s slice of a `[G, n, width]` tensor.
@@ -170,6 +171,22 @@ fn row(x: &[f32], g: usize, n: usize, width: usize) -> &[f32] {
 }
 
 impl Rows<'_> {
+    /// Row `g`'s previous block in `x` (the segment's keys or values,
+    /// `[G, L, width]`) or `carried` (`[G / R, L, width]`).
+    fn previous<'a>(
+        &self,
+        d: Dims,
+        g: usize,
+        x: &'a [f32],
+        carried: &'a [f32],
+        width: usize,
+    ) -> &'a [f32] {
+        match g % d.r {
+            0 => row(carried, g / d.r, d.l, width),
+            _ => row(x, g - 1, d.l, width),
+        }
+    }
+
     /// Row `g`'s three groups of keys (present `[L, K]`, previous
     /// `[L, K]`, its head's codewords `[S, K]`), each with the column of
     /// the row's scores where the group starts.
@@ -178,7 +195,10 @@ impl Rows<'_> {
         let head = (g / d.r) % d.h;
         [
             (0, Mat::dense(row(self.k, g, l, k), l, k)),
-            (l, Mat::dense(row(self.k_prev, g, l, k), l, k)),
+            (
+                l,
+                Mat::dense(self.previous(d, g, self.k, self.k_carried, k), l, k),
+            ),
             (2 * l, Mat::dense(row(self.codebook, head, s, k), s, k)),
         ]
     }
@@ -189,7 +209,10 @@ impl Rows<'_> {
         let (l, v, s) = (d.l, d.v, d.s);
         [
             (0, Mat::dense(row(self.v, g, l, v), l, v)),
-            (l, Mat::dense(row(self.v_prev, g, l, v), l, v)),
+            (
+                l,
+                Mat::dense(self.previous(d, g, self.v, self.v_carried, v), l, v),
+            ),
             (2 * l, Mat::dense(row(self.means, g, s, v), s, v)),
         ]
     }
@@ -278,8 +301,9 @@ fn forward(x: &Rows<'_>, d: Dims) -> (Vec<f32>, Vec<f32>) {
     (out, lse)
 }
 
-/// The gradients of the differentiable inputs, as host vectors in
-/// [`AttentionKernelGrads`]'s order.
+/// The gradients of the differentiable inputs, as host vectors, and those
+/// of each row's previous block (`k_prev`, `v_prev`, folded into `k` and
+/// `v` by [`backward`]).
 struct Grads {
     q: Vec<f32>,
     k: Vec<f32>,
@@ -340,6 +364,22 @@ fn backward(x: &Rows<'_>, d: Dims, out: &[f32], lse: &[f32], grad: &[f32]) -> Gr
                 backward_row(x, d, g, io, scratch, grads);
             },
         );
+    // Row g's previous block is row g - 1 of the same stream (its block 0's
+    // is the carried block, which takes no gradient).
+    if x.prev_grad {
+        for (ours, prev, width) in [
+            (&mut grads.k, &grads.k_prev, k),
+            (&mut grads.v, &grads.v_prev, v),
+        ] {
+            for g in (0..gs).filter(|g| (g + 1) % d.r != 0) {
+                let (ours, prev) = (
+                    &mut ours[g * l * width..][..l * width],
+                    row(prev, g + 1, l, width),
+                );
+                ours.iter_mut().zip(prev).for_each(|(a, b)| *a += b);
+            }
+        }
+    }
     grads
 }
 
@@ -456,8 +496,8 @@ fn with_rows<R>(input: &AttentionKernelInput<Flex>, f: impl FnOnce(&Rows<'_>, Di
         &input.q,
         &input.k,
         &input.v,
-        &input.k_prev,
-        &input.v_prev,
+        &input.k_carried,
+        &input.v_carried,
         &input.bias,
         &input.codebook,
         &input.log_counts,
@@ -471,8 +511,8 @@ fn with_rows<R>(input: &AttentionKernelInput<Flex>, f: impl FnOnce(&Rows<'_>, Di
         q: slice(0),
         k: slice(1),
         v: slice(2),
-        k_prev: slice(3),
-        v_prev: slice(4),
+        k_carried: slice(3),
+        v_carried: slice(4),
         bias: slice(5),
         codebook: slice(6),
         log_counts: slice(7),
@@ -480,6 +520,7 @@ fn with_rows<R>(input: &AttentionKernelInput<Flex>, f: impl FnOnce(&Rows<'_>, Di
         count_weight: slice(9),
         means: slice(10),
         mask_first: input.mask_first,
+        prev_grad: input.prev_grad,
     };
     f(
         &rows,
@@ -511,18 +552,22 @@ fn dims3(t: &FlexTensor) -> [usize; 3] {
 
 impl VqKernels for Flex {
     fn vq_block_caches(
+        carried_codes: FlexTensor,
+        carried_values: FlexTensor,
         codes: FlexTensor,
         values: FlexTensor,
         counts: FlexTensor,
         means: FlexTensor,
-        blocks: usize,
     ) -> BlockCaches<Self> {
         let dtype = values.dtype();
         let [g, n, w] = dims3(&values);
-        let (s, l) = (counts.shape()[1], n / blocks);
-        let codes = codes_of(codes);
-        let (values, counts, means) = (f32s(&values), f32s(&counts), f32s(&means));
-        let (values, carried, carried_means) = (
+        let (s, l) = (counts.shape()[1], carried_codes.shape()[1]);
+        let blocks = n / l;
+        let (carried_codes, codes) = (codes_of(carried_codes), codes_of(codes));
+        let (carried_values, values) = (f32s(&carried_values), f32s(&values));
+        let (counts, means) = (f32s(&counts), f32s(&means));
+        let (carried_values, values, carried, carried_means) = (
+            carried_values.storage::<f32>(),
             values.storage::<f32>(),
             counts.storage::<f32>(),
             means.storage::<f32>(),
@@ -563,8 +608,15 @@ impl VqKernels for Flex {
                     &mut out_counts[at * s..][..s],
                     &mut out_means[at * s * w..][..s * w],
                 );
-                let first = gi * n + r * l;
-                for (t, &z) in (first..).zip(&codes[first..first + l]) {
+                // Block r's previous block: the carried one, or block r - 1.
+                let (codes, values) = match r {
+                    0 => (&carried_codes[gi * l..][..l], row(carried_values, gi, l, w)),
+                    _ => (
+                        &codes[gi * n + (r - 1) * l..][..l],
+                        &values[(gi * n + (r - 1) * l) * w..][..l * w],
+                    ),
+                };
+                for (t, &z) in codes.iter().enumerate() {
                     let z = z as usize;
                     if z < s {
                         total[z] += 1.0;
@@ -694,8 +746,6 @@ impl VqKernels for Flex {
             q: tensor(grads.q, vec![gs, l, k], dtype),
             k: tensor(grads.k, vec![gs, l, k], dtype),
             v: tensor(grads.v, vec![gs, l, v], dtype),
-            k_prev: tensor(grads.k_prev, vec![gs, l, k], dtype),
-            v_prev: tensor(grads.v_prev, vec![gs, l, v], dtype),
             bias: tensor(grads.bias, bias_shape, dtype),
             means: tensor(grads.means, vec![gs, s, v], dtype),
             count_weight: tensor(grads.count_weight, vec![gs, l], dtype),

@@ -29,21 +29,22 @@ enum Kernel {
     /// Inputs: codes, the weights when `weighted`, values. Outputs: counts,
     /// sums (whose shapes give the code count and the output rows).
     Totals { weighted: bool },
-    /// Inputs: codes, values, carried counts and means. Outputs:
-    /// [`BlockCaches`]' four (whose shapes give the block count).
+    /// Inputs: the carried block's codes and values, the segment's codes
+    /// and values, the carried counts and means. Outputs: [`BlockCaches`]'
+    /// four.
     Caches,
     /// Inputs: [`AttentionKernelInput`]'s eleven tensors. Outputs: the
     /// attention's output and log-sum-exp.
     Forward { mask_first: bool },
     /// Inputs: the forward pass's eleven, its output, its log-sum-exp and
-    /// the output's gradient. Outputs: [`AttentionKernelGrads`]'s eight.
-    Backward { mask_first: bool },
+    /// the output's gradient. Outputs: [`AttentionKernelGrads`]'s six.
+    Backward { mask_first: bool, prev_grad: bool },
     /// Inputs: the tensors. Output: the sum of their squares, `[1]`.
     SumSquares,
 }
 
 impl Kernel {
-    /// The operation's name in the stream; `mask_first` is part of it, so
+    /// The operation's name in the stream; the flags are part of it, so
     /// that two operations that differ only there never look alike.
     fn name(self) -> &'static str {
         match self {
@@ -53,8 +54,15 @@ impl Kernel {
             Self::Caches => "tvq_block_caches",
             Self::Forward { mask_first: true } => "tvq_attention_forward_first",
             Self::Forward { mask_first: false } => "tvq_attention_forward",
-            Self::Backward { mask_first: true } => "tvq_attention_backward_first",
-            Self::Backward { mask_first: false } => "tvq_attention_backward",
+            Self::Backward {
+                mask_first,
+                prev_grad,
+            } => match (mask_first, prev_grad) {
+                (true, true) => "tvq_attention_backward_first",
+                (false, true) => "tvq_attention_backward",
+                (true, false) => "tvq_attention_backward_first_detached",
+                (false, false) => "tvq_attention_backward_detached",
+            },
             Self::SumSquares => "tvq_sum_squares",
         }
     }
@@ -76,14 +84,15 @@ fn input_from<B: FusionBackend>(
     handles: &mut Handles<B>,
     ir: &[TensorIr],
     mask_first: bool,
+    prev_grad: bool,
 ) -> AttentionKernelInput<B> {
     let mut get = |i: usize| handles.get_float_tensor::<B>(&ir[i]);
     AttentionKernelInput {
         q: get(0),
         k: get(1),
         v: get(2),
-        k_prev: get(3),
-        v_prev: get(4),
+        k_carried: get(3),
+        v_carried: get(4),
         bias: get(5),
         codebook: get(6),
         log_counts: get(7),
@@ -91,6 +100,7 @@ fn input_from<B: FusionBackend>(
         count_weight: get(9),
         means: get(10),
         mask_first,
+        prev_grad,
     }
 }
 
@@ -116,23 +126,28 @@ impl<B: FusionBackend + VqKernels> Operation<B::FusionRuntime> for Custom<B> {
                 handles.register_float_tensor::<B>(&outputs[1].id, t.sums);
             }
             Kernel::Caches => {
-                let codes = handles.get_int_tensor::<B>(&inputs[0]);
+                let carried_codes = handles.get_int_tensor::<B>(&inputs[0]);
+                let codes = handles.get_int_tensor::<B>(&inputs[2]);
                 let mut get = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
-                let (values, counts, means) = (get(1), get(2), get(3));
-                let blocks = outputs[0].shape.dims::<3>()[1];
-                let c = B::vq_block_caches(codes, values, counts, means, blocks);
+                let (carried_values, values, counts, means) = (get(1), get(3), get(4), get(5));
+                let c =
+                    B::vq_block_caches(carried_codes, carried_values, codes, values, counts, means);
                 for (ir, t) in outputs.iter().zip(c.into_array()) {
                     handles.register_float_tensor::<B>(&ir.id, t);
                 }
             }
             Kernel::Forward { mask_first } => {
-                let input = input_from::<B>(handles, inputs, mask_first);
+                // The forward pass is the same either way.
+                let input = input_from::<B>(handles, inputs, mask_first, true);
                 let (out, lse) = B::vq_attention_forward(&input);
                 handles.register_float_tensor::<B>(&outputs[0].id, out);
                 handles.register_float_tensor::<B>(&outputs[1].id, lse);
             }
-            Kernel::Backward { mask_first } => {
-                let input = input_from::<B>(handles, &inputs[..11], mask_first);
+            Kernel::Backward {
+                mask_first,
+                prev_grad,
+            } => {
+                let input = input_from::<B>(handles, &inputs[..11], mask_first, prev_grad);
                 let mut get = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
                 let (out, lse, grad) = (get(11), get(12), get(13));
                 let computed = B::vq_attention_backward(input, out, lse, grad).into_array();
@@ -184,8 +199,8 @@ fn attention_inputs<B: FusionBackend>(
         x.q,
         x.k,
         x.v,
-        x.k_prev,
-        x.v_prev,
+        x.k_carried,
+        x.v_carried,
         x.bias,
         x.codebook,
         x.log_counts,
@@ -254,14 +269,16 @@ impl<B: FusionBackend + VqKernels> VqKernels for Fusion<B> {
     }
 
     fn vq_block_caches(
+        carried_codes: IntTensor<Self>,
+        carried_values: FloatTensor<Self>,
         codes: IntTensor<Self>,
         values: FloatTensor<Self>,
         counts: FloatTensor<Self>,
         means: FloatTensor<Self>,
-        blocks: usize,
     ) -> BlockCaches<Self> {
         let [g, s] = counts.shape().dims();
-        let width = values.shape().dims::<3>()[2];
+        let [_, n, width] = values.shape().dims();
+        let blocks = n / carried_codes.shape().dims::<2>()[1];
         let float = values.dtype();
         let outputs = [
             (Shape::new([g, blocks, s]), float),
@@ -269,7 +286,7 @@ impl<B: FusionBackend + VqKernels> VqKernels for Fusion<B> {
             (Shape::new([g, s]), float),
             (Shape::new([g, s, width]), float),
         ];
-        let inputs = vec![codes, values, counts, means];
+        let inputs = vec![carried_codes, carried_values, codes, values, counts, means];
         BlockCaches::from_array(queue::<B, 4>(Kernel::Caches, inputs, outputs))
     }
 
@@ -298,17 +315,16 @@ impl<B: FusionBackend + VqKernels> VqKernels for Fusion<B> {
             like(&input.q),
             like(&input.k),
             like(&input.v),
-            like(&input.k_prev),
-            like(&input.v_prev),
             like(&input.bias),
             like(&input.means),
             like(&input.count_weight),
         ];
         let kernel = Kernel::Backward {
             mask_first: input.mask_first,
+            prev_grad: input.prev_grad,
         };
         let mut inputs = attention_inputs(input);
         inputs.extend([out, lse, grad]);
-        AttentionKernelGrads::from_array(queue::<B, 8>(kernel, inputs, outputs))
+        AttentionKernelGrads::from_array(queue::<B, 6>(kernel, inputs, outputs))
     }
 }

@@ -63,12 +63,17 @@ pub enum Kernels {
 /// as backend primitives. The score of query `i` of block row `g`:
 ///
 /// - present-block key `j <= i`: `q_i . k_j + bias[i - j]` (`j > i`: masked);
-/// - previous-block key `j`: `q_i . k_prev_j`, plus `bias[L + i - j]` when
-///   `j >= i` (distance `<= L`); masked in block 0 when `mask_first`;
+/// - previous-block key `j`: `q_i . k'_j`, plus `bias[L + i - j]` when
+///   `j >= i` (distance `<= L`), where `k'` is block `r - 1` of the
+///   segment's keys, or `k_carried` in block 0 (`r = g mod R`); masked in
+///   block 0 when `mask_first`;
 /// - code `s` of the compressed cache: `q_i . C_s + w_i log_counts_s +
 ///   shift_g`, masked where `log_counts_s = -inf` (an empty code).
 ///
-/// One softmax over the `2L + S` scores weighs `v`, `v_prev` and `means`.
+/// One softmax over the `2L + S` scores weighs the present values, the
+/// previous block's (`v'`, as `k'`) and `means`. The previous block is read
+/// in place, not laid out beside each block: no copy of the keys and
+/// values, and their gradients come back summed into `k`'s and `v`'s.
 #[derive(Clone, Debug)]
 pub struct AttentionKernelInput<B: Backend> {
     /// Content queries, `[G, L, K]` (`q + u` under the XL bias).
@@ -77,10 +82,11 @@ pub struct AttentionKernelInput<B: Backend> {
     pub k: FloatTensor<B>,
     /// Present-block values, `[G, L, V]`.
     pub v: FloatTensor<B>,
-    /// Previous-block keys, `[G, L, K]`.
-    pub k_prev: FloatTensor<B>,
-    /// Previous-block values, `[G, L, V]`.
-    pub v_prev: FloatTensor<B>,
+    /// The carried previous block's keys, block 0's previous keys,
+    /// `[B H, L, K]` (read only without `mask_first`); no gradient.
+    pub k_carried: FloatTensor<B>,
+    /// Its values, `[B H, L, V]`; no gradient.
+    pub v_carried: FloatTensor<B>,
     /// Bias by distance `0..=L` for each query, `[B, H, T, L + 1]`
     /// (broadcast views welcome: a Toeplitz table expanded).
     pub bias: FloatTensor<B>,
@@ -98,6 +104,10 @@ pub struct AttentionKernelInput<B: Backend> {
     pub means: FloatTensor<B>,
     /// Whether block 0 of every row has no previous block (a fresh stream).
     pub mask_first: bool,
+    /// Whether the previous-block scores pass gradient on to the keys and
+    /// values of the segment's blocks (`false`: only the present block's
+    /// do, as where the previous block is detached).
+    pub prev_grad: bool,
 }
 
 /// The gradients of [`AttentionKernelInput`]'s differentiable inputs,
@@ -106,14 +116,10 @@ pub struct AttentionKernelInput<B: Backend> {
 pub struct AttentionKernelGrads<B: Backend> {
     /// `[G, L, K]`.
     pub q: FloatTensor<B>,
-    /// `[G, L, K]`.
+    /// `[G, L, K]`: as present and (under `prev_grad`) as previous keys.
     pub k: FloatTensor<B>,
-    /// `[G, L, V]`.
+    /// `[G, L, V]`: as `k`.
     pub v: FloatTensor<B>,
-    /// `[G, L, K]`.
-    pub k_prev: FloatTensor<B>,
-    /// `[G, L, V]`.
-    pub v_prev: FloatTensor<B>,
     /// `[B, H, T, L + 1]`, dense.
     pub bias: FloatTensor<B>,
     /// `[G, S, V]`.
@@ -123,16 +129,14 @@ pub struct AttentionKernelGrads<B: Backend> {
 }
 
 impl<B: Backend> AttentionKernelGrads<B> {
-    /// The gradients in one fixed order (`q`, `k`, `v`, `k_prev`, `v_prev`,
-    /// `bias`, `means`, `count_weight`): that of the autodiff step's parents
-    /// and of the fusion operation's outputs.
-    pub(crate) fn into_array(self) -> [FloatTensor<B>; 8] {
+    /// The gradients in one fixed order (`q`, `k`, `v`, `bias`, `means`,
+    /// `count_weight`): that of the autodiff step's parents and of the
+    /// fusion operation's outputs.
+    pub(crate) fn into_array(self) -> [FloatTensor<B>; 6] {
         [
             self.q,
             self.k,
             self.v,
-            self.k_prev,
-            self.v_prev,
             self.bias,
             self.means,
             self.count_weight,
@@ -142,15 +146,11 @@ impl<B: Backend> AttentionKernelGrads<B> {
     /// The gradients from [`Self::into_array`]'s order (the fusion
     /// operation's outputs).
     #[cfg(feature = "fusion")]
-    pub(crate) fn from_array(
-        [q, k, v, k_prev, v_prev, bias, means, count_weight]: [FloatTensor<B>; 8],
-    ) -> Self {
+    pub(crate) fn from_array([q, k, v, bias, means, count_weight]: [FloatTensor<B>; 6]) -> Self {
         Self {
             q,
             k,
             v,
-            k_prev,
-            v_prev,
             bias,
             means,
             count_weight,
@@ -218,20 +218,23 @@ impl<B: Backend> BlockCaches<B> {
 
 /// The fused kernels a backend provides.
 pub trait VqKernels: Backend {
-    /// The compressed cache each of a segment's `R = blocks` blocks sees:
-    /// the carried cache (`counts` `[G, S]` keys per code of mean values
+    /// The compressed cache each of a segment's `R` blocks sees: the
+    /// carried cache (`counts` `[G, S]` keys per code of mean values
     /// `means` `[G, S, V]`) with the previous blocks of blocks `0..r`
-    /// merged in, whose codes `[G, R L]` and values `[G, R L, V]` come
-    /// block by block (block `r`'s previous block at `r L..(r + 1) L`;
-    /// code `S` an empty slot); and the cache after the segment, every
-    /// previous block merged in. A merge keeps the running mean:
-    /// `(mean n_c + sum) / max(n_c + n, 1)`.
+    /// merged in; and the cache after the segment, every previous block
+    /// merged in. Block 0's previous block is the carried one (codes
+    /// `carried_codes` `[G, L]`, values `carried_values` `[G, L, V]`),
+    /// block `r`'s the segment's block `r - 1` (`codes` `[G, R L]`,
+    /// `values` `[G, R L, V]`), read in place; code `S` is an empty slot.
+    /// A merge keeps the running mean: `(mean n_c + sum) / max(n_c + n,
+    /// 1)`.
     fn vq_block_caches(
+        carried_codes: IntTensor<Self>,
+        carried_values: FloatTensor<Self>,
         codes: IntTensor<Self>,
         values: FloatTensor<Self>,
         counts: FloatTensor<Self>,
         means: FloatTensor<Self>,
-        blocks: usize,
     ) -> BlockCaches<Self>;
 
     /// How much weight each code carries and the weighted sum of the
@@ -302,11 +305,12 @@ pub trait VqBackend: Backend {
     /// [`VqKernels::vq_block_caches`] (for values and a carried cache that
     /// carry no gradient), or `None` where the backend has no kernel for it.
     fn vq_block_caches(
+        carried_codes: IntTensor<Self>,
+        carried_values: FloatTensor<Self>,
         codes: IntTensor<Self>,
         values: FloatTensor<Self>,
         counts: FloatTensor<Self>,
         means: FloatTensor<Self>,
-        blocks: usize,
     ) -> Option<BlockCaches<Self>>;
 
     /// [`VqKernels::vq_code_totals`] (for values that carry no gradient),
@@ -349,14 +353,22 @@ impl<B: VqKernels> VqBackend for B {
     }
 
     fn vq_block_caches(
+        carried_codes: IntTensor<Self>,
+        carried_values: FloatTensor<Self>,
         codes: IntTensor<Self>,
         values: FloatTensor<Self>,
         counts: FloatTensor<Self>,
         means: FloatTensor<Self>,
-        blocks: usize,
     ) -> Option<BlockCaches<Self>> {
         count(&TOTALS_CALLS);
-        Some(B::vq_block_caches(codes, values, counts, means, blocks))
+        Some(B::vq_block_caches(
+            carried_codes,
+            carried_values,
+            codes,
+            values,
+            counts,
+            means,
+        ))
     }
 
     fn vq_sum_squares(tensors: Vec<FloatTensor<Self>>) -> Option<FloatTensor<Self>> {
@@ -381,13 +393,19 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
     }
 
     fn vq_block_caches(
+        carried_codes: IntTensor<Self>,
+        carried_values: FloatTensor<Self>,
         codes: IntTensor<Self>,
         values: FloatTensor<Self>,
         counts: FloatTensor<Self>,
         means: FloatTensor<Self>,
-        blocks: usize,
     ) -> BlockCaches<Self> {
-        BlockCaches::from_array(totals::caches(codes, values, counts, means, blocks))
+        BlockCaches::from_array(totals::caches(
+            [carried_codes, codes],
+            [carried_values, values],
+            counts,
+            means,
+        ))
     }
 
     const SUMS_SQUARES: bool = true;
@@ -439,8 +457,8 @@ impl VqBackend for Dispatch {
             q: to_flex(x.q),
             k: to_flex(x.k),
             v: to_flex(x.v),
-            k_prev: to_flex(x.k_prev),
-            v_prev: to_flex(x.v_prev),
+            k_carried: to_flex(x.k_carried),
+            v_carried: to_flex(x.v_carried),
             bias: to_flex(x.bias),
             codebook: to_flex(x.codebook),
             log_counts: to_flex(x.log_counts),
@@ -448,6 +466,7 @@ impl VqBackend for Dispatch {
             count_weight: to_flex(x.count_weight),
             means: to_flex(x.means),
             mask_first: x.mask_first,
+            prev_grad: x.prev_grad,
         };
         let (out, _) = Flex::vq_attention_forward(&flex);
         Some(Self::float_from_data(out.into_data(), &device))
@@ -479,9 +498,10 @@ impl VqBackend for Dispatch {
     fn vq_block_caches(
         _: IntTensor<Self>,
         _: FloatTensor<Self>,
+        _: IntTensor<Self>,
         _: FloatTensor<Self>,
         _: FloatTensor<Self>,
-        _: usize,
+        _: FloatTensor<Self>,
     ) -> Option<BlockCaches<Self>> {
         None
     }

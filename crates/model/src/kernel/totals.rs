@@ -214,6 +214,8 @@ fn write_cache<F: Float>(
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn block_caches<F: Float, I: Int>(
+    carried_codes: &Tensor<I>,
+    carried_values: &Tensor<F>,
     codes: &Tensor<I>,
     values: &Tensor<F>,
     carried_counts: &Tensor<F>,
@@ -228,7 +230,7 @@ fn block_caches<F: Float, I: Int>(
     let (groups, s) = (carried_counts.shape(0), carried_counts.shape(1));
     let width = values.shape(2);
     let blocks = counts.shape(1);
-    let l = codes.shape(1) / blocks;
+    let l = carried_codes.shape(1);
     let (g, code, c0) = place(groups, s, width, per_unit);
     let mut token_codes = SharedMemory::<I>::new(TOKENS);
     let mut token_weights = SharedMemory::<F>::new(TOKENS);
@@ -268,24 +270,45 @@ fn block_caches<F: Float, I: Int>(
                 per_unit,
             );
         }
-        // Block r's previous block joins the caches of the blocks after it.
-        add_tokens::<F, I>(
-            codes,
-            values,
-            values,
-            g,
-            r * l,
-            l,
-            code,
-            code < s,
-            c0,
-            &mut total,
-            &mut acc,
-            &mut token_codes,
-            &mut token_weights,
-            false,
-            per_unit,
-        );
+        // Block r's previous block (the carried one, or the segment's
+        // block r - 1) joins the caches of the blocks after it.
+        if r == 0 {
+            add_tokens::<F, I>(
+                carried_codes,
+                carried_values,
+                carried_values,
+                g,
+                0,
+                l,
+                code,
+                code < s,
+                c0,
+                &mut total,
+                &mut acc,
+                &mut token_codes,
+                &mut token_weights,
+                false,
+                per_unit,
+            );
+        } else {
+            add_tokens::<F, I>(
+                codes,
+                values,
+                values,
+                g,
+                (r - 1) * l,
+                l,
+                code,
+                code < s,
+                c0,
+                &mut total,
+                &mut acc,
+                &mut token_codes,
+                &mut token_weights,
+                false,
+                per_unit,
+            );
+        }
     }
     if code < s {
         write_cache::<F>(
@@ -345,15 +368,16 @@ pub(super) fn totals<R: CubeRuntime>(
     (counts, sums)
 }
 
-/// [`super::VqKernels::vq_block_caches`] on a cubecl backend.
+/// [`super::VqKernels::vq_block_caches`] on a cubecl backend: `codes`
+/// and `values` are the carried block's and the segment's.
 pub(super) fn caches<R: CubeRuntime>(
-    codes: CubeTensor<R>,
-    values: CubeTensor<R>,
+    [carried_codes, codes]: [CubeTensor<R>; 2],
+    [carried_values, values]: [CubeTensor<R>; 2],
     carried_counts: CubeTensor<R>,
     carried_means: CubeTensor<R>,
-    blocks: usize,
 ) -> [CubeTensor<R>; 4] {
-    let [g, _, width] = values.shape().dims();
+    let [g, n, width] = values.shape().dims();
+    let blocks = n / carried_codes.shape().dims::<2>()[1];
     let s = carried_counts.shape().dims::<2>()[1];
     let dtype: DType = values.dtype;
     let outputs = [
@@ -370,6 +394,8 @@ pub(super) fn caches<R: CubeRuntime>(
         &values.client.clone(),
         cubes(g * s.div_ceil(TILE) * slices),
         CubeDim::new_2d(TILE as u32, TILE as u32),
+        carried_codes.into_tensor_arg(),
+        carried_values.into_tensor_arg(),
         codes.into_tensor_arg(),
         values.into_tensor_arg(),
         carried_counts.into_tensor_arg(),
