@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
-# Kernel launches per training step on wgpu, by segment length: cubecl's
-# execution log of a 3-step benchmark less a 1-step one (each after one
-# warm-up step), halved, once autotuning is cached (a first untimed run of
-# each length tunes, so that tuning's trial launches are not counted).
-# Each of the two is the fewer lines of two runs: a run that tunes again
-# all the same (seen beside a compilation) only adds lines.
+# Kernel launches per training step on wgpu, by segment length: the
+# launches of `tvq bench step --profile`'s timed steps (after its warm-up
+# step, which tunes), summed over kernels. `--profile` waits for cubecl's
+# log to settle; the length of a plain run's log is not a count, since the
+# process can exit before cubecl's logging thread has written all of it.
 #
 #   scripts/launch-count.sh [LENGTHS] [extra tvq bench step flags...]
-#   scripts/launch-count.sh "2048 8192"
+#   scripts/launch-count.sh "2048 8192" --set 'train.kernels="fused"'
 #
 # TVQ_BIN=PATH uses that binary (default: target/release/tvq, built).
 set -euo pipefail
@@ -20,18 +19,8 @@ if [ -z "$bin" ]; then
   cargo build --release -p tvq-cli --quiet
   bin="$CARGO_TARGET_DIR/release/tvq"
 fi
-work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
-cd "$work"
-steps() { # LENGTH STEPS: the number of launches logged
-  printf '[profiling.logger]\nlevel = "minimal"\nfile = "%s/log"\nappend = false\n' "$work" > cubecl.toml
-  "$bin" bench step --device wgpu --seq-len "$1" --batch 1 --steps "$2" --form vq --json "${@:3}" > /dev/null
-  wc -l < log
-}
-fewer() { echo $(( $1 < $2 ? $1 : $2 )); }
 for t in $lens; do
-  steps "$t" 1 "$@" > /dev/null # autotuning, cached for the runs below
-  one=$(fewer "$(steps "$t" 1 "$@")" "$(steps "$t" 1 "$@")")
-  three=$(fewer "$(steps "$t" 3 "$@")" "$(steps "$t" 3 "$@")")
-  echo "{\"form\": \"launches\", \"seq_len\": $t, \"per_step\": $(( (three - one) / 2 )), \"one_step_log\": $one, \"three_step_log\": $three}"
+  per_step=$("$bin" bench step --device wgpu --seq-len "$t" --batch 1 --steps 2 --form vq --json --profile "$@" |
+    grep -o '"launches_per_step":[0-9.]*' | cut -d: -f2 | awk '{s += $1} END {print s}')
+  echo "{\"form\": \"launches\", \"seq_len\": $t, \"per_step\": $per_step}"
 done
