@@ -127,10 +127,11 @@ fn previous<F: Float>(
     c: usize,
 ) -> F {
     let r = block_count::<F>(x);
-    if g % r == 0 {
-        carried[g / r * carried.stride(0) + j * carried.stride(1) + c * carried.stride(2)]
-    } else {
+    let block = g % r;
+    if block > 0 {
         segment[(g - 1) * segment.stride(0) + j * segment.stride(1) + c * segment.stride(2)]
+    } else {
+        carried[g / r * carried.stride(0) + j * carried.stride(1) + c * carried.stride(2)]
     }
 }
 
