@@ -165,7 +165,7 @@ else
     --set model.dropout_sinusoid=0)
   gen_lens=1024,8192,65536 qs_steps=200
   limit_first=240 limit_check=60 limit_kernels=90 limit_train=90 limit_profile=45 limit_long=60
-  limit_torch=150 limit_torch_long=120 limit_cold=240 limit_products=45 limit_generate=45 limit_qs=60
+  limit_torch=180 limit_torch_long=180 limit_cold=240 limit_products=45 limit_generate=45 limit_qs=60
 fi
 precisions=f32,bf16
 [ "$device" = cpu ] && precisions=f32
@@ -190,13 +190,16 @@ fi
 # 2. tvq's training step (forward, backward, clipping, AdamW, EMA), one row
 # per step: first on the device's fused kernels (f32), then as a run gets it
 # by default (train.kernels "auto": composed on a GPU), f32 and bf16.
-train=("$tvq" bench step --device "$device" --json --batch 1 --form vq --steps 2 "${bench_set[@]}")
-part train-fused "$limit_train" "${train[@]}" --precision f32 --seq-len "$seq_lens" \
+# (--steps is each part's own: clap takes a flag once.)
+train=("$tvq" bench step --device "$device" --json --batch 1 --form vq "${bench_set[@]}")
+part train-fused "$limit_train" "${train[@]}" --steps 2 --precision f32 --seq-len "$seq_lens" \
   --set 'train.kernels="fused"'
-part train "$limit_train" "${train[@]}" --precision "$precisions" --seq-len "$seq_lens"
+part train "$limit_train" "${train[@]}" --steps 2 --precision "$precisions" --seq-len "$seq_lens"
 
 # 3. The same model in PyTorch (eager, compiled) and the quadratic SDPA
-# baseline of the same widths, where PyTorch is installed.
+# baseline of the same widths, where PyTorch is installed, at the first
+# length (torch.compile's first step takes about 55 s per length and
+# precision on an H200).
 torch=0
 [ -n "$python" ] && "$python" -c "import torch" 2>/dev/null && torch=1
 torch_bench=("$python" "$here/scripts/torch_reference.py" bench --device "$device" --json)
@@ -204,7 +207,7 @@ torch_bench=("$python" "$here/scripts/torch_reference.py" bench --device "$devic
 if ! wanted torch; then
   :
 elif [ $torch = 1 ]; then
-  part torch "$limit_torch" "${torch_bench[@]}" --seq-len "$seq_lens" --precision "$precisions"
+  part torch "$limit_torch" "${torch_bench[@]}" --seq-len "$first_len" --precision "$precisions"
 else
   echo "run.sh: part torch skipped: no python3 with torch here" >&2
   echo "{\"form\": \"part\", \"part\": \"torch\", \"status\": \"skipped\"}" >> "$results"
@@ -218,13 +221,14 @@ if [ "$device" = cuda ]; then
 fi
 
 # 5. The longest segments: tvq's step on the fused kernels (which keep no
-# score tensor, so no activation checkpointing), then PyTorch compiled and
-# the SDPA baseline.
-part train-long "$limit_long" "${train[@]}" --precision f32 --seq-len "$long_lens" \
+# score tensor, so no activation checkpointing), then PyTorch compiled at
+# the other lengths (the SDPA baseline's step at 131,072 alone would take
+# minutes).
+part train-long "$limit_long" "${train[@]}" --steps 2 --precision f32 --seq-len "$long_lens" \
   --set 'train.kernels="fused"'
 if [ $torch = 1 ]; then
-  part torch-long "$limit_torch_long" "${torch_bench[@]}" --seq-len "$long_lens" \
-    --precision "$long_precision" --impl compiled,sdpa
+  part torch-long "$limit_torch_long" "${torch_bench[@]}" --seq-len "${seq_lens#*,},$long_lens" \
+    --precision "$long_precision" --impl compiled
 fi
 
 # 6. The default build's cold start: its first steps at the first length as
