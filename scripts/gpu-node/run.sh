@@ -9,8 +9,8 @@
 # --out DIR (default ./results), --layers N (layers of the enwik8-width
 # model, default 4), --parts LIST (comma separated, default all, in the
 # order they run: first-light,kernels,train-fused,train,torch,profile,
-# train-long,torch-long,cold-start,products,products-torch,check,generate,
-# quickstart), --build default|unfused (the build the parts time; default:
+# profile-composed,train-long,torch-long,cold-start,products,products-torch,
+# check,generate,quickstart), --build default|unfused (the build the parts time; default:
 # the unfused one where the bundle has it, as it starts at once, while the
 # cold-start part times the default build's first step apart),
 # --budget SECONDS (the whole run's time, default 450, so that with the binary's unpacking and
@@ -31,7 +31,7 @@
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 device=cuda small=0 out="$here/results" layers=4 pack="" budget="" build=""
-parts=first-light,kernels,train-fused,train,torch,profile,train-long,torch-long,cold-start
+parts=first-light,kernels,train-fused,train,torch,profile,profile-composed,train-long,torch-long,cold-start
 parts+=,products,products-torch,check,generate,quickstart
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -218,6 +218,9 @@ fi
 if [ "$device" = cuda ]; then
   part profile "$limit_profile" "${train[@]}" --precision f32 --steps 1 --seq-len "$first_len" \
     --set 'train.kernels="fused"' --profile
+  # ... and as a run gets it by default (composed, bf16).
+  part profile-composed "$limit_profile" "${train[@]}" --precision bf16 --steps 1 \
+    --seq-len "$first_len" --profile
 fi
 
 # 5. The longest segments: tvq's step on the fused kernels (which keep no

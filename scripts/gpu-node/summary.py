@@ -100,14 +100,17 @@ def table(path):
         elif form == "part" and r.get("status") != "passed":
             out.append(f"| part {r['part']}: {r['status']} {r.get('why', '')} | | | | | | | |")
     # Where a profiled step's device time went (`tvq bench step --profile`),
-    # the ten largest kernels of each length.
+    # the ten largest kernels of each part and length.
     profiled = [r for r in rows if r.get("form") == "profile"]
-    for t in sorted({r["seq_len"] for r in profiled}):
-        at = sorted((r for r in profiled if r["seq_len"] == t), key=lambda r: -r["seconds"])
-        out += ["", f"Profile of a training step at T = {t:,}: {sum(r['launches_per_step'] for r in at):,.0f} launches per step",
+    for part, t in sorted({(r.get("part", ""), r["seq_len"]) for r in profiled}):
+        at = sorted((r for r in profiled if r.get("part", "") == part and r["seq_len"] == t),
+                    key=lambda r: -r["seconds"])
+        out += ["", f"Profile ({part or 'tvq bench step --profile'}) of a training step at T = {t:,}: "
+                    f"{sum(r['launches_per_step'] for r in at):,.0f} launches per step",
                 "", "| kernel | launches per step | time per step ms | share |", "|---|---|---|---|"]
         for r in at[:10]:
-            out.append(f"| {r['kernel']} | {r['launches_per_step']:,.1f} | {1e3 * r['seconds'] / r['steps']:.3f} | {100 * r['share']:.1f}% |")
+            kernel = r["kernel"].replace("|", "\\|")  # cubecl's names hold "|"
+            out.append(f"| {kernel} | {r['launches_per_step']:,.1f} | {1e3 * r['seconds'] / r['steps']:.3f} | {100 * r['share']:.1f}% |")
     # The model's matrix products at its own shapes: tvq's rate beside
     # PyTorch's (cuBLAS on CUDA) at the same shape and precision.
     mine = [r for r in rows if r.get("form") == "products" and "impl" not in r and r.get("flops_per_s")]
