@@ -170,23 +170,16 @@ fn row(x: &[f32], g: usize, n: usize, width: usize) -> &[f32] {
     &x[g * n * width..][..n * width]
 }
 
-impl Rows<'_> {
-    /// Row `g`'s previous block in `x` (the segment's keys or values,
-    /// `[G, L, width]`) or `carried` (`[G / R, L, width]`).
-    fn previous<'a>(
-        &self,
-        d: Dims,
-        g: usize,
-        x: &'a [f32],
-        carried: &'a [f32],
-        width: usize,
-    ) -> &'a [f32] {
-        match g % d.r {
-            0 => row(carried, g / d.r, d.l, width),
-            _ => row(x, g - 1, d.l, width),
-        }
+/// Row `g`'s previous block in `x` (the segment's keys or values,
+/// `[G, L, width]`) or `carried` (`[G / R, L, width]`).
+fn previous<'a>(d: Dims, g: usize, x: &'a [f32], carried: &'a [f32], width: usize) -> &'a [f32] {
+    match g % d.r {
+        0 => row(carried, g / d.r, d.l, width),
+        _ => row(x, g - 1, d.l, width),
     }
+}
 
+impl Rows<'_> {
     /// Row `g`'s three groups of keys (present `[L, K]`, previous
     /// `[L, K]`, its head's codewords `[S, K]`), each with the column of
     /// the row's scores where the group starts.
@@ -197,7 +190,7 @@ impl Rows<'_> {
             (0, Mat::dense(row(self.k, g, l, k), l, k)),
             (
                 l,
-                Mat::dense(self.previous(d, g, self.k, self.k_carried, k), l, k),
+                Mat::dense(previous(d, g, self.k, self.k_carried, k), l, k),
             ),
             (2 * l, Mat::dense(row(self.codebook, head, s, k), s, k)),
         ]
@@ -211,7 +204,7 @@ impl Rows<'_> {
             (0, Mat::dense(row(self.v, g, l, v), l, v)),
             (
                 l,
-                Mat::dense(self.previous(d, g, self.v, self.v_carried, v), l, v),
+                Mat::dense(previous(d, g, self.v, self.v_carried, v), l, v),
             ),
             (2 * l, Mat::dense(row(self.means, g, s, v), s, v)),
         ]
