@@ -9,7 +9,7 @@
 # --out DIR (default ./results), --layers N (layers of the enwik8-width
 # model, default 4), --parts LIST (comma separated, default all, in the
 # order they run: first-light,kernels,train-fused,train,torch,profile,
-# profile-composed,train-long,torch-long,cold-start,products,products-torch,
+# profile-composed,profile-toeplitz,train-long,torch-long,cold-start,products,products-torch,
 # check,generate,quickstart), --build default|unfused (the build the parts time; default:
 # the unfused one where the bundle has it, as it starts at once, while the
 # cold-start part times the default build's first step apart),
@@ -31,7 +31,8 @@
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 device=cuda small=0 out="$here/results" layers=4 pack="" budget="" build=""
-parts=first-light,kernels,train-fused,train,torch,profile,profile-composed,train-long,torch-long,cold-start
+parts=first-light,kernels,train-fused,train,torch,profile,profile-composed,profile-toeplitz
+parts+=,train-long,torch-long,cold-start
 parts+=,products,products-torch,check,generate,quickstart
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -69,10 +70,21 @@ printf '[compilation.logger]\nlevel = "basic"\nfile = "%s"\n' "$out/logs/kernels
 # shipped in the bundle as kernel-cache/) seeds tvq's cache here, files
 # already there kept; what this run tuned comes back in OUT/kernel-cache/,
 # to commit there for the next bundle (docs/benchmarks.md, "Kernel caches").
+# seed DIR: copies the bundle's kernel cache into DIR (files already there
+# kept) and unpacks its compiled kernels (stored as .xz: 126 MB become 4.2).
+seed() {
+  [ -d "$here/kernel-cache" ] || return 0
+  mkdir -p "$1" && cp -rn "$here/kernel-cache/." "$1/" || return 1
+  local packed
+  find "$1" -name '*.xz' | while read -r packed; do
+    [ -e "${packed%.xz}" ] || python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+      "$packed" "${packed%.xz}"
+    rm -f "$packed"
+  done
+}
 cache_home="${XDG_CACHE_HOME:-$HOME/.cache}/tvq"
-if [ -d "$here/kernel-cache" ] && [ "$device" = cuda ]; then
-  mkdir -p "$cache_home" && cp -rn "$here/kernel-cache/." "$cache_home/" \
-    && echo "run.sh: kernel cache seeded from the bundle"
+if [ "$device" = cuda ]; then
+  seed "$cache_home" && [ -d "$here/kernel-cache" ] && echo "run.sh: kernel cache seeded from the bundle"
 fi
 : > "$results"
 started=$(date +%s)
@@ -221,6 +233,9 @@ if [ "$device" = cuda ]; then
   # ... and as a run gets it by default (composed, bf16).
   part profile-composed "$limit_profile" "${train[@]}" --precision bf16 --steps 1 \
     --seq-len "$first_len" --profile
+  # ... and with the position term a config gets by default (Toeplitz).
+  part profile-toeplitz "$limit_profile" "${train[@]}" --precision bf16 --steps 1 \
+    --seq-len "$first_len" --set 'model.bias="toeplitz"' --profile
 fi
 
 # 5. The longest segments: tvq's step on the fused kernels (which keep no
@@ -241,9 +256,10 @@ fi
 # data/kernel-cache/ for the next bundle (docs/benchmarks.md, "Kernel
 # caches").
 if [ "$device" = cuda ] && [ "$build" != default ]; then
-  cold="$(mktemp -d)" && mkdir -p "$cold/tvq"
-  [ -d "$here/kernel-cache" ] && cp -r "$here/kernel-cache/." "$cold/tvq/"
-  part cold-start "$limit_cold" env XDG_CACHE_HOME="$cold" "$default_tvq" bench step \
+  # (A fresh driver cache too: CUDA keeps what it built from PTX under
+  # CUDA_CACHE_PATH, and a fresh node has none.)
+  cold="$(mktemp -d)" && seed "$cold/tvq"
+  part cold-start "$limit_cold" env XDG_CACHE_HOME="$cold" CUDA_CACHE_PATH="$cold/nv" "$default_tvq" bench step \
     --device cuda --json --batch 1 --form vq --steps 2 "${bench_set[@]}" \
     --precision "$long_precision" --seq-len "$first_len"
   cache_home="$cold/tvq"

@@ -27,6 +27,17 @@ use clap::{Parser, Subcommand};
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// `tvq --version`: the crate's version and the hash of the kernel sources
+/// that names the folder of compiled kernels it uses in `~/.cache/tvq/`
+/// (a cache shipped for one set of kernels is of no use to another).
+fn version() -> &'static str {
+    static VERSION: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    VERSION.get_or_init(|| {
+        let folder = tvq_train::placement::device::compiled_kernels_folder();
+        format!("{} ({folder})", env!("CARGO_PKG_VERSION"))
+    })
+}
+
 /// Transformer-VQ: linear-time attention through vector-quantized keys.
 ///
 /// Workflow: `tvq train --config configs/quickstart.toml` trains into
@@ -37,7 +48,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// safetensors (`tvq import` reads an official checkpoint). train, eval,
 /// sample and bench take --device cpu|wgpu|cuda.
 #[derive(Parser, Debug)]
-#[command(name = "tvq", version, about, long_about)]
+#[command(name = "tvq", version = version(), about, long_about)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

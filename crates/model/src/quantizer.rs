@@ -78,12 +78,17 @@ pub(crate) fn bool_to_float<B: Backend, const D: usize>(
 /// more). `codes` `[G, N]` with values in `0..=n_code`, where `n_code` marks
 /// an empty slot that counts nowhere; `weight` `[G, N]` scales each token
 /// (e.g. 0 for padding); `values` `[G, N, W]`. Returns the counts `[G, S]`
-/// and sums `[G, S, W]`; gradient flows into `values`.
+/// and sums `[G, S, W]`; gradient flows into `values`. `by_group`: as
+/// scatters within each group ([`totals_by_group`]), the form for backends
+/// whose `select_assign` loops over every index in one thread per column
+/// ([`VqBackend::vq_totals_by_group`]); the same totals up to the order of
+/// the additions.
 pub(crate) fn code_totals<B: Backend>(
     codes: Tensor<B, 2, Int>,
     weight: Option<Tensor<B, 2>>,
     values: Tensor<B, 3>,
     n_code: usize,
+    by_group: bool,
 ) -> (Tensor<B, 2>, Tensor<B, 3>) {
     let [g, n, w] = values.dims();
     let device = values.device();
@@ -91,6 +96,9 @@ pub(crate) fn code_totals<B: Backend>(
     let mut keep = bool_to_float(codes.clone().lower_elem(s as i64), &device); // [G, N]
     if let Some(weight) = weight {
         keep = keep * weight;
+    }
+    if by_group {
+        return totals_by_group(codes.clamp_max(s as i64 - 1), keep, values, s);
     }
     // Row of each token in the flattened [G S] table; an empty slot goes to
     // code S - 1 of its group with weight 0.
@@ -109,6 +117,54 @@ pub(crate) fn code_totals<B: Backend>(
         .select_assign(0, row, weighted, IndexingUpdateOp::Add)
         .reshape([g, s, w]);
     (counts, sums)
+}
+
+/// [`code_totals`] as scatters along each group's tokens, in chunks of at
+/// most `S` tokens: `codes` `[G, N]` in `0..S`, `keep` `[G, N]` each token's
+/// weight, `values` `[G, N, W]`. On the GPU backends burn's `select_assign`
+/// gives each output column one thread that loops over all `G N` tokens
+/// (the counts: a single thread), a scatter along the tokens one thread
+/// per group, chunk and column; chunks of `S` bound each thread's loop and
+/// keep the chunks' partial totals no larger than the values.
+fn totals_by_group<B: Backend>(
+    codes: Tensor<B, 2, Int>,
+    keep: Tensor<B, 2>,
+    values: Tensor<B, 3>,
+    s: usize,
+) -> (Tensor<B, 2>, Tensor<B, 3>) {
+    let [g, n, w] = values.dims();
+    let device = values.device();
+    let chunk = n.clamp(1, s);
+    let c = n.div_ceil(chunk); // chunks per group
+    let mut weighted = values * keep.clone().unsqueeze_dim::<3>(2); // [G, N, W]
+    let (mut codes, mut keep) = (codes, keep);
+    let pad = c * chunk - n;
+    if pad > 0 {
+        // Padding tokens carry code 0 with weight 0: they add nothing.
+        codes = Tensor::cat(vec![codes, Tensor::zeros([g, pad], &device)], 1);
+        keep = Tensor::cat(vec![keep, Tensor::zeros([g, pad], &device)], 1);
+        weighted = Tensor::cat(vec![weighted, Tensor::zeros([g, pad, w], &device)], 1);
+    }
+    let codes = codes.reshape([g * c, chunk]); // [G c, chunk]
+    let counts = Tensor::<B, 2>::zeros([g * c, s], &device).scatter(
+        1,
+        codes.clone(),
+        keep.reshape([g * c, chunk]),
+        IndexingUpdateOp::Add,
+    ); // [G c, S]
+    let sums = Tensor::<B, 3>::zeros([g * c, s, w], &device).scatter(
+        1,
+        codes.unsqueeze_dim::<3>(2).expand([g * c, chunk, w]),
+        weighted.reshape([g * c, chunk, w]),
+        IndexingUpdateOp::Add,
+    ); // [G c, S, W]
+    if c == 1 {
+        return (counts, sums);
+    }
+    (
+        counts.reshape([g, c, s]).sum_dim(1).reshape([g, s]),
+        sums.reshape([g, c, s, w]).sum_dim(1).reshape([g, s, w]),
+    )
 }
 
 /// [`code_totals`] with row `o` of the result totalling groups `o, o +
@@ -143,7 +199,8 @@ pub(crate) fn code_totals_with<B: VqBackend>(
             Tensor::from_primitive(float(t.sums)),
         );
     }
-    let (counts, sums) = code_totals(codes, weight, values, n_code);
+    let by_group = B::vq_totals_by_group(&values.device());
+    let (counts, sums) = code_totals(codes, weight, values, n_code, by_group);
     if rows == g {
         return (counts, sums);
     }
@@ -404,36 +461,93 @@ mod tests {
 
     #[test]
     fn code_totals_count_and_sum_per_group_and_skip_empty_slots() {
-        let device = DispatchDevice::Flex(FlexDevice);
-        // Two groups of four tokens, S = 3; code 3 is the empty-slot sentinel.
-        let codes = Tensor::<Dispatch, 2, Int>::from_data([[0, 2, 0, 3], [1, 1, 3, 2]], &device);
-        let values = Tensor::<Dispatch, 3>::from_data(
-            [
-                [[1.0, 10.0], [2.0, 20.0], [3.0, 30.0], [4.0, 40.0]],
-                [[5.0, 50.0], [6.0, 60.0], [7.0, 70.0], [8.0, 80.0]],
-            ],
-            &device,
-        );
-        let weight = Tensor::<Dispatch, 2>::from_data([[1.0, 1.0, 0.0, 1.0], [1.0; 4]], &device);
-        let (counts, sums) = code_totals(codes.clone(), None, values.clone(), 3);
-        counts.into_data().assert_eq(
-            &TensorData::from([[2.0f32, 0.0, 1.0], [0.0, 2.0, 1.0]]),
-            false,
-        );
-        sums.into_data().assert_eq(
-            &TensorData::from([
-                [[4.0f32, 40.0], [0.0, 0.0], [2.0, 20.0]],
-                [[0.0, 0.0], [11.0, 110.0], [8.0, 80.0]],
-            ]),
-            false,
-        );
-        // A zero weight removes the token from both.
-        let (counts, sums) = code_totals(codes, Some(weight), values, 3);
-        counts.into_data().assert_eq(
-            &TensorData::from([[1.0f32, 0.0, 1.0], [0.0, 2.0, 1.0]]),
-            false,
-        );
-        let first = sums.slice([0..1, 0..1, 0..2]).into_data();
-        first.assert_eq(&TensorData::from([[[1.0f32, 10.0]]]), false);
+        // Both forms; by group, N = 4 tokens make two chunks of S = 3 (one padded).
+        for by_group in [false, true] {
+            let device = DispatchDevice::Flex(FlexDevice);
+            // Two groups of four tokens, S = 3; code 3 is the empty-slot sentinel.
+            let codes =
+                Tensor::<Dispatch, 2, Int>::from_data([[0, 2, 0, 3], [1, 1, 3, 2]], &device);
+            let values = Tensor::<Dispatch, 3>::from_data(
+                [
+                    [[1.0, 10.0], [2.0, 20.0], [3.0, 30.0], [4.0, 40.0]],
+                    [[5.0, 50.0], [6.0, 60.0], [7.0, 70.0], [8.0, 80.0]],
+                ],
+                &device,
+            );
+            let weight =
+                Tensor::<Dispatch, 2>::from_data([[1.0, 1.0, 0.0, 1.0], [1.0; 4]], &device);
+            let (counts, sums) = code_totals(codes.clone(), None, values.clone(), 3, by_group);
+            counts.into_data().assert_eq(
+                &TensorData::from([[2.0f32, 0.0, 1.0], [0.0, 2.0, 1.0]]),
+                false,
+            );
+            sums.into_data().assert_eq(
+                &TensorData::from([
+                    [[4.0f32, 40.0], [0.0, 0.0], [2.0, 20.0]],
+                    [[0.0, 0.0], [11.0, 110.0], [8.0, 80.0]],
+                ]),
+                false,
+            );
+            // A zero weight removes the token from both.
+            let (counts, sums) = code_totals(codes, Some(weight), values, 3, by_group);
+            counts.into_data().assert_eq(
+                &TensorData::from([[1.0f32, 0.0, 1.0], [0.0, 2.0, 1.0]]),
+                false,
+            );
+            let first = sums.slice([0..1, 0..1, 0..2]).into_data();
+            first.assert_eq(&TensorData::from([[[1.0f32, 10.0]]]), false);
+        }
+    }
+
+    /// The by-group form against the column form on random codes (empty
+    /// slots among them), weights and values, for token counts below, at and
+    /// above S and not a multiple of it: the same totals, and the same
+    /// gradient into the values.
+    #[test]
+    fn totals_by_group_match_the_column_form_in_value_and_gradient() {
+        use burn::backend::Autodiff;
+        use burn::backend::flex::Flex;
+        type Ad = Autodiff<Flex>;
+        let device = FlexDevice;
+        let (g, s, w) = (3, 4, 5);
+        for n in [1, 4, 7, 12] {
+            let codes =
+                Tensor::<Ad, 2, Int>::random([g, n], Distribution::Uniform(0.0, 5.0), &device);
+            let weight = Tensor::<Ad, 2>::random([g, n], Distribution::Uniform(0.0, 1.0), &device);
+            let values =
+                Tensor::<Ad, 3>::random([g, n, w], Distribution::Normal(0.0, 1.0), &device);
+            let probe = Tensor::<Ad, 3>::random([g, s, w], Distribution::Normal(0.0, 1.0), &device);
+            let run = |by_group: bool| {
+                let values = values.clone().require_grad();
+                let (counts, sums) = code_totals(
+                    codes.clone(),
+                    Some(weight.clone()),
+                    values.clone(),
+                    s,
+                    by_group,
+                );
+                let grads = (sums.clone() * probe.clone()).sum().backward();
+                let grad = values.grad(&grads).expect("values carry a gradient");
+                (counts.into_data(), sums.into_data(), grad.into_data())
+            };
+            let (column, group) = (run(false), run(true));
+            let tolerance = burn::tensor::Tolerance::<f32>::absolute(1e-5);
+            column.0.assert_approx_eq::<f32>(&group.0, tolerance);
+            column.1.assert_approx_eq::<f32>(&group.1, tolerance);
+            column.2.assert_approx_eq::<f32>(&group.2, tolerance);
+        }
+    }
+
+    #[test]
+    fn the_gpu_backends_total_by_group_and_the_cpu_by_column() {
+        use burn::backend::wgpu::WgpuDevice;
+        assert!(!<Dispatch as VqBackend>::vq_totals_by_group(
+            &DispatchDevice::Flex(FlexDevice)
+        ));
+        assert!(<Dispatch as VqBackend>::vq_totals_by_group(
+            &DispatchDevice::Wgpu(WgpuDevice::default())
+        ));
+        const { assert!(<burn::backend::Wgpu as kernel::VqKernels>::TOTALS_BY_GROUP) };
+        const { assert!(!<burn::backend::flex::Flex as kernel::VqKernels>::TOTALS_BY_GROUP) };
     }
 }

@@ -154,11 +154,13 @@ fn block_caches<B: VqBackend>(
         CacheGrad::Full => to_f32(prev.v.clone()),
         CacheGrad::None | CacheGrad::Window => to_f32(prev.v.clone().detach()),
     };
+    let by_group = B::vq_totals_by_group(&values.device());
     let (counts, sums) = code_totals(
         prev.codes.clone().reshape([b * h * r, l]),
         None,
         values.reshape([b * h * r, l, dv]),
         s,
+        by_group,
     );
     let counts = counts.reshape([b, h, r, s]); // [B, H, R, S]
     let sums = sums.reshape([b, h, r, s, dv]); // [B, H, R, S, V]

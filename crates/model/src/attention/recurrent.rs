@@ -21,6 +21,7 @@ fn fold_into_cache<B: Backend>(
         None,
         block.v.clone().reshape([b * h, l, dv]),
         s,
+        false, // once per block of generated tokens
     );
     cache.absorb(add_n.reshape([b, h, s]), add_sum.reshape([b, h, s, dv]))
 }

@@ -104,6 +104,10 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
         Some(Self::from_inner(total))
     }
 
+    fn vq_totals_by_group(_: &Self::Device) -> bool {
+        B::TOTALS_BY_GROUP
+    }
+
     fn vq_attention(x: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {
         count(&FUSED_CALLS);
         let parents = [

@@ -216,6 +216,8 @@ fn like(t: &impl TensorMetadata) -> (Shape, DType) {
 }
 
 impl<B: FusionBackend + VqKernels> VqKernels for Fusion<B> {
+    const TOTALS_BY_GROUP: bool = B::TOTALS_BY_GROUP;
+
     const SUMS_SQUARES: bool = B::SUMS_SQUARES;
 
     fn vq_sum_squares(tensors: Vec<FloatTensor<Self>>) -> Option<FloatTensor<Self>> {

@@ -32,11 +32,44 @@ use std::cell::Cell;
 
 use burn::backend::flex::{Flex, FlexTensor};
 use burn::prelude::Backend;
+use burn::tensor::backend::DeviceOps;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps, IntTensor, IntTensorOps};
 use burn::tensor::{DType, TensorPrimitive};
 use burn::{Dispatch, DispatchDevice};
 use burn_cubecl::element::BoolElement;
 use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
+
+/// The sources of tvq's cubecl kernels (every file of this folder with
+/// a `cube` attribute; a test keeps the list whole), hashed into
+/// [`SOURCE_HASH`].
+const SOURCES: [(&str, &[u8]); 5] = [
+    ("attention.rs", include_bytes!("attention.rs")),
+    ("launch.rs", include_bytes!("launch.rs")),
+    ("norm.rs", include_bytes!("norm.rs")),
+    ("quantizer.rs", include_bytes!("quantizer.rs")),
+    ("totals.rs", include_bytes!("totals.rs")),
+];
+
+/// A hash (FNV-1a, 64 bits) of the kernels' sources. cubecl keeps a
+/// compiled kernel under its type and settings, not its code, so a cache of
+/// compiled kernels is only safe for the sources that filled it: tvq names
+/// its cache folder by this hash (`tvq_train::placement::device`), and a
+/// kernel changed between two builds is compiled anew, never loaded as the
+/// older build compiled it.
+pub const SOURCE_HASH: u64 = {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut i = 0;
+    while i < SOURCES.len() {
+        let bytes = SOURCES[i].1;
+        let mut j = 0;
+        while j < bytes.len() {
+            hash = (hash ^ bytes[j] as u64).wrapping_mul(0x0100_0000_01b3);
+            j += 1;
+        }
+        i += 1;
+    }
+    hash
+};
 
 /// Whether a sublayer's attention and quantizer may each run as one fused
 /// kernel where the backend has one, or always as composed tensor ops.
@@ -255,6 +288,14 @@ pub trait VqKernels: Backend {
     /// `[H, S, K]`, row `g` of head `g % H`.
     fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Nearest<Self>;
 
+    /// Whether the composed totals of codes (`code_totals` in
+    /// `crate::quantizer`) scatter within each group rather than
+    /// `select_assign` over all of them: on the cubecl backends, whose
+    /// `select_assign` loops over every index in one thread per output
+    /// column (one thread for the counts), it is the form that keeps the
+    /// device busy; on the CPU `select_assign` adds whole rows at once.
+    const TOTALS_BY_GROUP: bool = false;
+
     /// Whether [`Self::vq_sum_squares`] has a kernel (answers `Some`).
     const SUMS_SQUARES: bool = false;
 
@@ -326,6 +367,10 @@ pub trait VqBackend: Backend {
     /// [`VqKernels::vq_sum_squares`] (for tensors that carry no gradient),
     /// or `None` where the backend has no kernel for it.
     fn vq_sum_squares(tensors: Vec<FloatTensor<Self>>) -> Option<FloatTensor<Self>>;
+
+    /// Whether the composed totals of codes on `device` scatter within each
+    /// group ([`VqKernels::TOTALS_BY_GROUP`]).
+    fn vq_totals_by_group(device: &Self::Device) -> bool;
 }
 
 impl<B: VqKernels> VqBackend for B {
@@ -376,6 +421,10 @@ impl<B: VqKernels> VqBackend for B {
         count(&NORM_CALLS);
         Some(total)
     }
+
+    fn vq_totals_by_group(_: &Self::Device) -> bool {
+        B::TOTALS_BY_GROUP
+    }
 }
 
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
@@ -407,6 +456,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
             means,
         ))
     }
+
+    const TOTALS_BY_GROUP: bool = true;
 
     const SUMS_SQUARES: bool = true;
 
@@ -510,6 +561,11 @@ impl VqBackend for Dispatch {
     fn vq_sum_squares(_: Vec<FloatTensor<Self>>) -> Option<FloatTensor<Self>> {
         None
     }
+
+    /// By group on every device but the CPU's (all others are cubecl's).
+    fn vq_totals_by_group(device: &DispatchDevice) -> bool {
+        !matches!(device.inner(), DispatchDevice::Flex(_))
+    }
 }
 
 /// The device of `t` if it is the CPU without autodiff.
@@ -560,4 +616,31 @@ pub fn fused_totals_calls() -> u64 {
 /// How many sums of squares by kernel this thread has made.
 pub fn fused_norm_calls() -> u64 {
     NORM_CALLS.with(Cell::get)
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every file of this folder with cubecl kernel code is hashed into
+    /// [`super::SOURCE_HASH`], so a change to any kernel moves the cache of
+    /// compiled kernels to a new folder.
+    #[test]
+    fn the_source_hash_covers_every_kernel_file() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/kernel");
+        let mut with_kernels: Vec<String> = std::fs::read_dir(&dir)
+            .expect("the kernel folder")
+            .map(|entry| entry.expect("an entry").path())
+            .filter(|path| {
+                let text = std::fs::read_to_string(path).unwrap_or_default();
+                text.lines()
+                    .any(|line| line.trim_start().starts_with("#[cube"))
+            })
+            .map(|path| path.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        with_kernels.sort();
+        let hashed: Vec<String> = super::SOURCES
+            .iter()
+            .map(|(name, _)| name.to_string())
+            .collect();
+        assert_eq!(with_kernels, hashed);
+    }
 }

@@ -276,8 +276,8 @@ fn wgpu_memory_reserved(device: &WgpuDevice, streams: &[StreamId]) -> Option<u64
 /// Where cubecl keeps what it learns about a device, so that a kernel is
 /// compiled and a shape tuned once per machine rather than once per process:
 /// under `$XDG_CACHE_HOME/tvq/` or `~/.cache/tvq/`, autotuning's measurements
-/// in `autotune/` and the CUDA kernels NVRTC compiled in `ptx/` (a training
-/// step compiles hundreds; cubecl's own defaults keep no kernels and scatter
+/// in `autotune/` and the CUDA kernels NVRTC compiled in
+/// [`compiled_kernels_folder`] (a training step compiles hundreds; cubecl's own defaults keep no kernels and scatter
 /// autotune caches over the `target/` directory of whatever Rust project
 /// `tvq` runs in). A `cubecl.toml` that names other caches, and cubecl's
 /// `CUBECL_*` variables, are obeyed as cubecl would.
@@ -354,9 +354,18 @@ pub fn profile_kernels(log: &std::path::Path) -> Result<(), DeviceError> {
     Ok(())
 }
 
+/// The folder of `$XDG_CACHE_HOME/tvq/` (or `~/.cache/tvq/`) that holds
+/// the kernels this build compiled: named by the hash of tvq's kernel
+/// sources ([`tvq_model::kernel::SOURCE_HASH`]), since cubecl knows a
+/// compiled kernel by its name and settings, not its code.
+pub fn compiled_kernels_folder() -> String {
+    format!("kernels-{:016x}", tvq_model::kernel::SOURCE_HASH)
+}
+
 /// `config` with its caches moved under `cache_home/tvq`, where cubecl's
-/// defaults would put them (autotuning: `target/`; compiled kernels: none).
-/// A cache the user chose is left as it is.
+/// defaults would put them (autotuning: `target/`; compiled kernels: none),
+/// the compiled kernels in [`compiled_kernels_folder`]. A cache the user
+/// chose is left as it is.
 fn with_tvq_caches(
     mut config: cubecl_runtime::config::CubeClRuntimeConfig,
     cache_home: Option<std::path::PathBuf>,
@@ -369,7 +378,7 @@ fn with_tvq_caches(
         config
             .compilation
             .cache
-            .get_or_insert(CacheConfig::File(dir));
+            .get_or_insert(CacheConfig::File(dir.join(compiled_kernels_folder())));
     }
     config
 }
@@ -481,7 +490,8 @@ mod tests {
         let root = |c: &Option<CacheConfig>| c.as_ref().map(CacheConfig::root);
         let moved = with_tvq_caches(CubeClRuntimeConfig::default(), Some(home.clone()));
         assert_eq!(moved.autotune.cache.root(), home.join("tvq"));
-        assert_eq!(root(&moved.compilation.cache), Some(home.join("tvq")));
+        let compiled = home.join("tvq").join(compiled_kernels_folder());
+        assert_eq!(root(&moved.compilation.cache), Some(compiled));
 
         let mut chosen = CubeClRuntimeConfig::default();
         chosen.autotune.cache = CacheConfig::File("/mine/a".into());
