@@ -118,7 +118,32 @@ const BASE: Case = Case {
     carried: false,
 };
 
-/// Host data of one case's inputs, drawn on the CPU.
+/// A small seeded generator (splitmix64), local to each draw: burn's is
+/// one for the whole process, shared by the tests running beside these.
+struct Splitmix(u64);
+
+impl Splitmix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    fn uniform(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Standard normal (Box-Muller).
+    fn normal(&mut self) -> f32 {
+        let (u, w) = (1.0 - self.uniform(), self.uniform());
+        ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * w).cos()) as f32
+    }
+}
+
+/// Host data of one case's inputs.
 struct Draw {
     q: TensorData,
     k: TensorData,
@@ -137,36 +162,42 @@ impl Case {
         self.r * self.l
     }
 
-    /// Draws a segment of `t` tokens.
-    fn draw(&self, t: usize) -> Draw {
-        let device = cpu();
-        let n = |shape: Vec<usize>| {
-            Tensor::<common::B, 1>::random(
-                [shape.iter().product::<usize>()],
-                Distribution::Normal(0.0, 1.0),
-                &device,
-            )
-            .into_data()
-            .convert::<f32>()
-        };
+    /// Draws a segment of `t` tokens from `seed`: the same inputs on every
+    /// run, so that a tolerance below holds for these draws and a failure
+    /// is a fault, not a draw that came near the limit.
+    fn draw(&self, t: usize, seed: u64) -> Draw {
+        let mut rng = Splitmix(seed);
         let (b, h, k, v, s, l) = (self.b, self.h, self.k, self.v, self.s, self.l);
+        let mut n = |shape: Vec<usize>| {
+            let values: Vec<f32> = (0..shape.iter().product::<usize>())
+                .map(|_| rng.normal())
+                .collect();
+            TensorData::new(values, [shape.iter().product::<usize>()])
+        };
         let bias_rows = if self.per_query_bias { b * h * t } else { h };
-        let codes = Tensor::<common::B, 1, Int>::random(
-            [b * h * t],
-            Distribution::Uniform(0.0, s as f64),
-            &device,
+        let (q, k, v_, bias, codebook, probe) = (
+            n(vec![b, h, t, k]),
+            n(vec![b, h, t, k]),
+            n(vec![b, h, t, v]),
+            n(vec![bias_rows, l + 1]),
+            n(vec![h, s, k]),
+            n(vec![b, h, t, v]),
         );
-        let weight =
-            Tensor::<common::B, 1>::random([b * h * t], Distribution::Uniform(0.2, 1.8), &device);
+        let codes: Vec<i32> = (0..b * h * t)
+            .map(|_| (rng.uniform() * s as f64) as i32)
+            .collect();
+        let weight: Vec<f32> = (0..b * h * t)
+            .map(|_| (0.2 + 1.6 * rng.uniform()) as f32)
+            .collect();
         Draw {
-            q: n(vec![b, h, t, k]),
-            k: n(vec![b, h, t, k]),
-            v: n(vec![b, h, t, v]),
-            bias: n(vec![bias_rows, l + 1]),
-            codes: codes.into_data().convert::<i32>(),
-            codebook: n(vec![h, s, k]),
-            count_weight: weight.into_data().convert::<f32>(),
-            probe: n(vec![b, h, t, v]),
+            q,
+            k,
+            v: v_,
+            bias,
+            codes: TensorData::new(codes, [b * h * t]),
+            codebook,
+            count_weight: TensorData::new(weight, [b * h * t]),
+            probe,
         }
     }
 
@@ -253,7 +284,7 @@ fn run<A: Under>(
 /// The state after a first segment of the case's sizes (composed ops),
 /// so that the segment under test has a previous block and a cache.
 fn carried_state<A: Under>(case: &Case, device: &A::Device) -> AttentionState<A> {
-    let draw = case.draw(case.t());
+    let draw = case.draw(case.t(), 1);
     let (b, h, t) = (case.b, case.h, case.t());
     let input = AttentionInput {
         q: Tensor::<A, 1>::from_data(draw.q, device).reshape([b, h, t, case.k]),
@@ -309,14 +340,19 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 
 /// Runs `case` fused and composed and requires them to agree within `tol`
 /// (relative, [`max_diff`]) in the output, every gradient and the cache
-/// after the segment, and the fused run to have reached the kernel.
+/// after the segment, and the fused run to have reached the kernel. `tol`
+/// is for values up to 128 channels wide: the gradients of q, k and the
+/// bias sum `dO . v` over the value's channels, whose rounding grows as the
+/// square root of their number (1.2e-5 at 1,100 channels over 16 draws
+/// here, 2.2e-5 on another machine's lavapipe, against 2.7e-6 at 7).
 fn agree<A: Under>(case: Case, device: &A::Device, tol: f32) {
+    let tol = tol * (case.v as f32 / 128.0).sqrt().max(1.0);
     let state = if case.carried {
         carried_state::<A>(&case, device)
     } else {
         AttentionState::default()
     };
-    let draw = case.draw(case.t());
+    let draw = case.draw(case.t(), 2);
     let composed = run::<A>(&case, &draw, state.clone(), Kernels::Composed, device);
     let (before, caches) = (fused_attention_calls(), fused_totals_calls());
     let fused = run::<A>(&case, &draw, state, Kernels::Fused, device);
