@@ -7,6 +7,7 @@
 
 use burn::module::{Module, Param};
 use burn::prelude::*;
+use burn::tensor::ops::PadMode;
 use burn::tensor::{Distribution, IndexingUpdateOp, TensorPrimitive};
 
 use crate::device::to_device_via_host;
@@ -141,9 +142,10 @@ fn totals_by_group<B: Backend>(
     let pad = c * chunk - n;
     if pad > 0 {
         // Padding tokens carry code 0 with weight 0: they add nothing.
-        codes = Tensor::cat(vec![codes, Tensor::zeros([g, pad], &device)], 1);
-        keep = Tensor::cat(vec![keep, Tensor::zeros([g, pad], &device)], 1);
-        weighted = Tensor::cat(vec![weighted, Tensor::zeros([g, pad, w], &device)], 1);
+        let zeros = PadMode::Constant(0.0);
+        codes = codes.pad([(0, pad)], zeros);
+        keep = keep.pad([(0, pad)], zeros);
+        weighted = weighted.pad([(0, pad), (0, 0)], zeros);
     }
     let codes = codes.reshape([g * c, chunk]); // [G c, chunk]
     let counts = Tensor::<B, 2>::zeros([g * c, s], &device).scatter(

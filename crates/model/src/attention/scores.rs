@@ -3,6 +3,7 @@
 //! the block-parallel and recurrent forms share.
 
 use burn::prelude::*;
+use burn::tensor::ops::PadMode;
 
 use super::Position;
 use crate::compute::Compute;
@@ -118,34 +119,33 @@ fn block_offset(block: WindowBlock, l: usize) -> i64 {
 
 /// The Toeplitz table's entries for `n` queries against `L` keys:
 /// `[BB, H, n, L]`, entry `(i, j)` = `table[first + i - j]` where that is in
-/// `0..=L`, and 0 elsewhere (the caller masks those pairs), from `table`
-/// `[BB, H, L + 1]`. Built as sliding windows (a row tiled and read back
-/// in rows one longer than it, each row then one step further) rather
-/// than by selecting `n L` indices: the backward pass of `select` is
-/// burn-cubecl's `select_assign`, a single GPU thread looping over all
-/// `n L` indices, while these ops' backward passes are elementwise and a
-/// reduction.
-fn toeplitz_rows<B: Backend>(table: Tensor<B, 3>, first: i64, n: usize) -> Tensor<B, 4> {
+/// `0..=L`, and `pad` elsewhere, from `table` `[BB, H, L + 1]`. Built as
+/// sliding windows (a row tiled and read back in rows one longer than it,
+/// each row then one step further) rather than by selecting `n L`
+/// indices: the backward pass of `select` is burn-cubecl's
+/// `select_assign`, a single GPU thread looping over all `n L` indices,
+/// while these ops' backward passes are elementwise and a reduction.
+fn toeplitz_rows<B: Backend>(table: Tensor<B, 3>, first: i64, n: usize, pad: f32) -> Tensor<B, 4> {
     let [bb, h, width] = table.dims();
     let l = width - 1;
-    let device = table.device();
     // `ext[k]` = table[e] for e = first - (L - 1) + k, k in 0..W: every
-    // distance the pairs span, zero outside the table.
+    // distance the pairs span, `pad` outside the table. With `first` at
+    // most 2L - 1 and n at least 1, the span always meets the table.
     let w = n + l - 1;
     let lowest = first - (l as i64 - 1);
-    let (from, to) = (lowest.max(0), (lowest + w as i64 - 1).min(l as i64)); // in the table
-    let mut parts = Vec::with_capacity(3);
-    if from > lowest {
-        parts.push(Tensor::zeros([bb, h, (from - lowest) as usize], &device));
-    }
-    if from <= to {
-        parts.push(table.slice([0..bb, 0..h, from as usize..to as usize + 1]));
-    }
-    let filled = parts.iter().map(|p| p.dims()[2]).sum::<usize>();
-    if filled < w {
-        parts.push(Tensor::zeros([bb, h, w - filled], &device));
-    }
-    let ext = Tensor::cat(parts, 2); // [BB, H, W]
+    let highest = lowest + w as i64 - 1;
+    let (from, to) = (lowest.max(0), highest.min(l as i64)); // in the table
+    debug_assert!(from <= to, "distances {lowest}..={highest} miss the table");
+    let ext = table
+        .slice([0..bb, 0..h, from as usize..to as usize + 1])
+        .pad(
+            [
+                (0, 0),
+                (0, 0),
+                ((from - lowest) as usize, (highest - to) as usize),
+            ],
+            PadMode::Constant(pad),
+        ); // [BB, H, W]
     // ext tiled n + 1 times and read in rows of W + 1 holds ext[i + j'] at
     // row i, column j' (i + j' < W): key j = L - 1 - j', hence the flip.
     // Tiled by expand, not `repeat_dim`, whose backward pass in burn 0.21
@@ -175,9 +175,6 @@ fn window_scores<B: Backend>(
     let [b, h, r, n, _] = q.dims();
     let l = k.dims()[3];
     let [bb, _, tb, _] = bias.dims();
-    let device = q.device();
-    let (distance, no_bias) = window_distances(block, rows.clone(), l);
-    let no_bias = Tensor::<B, 1, Bool>::from_data(TensorData::new(no_bias, [n * l]), &device);
     // Pairs without a bias get 0, except future keys, which get -inf: the
     // causal mask rides on the bias add instead of costing a pass of its own.
     let fill = match block {
@@ -187,15 +184,19 @@ fn window_scores<B: Backend>(
     let scores = cx.product_f32(q, k.swap_dims(3, 4)); // [B, H, R, n, L]
     if tb == 1 {
         // One table for all queries (Toeplitz), added as rows of n L so the
-        // backend sees one shared row when H = 1.
+        // backend sees one shared row when H = 1. A block's pairs without
+        // a bias lie on one side of the table (the present block's future
+        // keys below distance 0, the previous block's far keys above L),
+        // so the table's padding is the fill.
         let first = block_offset(block, l) + rows.start as i64;
-        let table = toeplitz_rows(bias.reshape([bb, h, l + 1]), first, n)
-            .reshape([bb, h, n * l])
-            .mask_fill(no_bias.reshape([1, 1, n * l]).expand([bb, h, n * l]), fill)
-            .reshape([bb, h, 1, n * l]);
+        let table =
+            toeplitz_rows(bias.reshape([bb, h, l + 1]), first, n, fill).reshape([bb, h, 1, n * l]);
         (scores.reshape([b, h, r, n * l]) + table).reshape([b, h, r, n, l])
     } else {
         // A table per query (XL): gather each query's distances.
+        let device = scores.device();
+        let (distance, no_bias) = window_distances(block, rows, l);
+        let no_bias = Tensor::<B, 1, Bool>::from_data(TensorData::new(no_bias, [n * l]), &device);
         let shape = [bb, h, r, n, l];
         let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(distance, [n * l]), &device)
             .reshape([1, 1, 1, n, l])
@@ -391,11 +392,13 @@ mod tests {
     /// The sliding-window table against the distances read one by one, for
     /// both window blocks, whole blocks and row ranges (the first rows, the
     /// last, one row): every pair with a bias holds its distance's entry,
-    /// the others 0, and the table's gradient is, for each distance, the
-    /// sum of the output's gradient over the pairs at that distance.
+    /// the others the padding, and the table's gradient is, for each
+    /// distance, the sum of the output's gradient over the pairs at that
+    /// distance.
     #[test]
     fn toeplitz_rows_pick_each_pairs_distance() {
         type Ad = Autodiff<Flex>;
+        const PAD: f32 = -7.5;
         let device = FlexDevice;
         let normal = burn::tensor::Distribution::Normal(0.0, 1.0);
         for l in [1, 2, 5] {
@@ -405,7 +408,7 @@ mod tests {
                 for rows in [0..l, 0..1, l - 1..l, (l / 2)..l] {
                     let n = rows.len();
                     let first = block_offset(block, l) + rows.start as i64;
-                    let out = toeplitz_rows(table.clone(), first, n);
+                    let out = toeplitz_rows(table.clone(), first, n, PAD);
                     let probe = Tensor::<Ad, 4>::random([2, 3, n, l], normal, &device);
                     let grads = (out.clone() * probe.clone()).sum().backward();
                     let grad: Vec<f32> = table.grad(&grads).unwrap().into_data().to_vec().unwrap();
@@ -416,7 +419,7 @@ mod tests {
                     for g in 0..6 {
                         for p in 0..n * l {
                             let at = g * (l + 1) + distance[p] as usize;
-                            let expected = if no_bias[p] { 0.0 } else { values[at] };
+                            let expected = if no_bias[p] { PAD } else { values[at] };
                             assert_eq!(got[g * n * l + p], expected, "{block:?} {rows:?} L={l}");
                             if !no_bias[p] {
                                 expected_grad[at] += probe[g * n * l + p];
