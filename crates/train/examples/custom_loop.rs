@@ -6,9 +6,12 @@
 //!         configs/quickstart.toml 20 quickstart-20.safetensors
 
 use anyhow::Result;
+use burn::DispatchDevice;
 use tvq_data::{Corpus, Split, TrainBatches, TrainCursor};
+use tvq_model::TransformerVqConfig;
 use tvq_train::inference::export::{ExportInfo, export};
 use tvq_train::placement::device::DeviceSpec;
+use tvq_train::placement::{OnTrainBackend, TrainBackend, TrainOn};
 use tvq_train::{RunConfig, Trainer};
 
 fn main() -> Result<()> {
@@ -24,34 +27,72 @@ fn main() -> Result<()> {
     let corpus = Corpus::open(&cfg.data)?;
     let model = cfg.model_config(corpus.vocab.size());
     let (device, name) = DeviceSpec::Cpu.init()?;
-    println!("{} parameters on {name}", model.num_params());
+    // The backend `tvq train` would pick for this config and device: on
+    // the CPU, the fused attention and quantizer kernels unless the
+    // config's `train.kernels` says "composed".
+    let on = TrainOn::choose(&cfg.train, std::slice::from_ref(&device));
+    println!("{} parameters on {name}, {on}", model.num_params());
+    on.run(Loop {
+        cfg: &cfg,
+        corpus: &corpus,
+        model: &model,
+        device,
+        steps,
+        out: args.get(3).map(String::as_str),
+    })
+}
 
-    // The trainer holds the model, the optimizers and the carried state;
-    // the batches come in the run's seeded order, resumable from a cursor.
-    let mut trainer = Trainer::new(&model, &cfg.train, &[device])?;
-    let layout = cfg.data.train_layout(cfg.train.seed);
-    let mut batches =
-        TrainBatches::new(corpus.split(Split::Train), layout, TrainCursor::default())?;
-    for _ in 0..steps {
-        let batch = batches.next().expect("training batches never end");
-        let out = trainer.step(&batch, batches.cursor())?;
-        let bits = out.ce / std::f64::consts::LN_2;
-        println!(
-            "step {:>4}  lr {:.2e}  loss {:.4}  {bits:.3} bits/token  grad norm {:.3}",
-            out.step, out.lr, out.loss, out.grad_norm
-        );
-    }
+/// The loop, generic over the trainer's backend, which [`TrainOn::run`]
+/// picks once.
+struct Loop<'a> {
+    cfg: &'a RunConfig,
+    corpus: &'a Corpus,
+    model: &'a TransformerVqConfig,
+    device: DispatchDevice,
+    steps: u64,
+    out: Option<&'a str>,
+}
 
-    if let Some(out) = args.get(3) {
-        let info = ExportInfo {
-            format: "tvq".into(),
+impl OnTrainBackend for Loop<'_> {
+    type Output = Result<()>;
+
+    fn run<Bk: TrainBackend>(self) -> Result<()> {
+        let Self {
+            cfg,
+            corpus,
             model,
-            vocab: corpus.vocab.id(),
-            tokenizer: cfg.data.tokenizer.clone(),
-            step: trainer.state().step,
-        };
-        export(trainer.model(), &info, out.as_ref())?;
-        println!("exported to {out}");
+            device,
+            steps,
+            out,
+        } = self;
+        // The trainer holds the model, the optimizers and the carried
+        // state; the batches come in the run's seeded order, resumable
+        // from a cursor.
+        let mut trainer = Trainer::<Bk>::start(model, &cfg.train, &[device])?;
+        let layout = cfg.data.train_layout(cfg.train.seed);
+        let mut batches =
+            TrainBatches::new(corpus.split(Split::Train), layout, TrainCursor::default())?;
+        for _ in 0..steps {
+            let batch = batches.next().expect("training batches never end");
+            let out = trainer.step(&batch, batches.cursor())?;
+            let bits = out.ce / std::f64::consts::LN_2;
+            println!(
+                "step {:>4}  lr {:.2e}  loss {:.4}  {bits:.3} bits/token  grad norm {:.3}",
+                out.step, out.lr, out.loss, out.grad_norm
+            );
+        }
+
+        if let Some(out) = out {
+            let info = ExportInfo {
+                format: "tvq".into(),
+                model: model.clone(),
+                vocab: corpus.vocab.id(),
+                tokenizer: cfg.data.tokenizer.clone(),
+                step: trainer.state().step,
+            };
+            export(&trainer.inference_model(), &info, out.as_ref())?;
+            println!("exported to {out}");
+        }
+        Ok(())
     }
-    Ok(())
 }
