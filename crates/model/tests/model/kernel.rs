@@ -168,21 +168,17 @@ impl Case {
     fn draw(&self, t: usize, seed: u64) -> Draw {
         let mut rng = Splitmix(seed);
         let (b, h, k, v, s, l) = (self.b, self.h, self.k, self.v, self.s, self.l);
-        let mut n = |shape: Vec<usize>| {
-            let values: Vec<f32> = (0..shape.iter().product::<usize>())
-                .map(|_| rng.normal())
-                .collect();
-            TensorData::new(values, [shape.iter().product::<usize>()])
+        let mut normal = |shape: [usize; 4]| {
+            let len = shape.iter().product::<usize>();
+            TensorData::new((0..len).map(|_| rng.normal()).collect::<Vec<f32>>(), [len])
         };
         let bias_rows = if self.per_query_bias { b * h * t } else { h };
-        let (q, k, v_, bias, codebook, probe) = (
-            n(vec![b, h, t, k]),
-            n(vec![b, h, t, k]),
-            n(vec![b, h, t, v]),
-            n(vec![bias_rows, l + 1]),
-            n(vec![h, s, k]),
-            n(vec![b, h, t, v]),
-        );
+        let q = normal([b, h, t, k]);
+        let k_window = normal([b, h, t, k]);
+        let values = normal([b, h, t, v]);
+        let bias = normal([1, 1, bias_rows, l + 1]);
+        let codebook = normal([1, h, s, k]);
+        let probe = normal([b, h, t, v]);
         let codes: Vec<i32> = (0..b * h * t)
             .map(|_| (rng.uniform() * s as f64) as i32)
             .collect();
@@ -191,8 +187,8 @@ impl Case {
             .collect();
         Draw {
             q,
-            k,
-            v: v_,
+            k: k_window,
+            v: values,
             bias,
             codes: TensorData::new(codes, [b * h * t]),
             codebook,
