@@ -37,8 +37,8 @@ pub(super) fn window_scores_and_cache_query<B: Backend>(
         }
         Position::Rotary(rot) => rot,
     };
-    // No bias, but a zero table still carries the causal mask (see
-    // [`window_scores`]).
+    // No bias, but a zero table still carries the present block's causal
+    // mask (see [`window_scores`]); the previous block has no mask.
     let [_, h, _, l, _] = present.dims();
     let bias = Tensor::zeros([1, h, 1, l + 1], &q.device());
     let offsets: Vec<f64> = (0..l).map(|j| j as f64).collect();
@@ -47,27 +47,16 @@ pub(super) fn window_scores_and_cache_query<B: Backend>(
     let present = window_scores(
         rot.rotate(q.clone(), &at(0)),
         rot.rotate(present, &offsets),
-        bias.clone(),
+        bias,
         WindowBlock::Present,
         rows.clone(),
         cx,
     );
-    let near = window_scores(
+    let near = cx.product_f32(
         rot.rotate(q, &at(l)),
-        rot.rotate(previous.clone(), &offsets),
-        bias.clone(),
-        WindowBlock::Previous,
-        rows.clone(),
-        cx,
-    );
-    let far = window_scores(
-        q_far.clone(),
-        previous,
-        bias,
-        WindowBlock::Previous,
-        rows.clone(),
-        cx,
-    );
+        rot.rotate(previous.clone(), &offsets).swap_dims(3, 4),
+    ); // [B, H, R, n, L]
+    let far = cx.product_f32(q_far.clone(), previous.swap_dims(3, 4)); // [B, H, R, n, L]
     // Key j of the previous block is at distance L + i - j >= L when j <= i.
     let n = rows.len();
     let beyond: Vec<bool> = rows.flat_map(|i| (0..l).map(move |j| j <= i)).collect();

@@ -4,10 +4,13 @@
 //! device memory. The backward pass recomputes the scores from each
 //! query's log-sum-exp, as FlashAttention does.
 //!
-//! Every kernel works on tiles of `TILE` queries by `TILE` keys, a cube of
-//! `TILE x TILE` units, one score each: the tile's query and key rows
-//! (`TILE x K`) are read from device memory once into shared memory and
-//! shared by all its units, instead of once per score. Keys number
+//! Every kernel works on tiles of `TILE = 32` queries by `TILE` keys, a
+//! cube of `16 x 16` units: unit `(y, z)` computes the four scores of rows
+//! `y`, `y + 16` and columns `z`, `z + 16`, so that each element it reads
+//! from shared memory serves two multiply-adds (four loads for four, where
+//! one score per unit took two loads for each). The tile's query and key
+//! rows are read from device memory once per tile into shared memory, a
+//! chunk of channels at a time, and shared by all its units. Keys number
 //! `N = 2L + S` (present `0..L`, previous `L..2L`, codes `2L..`).
 //!
 //! - `attend`: a cube per query tile and slice of value channels, in one
@@ -29,15 +32,15 @@
 //! no copy of them is laid out beside each block.
 //!
 //! A slice holds up to `MAX_SLICE` value channels (each unit keeps
-//! `MAX_SLICE / TILE` accumulators), so the scores are computed once per
-//! slice: once at value widths up to 1,024, twice at enwik8's 1,536. Value
-//! rows and output gradients pass through shared memory `CHUNK` channels
-//! at a time.
+//! `2 MAX_SLICE / 16` accumulators, two rows' worth), so the scores are
+//! computed once per slice: once at value widths up to 512, three times at
+//! enwik8's 1,536. Value rows and output gradients pass through shared
+//! memory `CHUNK` channels at a time.
 //!
-//! Tiles whose rows a unit reads across (query and key rows, the chunks of
-//! `dO . value`) keep their rows one element more than their width apart,
-//! so that the units of a warp reading one column of 16 rows read 16
-//! different shared-memory banks instead of one bank 16 times.
+//! Tiles keep their rows one element more than their width apart, so that
+//! the units of a warp reading one column of 16 rows (query and key rows,
+//! the chunks of `dO . value`) read 16 different shared-memory banks
+//! instead of one bank 16 times.
 //!
 //! Every output element is written by exactly one unit, so nothing is
 //! zeroed first and nothing is accumulated atomically.
@@ -51,21 +54,33 @@ use cubecl::prelude::*;
 use super::launch::{cubes, empty_like, parts, zeros};
 use super::{AttentionKernelGrads, AttentionKernelInput};
 
-/// Queries (and keys) per tile; a cube is `TILE x TILE` units.
-const TILE: usize = 16;
+/// Units along each side of a cube: a cube is `SIDE x SIDE` units.
+const SIDE: usize = 16;
 
-/// Value channels through shared memory at a time.
+/// Units per cube.
+const UNITS: usize = SIDE * SIDE;
+
+/// Queries (and keys) per tile: unit `(y, z)` takes rows `y` and `y +
+/// SIDE` of it and columns `z` and `z + SIDE`.
+const TILE: usize = 2 * SIDE;
+
+/// Key channels through shared memory at a time (and value channels in
+/// `dO . value`).
+const KEY_CHUNK: usize = 32;
+
+/// Value channels through shared memory at a time where values are weighed.
 const CHUNK: usize = 64;
 
-/// A unit's accumulators per chunk of value channels.
-const PER_CHUNK: usize = CHUNK / TILE;
+/// A unit's accumulators per row and chunk of value channels.
+const PER_CHUNK: usize = CHUNK / SIDE;
 
-/// The most value channels one cube weighs.
-const MAX_SLICE: usize = 1024;
+/// The most value channels one cube weighs (a unit keeps `2 MAX_SLICE /
+/// SIDE` accumulators).
+const MAX_SLICE: usize = 512;
 
-/// Widest key a tile holds: a tile of queries and one of keys, `2 TILE K`
-/// floats, with a chunk of values, in 32 KiB of shared memory. Wider keys
-/// compose.
+/// Widest key a tile holds: `backward_query` keeps a whole key tile, `TILE
+/// (K + 1)` floats, beside three chunk tiles and its `ds`, in 32 KiB of
+/// shared memory. Wider keys compose.
 pub const MAX_KEY_WIDTH: usize = 128;
 
 /// The score of a masked key. WGSL has no infinite literal; `exp(NEG - m)`
@@ -215,54 +230,59 @@ fn key<F: Float>(x: &Operands<F>, g: usize, h: usize, n: usize, c: usize) -> F {
     }
 }
 
-/// Queries `first..first + TILE` of block row `g` into `tile`
-/// (`TILE x width`, rows `width + 1` apart), zeros past the block.
+/// Channels `c0..c0 + chunk` of queries `first..first + TILE` of block row
+/// `g` into `tile` (`TILE x chunk`, rows `chunk + 1` apart), zeros past
+/// the block or the key width.
 #[cube]
 fn load_queries<F: Float>(
     x: &Operands<F>,
     g: usize,
     first: usize,
+    c0: usize,
     tile: &mut SharedMemory<F>,
-    #[comptime] width: usize,
+    #[comptime] chunk: usize,
 ) {
     let mut e = UNIT_POS as usize;
-    while e < TILE * width {
-        let i = first + e / width;
+    while e < TILE * chunk {
+        let (i, c) = (first + e / chunk, c0 + e % chunk);
         let mut v = F::new(0.0);
-        if i < x.q.shape(1) {
-            v = x.q[g * x.q.stride(0) + i * x.q.stride(1) + (e % width) * x.q.stride(2)];
+        if i < x.q.shape(1) && c < x.q.shape(2) {
+            v = x.q[g * x.q.stride(0) + i * x.q.stride(1) + c * x.q.stride(2)];
         }
-        tile[e / width * (width + 1) + e % width] = v;
-        e += TILE * TILE;
+        tile[e / chunk * (chunk + 1) + e % chunk] = v;
+        e += UNITS;
     }
 }
 
-/// Keys `first..first + TILE` of block row `g` (head `h`) into `tile`
-/// (`TILE x width`, rows `width + 1` apart), zeros past the keys.
+/// Channels `c0..c0 + chunk` of keys `first..first + TILE` of block row
+/// `g` (head `h`) into `tile` (`TILE x chunk`, rows `chunk + 1` apart),
+/// zeros past the keys or the key width.
 #[cube]
 fn load_keys<F: Float>(
     x: &Operands<F>,
     g: usize,
     h: usize,
     first: usize,
+    c0: usize,
     tile: &mut SharedMemory<F>,
-    #[comptime] width: usize,
+    #[comptime] chunk: usize,
 ) {
     let keys = key_count::<F>(x);
     let mut e = UNIT_POS as usize;
-    while e < TILE * width {
-        let n = first + e / width;
+    while e < TILE * chunk {
+        let (n, c) = (first + e / chunk, c0 + e % chunk);
         let mut v = F::new(0.0);
-        if n < keys {
-            v = key::<F>(x, g, h, n, e % width);
+        if n < keys && c < x.q.shape(2) {
+            v = key::<F>(x, g, h, n, c);
         }
-        tile[e / width * (width + 1) + e % width] = v;
-        e += TILE * TILE;
+        tile[e / chunk * (chunk + 1) + e % chunk] = v;
+        e += UNITS;
     }
 }
 
-/// Channels `c0..c0 + CHUNK` of the values of keys `first..first + TILE`
-/// into `tile` (`TILE x CHUNK`), zeros past the keys or channels.
+/// Channels `c0..c0 + chunk` of the values of keys `first..first + TILE`
+/// into `tile` (`TILE x chunk`, rows `chunk + 1` apart), zeros past the
+/// keys or channels.
 #[cube]
 fn load_values<F: Float>(
     x: &Operands<F>,
@@ -270,23 +290,24 @@ fn load_values<F: Float>(
     first: usize,
     c0: usize,
     tile: &mut SharedMemory<F>,
+    #[comptime] chunk: usize,
 ) {
     let keys = key_count::<F>(x);
     let mut e = UNIT_POS as usize;
-    while e < TILE * CHUNK {
-        let n = first + e / CHUNK;
-        let c = c0 + e % CHUNK;
+    while e < TILE * chunk {
+        let (n, c) = (first + e / chunk, c0 + e % chunk);
         let mut v = F::new(0.0);
         if n < keys && c < x.v.shape(2) {
             v = value::<F>(x, g, n, c);
         }
-        tile[e] = v;
-        e += TILE * TILE;
+        tile[e / chunk * (chunk + 1) + e % chunk] = v;
+        e += UNITS;
     }
 }
 
-/// Channels `c0..c0 + CHUNK` of the output gradient of queries
-/// `first..first + TILE` into `tile` (`TILE x CHUNK`), zeros past them.
+/// Channels `c0..c0 + chunk` of the output gradient of queries
+/// `first..first + TILE` into `tile` (`TILE x chunk`, rows `chunk + 1`
+/// apart), zeros past them.
 #[cube]
 fn load_grads<F: Float>(
     grad: &Tensor<F>,
@@ -294,102 +315,128 @@ fn load_grads<F: Float>(
     first: usize,
     c0: usize,
     tile: &mut SharedMemory<F>,
+    #[comptime] chunk: usize,
 ) {
     let mut e = UNIT_POS as usize;
-    while e < TILE * CHUNK {
-        let i = first + e / CHUNK;
-        let c = c0 + e % CHUNK;
+    while e < TILE * chunk {
+        let (i, c) = (first + e / chunk, c0 + e % chunk);
         let mut v = F::new(0.0);
         if i < grad.shape(1) && c < grad.shape(2) {
             v = grad[g * grad.stride(0) + i * grad.stride(1) + c * grad.stride(2)];
         }
-        tile[e] = v;
-        e += TILE * TILE;
+        tile[e / chunk * (chunk + 1) + e % chunk] = v;
+        e += UNITS;
     }
 }
 
-/// The score of key `n` for query `i`, whose rows are `k_row` of `keys`
-/// and `q_row` of `queries`; `NEG` where masked.
+/// Unit `(y, z)`'s four products of a row pair and a column pair over
+/// `count` channels: `dots[2a + b] += sum_c rows[y + a SIDE, at_r + c]
+/// cols[z + b SIDE, at_c + c]` for `a, b` in `0..2`. Four loads for four
+/// multiply-adds, where a unit of one product per score made two loads
+/// per multiply-add.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn score<F: Float>(
+fn pair_products<F: Float>(
+    dots: &mut Array<F>,
+    rows: &SharedMemory<F>,
+    at_r: usize,
+    cols: &SharedMemory<F>,
+    at_c: usize,
+    y: usize,
+    z: usize,
+    #[comptime] count: usize,
+    #[comptime] row_stride: usize,
+    #[comptime] col_stride: usize,
+) {
+    let (r0, r1) = (y * row_stride + at_r, (y + SIDE) * row_stride + at_r);
+    let (k0, k1) = (z * col_stride + at_c, (z + SIDE) * col_stride + at_c);
+    for c in 0..count {
+        let (a0, a1) = (rows[r0 + c], rows[r1 + c]);
+        let (b0, b1) = (cols[k0 + c], cols[k1 + c]);
+        dots[0usize] += a0 * b0;
+        dots[1usize] += a0 * b1;
+        dots[2usize] += a1 * b0;
+        dots[3usize] += a1 * b1;
+    }
+}
+
+/// `q_i . key_n` for the unit's two queries and two keys, `KEY_CHUNK`
+/// channels at a time through `queries` and `keys` (`TILE x KEY_CHUNK`
+/// each): queries `q_first + y + a SIDE` and keys `k_first + z + b SIDE`
+/// at `[2a + b]`, or with `by_key` keys on the unit's rows (`k_first + y
+/// + a SIDE`) and queries on its columns. Every unit of the cube calls it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn query_key_dots<F: Float>(
     x: &Operands<F>,
     g: usize,
-    i: usize,
-    n: usize,
-    queries: &SharedMemory<F>,
-    q_row: usize,
-    keys: &SharedMemory<F>,
-    k_row: usize,
+    h: usize,
+    q_first: usize,
+    k_first: usize,
+    queries: &mut SharedMemory<F>,
+    keys: &mut SharedMemory<F>,
+    y: usize,
+    z: usize,
     #[comptime] width: usize,
-) -> F {
+    #[comptime] by_key: bool,
+) -> Array<F> {
+    let mut dots = zeros::<F>(4usize);
+    let mut c0 = 0usize;
+    while c0 < width {
+        sync_cube();
+        load_queries::<F>(x, g, q_first, c0, queries, KEY_CHUNK);
+        load_keys::<F>(x, g, h, k_first, c0, keys, KEY_CHUNK);
+        sync_cube();
+        if by_key {
+            pair_products::<F>(
+                &mut dots,
+                keys,
+                0,
+                queries,
+                0,
+                y,
+                z,
+                KEY_CHUNK,
+                comptime!(KEY_CHUNK + 1),
+                comptime!(KEY_CHUNK + 1),
+            );
+        } else {
+            pair_products::<F>(
+                &mut dots,
+                queries,
+                0,
+                keys,
+                0,
+                y,
+                z,
+                KEY_CHUNK,
+                comptime!(KEY_CHUNK + 1),
+                comptime!(KEY_CHUNK + 1),
+            );
+        }
+        c0 += KEY_CHUNK;
+    }
+    dots
+}
+
+/// The score of key `n` for query `i` whose product `q_i . key_n` is
+/// `dot`: `NEG` where masked.
+#[cube]
+fn score<F: Float>(x: &Operands<F>, g: usize, i: usize, n: usize, dot: F) -> F {
     let t = term::<F>(x, g, i, n);
     let mut s = F::new(NEG);
     if t > F::new(NEG) {
-        let mut dot = F::new(0.0);
-        for c in 0..width {
-            dot += queries[q_row * (width + 1) + c] * keys[k_row * (width + 1) + c];
-        }
         s = dot + t;
     }
     s
 }
 
-/// `dO_i . value_n` over every value channel, `CHUNK` channels at a time,
-/// for the query of `query_row` and the key of `key_row` of the tiles at
-/// `first_query` and `first_key` (`grads`, `values`: `TILE x CHUNK` each,
-/// rows `CHUNK + 1` apart).
-/// Every unit of the cube calls it.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn grad_dot_value<F: Float>(
-    x: &Operands<F>,
-    grad: &Tensor<F>,
-    g: usize,
-    first_query: usize,
-    first_key: usize,
-    query_row: usize,
-    key_row: usize,
-    grads: &mut SharedMemory<F>,
-    values: &mut SharedMemory<F>,
-) -> F {
-    let l = x.q.shape(1);
-    let width = x.v.shape(2);
-    let keys = key_count::<F>(x);
-    let mut dp = F::new(0.0);
-    let mut c0 = 0;
-    while c0 < width {
-        sync_cube();
-        let mut e = UNIT_POS as usize;
-        while e < TILE * CHUNK {
-            let (row, c) = (e / CHUNK, c0 + e % CHUNK);
-            let mut a = F::new(0.0);
-            let mut b = F::new(0.0);
-            if first_query + row < l && c < width {
-                a = grad[g * grad.stride(0)
-                    + (first_query + row) * grad.stride(1)
-                    + c * grad.stride(2)];
-            }
-            if first_key + row < keys && c < width {
-                b = value::<F>(x, g, first_key + row, c);
-            }
-            grads[row * (CHUNK + 1) + e % CHUNK] = a;
-            values[row * (CHUNK + 1) + e % CHUNK] = b;
-            e += TILE * TILE;
-        }
-        sync_cube();
-        for t in 0..CHUNK {
-            dp += grads[query_row * (CHUNK + 1) + t] * values[key_row * (CHUNK + 1) + t];
-        }
-        c0 += CHUNK;
-    }
-    dp
-}
-
-/// Unit `(y, z)`'s share of a tile product: `acc[at + j] += sum_t
-/// weights[y, t] rows[t, z + j TILE]` for the `count` columns `z, z +
-/// TILE, ...` below `width` (`weights`: `TILE x TILE`; `rows`: `TILE`
-/// rows `stride` apart).
+/// Unit `(y, z)`'s share of a tile product over a tile's `TILE` inner
+/// indices: `acc[a per + at + j] += sum_t weights[y + a SIDE, t] rows[t,
+/// z + j SIDE]` for its two rows `a` and the `count` columns `z, z +
+/// SIDE, ...` below `width` (`weights`: `TILE x TILE`; `rows`: `TILE` rows
+/// `stride` apart). Each weight and each row element is read once for
+/// two multiply-adds.
 #[cube]
 // The two branches differ at compile time: one is a comptime `if`.
 #[allow(clippy::too_many_arguments, clippy::if_same_then_else)]
@@ -400,50 +447,67 @@ fn accumulate<F: Float>(
     y: usize,
     z: usize,
     at: usize,
+    #[comptime] per: usize,
     #[comptime] count: usize,
     #[comptime] stride: usize,
     #[comptime] width: usize,
 ) {
-    // Each weight is read once for all of the unit's columns, which stay
-    // at constant indices (unrolled); a whole number of tiles needs no bound.
     for t in 0..TILE {
-        let w = weights[y * TILE + t];
+        let w0 = weights[y * TILE + t];
+        let w1 = weights[(y + SIDE) * TILE + t];
         #[unroll]
         for j in 0..count {
-            let c = z + j * TILE;
-            if comptime!(count * TILE <= width) {
-                acc[at + j] += w * rows[t * stride + c];
+            let c = z + j * SIDE;
+            if comptime!(count * SIDE <= width) {
+                let r = rows[t * stride + c];
+                acc[at + j] += w0 * r;
+                acc[per + at + j] += w1 * r;
             } else if c < width {
-                acc[at + j] += w * rows[t * stride + c];
+                let r = rows[t * stride + c];
+                acc[at + j] += w0 * r;
+                acc[per + at + j] += w1 * r;
             }
         }
     }
 }
 
-/// The sum over row `y`'s units of each one's `part`, through `scratch`
-/// (`TILE x TILE`). Every unit of the cube calls it.
+/// Each of the unit's two rows' sum over its `SIDE` units of their
+/// `parts[a]`, through `scratch` (`TILE x SIDE` at least). Every unit of
+/// the cube calls it.
 #[cube]
-fn row_sum<F: Float>(scratch: &mut SharedMemory<F>, y: usize, z: usize, part: F) -> F {
+fn row_sums<F: Float>(
+    scratch: &mut SharedMemory<F>,
+    y: usize,
+    z: usize,
+    parts: &Array<F>,
+) -> Array<F> {
     sync_cube();
-    scratch[y * TILE + z] = part;
-    sync_cube();
-    let mut total = F::new(0.0);
-    for t in 0..TILE {
-        total += scratch[y * TILE + t];
+    #[unroll]
+    for a in 0..2usize {
+        scratch[(y + a * SIDE) * SIDE + z] = parts[a];
     }
-    total
+    sync_cube();
+    let mut totals = zeros::<F>(2usize);
+    #[unroll]
+    for a in 0..2usize {
+        for t in 0..SIDE {
+            totals[a] += scratch[(y + a * SIDE) * SIDE + t];
+        }
+    }
+    totals
 }
 
 /// The channel of unit `z`'s accumulator `j` within its slice: chunk
-/// `j / PER_CHUNK`, column `z + (j % PER_CHUNK) TILE` of it.
+/// `j / PER_CHUNK`, column `z + (j % PER_CHUNK) SIDE` of it.
 #[cube]
 fn channel(z: usize, j: usize) -> usize {
-    j / PER_CHUNK * CHUNK + z + j % PER_CHUNK * TILE
+    j / PER_CHUNK * CHUNK + z + j % PER_CHUNK * SIDE
 }
 
-/// A query tile's output in one slice of `per_unit TILE` value channels
+/// A query tile's output in one slice of `per_unit SIDE` value channels
 /// and (slice 0) its log-sum-exp, in one pass over the keys: a cube per
-/// `(g, query tile, slice)`.
+/// `(g, query tile, slice)`. Unit `(y, z)` weighs queries `y`, `y + SIDE`
+/// of the tile against keys `z`, `z + SIDE` of each key tile.
 #[cube(launch)]
 fn attend<F: Float>(
     x: &Operands<F>,
@@ -457,62 +521,100 @@ fn attend<F: Float>(
     let dv = x.v.shape(2);
     let keys = key_count::<F>(x);
     let tiles = parts(l, TILE);
-    let slices = parts(dv, comptime!(per_unit * TILE));
+    let slices = parts(dv, comptime!(per_unit * SIDE));
     if CUBE_POS >= x.q.shape(0) * tiles * slices {
         terminate!();
     }
     let g = CUBE_POS / (tiles * slices);
     let first = (CUBE_POS / slices % tiles) * TILE;
-    let c0 = (CUBE_POS % slices) * comptime!(per_unit * TILE);
+    let c0 = (CUBE_POS % slices) * comptime!(per_unit * SIDE);
     let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
     let h = head::<F>(x, g);
-    let i = first + y;
-    let mut queries = SharedMemory::<F>::new(TILE * (width + 1));
-    let mut key_tile = SharedMemory::<F>::new(TILE * (width + 1));
-    let mut scores = SharedMemory::<F>::new(TILE * TILE);
+    let mut queries = SharedMemory::<F>::new(TILE * (KEY_CHUNK + 1));
+    let mut key_tile = SharedMemory::<F>::new(TILE * (KEY_CHUNK + 1));
     let mut probs = SharedMemory::<F>::new(TILE * TILE);
-    let mut values = SharedMemory::<F>::new(TILE * CHUNK);
-    load_queries::<F>(x, g, first, &mut queries, width);
+    let mut values = SharedMemory::<F>::new(TILE * (CHUNK + 1));
 
-    // Row y's running maximum and sum of exponents (every unit of the row
-    // keeps the same), and this unit's channels of the weighted values,
-    // all relative to the running maximum.
-    let mut m = F::new(NEG);
-    let mut total = F::new(0.0);
-    let mut acc = zeros::<F>(per_unit);
+    // Each of the unit's rows' running maximum and sum of exponents (every
+    // unit of the row keeps the same), and its channels of the weighted
+    // values, all relative to the running maximum.
+    let mut m = zeros::<F>(2usize);
+    #[unroll]
+    for a in 0..2usize {
+        m[a] = F::new(NEG);
+    }
+    let mut total = zeros::<F>(2usize);
+    let mut acc = zeros::<F>(comptime!(2 * per_unit));
     let mut n0 = 0;
     while n0 < keys {
-        sync_cube();
-        load_keys::<F>(x, g, h, n0, &mut key_tile, width);
-        sync_cube();
-        let s = score::<F>(x, g, i, n0 + z, &queries, y, &key_tile, z, width);
-        scores[y * TILE + z] = s;
-        sync_cube();
-        let mut top = m;
-        for t in 0..TILE {
-            top = F::max(top, scores[y * TILE + t]);
+        let dots = query_key_dots::<F>(
+            x,
+            g,
+            h,
+            first,
+            n0,
+            &mut queries,
+            &mut key_tile,
+            y,
+            z,
+            width,
+            false,
+        );
+        let mut s = zeros::<F>(4usize);
+        #[unroll]
+        for a in 0..2usize {
+            #[unroll]
+            for b in 0..2usize {
+                let (i, n) = (first + y + a * SIDE, n0 + z + b * SIDE);
+                s[2 * a + b] = score::<F>(x, g, i, n, dots[2 * a + b]);
+                probs[(y + a * SIDE) * TILE + z + b * SIDE] = s[2 * a + b];
+            }
         }
-        let mut p = F::new(0.0);
-        if s > F::new(NEG) {
-            p = (s - top).exp();
-        }
-        probs[y * TILE + z] = p;
-        // exp(m - top) is 0 while m is still NEG and 1 while both are.
-        let rescale = (m - top).exp();
-        m = top;
-        for j in 0..per_unit {
-            acc[j] *= rescale;
+        sync_cube();
+        let mut top = zeros::<F>(2usize);
+        #[unroll]
+        for a in 0..2usize {
+            let mut most = m[a];
+            for t in 0..TILE {
+                most = F::max(most, probs[(y + a * SIDE) * TILE + t]);
+            }
+            top[a] = most;
         }
         sync_cube();
-        let mut row = F::new(0.0);
-        for t in 0..TILE {
-            row += probs[y * TILE + t];
+        #[unroll]
+        for a in 0..2usize {
+            #[unroll]
+            for b in 0..2usize {
+                let mut p = F::new(0.0);
+                if s[2 * a + b] > F::new(NEG) {
+                    p = (s[2 * a + b] - top[a]).exp();
+                }
+                probs[(y + a * SIDE) * TILE + z + b * SIDE] = p;
+            }
         }
-        total = total * rescale + row;
+        #[unroll]
+        for a in 0..2usize {
+            // exp(m - top) is 0 while m is still NEG and 1 while both are.
+            let rescale = (m[a] - top[a]).exp();
+            m[a] = top[a];
+            total[a] *= rescale;
+            for j in 0..per_unit {
+                acc[a * per_unit + j] *= rescale;
+            }
+        }
+        sync_cube();
+        #[unroll]
+        for a in 0..2usize {
+            let mut row = F::new(0.0);
+            for t in 0..TILE {
+                row += probs[(y + a * SIDE) * TILE + t];
+            }
+            total[a] += row;
+        }
         #[unroll]
         for k in 0..comptime!(per_unit / PER_CHUNK) {
             sync_cube();
-            load_values::<F>(x, g, n0, c0 + k * CHUNK, &mut values);
+            load_values::<F>(x, g, n0, c0 + k * CHUNK, &mut values, CHUNK);
             sync_cube();
             accumulate::<F>(
                 &mut acc,
@@ -521,28 +623,36 @@ fn attend<F: Float>(
                 y,
                 z,
                 k * PER_CHUNK,
+                per_unit,
                 PER_CHUNK,
-                CHUNK,
+                comptime!(CHUNK + 1),
                 CHUNK,
             );
         }
         n0 += TILE;
     }
-    if i < l {
-        for j in 0..per_unit {
-            let c = c0 + channel(z, j);
-            if c < dv {
-                out[g * out.stride(0) + i * out.stride(1) + c * out.stride(2)] = acc[j] / total;
+    #[unroll]
+    for a in 0..2usize {
+        let i = first + y + a * SIDE;
+        if i < l {
+            for j in 0..per_unit {
+                let c = c0 + channel(z, j);
+                if c < dv {
+                    out[g * out.stride(0) + i * out.stride(1) + c * out.stride(2)] =
+                        acc[a * per_unit + j] / total[a];
+                }
             }
-        }
-        if c0 == 0 && z == 0 {
-            lse[g * lse.stride(0) + i * lse.stride(1)] = m + total.ln();
+            if c0 == 0 && z == 0 {
+                lse[g * lse.stride(0) + i * lse.stride(1)] = m[a] + total[a].ln();
+            }
         }
     }
 }
 
 /// A query tile's `dq`, bias gradient rows, count weight gradient and
 /// `ds` of the window keys (`[G, L, 2L]`): a cube per `(g, query tile)`.
+/// Unit `(y, z)` takes queries `y`, `y + SIDE` of the tile and keys `z`,
+/// `z + SIDE` of each key tile.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn backward_query<F: Float>(
@@ -558,6 +668,7 @@ fn backward_query<F: Float>(
     #[define(F)] _dtype: StorageType,
 ) {
     let l = x.q.shape(1);
+    let dv = x.v.shape(2);
     let keys = key_count::<F>(x);
     let tiles = parts(l, TILE);
     if CUBE_POS >= x.q.shape(0) * tiles {
@@ -567,62 +678,117 @@ fn backward_query<F: Float>(
     let first = (CUBE_POS % tiles) * TILE;
     let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
     let h = head::<F>(x, g);
-    let i = first + y;
-    let mut queries = SharedMemory::<F>::new(TILE * (width + 1));
-    let mut key_tile = SharedMemory::<F>::new(TILE * (width + 1));
-    let mut grads = SharedMemory::<F>::new(TILE * (CHUNK + 1));
-    let mut values = SharedMemory::<F>::new(TILE * (CHUNK + 1));
+    // The key tile stays whole (for `dq = ds key`), its rows a whole number
+    // of chunks wide (zeros past the key width) so that the chunked
+    // products never read past a row.
+    let padded = comptime!(width.div_ceil(KEY_CHUNK) * KEY_CHUNK);
+    let mut key_tile = SharedMemory::<F>::new(TILE * (padded + 1));
+    // Query chunks, then output gradient chunks.
+    let mut rows = SharedMemory::<F>::new(TILE * (KEY_CHUNK + 1));
+    let mut values = SharedMemory::<F>::new(TILE * (KEY_CHUNK + 1));
     let mut ds_tile = SharedMemory::<F>::new(TILE * TILE);
-    load_queries::<F>(x, g, first, &mut queries, width);
-    // D = dO_i . O_i, each unit of row y summing every TILE-th channel.
-    let mut part = F::new(0.0);
-    let mut own_lse = F::new(0.0);
-    if i < l {
-        own_lse = lse[g * lse.stride(0) + i * lse.stride(1)];
-        let mut c = z;
-        while c < x.v.shape(2) {
-            part += grad[g * grad.stride(0) + i * grad.stride(1) + c * grad.stride(2)]
-                * out[g * out.stride(0) + i * out.stride(1) + c * out.stride(2)];
-            c += TILE;
+    // D = dO_i . O_i, each unit summing every SIDE-th channel of its rows.
+    let mut part = zeros::<F>(2usize);
+    let mut own_lse = zeros::<F>(2usize);
+    #[unroll]
+    for a in 0..2usize {
+        let i = first + y + a * SIDE;
+        if i < l {
+            own_lse[a] = lse[g * lse.stride(0) + i * lse.stride(1)];
+            let mut c = z;
+            while c < dv {
+                part[a] += grad[g * grad.stride(0) + i * grad.stride(1) + c * grad.stride(2)]
+                    * out[g * out.stride(0) + i * out.stride(1) + c * out.stride(2)];
+                c += SIDE;
+            }
         }
     }
-    let own_delta = row_sum::<F>(&mut ds_tile, y, z, part);
-    let bias_at = bias_row::<F>(x, dbias, g, i);
-    let per_unit = comptime!(width.div_ceil(TILE));
-    let mut acc = zeros::<F>(per_unit);
-    let mut weight_grad = F::new(0.0);
+    let own_delta = row_sums::<F>(&mut ds_tile, y, z, &part);
+    let per_unit = comptime!(width.div_ceil(SIDE));
+    let mut acc = zeros::<F>(comptime!(2 * per_unit));
+    let mut weight_grad = zeros::<F>(2usize);
     let mut n0 = 0;
     while n0 < keys {
         sync_cube();
-        load_keys::<F>(x, g, h, n0, &mut key_tile, width);
-        sync_cube();
-        let n = n0 + z;
-        let s = score::<F>(x, g, i, n, &queries, y, &key_tile, z, width);
-        let dp = grad_dot_value::<F>(x, grad, g, first, n0, y, z, &mut grads, &mut values);
-        let mut ds = F::new(0.0);
-        if s > F::new(NEG) {
-            ds = (s - own_lse).exp() * (dp - own_delta);
+        load_keys::<F>(x, g, h, n0, 0, &mut key_tile, padded);
+        let mut dots = zeros::<F>(4usize);
+        let mut kc = 0usize;
+        while kc < width {
+            sync_cube();
+            load_queries::<F>(x, g, first, kc, &mut rows, KEY_CHUNK);
+            sync_cube();
+            pair_products::<F>(
+                &mut dots,
+                &rows,
+                0,
+                &key_tile,
+                kc,
+                y,
+                z,
+                KEY_CHUNK,
+                comptime!(KEY_CHUNK + 1),
+                comptime!(padded + 1),
+            );
+            kc += KEY_CHUNK;
         }
-        ds_tile[y * TILE + z] = ds;
-        if i < l && n < 2 * l {
-            ds_window
-                [g * ds_window.stride(0) + i * ds_window.stride(1) + n * ds_window.stride(2)] = ds;
+        // dO_i . value_n over every value channel.
+        let mut dp = zeros::<F>(4usize);
+        let mut vc = 0usize;
+        while vc < dv {
+            sync_cube();
+            load_grads::<F>(grad, g, first, vc, &mut rows, KEY_CHUNK);
+            load_values::<F>(x, g, n0, vc, &mut values, KEY_CHUNK);
+            sync_cube();
+            pair_products::<F>(
+                &mut dp,
+                &rows,
+                0,
+                &values,
+                0,
+                y,
+                z,
+                KEY_CHUNK,
+                comptime!(KEY_CHUNK + 1),
+                comptime!(KEY_CHUNK + 1),
+            );
+            vc += KEY_CHUNK;
         }
-        // Distance i - n to a present key, L + i - j to previous key j >= i:
-        // each of the row's L + 1 distances is one window key's.
-        if i < l && n < l {
-            if n <= i {
-                dbias[bias_at + (i - n) * dbias.stride(3)] = ds;
-            }
-        } else if i < l && n < 2 * l {
-            let j = n - l;
-            if j >= i {
-                dbias[bias_at + (l + i - j) * dbias.stride(3)] = ds;
-            }
-        } else if i < l && n < keys {
-            let a = x.log_counts[g * x.log_counts.stride(0) + (n - 2 * l) * x.log_counts.stride(1)];
-            if a > F::new(NEG) {
-                weight_grad += ds * a;
+        #[unroll]
+        for a in 0..2usize {
+            let i = first + y + a * SIDE;
+            let bias_at = bias_row::<F>(x, dbias, g, i);
+            #[unroll]
+            for b in 0..2usize {
+                let n = n0 + z + b * SIDE;
+                let s = score::<F>(x, g, i, n, dots[2 * a + b]);
+                let mut ds = F::new(0.0);
+                if s > F::new(NEG) {
+                    ds = (s - own_lse[a]).exp() * (dp[2 * a + b] - own_delta[a]);
+                }
+                ds_tile[(y + a * SIDE) * TILE + z + b * SIDE] = ds;
+                if i < l && n < 2 * l {
+                    ds_window[g * ds_window.stride(0)
+                        + i * ds_window.stride(1)
+                        + n * ds_window.stride(2)] = ds;
+                }
+                // Distance i - n to a present key, L + i - j to previous key
+                // j >= i: each of the row's L + 1 distances is one window key's.
+                if i < l && n < l {
+                    if n <= i {
+                        dbias[bias_at + (i - n) * dbias.stride(3)] = ds;
+                    }
+                } else if i < l && n < 2 * l {
+                    let j = n - l;
+                    if j >= i {
+                        dbias[bias_at + (l + i - j) * dbias.stride(3)] = ds;
+                    }
+                } else if i < l && n < keys {
+                    let w = x.log_counts
+                        [g * x.log_counts.stride(0) + (n - 2 * l) * x.log_counts.stride(1)];
+                    if w > F::new(NEG) {
+                        weight_grad[a] += ds * w;
+                    }
+                }
             }
         }
         sync_cube();
@@ -634,26 +800,36 @@ fn backward_query<F: Float>(
             z,
             0,
             per_unit,
-            comptime!(width + 1),
+            per_unit,
+            comptime!(padded + 1),
             width,
         );
         n0 += TILE;
     }
-    for j in 0..per_unit {
-        let c = z + j * TILE;
-        if i < l && c < width {
-            dq[g * dq.stride(0) + i * dq.stride(1) + c * dq.stride(2)] = acc[j];
+    #[unroll]
+    for a in 0..2usize {
+        let i = first + y + a * SIDE;
+        for j in 0..per_unit {
+            let c = z + j * SIDE;
+            if i < l && c < width {
+                dq[g * dq.stride(0) + i * dq.stride(1) + c * dq.stride(2)] = acc[a * per_unit + j];
+            }
         }
     }
-    let total = row_sum::<F>(&mut ds_tile, y, z, weight_grad);
-    if z == 0 && i < l {
-        dweight[g * dweight.stride(0) + i * dweight.stride(1)] = total;
+    let totals = row_sums::<F>(&mut ds_tile, y, z, &weight_grad);
+    #[unroll]
+    for a in 0..2usize {
+        let i = first + y + a * SIDE;
+        if z == 0 && i < l {
+            dweight[g * dweight.stride(0) + i * dweight.stride(1)] = totals[a];
+        }
     }
 }
 
 /// A key tile's value gradients (`dv`, `dv_prev` or the cache means') in
-/// one slice of `per_unit TILE` channels, `p^T dO`: a cube per `(g, key
-/// tile, slice)`.
+/// one slice of `per_unit SIDE` channels, `p^T dO`: a cube per `(g, key
+/// tile, slice)`. Unit `(y, z)` takes keys `y`, `y + SIDE` of the tile and
+/// queries `z`, `z + SIDE` of each query tile.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn backward_values<F: Float>(
@@ -671,39 +847,52 @@ fn backward_values<F: Float>(
     let channels = x.v.shape(2);
     let keys = key_count::<F>(x);
     let tiles = parts(keys, TILE);
-    let slices = parts(channels, comptime!(per_unit * TILE));
+    let slices = parts(channels, comptime!(per_unit * SIDE));
     if CUBE_POS >= x.q.shape(0) * tiles * slices {
         terminate!();
     }
     let g = CUBE_POS / (tiles * slices);
     let first = (CUBE_POS / slices % tiles) * TILE;
-    let c0 = (CUBE_POS % slices) * comptime!(per_unit * TILE);
-    // Unit (y, z): key `first + y`, query `i0 + z` of each query tile.
+    let c0 = (CUBE_POS % slices) * comptime!(per_unit * SIDE);
     let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
     let h = head::<F>(x, g);
-    let n = first + y;
-    let mut queries = SharedMemory::<F>::new(TILE * (width + 1));
-    let mut key_tile = SharedMemory::<F>::new(TILE * (width + 1));
-    let mut grads = SharedMemory::<F>::new(TILE * CHUNK);
+    let mut queries = SharedMemory::<F>::new(TILE * (KEY_CHUNK + 1));
+    let mut key_tile = SharedMemory::<F>::new(TILE * (KEY_CHUNK + 1));
+    let mut grads = SharedMemory::<F>::new(TILE * (CHUNK + 1));
     let mut probs = SharedMemory::<F>::new(TILE * TILE);
-    load_keys::<F>(x, g, h, first, &mut key_tile, width);
-    let mut acc = zeros::<F>(per_unit);
+    let mut acc = zeros::<F>(comptime!(2 * per_unit));
     let mut i0 = 0;
     while i0 < l {
-        sync_cube();
-        load_queries::<F>(x, g, i0, &mut queries, width);
-        sync_cube();
-        let i = i0 + z;
-        let s = score::<F>(x, g, i, n, &queries, z, &key_tile, y, width);
-        let mut p = F::new(0.0);
-        if s > F::new(NEG) {
-            p = (s - lse[g * lse.stride(0) + i * lse.stride(1)]).exp();
+        let dots = query_key_dots::<F>(
+            x,
+            g,
+            h,
+            i0,
+            first,
+            &mut queries,
+            &mut key_tile,
+            y,
+            z,
+            width,
+            true,
+        );
+        #[unroll]
+        for a in 0..2usize {
+            #[unroll]
+            for b in 0..2usize {
+                let (n, i) = (first + y + a * SIDE, i0 + z + b * SIDE);
+                let s = score::<F>(x, g, i, n, dots[2 * a + b]);
+                let mut p = F::new(0.0);
+                if s > F::new(NEG) {
+                    p = (s - lse[g * lse.stride(0) + i * lse.stride(1)]).exp();
+                }
+                probs[(y + a * SIDE) * TILE + z + b * SIDE] = p;
+            }
         }
-        probs[y * TILE + z] = p;
         #[unroll]
         for k in 0..comptime!(per_unit / PER_CHUNK) {
             sync_cube();
-            load_grads::<F>(grad, g, i0, c0 + k * CHUNK, &mut grads);
+            load_grads::<F>(grad, g, i0, c0 + k * CHUNK, &mut grads, CHUNK);
             sync_cube();
             accumulate::<F>(
                 &mut acc,
@@ -712,26 +901,32 @@ fn backward_values<F: Float>(
                 y,
                 z,
                 k * PER_CHUNK,
+                per_unit,
                 PER_CHUNK,
-                CHUNK,
+                comptime!(CHUNK + 1),
                 CHUNK,
             );
         }
         i0 += TILE;
     }
-    for j in 0..per_unit {
-        let c = c0 + channel(z, j);
-        if c < channels {
-            if n < l {
-                dv[g * dv.stride(0) + n * dv.stride(1) + c * dv.stride(2)] = acc[j];
-            } else if n < 2 * l {
-                dv_prev
-                    [g * dv_prev.stride(0) + (n - l) * dv_prev.stride(1) + c * dv_prev.stride(2)] =
-                    acc[j];
-            } else if n < keys {
-                dmeans[g * dmeans.stride(0)
-                    + (n - 2 * l) * dmeans.stride(1)
-                    + c * dmeans.stride(2)] = acc[j];
+    #[unroll]
+    for a in 0..2usize {
+        let n = first + y + a * SIDE;
+        for j in 0..per_unit {
+            let c = c0 + channel(z, j);
+            let v = acc[a * per_unit + j];
+            if c < channels {
+                if n < l {
+                    dv[g * dv.stride(0) + n * dv.stride(1) + c * dv.stride(2)] = v;
+                } else if n < 2 * l {
+                    dv_prev[g * dv_prev.stride(0)
+                        + (n - l) * dv_prev.stride(1)
+                        + c * dv_prev.stride(2)] = v;
+                } else if n < keys {
+                    dmeans[g * dmeans.stride(0)
+                        + (n - 2 * l) * dmeans.stride(1)
+                        + c * dmeans.stride(2)] = v;
+                }
             }
         }
     }
@@ -776,9 +971,9 @@ fn fold_previous<F: Float>(
     }
 }
 
-/// A cube of `TILE x TILE` units.
+/// A cube of `SIDE x SIDE` units.
 fn tile_dim() -> CubeDim {
-    CubeDim::new_2d(TILE as u32, TILE as u32)
+    CubeDim::new_2d(SIDE as u32, SIDE as u32)
 }
 
 /// `[G, L, K, V, S]` of an input.
@@ -830,7 +1025,7 @@ pub(super) fn forward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTens
     let out = empty_like(&x.q, vec![g, l, dv], dtype);
     let lse = empty_like(&x.q, vec![g, l], dtype);
     let per_unit = per_unit(dv);
-    let slices = dv.div_ceil(per_unit * TILE);
+    let slices = dv.div_ceil(per_unit * SIDE);
     attend::launch::<R>(
         &x.q.client,
         cubes(g * l.div_ceil(TILE) * slices),
@@ -885,7 +1080,7 @@ pub(super) fn backward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTen
     let per_unit = per_unit(dv);
     backward_values::launch::<R>(
         &client,
-        cubes(g * (2 * l + s).div_ceil(TILE) * dv.div_ceil(per_unit * TILE)),
+        cubes(g * (2 * l + s).div_ceil(TILE) * dv.div_ceil(per_unit * SIDE)),
         tile_dim(),
         operands(&x),
         lse.into_tensor_arg(),

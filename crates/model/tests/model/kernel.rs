@@ -417,13 +417,13 @@ fn cases() -> [Case; 11] {
             carried: true,
             ..BASE
         },
-        // Several query and key tiles, each with a partial last one, and
-        // keys wider than a tile.
+        // Several query and key tiles (32 each on the GPUs), each with a
+        // partial last one, and keys wider than a chunk of channels.
         Case {
             b: 1,
             h: 2,
             r: 3,
-            l: 21,
+            l: 37,
             k: 37,
             v: 150,
             s: 19,
