@@ -524,13 +524,14 @@ impl<Bk: TrainBackend> Trainer<Bk> {
         &mut self,
         step: u64,
         lr: f64,
-        mut grads: GradientsParams,
+        grads: GradientsParams,
         stats: &[CodebookStats<Bk>],
         scale: f64,
     ) -> (f64, bool) {
         let model = self.model.take().expect("the model is in place");
         let optimizer = tracing::debug_span!("optimizer").entered();
-        let grad_norm = clip_global_norm(&model, &mut grads, self.settings.grad_clip, scale);
+        let clip = clip_global_norm(&model, &grads, self.settings.grad_clip, scale);
+        let grad_norm = clip.norm;
         let skipped = self.state.loss_scale.is_some() && !grad_norm.is_finite();
         if let Some(s) = &mut self.state.loss_scale {
             s.update(!skipped);
@@ -543,7 +544,7 @@ impl<Bk: TrainBackend> Trainer<Bk> {
             self.model = Some(model);
             return (grad_norm, true);
         }
-        let model = self.optim.step(lr, model, grads);
+        let model = self.optim.step(lr, model, grads, clip.factor);
         drop(optimizer);
         let _ema = tracing::debug_span!("ema").entered();
         self.model = Some(model.update_codebooks(stats, self.settings.codebook_decay));
@@ -1283,15 +1284,18 @@ pub(crate) mod tests {
     /// codebook statistics and carried state, then three steps, come out
     /// as the composed trainer's on the same device to rounding (within
     /// `tol` of the largest value), under both position terms the kernels
-    /// cover; each step's gradient norm too, by one kernel per step where
-    /// `norm_kernel`. A checkpoint of either resumes in the other exactly.
+    /// cover; each step's gradient norm and AdamW step too, by one kernel
+    /// each per step where `step_kernels`. A checkpoint of either resumes
+    /// in the other exactly.
     fn fused_trainer_takes_the_composed_steps<Bk: TrainBackend>(
         device: DispatchDevice,
         tol: f32,
-        norm_kernel: bool,
+        step_kernels: bool,
     ) {
         use tvq_model::RelativeBias;
-        use tvq_model::kernel::{fused_attention_calls, fused_norm_calls, fused_quantize_calls};
+        use tvq_model::kernel::{
+            fused_adamw_calls, fused_attention_calls, fused_norm_calls, fused_quantize_calls,
+        };
         let dir = tempfile::tempdir().unwrap();
         let settings = TrainSection {
             lr: 1e-2,
@@ -1316,7 +1320,7 @@ pub(crate) mod tests {
                 every_parameter(composed.model())
             );
             let calls = (fused_attention_calls(), fused_quantize_calls());
-            let norms = fused_norm_calls();
+            let (norms, adamws) = (fused_norm_calls(), fused_adamw_calls());
             // One segment's passes from the same weights: losses, every
             // gradient, the codebook statistics and the carried state.
             let first = batch(4, 8, true);
@@ -1341,8 +1345,13 @@ pub(crate) mod tests {
             );
             assert_eq!(
                 fused_norm_calls() - norms,
-                if norm_kernel { 4 } else { 0 },
+                if step_kernels { 4 } else { 0 },
                 "{bias:?}: the gradient norm's kernel per step"
+            );
+            assert_eq!(
+                fused_adamw_calls() - adamws,
+                if step_kernels { 4 } else { 0 },
+                "{bias:?}: the AdamW step's kernel per step"
             );
             let sublayer_passes = 5 * 2 * model.n_layer as u64;
             assert_eq!(
@@ -1414,7 +1423,7 @@ pub(crate) mod tests {
             TrainOn::choose(&TrainSection::default(), std::slice::from_ref(&cpu)),
             TrainOn::CpuFused
         );
-        // The CPU composes the gradient norm.
+        // The CPU composes the gradient norm and AdamW.
         fused_trainer_takes_the_composed_steps::<crate::placement::CpuFused>(
             cpu.clone(),
             1e-5,

@@ -79,8 +79,9 @@ const PER_CHUNK: usize = CHUNK / SIDE;
 const MAX_SLICE: usize = 512;
 
 /// Widest key a tile holds: `backward_query` keeps a whole key tile, `TILE
-/// (K + 1)` floats, beside three chunk tiles and its `ds`, in 32 KiB of
-/// shared memory. Wider keys compose.
+/// (K + 1)` floats, beside two chunk tiles (queries or output gradients,
+/// and values) and its `ds` tile, in 32 KiB of shared memory. Wider keys
+/// compose.
 pub const MAX_KEY_WIDTH: usize = 128;
 
 /// The score of a masked key. WGSL has no infinite literal; `exp(NEG - m)`

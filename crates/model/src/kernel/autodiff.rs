@@ -13,7 +13,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::ops::IntTensor;
 
 use super::{
-    AttentionKernelInput, BlockCaches, CodeTotals, FUSED_CALLS, NORM_CALLS, Nearest,
+    AdamwParam, AttentionKernelInput, BlockCaches, CodeTotals, FUSED_CALLS, NORM_CALLS, Nearest,
     QUANTIZE_CALLS, TOTALS_CALLS, VqBackend, VqKernels, count,
 };
 
@@ -102,6 +102,26 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
         let total = B::vq_sum_squares(tensors.into_iter().map(|t| t.primitive).collect())?;
         count(&NORM_CALLS);
         Some(Self::from_inner(total))
+    }
+
+    fn vq_adamw(params: Vec<AdamwParam<Self>>) -> Option<Vec<[FloatTensor<Self>; 3]>> {
+        // Values, not steps of the graph: new leaves.
+        let inner = params
+            .into_iter()
+            .map(|p| AdamwParam {
+                param: p.param.primitive,
+                grad: p.grad.primitive,
+                moments: p.moments.map(|m| m.map(|t| t.primitive)),
+                scalars: p.scalars,
+            })
+            .collect();
+        let stepped = <B as VqBackend>::vq_adamw(inner)?;
+        Some(
+            stepped
+                .into_iter()
+                .map(|three| three.map(Self::from_inner))
+                .collect(),
+        )
     }
 
     fn vq_totals_by_group(_: &Self::Device) -> bool {

@@ -13,7 +13,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{Shape, TensorMetadata};
 use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime, FusionTensor};
-use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
+use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
 use burn::tensor::ops::IntTensor;
 
@@ -41,6 +41,9 @@ enum Kernel {
     Backward { mask_first: bool, prev_grad: bool },
     /// Inputs: the tensors. Output: the sum of their squares, `[1]`.
     SumSquares,
+    /// Inputs: four tensors a parameter, then the table of scalars.
+    /// Outputs: three a parameter (`VqKernels::vq_adamw`'s).
+    Adamw,
 }
 
 impl Kernel {
@@ -64,6 +67,7 @@ impl Kernel {
                 (false, false) => "tvq_attention_backward_detached",
             },
             Self::SumSquares => "tvq_sum_squares",
+            Self::Adamw => "tvq_adamw",
         }
     }
 }
@@ -164,6 +168,18 @@ impl<B: FusionBackend + VqKernels> Operation<B::FusionRuntime> for Custom<B> {
                     B::vq_sum_squares(tensors).expect("queued only where the backend sums squares");
                 handles.register_float_tensor::<B>(&outputs[0].id, total);
             }
+            Kernel::Adamw => {
+                let mut tensors: Vec<_> = inputs
+                    .iter()
+                    .map(|ir| handles.get_float_tensor::<B>(ir))
+                    .collect();
+                let table = tensors.pop().expect("the table is the last input");
+                let stepped =
+                    B::vq_adamw(tensors, table).expect("queued only where the backend steps AdamW");
+                for (ir, t) in outputs.iter().zip(stepped) {
+                    handles.register_float_tensor::<B>(&ir.id, t);
+                }
+            }
         }
     }
 }
@@ -175,10 +191,23 @@ fn queue<B: FusionBackend + VqKernels, const N: usize>(
     inputs: Vec<FusionTensor<B::FusionRuntime>>,
     outputs: [(Shape, DType); N],
 ) -> [FusionTensor<B::FusionRuntime>; N] {
+    queue_all::<B>(kernel, inputs, outputs.into())
+        .try_into()
+        .expect("one tensor an output")
+}
+
+/// [`queue`] for outputs counted at run time.
+fn queue_all<B: FusionBackend + VqKernels>(
+    kernel: Kernel,
+    inputs: Vec<FusionTensor<B::FusionRuntime>>,
+    outputs: Vec<(Shape, DType)>,
+) -> Vec<FusionTensor<B::FusionRuntime>> {
     let client = inputs[0].client.clone();
     let streams = OperationStreams::with_inputs(&inputs);
-    let outputs =
-        outputs.map(|(shape, dtype)| TensorIr::uninit(client.create_empty_handle(), shape, dtype));
+    let outputs: Vec<TensorIr> = outputs
+        .into_iter()
+        .map(|(shape, dtype)| TensorIr::uninit(client.create_empty_handle(), shape, dtype))
+        .collect();
     let inputs: Vec<TensorIr> = inputs.into_iter().map(FusionTensor::into_ir).collect();
     let desc = CustomOpIr::new(kernel.name(), &inputs, &outputs);
     let op = Custom::<B> {
@@ -186,9 +215,7 @@ fn queue<B: FusionBackend + VqKernels, const N: usize>(
         kernel,
         backend: PhantomData,
     };
-    client
-        .register(streams, OperationIr::Custom(desc), op)
-        .outputs()
+    client.register(streams, OperationIr::Custom(desc), op)
 }
 
 /// [`AttentionKernelInput`]'s eleven tensors in the operation's order.
@@ -228,6 +255,27 @@ impl<B: FusionBackend + VqKernels> VqKernels for Fusion<B> {
         }
         let [total] = queue::<B, 1>(Kernel::SumSquares, tensors, [(Shape::new([1]), float)]);
         Some(total)
+    }
+
+    const STEPS_ADAMW: bool = B::STEPS_ADAMW;
+
+    fn vq_adamw(
+        tensors: Vec<FloatTensor<Self>>,
+        table: FloatTensor<Self>,
+    ) -> Option<Vec<FloatTensor<Self>>> {
+        let float = table.dtype();
+        // The kernel declines tensors of other types (as `B`'s does).
+        if !B::STEPS_ADAMW || tensors.iter().any(|t| t.dtype() != float) {
+            return None;
+        }
+        // Each parameter's new value and moments are of its shape.
+        let outputs = tensors
+            .chunks(4)
+            .flat_map(|four| [like(&four[0]), like(&four[2]), like(&four[3])])
+            .collect();
+        let mut inputs = tensors;
+        inputs.push(table);
+        Some(queue_all::<B>(Kernel::Adamw, inputs, outputs))
     }
 
     fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Nearest<Self> {

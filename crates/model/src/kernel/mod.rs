@@ -10,14 +10,15 @@
 //!
 //! | backend | fused |
 //! |---|---|
-//! | `CubeBackend<R, ..>` (cubecl: CUDA, wgpu), with or without `Autodiff` | [`attention`], [`quantizer`], code totals (`totals.rs`), the sum of squares of many tensors (`norm.rs`: the global gradient norm) |
+//! | `CubeBackend<R, ..>` (cubecl: CUDA, wgpu), with or without `Autodiff` | [`attention`], [`quantizer`], code totals (`totals.rs`), the sum of squares of many tensors (`norm.rs`: the global gradient norm), AdamW over many parameters (`adamw.rs`) |
 //! | `Fusion<B>` (burn's fusion over such a backend: burn's `Wgpu` and `Cuda` in the default build), with or without `Autodiff` | `B`'s, each a custom operation of the fusion stream (`fusion.rs`) |
 //! | `burn::Dispatch` (what `tvq` infers on, and trains on where the kernels do not cover a run) | the CPU's, forward only, on a CPU device without autodiff (inference); otherwise none: its tensors hide the backend they live on, so training with the kernels runs on `Autodiff<Flex>`, `Autodiff<burn::backend::Wgpu>` or `Autodiff<burn::backend::Cuda>`, and `tvq bench kernels` on those |
-//! | `Flex` (the CPU), with or without `Autodiff` | attention, quantizer and code totals in Rust over its buffers (`cpu.rs`); the sum of squares composes |
+//! | `Flex` (the CPU), with or without `Autodiff` | attention, quantizer and code totals in Rust over its buffers (`cpu.rs`); the sum of squares and AdamW compose |
 //!
 //! Shapes: `G = B H R` block rows, `L` block length, `K` key width, `V`
 //! value width, `S` codes, `T = R L`.
 
+mod adamw;
 pub mod attention;
 mod autodiff;
 mod cpu;
@@ -34,7 +35,7 @@ use burn::backend::flex::{Flex, FlexTensor};
 use burn::prelude::Backend;
 use burn::tensor::backend::DeviceOps;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps, IntTensor, IntTensorOps};
-use burn::tensor::{DType, TensorPrimitive};
+use burn::tensor::{DType, TensorData, TensorMetadata, TensorPrimitive};
 use burn::{Dispatch, DispatchDevice};
 use burn_cubecl::element::BoolElement;
 use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
@@ -42,7 +43,8 @@ use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
 /// The sources of tvq's cubecl kernels (every file of this folder with
 /// a `cube` attribute; a test keeps the list whole), hashed into
 /// [`SOURCE_HASH`].
-const SOURCES: [(&str, &[u8]); 5] = [
+const SOURCES: [(&str, &[u8]); 6] = [
+    ("adamw.rs", include_bytes!("adamw.rs")),
     ("attention.rs", include_bytes!("attention.rs")),
     ("launch.rs", include_bytes!("launch.rs")),
     ("norm.rs", include_bytes!("norm.rs")),
@@ -249,6 +251,71 @@ impl<B: Backend> BlockCaches<B> {
     }
 }
 
+/// One parameter's AdamW step as burn's `AdamW` takes it, operation by
+/// operation: the gradient `g` times `grad_scale` (clipping), the moments
+/// `m1 = beta1 m1 + (1 - beta1) g` and `m2 = beta2 m2 + (1 - beta2) g^2`
+/// (from zero before the first step), the update `u = (m1 / (1 -
+/// beta1^t)) / (sqrt(m2 / (1 - beta2^t)) + epsilon)` and the parameter
+/// `p (1 - lr weight_decay) - lr u`, every scalar taken in `f32` as burn
+/// takes it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamwScalars {
+    /// The learning rate.
+    pub lr: f64,
+    /// The decoupled weight decay.
+    pub weight_decay: f64,
+    /// The first moment's decay.
+    pub beta1: f32,
+    /// The second moment's decay.
+    pub beta2: f32,
+    /// Added to the second moment's root.
+    pub epsilon: f32,
+    /// The step `t` this is for the parameter (1 for its first).
+    pub time: usize,
+    /// The factor on the gradient (clipping's, the loss scale's inverse).
+    pub grad_scale: f64,
+}
+
+/// Columns of a row of [`VqKernels::vq_adamw`]'s table.
+const ROW: usize = 10;
+
+impl AdamwScalars {
+    /// The row of [`VqKernels::vq_adamw`]'s table: the learning rate,
+    /// what the parameter keeps of itself, the two bias corrections, each
+    /// moment's decay and its complement, `epsilon` and the gradient's
+    /// factor.
+    fn row(&self) -> [f32; ROW] {
+        let t = self.time as i32;
+        [
+            self.lr as f32,
+            (1.0 - self.lr * self.weight_decay) as f32,
+            1.0 - self.beta1.powi(t),
+            1.0 - self.beta2.powi(t),
+            self.beta1,
+            1.0 - self.beta1,
+            self.beta2,
+            1.0 - self.beta2,
+            self.epsilon,
+            self.grad_scale as f32,
+        ]
+    }
+}
+
+/// One parameter's input to [`VqBackend::vq_adamw`]; nothing carries
+/// gradient.
+#[derive(Clone, Debug)]
+pub struct AdamwParam<B: Backend> {
+    /// The parameter.
+    pub param: FloatTensor<B>,
+    /// Its gradient, of its shape.
+    pub grad: FloatTensor<B>,
+    /// Its first and second moments after its previous step; `None`
+    /// before its first.
+    pub moments: Option<[FloatTensor<B>; 2]>,
+    /// The step's scalars.
+    pub scalars: AdamwScalars,
+}
+
 /// The fused kernels a backend provides.
 pub trait VqKernels: Backend {
     /// The compressed cache each of a segment's `R` blocks sees: the
@@ -306,6 +373,24 @@ pub trait VqKernels: Backend {
     /// float type.
     fn vq_sum_squares(tensors: Vec<FloatTensor<Self>>) -> Option<FloatTensor<Self>> {
         let _ = tensors;
+        None
+    }
+
+    /// Whether [`Self::vq_adamw`] has a kernel (answers `Some`).
+    const STEPS_ADAMW: bool = false;
+
+    /// AdamW steps of many parameters ([`AdamwScalars`]): `tensors` holds
+    /// each parameter's four (the parameter, its gradient, its first and
+    /// second moments) in turn, `table` their scalars `[n, ROW]`
+    /// ([`AdamwScalars`]' rows) in the parameters' float type; the answer
+    /// holds each parameter's new value and moments in turn. `None` (the
+    /// default) where the backend has no kernel for it or the tensors are
+    /// not all of the table's float type.
+    fn vq_adamw(
+        tensors: Vec<FloatTensor<Self>>,
+        table: FloatTensor<Self>,
+    ) -> Option<Vec<FloatTensor<Self>>> {
+        let _ = (tensors, table);
         None
     }
 
@@ -368,6 +453,12 @@ pub trait VqBackend: Backend {
     /// or `None` where the backend has no kernel for it.
     fn vq_sum_squares(tensors: Vec<FloatTensor<Self>>) -> Option<FloatTensor<Self>>;
 
+    /// The AdamW steps of `params` (at least one, on one device) by
+    /// [`VqKernels::vq_adamw`]: each parameter's new value and moments
+    /// (`[param, m1, m2]`), or `None` where the backend has no kernel for
+    /// it.
+    fn vq_adamw(params: Vec<AdamwParam<Self>>) -> Option<Vec<[FloatTensor<Self>; 3]>>;
+
     /// Whether the composed totals of codes on `device` scatter within each
     /// group ([`VqKernels::TOTALS_BY_GROUP`]).
     fn vq_totals_by_group(device: &Self::Device) -> bool;
@@ -422,6 +513,36 @@ impl<B: VqKernels> VqBackend for B {
         Some(total)
     }
 
+    fn vq_adamw(params: Vec<AdamwParam<Self>>) -> Option<Vec<[FloatTensor<Self>; 3]>> {
+        if !B::STEPS_ADAMW {
+            return None;
+        }
+        let n = params.len();
+        let device = B::float_device(&params.first()?.param);
+        let float = params[0].param.dtype();
+        let mut rows = Vec::with_capacity(n * ROW);
+        let mut tensors = Vec::with_capacity(4 * n);
+        for p in params {
+            rows.extend(p.scalars.row());
+            // Zero moments before the first step: `0 beta + x` is `x`
+            // exactly, burn's first moments.
+            let [m1, m2] = p.moments.unwrap_or_else(|| {
+                let zeros = || B::float_zeros(p.param.shape(), &device, float.into());
+                [zeros(), zeros()]
+            });
+            tensors.extend([p.param, p.grad, m1, m2]);
+        }
+        let table = TensorData::new(rows, [n, ROW]).convert_dtype(float);
+        let table = B::float_from_data(table, &device);
+        let mut out = B::vq_adamw(tensors, table)?.into_iter();
+        count(&ADAMW_CALLS);
+        Some(
+            (0..n)
+                .map(|_| [(); 3].map(|_| out.next().expect("three tensors a parameter")))
+                .collect(),
+        )
+    }
+
     fn vq_totals_by_group(_: &Self::Device) -> bool {
         B::TOTALS_BY_GROUP
     }
@@ -463,6 +584,15 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
 
     fn vq_sum_squares(tensors: Vec<FloatTensor<Self>>) -> Option<FloatTensor<Self>> {
         norm::partials(tensors).map(Self::float_sum)
+    }
+
+    const STEPS_ADAMW: bool = true;
+
+    fn vq_adamw(
+        tensors: Vec<FloatTensor<Self>>,
+        table: FloatTensor<Self>,
+    ) -> Option<Vec<FloatTensor<Self>>> {
+        adamw::step(tensors, table)
     }
 
     fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Nearest<Self> {
@@ -562,6 +692,11 @@ impl VqBackend for Dispatch {
         None
     }
 
+    /// Composed, as [`Self::vq_code_totals`].
+    fn vq_adamw(_: Vec<AdamwParam<Self>>) -> Option<Vec<[FloatTensor<Self>; 3]>> {
+        None
+    }
+
     /// By group on every device but the CPU's (all others are cubecl's).
     fn vq_totals_by_group(device: &DispatchDevice) -> bool {
         !matches!(device.inner(), DispatchDevice::Flex(_))
@@ -590,6 +725,7 @@ thread_local! {
     static QUANTIZE_CALLS: Cell<u64> = const { Cell::new(0) };
     static TOTALS_CALLS: Cell<u64> = const { Cell::new(0) };
     static NORM_CALLS: Cell<u64> = const { Cell::new(0) };
+    static ADAMW_CALLS: Cell<u64> = const { Cell::new(0) };
 }
 
 /// Counts one call in `counter`.
@@ -616,6 +752,11 @@ pub fn fused_totals_calls() -> u64 {
 /// How many sums of squares by kernel this thread has made.
 pub fn fused_norm_calls() -> u64 {
     NORM_CALLS.with(Cell::get)
+}
+
+/// How many AdamW steps by kernel this thread has made.
+pub fn fused_adamw_calls() -> u64 {
+    ADAMW_CALLS.with(Cell::get)
 }
 
 #[cfg(test)]

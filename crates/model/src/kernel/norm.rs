@@ -14,17 +14,10 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::launch::empty_like;
+use super::launch::{empty_like, flat_chunks};
 
 /// Units per cube, each summing every `UNITS`-th element of the chunk.
 const UNITS: usize = 256;
-
-/// Elements per chunk at least (a cube's work); larger where a tensor
-/// would need more cubes than an axis allows.
-const CHUNK: usize = 16 * UNITS;
-
-/// The most cubes along an axis on CUDA and Vulkan.
-const MAX_AXIS: usize = 65_535;
 
 /// The most tensors per launch (each is a branch of the unrolled kernel),
 /// fewer where the device binds fewer buffers at once.
@@ -78,15 +71,6 @@ fn sum_squares<F: Float>(
     }
 }
 
-/// Elements per chunk and chunks per tensor for tensors of `lens`
-/// elements: `CHUNK`, or more where the largest would need more than an
-/// axis of cubes.
-fn layout(lens: &[usize]) -> (usize, usize) {
-    let most = lens.iter().copied().max().unwrap_or(0).max(1);
-    let chunk = CHUNK.max(most.div_ceil(MAX_AXIS).next_multiple_of(UNITS));
-    (chunk, most.div_ceil(chunk))
-}
-
 /// [`super::VqKernels::vq_sum_squares`] on a cubecl backend: the partial
 /// sums `[n, chunks]` (their sum is the total), or `None` where the
 /// tensors are not all of one float type.
@@ -110,7 +94,7 @@ pub(super) fn partials<R: CubeRuntime>(tensors: Vec<CubeTensor<R>>) -> Option<Cu
         .iter()
         .map(|t| t.meta.shape().num_elements())
         .collect();
-    let (chunk, chunks) = layout(&lens);
+    let (chunk, chunks) = flat_chunks(&lens, UNITS);
     let partials = empty_like(&tensors[0], vec![tensors.len(), chunks], dtype);
     let client = tensors[0].client.clone();
     // The partials' binding, and one to spare for the launch's metadata.
@@ -130,20 +114,4 @@ pub(super) fn partials<R: CubeRuntime>(tensors: Vec<CubeTensor<R>>) -> Option<Cu
         );
     }
     Some(partials)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn chunks_cover_the_largest_tensor_within_an_axis_of_cubes() {
-        assert_eq!(layout(&[1, 5]), (CHUNK, 1));
-        assert_eq!(layout(&[CHUNK + 1, 3]), (CHUNK, 2));
-        for most in [MAX_AXIS * CHUNK, MAX_AXIS * CHUNK + 1, 3 << 30] {
-            let (chunk, chunks) = layout(&[7, most]);
-            assert!(chunks <= MAX_AXIS && chunk * chunks >= most, "{most}");
-            assert_eq!(chunk % UNITS, 0);
-        }
-    }
 }

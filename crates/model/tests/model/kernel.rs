@@ -5,7 +5,8 @@
 //! fresh stream and from a carried state. The quantizer: codes,
 //! straight-through keys, commitment, its gradient and the statistics, and
 //! each code a nearest one by a host oracle in `f64`. The code totals:
-//! against a host oracle in `f64`.
+//! against a host oracle in `f64`. The sum of squares and AdamW over many
+//! tensors: against host oracles.
 
 use std::sync::OnceLock;
 
@@ -19,8 +20,8 @@ use burn::tensor::TensorPrimitive;
 use burn::tensor::backend::AutodiffBackend;
 use tvq_model::attention::{AttentionInput, AttentionState, Position, block_attention};
 use tvq_model::kernel::{
-    Kernels, VqBackend, fused_attention_calls, fused_norm_calls, fused_quantize_calls,
-    fused_totals_calls,
+    AdamwParam, AdamwScalars, Kernels, VqBackend, fused_adamw_calls, fused_attention_calls,
+    fused_norm_calls, fused_quantize_calls, fused_totals_calls,
 };
 use tvq_model::quantizer::{Quantized, VectorQuantizer};
 use tvq_model::{CacheGrad, Compute};
@@ -836,6 +837,116 @@ fn fused_sum_of_squares_matches_a_host_oracle_under_burns_fusion() {
 #[test]
 fn the_cpu_composes_the_sum_of_squares() {
     sum_squares_agree::<Cpu>(&FlexDevice, false);
+}
+
+/// AdamW over many parameters by kernel (`VqBackend::vq_adamw`) against
+/// burn's AdamW written out on the host in `f32`, operation by operation
+/// ([`AdamwScalars`]): 37 parameters (more than one launch takes), from
+/// one element to one past a chunk of 4,096, one gradient a transposed
+/// view (read through a copy), each with its own learning rate, decay,
+/// betas, step count and gradient factor, every third before its first
+/// step (no moments). `kernel`: whether the backend has the kernel
+/// (`None` and no call counted otherwise).
+fn adamw_agrees<A: Under>(device: &A::Device, kernel: bool) {
+    let shapes = [[1, 1], [1, 4096], [1, 4097], [3, 35], [64, 130], [7, 1]];
+    let normal = |shape: [usize; 2], sd: f64| {
+        Tensor::<A, 2>::random(shape, Distribution::Normal(0.0, sd), device)
+    };
+    let mut params = vec![];
+    // Per parameter: its scalars and its four tensors' values.
+    let mut wanted = vec![];
+    for i in 0..37 {
+        let shape = shapes[i % shapes.len()];
+        let param = normal(shape, 1.0);
+        let grad = if i == 4 {
+            normal([shape[1], shape[0]], 1.0).transpose()
+        } else {
+            normal(shape, 1.0)
+        };
+        let moments = (i % 3 != 0).then(|| {
+            let m2 = Tensor::<A, 2>::random(shape, Distribution::Uniform(0.0, 0.01), device);
+            [normal(shape, 0.1), m2]
+        });
+        let scalars = AdamwScalars {
+            lr: 1e-3 * (1 + i % 4) as f64,
+            weight_decay: if i % 2 == 0 { 0.1 } else { 0.0 },
+            beta1: [0.9, 0.8][i % 2],
+            beta2: [0.999, 0.95][i / 2 % 2],
+            epsilon: [1e-8, 1e-5][i / 3 % 2],
+            time: if moments.is_some() { 2 + i % 7 } else { 1 },
+            grad_scale: [1.0, 0.37, 2.5][i / 4 % 3],
+        };
+        let [m1, m2] = match &moments {
+            Some([m1, m2]) => [host(m1.clone()), host(m2.clone())],
+            None => [(); 2].map(|_| vec![0.0; shape[0] * shape[1]]),
+        };
+        wanted.push((scalars, [host(param.clone()), host(grad.clone()), m1, m2]));
+        let primitive = |t: Tensor<A, 2>| t.into_primitive().tensor();
+        params.push(AdamwParam {
+            param: primitive(param),
+            grad: primitive(grad),
+            moments: moments.map(|m| m.map(primitive)),
+            scalars,
+        });
+    }
+    let calls = fused_adamw_calls();
+    let Some(got) = A::vq_adamw(params) else {
+        assert!(!kernel, "the backend has the kernel");
+        assert_eq!(fused_adamw_calls(), calls, "no kernel, no call counted");
+        return;
+    };
+    assert!(kernel, "an AdamW step where there is no kernel");
+    assert_eq!(fused_adamw_calls(), calls + 1, "one call counted");
+    assert_eq!(got.len(), wanted.len(), "three tensors a parameter");
+    for (i, (three, (s, [p, g, m1, m2]))) in got.into_iter().zip(&wanted).enumerate() {
+        let t = s.time as i32;
+        let (c1, c2) = (1.0 - s.beta1.powi(t), 1.0 - s.beta2.powi(t));
+        let keep = (1.0 - s.lr * s.weight_decay) as f32;
+        let mut want = [vec![], vec![], vec![]];
+        for j in 0..p.len() {
+            let g = g[j] * s.grad_scale as f32;
+            let a = m1[j] * s.beta1 + g * (1.0 - s.beta1);
+            let b = m2[j] * s.beta2 + g * g * (1.0 - s.beta2);
+            let update = (a / c1) / ((b / c2).sqrt() + s.epsilon);
+            want[0].push(p[j] * keep - update * s.lr as f32);
+            want[1].push(a);
+            want[2].push(b);
+        }
+        // Below a floor of each output's scale (a moment of terms of 0.1
+        // may cancel), rounding is measured against the floor.
+        let floors = [1e-3, 0.1, 1e-3];
+        for (k, (got, want)) in three.into_iter().zip(want).enumerate() {
+            let got = host(Tensor::<A, 2>::from_primitive(TensorPrimitive::Float(got)));
+            assert_eq!(got.len(), want.len(), "parameter {i}, output {k}: size");
+            for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-6 * w.abs().max(floors[k]),
+                    "parameter {i}, output {k} (value, m1, m2), element {j}: {g}, expected {w}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_adamw_matches_a_host_oracle() {
+    let Some(device) = wgpu("fused_adamw_matches_a_host_oracle") else {
+        return;
+    };
+    adamw_agrees::<Ad>(&device, true);
+}
+
+#[test]
+fn fused_adamw_matches_a_host_oracle_under_burns_fusion() {
+    let Some(device) = wgpu("fused_adamw_matches_a_host_oracle_under_burns_fusion") else {
+        return;
+    };
+    adamw_agrees::<Fused>(&device, true);
+}
+
+#[test]
+fn the_cpu_composes_adamw() {
+    adamw_agrees::<Cpu>(&FlexDevice, false);
 }
 
 /// `burn::Dispatch` (what `tvq` runs on) reaches the CPU's kernels in

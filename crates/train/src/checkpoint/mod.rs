@@ -889,7 +889,7 @@ pub(crate) mod tests {
                 .unwrap();
             let loss = out.logits.unwrap().square().mean();
             let grads = burn::optim::GradientsParams::from_grads(loss.backward(), &model);
-            model = optim.step(1e-2, model, grads);
+            model = optim.step(1e-2, model, grads, 1.0);
         }
         (model, optim)
     }

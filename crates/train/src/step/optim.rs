@@ -8,11 +8,15 @@
 
 use std::collections::HashMap;
 
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
-use burn::optim::{AdamW, AdamWConfig, AdjustLrFn, GradientsParams, Muon, MuonConfig, Optimizer};
+use burn::optim::record::{AdaptorRecord, AdaptorRecordV1};
+use burn::optim::{
+    AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, AdjustLrFn, GradientsParams, Muon,
+    MuonConfig, Optimizer,
+};
 use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
 use burn::tensor::backend::AutodiffBackend;
@@ -23,6 +27,7 @@ use tvq_model::position::PositionTerm;
 use crate::config::{DecayShape, OptimizerName, OptimizerSection, Schedule, TrainSection};
 use crate::placement::TrainBackend;
 use burn::Dispatch;
+use tvq_model::kernel::{AdamwParam, AdamwScalars};
 use tvq_model::{TransformerVq, VqBackend};
 
 /// One AdamW optimizer over the model.
@@ -253,6 +258,16 @@ impl<B: TrainBackend> Optimizers<B> {
         }
     }
 
+    /// [`Self::adam`], to change.
+    fn adam_mut(&mut self, group: Group) -> Option<&mut Adam<B>> {
+        match group {
+            Group::Decay => Some(&mut self.decay),
+            Group::NoDecay => Some(&mut self.no_decay),
+            Group::Toeplitz => Some(&mut self.toeplitz),
+            Group::Muon => None,
+        }
+    }
+
     /// The multiplier on the learning rate of `group`.
     pub fn lr_scale(&self, group: Group) -> f64 {
         match group {
@@ -266,16 +281,25 @@ impl<B: TrainBackend> Optimizers<B> {
         groups(model, self.settings.name)
     }
 
-    /// One update at learning rate `lr`. The groups are taken from `model`
-    /// itself, whose parameter ids are the ones the optimizer state is keyed
-    /// by (a loaded checkpoint brings its own ids).
+    /// One update at learning rate `lr` of gradients to be multiplied by
+    /// `grad_factor` first ([`Clip::factor`]). The groups are taken from
+    /// `model` itself, whose parameter ids are the ones the optimizer state
+    /// is keyed by (a loaded checkpoint brings its own ids). The AdamW
+    /// groups step in one kernel where the backend has one
+    /// (`VqBackend::vq_adamw`, the scaling included), else parameter by
+    /// parameter with burn's AdamW, as Muon's group always does.
     pub fn step(
         &mut self,
         lr: f64,
         model: TransformerVq<B>,
         mut grads: GradientsParams,
+        grad_factor: f64,
     ) -> TransformerVq<B> {
         let groups = self.groups(&model);
+        let model = self.adamw_by_kernel(lr, model, &groups, &mut grads, grad_factor);
+        if grad_factor != 1.0 {
+            scale_grads(&model, &mut grads, grad_factor);
+        }
         let mut take = |group| take_grads(&model, &groups, group, &mut grads);
         let (tables, hidden, matrices) =
             (take(Group::Toeplitz), take(Group::Muon), take(Group::Decay));
@@ -288,6 +312,161 @@ impl<B: TrainBackend> Optimizers<B> {
         };
         let model = self.decay.step(lr, model, matrices);
         self.no_decay.step(lr, model, grads)
+    }
+
+    /// The AdamW groups' step by the backend's kernel, taking their
+    /// gradients out of `grads`; `model` as it is, `grads` untouched, where
+    /// there is no kernel or the parameters and gradients are not all on
+    /// one device.
+    fn adamw_by_kernel(
+        &mut self,
+        lr: f64,
+        model: TransformerVq<B>,
+        groups: &HashMap<ParamId, Group>,
+        grads: &mut GradientsParams,
+        grad_factor: f64,
+    ) -> TransformerVq<B> {
+        let mut gather = GatherAdamw::<B> {
+            groups,
+            grads,
+            records: HashMap::new(),
+            optim: self,
+            lr,
+            grad_factor,
+            params: Vec::new(),
+            ids: Vec::new(),
+            devices: Vec::new(),
+        };
+        for group in [Group::Decay, Group::NoDecay, Group::Toeplitz] {
+            if let Some(adam) = self.adam(group) {
+                gather.records.insert(group, adam.to_record());
+            }
+        }
+        model.visit(&mut gather);
+        let GatherAdamw {
+            params,
+            ids,
+            devices,
+            mut records,
+            ..
+        } = gather;
+        let one_device = devices.windows(2).all(|d| d[0] == d[1]);
+        if params.is_empty() || !one_device {
+            return model;
+        }
+        let Some(stepped) = <B::InnerBackend as VqBackend>::vq_adamw(params) else {
+            return model;
+        };
+        let mut put = PutAdamw::<B> {
+            stepped: ids
+                .into_iter()
+                .zip(stepped)
+                .map(|((id, group, time), t)| (id, (group, time, t)))
+                .collect(),
+            grads,
+            records: &mut records,
+        };
+        let model = model.map(&mut put);
+        for (group, records) in records {
+            if let Some(adam) = self.adam_mut(group) {
+                *adam = adam.clone().load_record(records);
+            }
+        }
+        model
+    }
+}
+
+/// The records of one AdamW optimizer: its moments and step counts.
+type AdamRecords<B> = <Adam<B> as Optimizer<TransformerVq<B>, B>>::Record;
+
+/// Gathers the AdamW groups' parameters, gradients and moments for
+/// [`Optimizers::adamw_by_kernel`].
+struct GatherAdamw<'a, B: TrainBackend> {
+    groups: &'a HashMap<ParamId, Group>,
+    grads: &'a GradientsParams,
+    records: HashMap<Group, AdamRecords<B>>,
+    optim: &'a Optimizers<B>,
+    lr: f64,
+    grad_factor: f64,
+    params: Vec<AdamwParam<B::InnerBackend>>,
+    ids: Vec<(ParamId, Group, usize)>,
+    devices: Vec<burn::tensor::Device<B::InnerBackend>>,
+}
+
+impl<B: TrainBackend> ModuleVisitor<B> for GatherAdamw<'_, B> {
+    fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+        let Some(&group) = self.groups.get(&p.id) else {
+            return;
+        };
+        let (Some(records), Some(grad)) = (
+            self.records.get(&group),
+            self.grads.get::<B::InnerBackend, D>(p.id),
+        ) else {
+            return;
+        };
+        let param = p.val().inner();
+        self.devices.extend([param.device(), grad.device()]);
+        let moments = records.get(&p.id).map(|record| {
+            let state: AdamWState<B::InnerBackend, D> = record.clone().into_state::<D>();
+            let m = state.momentum;
+            (
+                m.time,
+                [m.moment_1, m.moment_2].map(|t| t.into_primitive().tensor()),
+            )
+        });
+        let time = moments.as_ref().map_or(0, |m| m.0) + 1;
+        let a = &self.optim.settings.adamw;
+        let scalars = AdamwScalars {
+            lr: self.lr * self.optim.lr_scale(group),
+            // As burn's AdamW holds it: an f32.
+            weight_decay: f64::from(group.weight_decay(&self.optim.settings) as f32),
+            beta1: a.beta1 as f32,
+            beta2: a.beta2 as f32,
+            epsilon: a.epsilon as f32,
+            time,
+            grad_scale: self.grad_factor,
+        };
+        self.params.push(AdamwParam {
+            param: param.into_primitive().tensor(),
+            grad: grad.into_primitive().tensor(),
+            moments: moments.map(|m| m.1),
+            scalars,
+        });
+        self.ids.push((p.id, group, time));
+    }
+}
+
+/// A parameter's new value and moments.
+type Stepped<B> = [FloatTensor<<B as AutodiffBackend>::InnerBackend>; 3];
+
+/// Puts [`Optimizers::adamw_by_kernel`]'s new parameters into the model
+/// and its moments into the records, and takes the gradients it used out.
+struct PutAdamw<'a, B: TrainBackend> {
+    /// Each parameter's group, step count and new value and moments.
+    stepped: HashMap<ParamId, (Group, usize, Stepped<B>)>,
+    grads: &'a mut GradientsParams,
+    records: &'a mut HashMap<Group, AdamRecords<B>>,
+}
+
+impl<B: TrainBackend> ModuleMapper<B> for PutAdamw<'_, B> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let Some((group, time, [value, m1, m2])) = self.stepped.remove(&param.id) else {
+            return param;
+        };
+        let id = param.id;
+        let inner = |t| Tensor::<B::InnerBackend, D>::from_primitive(TensorPrimitive::Float(t));
+        self.grads.remove::<B::InnerBackend, D>(id);
+        let momentum = AdaptiveMomentumState::new(time, inner(m1), inner(m2));
+        let record = AdaptorRecord::V1(AdaptorRecordV1::from_state::<D>(AdamWState { momentum }));
+        if let Some(records) = self.records.get_mut(&group) {
+            records.insert(id, record);
+        }
+        let (id, tensor, mapper) = param.consume();
+        let mut value = Tensor::from_inner(inner(value));
+        if tensor.is_require_grad() {
+            value = value.require_grad();
+        }
+        Param::from_mapped_value(id, value, mapper)
     }
 }
 
@@ -340,46 +519,69 @@ impl Default for LossScale {
     }
 }
 
-/// Divides `grads` (of an objective multiplied by `loss_scale`) by
-/// `loss_scale` and scales them so that their global L2 norm is at most
-/// `max_norm` (no clipping for `max_norm <= 0`), in one pass; returns the
-/// unscaled norm before clipping. A non-finite norm leaves the gradients as
-/// they are (the step must be skipped).
+/// What clipping found of a step's gradients.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Clip {
+    /// The global L2 norm of the gradients of the objective itself (the
+    /// loss scale divided out), before clipping; not finite where they
+    /// overflowed (the step must be skipped).
+    pub norm: f64,
+    /// The factor the gradients take before the optimizer's step: the
+    /// loss scale's inverse, times `max_norm / norm` where the norm is
+    /// above `max_norm`.
+    pub factor: f64,
+}
+
+/// The global L2 norm of `grads` (of an objective multiplied by
+/// `loss_scale`), and the factor that divides the loss scale out and scales
+/// them so that their norm is at most `max_norm` (no clipping for
+/// `max_norm <= 0`); [`Optimizers::step`] applies it.
 pub fn clip_global_norm<B: TrainBackend>(
     model: &TransformerVq<B>,
-    grads: &mut GradientsParams,
+    grads: &GradientsParams,
     max_norm: f64,
     loss_scale: f64,
-) -> f64 {
+) -> Clip {
     let Some(total) = sum_squares(model, grads) else {
-        return 0.0;
+        return Clip {
+            norm: 0.0,
+            factor: 1.0,
+        };
     };
     let norm = total.into_scalar().elem::<f64>().sqrt() / loss_scale;
     if !norm.is_finite() {
-        return norm;
+        return Clip { norm, factor: 1.0 };
     }
     let clip = if max_norm > 0.0 && norm > max_norm {
         max_norm / norm
     } else {
         1.0
     };
-    let factor = clip / loss_scale;
-    if factor != 1.0 {
-        struct Scale<'a> {
-            grads: &'a mut GradientsParams,
-            factor: f64,
-        }
-        impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_> {
-            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
-                if let Some(g) = self.grads.remove::<B::InnerBackend, D>(p.id) {
-                    self.grads
-                        .register::<B::InnerBackend, D>(p.id, g * self.factor);
-                }
+    Clip {
+        norm,
+        factor: clip / loss_scale,
+    }
+}
+
+/// Multiplies each of `model`'s gradients in `grads` by `factor`.
+fn scale_grads<B: TrainBackend>(
+    model: &TransformerVq<B>,
+    grads: &mut GradientsParams,
+    factor: f64,
+) {
+    struct Scale<'a> {
+        grads: &'a mut GradientsParams,
+        factor: f64,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            if let Some(g) = self.grads.remove::<B::InnerBackend, D>(p.id) {
+                self.grads
+                    .register::<B::InnerBackend, D>(p.id, g * self.factor);
             }
         }
-        model.visit(&mut Scale { grads, factor });
     }
-    norm
+    model.visit(&mut Scale { grads, factor });
 }
 
 /// The sum of the squares of `model`'s gradients in `grads` (`None` where
@@ -573,15 +775,22 @@ mod tests {
     fn clipping_scales_the_global_gradient_norm_down_to_the_limit() {
         let mut t = trainer(1, 1);
         let mut grads = t.gradients(&batch(2, 8, true)).unwrap().grads;
-        let norm = clip_global_norm(t.model(), &mut grads, 0.0, 1.0); // 0: measure only
+        let measured = clip_global_norm(t.model(), &grads, 0.0, 1.0); // 0: measure only
+        let norm = measured.norm;
         assert!(norm > 1e-3);
-        assert_eq!(clip_global_norm(t.model(), &mut grads, 0.0, 1.0), norm);
-        assert_eq!(clip_global_norm(t.model(), &mut grads, 1e-3, 1.0), norm);
-        let clipped = clip_global_norm(t.model(), &mut grads, 0.0, 1.0);
+        assert_eq!(measured.factor, 1.0);
+        let clip = clip_global_norm(t.model(), &grads, 1e-3, 1.0);
+        assert_eq!(clip.norm, norm);
+        assert!((clip.factor - 1e-3 / norm).abs() < 1e-15, "{clip:?}");
+        scale_grads(t.model(), &mut grads, clip.factor);
+        let clipped = clip_global_norm(t.model(), &grads, 0.0, 1.0).norm;
         assert!((clipped - 1e-3).abs() < 1e-7, "{clipped}");
-        // A limit above the norm leaves the gradients alone.
-        assert_eq!(clip_global_norm(t.model(), &mut grads, 1.0, 1.0), clipped);
-        assert_eq!(clip_global_norm(t.model(), &mut grads, 0.0, 1.0), clipped);
+        // A limit above the norm leaves the gradients alone; a loss scale
+        // is divided out of the norm and the factor.
+        assert_eq!(clip_global_norm(t.model(), &grads, 1.0, 1.0).factor, 1.0);
+        let scaled = clip_global_norm(t.model(), &grads, 1.0, 4.0);
+        assert!((scaled.norm - clipped / 4.0).abs() < 1e-9, "{scaled:?}");
+        assert_eq!(scaled.factor, 0.25);
     }
 
     /// Muon's update of a projection matrix, computed in f64 from the
@@ -660,7 +869,7 @@ mod tests {
                 muon_update(&grad, rows, cols, lr)
             })
             .collect();
-        let after = optim.step(lr, before.clone(), grads);
+        let after = optim.step(lr, before.clone(), grads, 1.0);
         for ((w0, w1), want) in projections(g)
             .iter()
             .zip(projections(&after.sublayers[0]))
