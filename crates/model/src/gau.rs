@@ -158,19 +158,19 @@ impl<B: VqBackend> Gau<B> {
     fn project(&self, x: Tensor<B, 3>, cx: Compute) -> Projected<B> {
         let (h, k, v) = (self.n_head, self.d_k, self.d_v);
         let scale = (k as f64).powf(-0.25); // twice applied: the 1/sqrt(K) of attention
-        let x = cx.cast(self.input_norm.forward(x)); // statistics in f32, then the compute type
+        let x = cx.cast(self.input_norm.affine(rms_normalize_with(x, cx.kernels))); // statistics in f32, then the compute type
         let q_scale = scale * self.bias.query_scale();
         let (hk, hv) = (h * k, h * v);
         let channel = self.bias.channel();
         let heads = |x: Tensor<B, 3>| to_f32(split_heads(x, h));
         let q = if channel == 0 {
             let [q] = column_blocks(&x, self.q_proj.weight.val(), [hk], cx);
-            rms_normalize(heads(q)) * q_scale
+            rms_normalize_with(heads(q), cx.kernels) * q_scale
         } else {
             // The position channel is not normalised: its size is how much
             // the query cares about distance.
             let [content, pos] = column_blocks(&x, self.q_proj.weight.val(), [hk, h * channel], cx);
-            let content = rms_normalize(heads(content)) * q_scale; // [B, H, T, K]
+            let content = rms_normalize_with(heads(content), cx.kernels) * q_scale; // [B, H, T, K]
             let pos = heads(pos) * scale; // [B, H, T, P]
             join_channel(content, pos)
         };
@@ -184,7 +184,7 @@ impl<B: VqBackend> Gau<B> {
         });
         Projected {
             q,
-            k: rms_normalize(heads(k_raw)) * scale,
+            k: rms_normalize_with(heads(k_raw), cx.kernels) * scale,
             v: split_heads(silu(v_raw), h),
             gate: silu(g_raw),
             count_weight,
@@ -339,6 +339,18 @@ impl<B: VqBackend> Gau<B> {
         };
         let (o, state) = attention::recurrent_attention(input, state, self.block_len, cx)?;
         Ok((self.finish(o, p.gate, masks.residual.take(), cx), state))
+    }
+}
+
+/// [`rms_normalize`], differentiated by the backend's own backward step
+/// under [`Kernels::Fused`] where it has one ([`VqBackend::vq_rms_normalize`]).
+pub fn rms_normalize_with<B: VqBackend, const D: usize>(
+    x: Tensor<B, D>,
+    kernels: Kernels,
+) -> Tensor<B, D> {
+    match kernels {
+        Kernels::Fused => B::vq_rms_normalize(x),
+        Kernels::Composed => rms_normalize(x),
     }
 }
 

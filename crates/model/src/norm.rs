@@ -9,8 +9,14 @@ pub const RMS_EPS: f64 = 1e-6;
 
 /// `x / sqrt(mean(x^2) + 1e-6)` over the last axis (no gain, no bias).
 pub fn rms_normalize<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
-    let ms = x.clone().square().mean_dim(D - 1); // [..., 1]
-    x * (ms + RMS_EPS).sqrt().recip()
+    let r = reciprocal_rms(x.clone());
+    x * r
+}
+
+/// `1 / sqrt(mean(x^2) + 1e-6)` over the last axis, `[..., 1]`.
+pub(crate) fn reciprocal_rms<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    let ms = x.square().mean_dim(D - 1); // [..., 1]
+    (ms + RMS_EPS).sqrt().recip()
 }
 
 /// RMS norm with a learned gain (init 1) and bias (init 0).
@@ -33,8 +39,14 @@ impl<B: Backend> RmsNorm<B> {
 
     /// `[..., D] -> [..., D]`.
     pub fn forward<const N: usize>(&self, x: Tensor<B, N>) -> Tensor<B, N> {
+        self.affine(rms_normalize(x))
+    }
+
+    /// The gain and bias applied to `normalized` `[..., D]` (the output of
+    /// [`rms_normalize`]).
+    pub fn affine<const N: usize>(&self, normalized: Tensor<B, N>) -> Tensor<B, N> {
         let gain = self.gain.val().unsqueeze::<N>();
         let bias = self.bias.val().unsqueeze::<N>();
-        rms_normalize(x) * gain + bias
+        normalized * gain + bias
     }
 }

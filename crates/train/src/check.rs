@@ -8,8 +8,9 @@
 //! rounding in another summation order stays far inside and a wrong kernel
 //! does not (ten times wider for matrix products on CUDA, which rounds
 //! `f32` operands to TF32). On the CPU itself every check compares the CPU
-//! with itself, a trivial pass, but the last: the fused kernels' gradients
-//! against the composed ops'.
+//! with itself, a trivial pass, but the fused kernels' gradients against
+//! the composed ops'. The last two checks are the fused trainer's: its
+//! gradients and its update (the AdamW kernel on a GPU).
 //!
 //! `TVQ_FAULT=device-result:error@N` scales the device's values of the
 //! `N`-th comparison by 1.01 (`crate::fault`): how the tests show that a
@@ -33,7 +34,7 @@ use crate::placement::device::{check_precision, device_name};
 use crate::placement::{
     B, Model, OnTrainBackend, TrainBackend, TrainOn, fork_onto, host_values, seeded_draw,
 };
-use crate::step::gradients::{flatten_grads, shared_grads};
+use crate::step::gradients::{flat_grads, flatten_grads, shared_grads};
 use crate::trainer::Trainer;
 
 /// One comparison of the device with the CPU.
@@ -201,10 +202,10 @@ fn compared(name: &str, device: Vec<f32>, cpu: &[f32], tolerance: f64) -> Check 
 
 /// Every parameter's values in module order, trained (`true`) or not
 /// (the codebooks' EMA sums and counts, `false`).
-fn parameters(model: &Model) -> Vec<(bool, Vec<f32>)> {
+fn parameters<Bk: Backend>(model: &TransformerVq<Bk>) -> Vec<(bool, Vec<f32>)> {
     struct Values(Vec<(bool, Vec<f32>)>);
-    impl ModuleVisitor<B> for Values {
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+    impl<Bk: Backend> ModuleVisitor<Bk> for Values {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<Bk, D>>) {
             let t = p.val();
             self.0.push((t.is_require_grad(), host_values(&t)));
         }
@@ -247,8 +248,8 @@ pub fn check_device(device: &DispatchDevice, scratch: &Path) -> Result<CheckRepo
     checks.extend(training_step(device, &cpu, scratch)?);
     checks.extend(reduced_precision(device, &cpu, Precision::Bf16)?);
     checks.push(generation(device, &cpu)?);
-    // Last, so that the comparisons before it keep their numbers.
-    checks.push(fused_gradients(device, &cpu)?);
+    // Last, so that the comparisons before them keep their numbers.
+    checks.extend(fused_step(device, &cpu)?);
     let peaks = [Precision::F32, Precision::Bf16]
         .into_iter()
         .map(|precision| Peak {
@@ -436,13 +437,18 @@ fn training_step(
     Ok(vec![gradients, adamw, muon, ema, checkpoint, resumed])
 }
 
-/// The gradients of one `f32` step by the trainer a run on `device` uses
-/// under `train.kernels = "fused"` ([`TrainOn`]) against the composed
-/// ops' on the CPU, from the same weights (every trainer draws them on
-/// the CPU): on the CPU itself too, where it compares the CPU's kernels
-/// with the composed ops. Skipped where `device` has no fused trainer.
-fn fused_gradients(device: &DispatchDevice, cpu: &DispatchDevice) -> Result<Check, TrainError> {
-    let name = "gradients of one step, fused kernels against composed ops";
+/// One `f32` step by the trainer a run on `device` uses under
+/// `train.kernels = "fused"` ([`TrainOn`]) against the composed ops' on
+/// the CPU, from the same weights (every trainer draws them on the CPU):
+/// the gradients, then the update from the CPU's gradients (so that only
+/// the update is compared: the AdamW kernel where the device has one). On
+/// the CPU itself too, where it compares the CPU's kernels with the
+/// composed ops. Skipped where `device` has no fused trainer.
+fn fused_step(device: &DispatchDevice, cpu: &DispatchDevice) -> Result<Vec<Check>, TrainError> {
+    let names = [
+        "gradients of one step, fused kernels against composed ops",
+        "AdamW step of the fused trainer (the CPU's gradients)",
+    ];
     let cfg = model_config(RelativeBias::Toeplitz);
     let fused = TrainSection {
         kernels: KernelsSetting::Fused,
@@ -450,44 +456,66 @@ fn fused_gradients(device: &DispatchDevice, cpu: &DispatchDevice) -> Result<Chec
     };
     let on = TrainOn::choose(&fused, std::slice::from_ref(device));
     if !on.fused() {
-        return Ok(Check {
-            name: name.into(),
-            worst: None,
-            tolerance: 0.0,
-            skipped: Some(format!("{} has no fused kernels", device_name(device))),
-        });
+        return Ok(names
+            .map(|name| Check {
+                name: name.into(),
+                worst: None,
+                tolerance: 0.0,
+                skipped: Some(format!("{} has no fused kernels", device_name(device))),
+            })
+            .into());
     }
     let batch = segment(0, true);
-    /// One step's gradients on the backend chosen.
-    struct Gradients<'a>(
-        &'a TransformerVqConfig,
-        &'a TrainSection,
-        &'a DispatchDevice,
-        &'a Batch,
-    );
-    impl OnTrainBackend for Gradients<'_> {
-        type Output = Result<Vec<f32>, TrainError>;
+    /// The gradients [`flatten_grads`] takes: shapes and values.
+    type Flat = (Vec<Option<Vec<usize>>>, Vec<f32>);
+    /// One step on the backend chosen: its gradients, and the update
+    /// from `given` gradients (its own where `None`).
+    struct Step<'a> {
+        cfg: &'a TransformerVqConfig,
+        settings: &'a TrainSection,
+        device: &'a DispatchDevice,
+        batch: &'a Batch,
+        given: Option<&'a Flat>,
+    }
+    impl OnTrainBackend for Step<'_> {
+        type Output = Result<(Flat, Vec<f32>), TrainError>;
         fn run<Bk: TrainBackend>(self) -> Self::Output {
-            let Self(cfg, settings, device, batch) = self;
-            let mut t = Trainer::<Bk>::start(cfg, settings, std::slice::from_ref(device))?;
-            let mut g = t.gradients(batch)?;
+            let devices = std::slice::from_ref(self.device);
+            let mut t = Trainer::<Bk>::start(self.cfg, self.settings, devices)?;
+            let before = flat(&parameters(t.model()), true);
+            let mut g = t.gradients(self.batch)?;
             let mut values = vec![];
-            flatten_grads(t.model(), &mut g.grads, &mut values);
-            Ok(values)
+            let shapes = flatten_grads(t.model(), &mut g.grads, &mut values);
+            let own = (shapes, values);
+            let (shapes, values) = self.given.unwrap_or(&own);
+            t.apply(flat_grads(t.model(), shapes.clone(), values), &g.stats);
+            let after = parameters(t.model());
+            Ok((own, update(&after, &before)))
         }
     }
     let composed = TrainSection {
         kernels: KernelsSetting::Composed,
         ..fused.clone()
     };
-    let want = TrainOn::Composed.run(Gradients(&cfg, &composed, cpu, &batch))?;
-    let got = on.run(Gradients(&cfg, &fused, device, &batch))?;
-    Ok(compared(
-        name,
-        got,
-        &want,
-        1e-3 * f32_product_allowance(device),
-    ))
+    let (want, want_update) = TrainOn::Composed.run(Step {
+        cfg: &cfg,
+        settings: &composed,
+        device: cpu,
+        batch: &batch,
+        given: None,
+    })?;
+    let ((_, got), got_update) = on.run(Step {
+        cfg: &cfg,
+        settings: &fused,
+        device,
+        batch: &batch,
+        given: Some(&want),
+    })?;
+    Ok(vec![
+        compared(names[0], got, &want.1, 1e-3 * f32_product_allowance(device)),
+        // As the composed AdamW's check: rounding in another order only.
+        compared(names[1], got_update, &want_update, 1e-4),
+    ])
 }
 
 /// The loss and gradients of one step with products in `precision`; skipped
@@ -589,8 +617,9 @@ mod tests {
     }
 
     /// On the CPU every comparison is of the CPU with itself, all pass at
-    /// zero difference, but the fused kernels' against the composed ops':
-    /// within rounding, not equal.
+    /// zero difference, but the fused kernels' gradients against the
+    /// composed ops': within rounding, not equal. (The fused trainer's
+    /// update from the same gradients is burn's AdamW on both sides.)
     #[test]
     fn the_cpu_checks_as_itself() {
         let cpu = DispatchDevice::Flex(Default::default());
@@ -598,13 +627,14 @@ mod tests {
         let report = check_device(&cpu, dir.path()).unwrap();
         assert!(report.passed(), "{report:#?}");
         assert!(report.checks.len() >= 10);
-        let (fused, rest) = report.checks.split_last().unwrap();
-        for c in rest {
+        let (rest, fused) = report.checks.split_at(report.checks.len() - 2);
+        for c in rest.iter().chain(&fused[1..]) {
             assert_eq!(c.worst, Some(0.0), "{}", c.name);
         }
-        assert!(fused.name.contains("fused kernels"), "{}", fused.name);
+        assert!(fused[0].name.contains("fused kernels"), "{}", fused[0].name);
+        assert!(fused[1].name.contains("fused trainer"), "{}", fused[1].name);
         assert!(
-            fused.worst.is_some_and(|w| w > 0.0 && w <= 1e-5),
+            fused[0].worst.is_some_and(|w| w > 0.0 && w <= 1e-5),
             "{fused:?}"
         );
         assert_eq!(

@@ -43,8 +43,9 @@ fn verdicts(report: &serde_json::Value) -> Vec<(String, bool, bool)> {
 
 /// Every check passes on the GPU (wgpu: Mesa's lavapipe in CI; bf16 is
 /// skipped there, wgpu has none), and a device result made wrong on
-/// purpose (the gradients scaled by 1.01, then the generated tokens) fails
-/// the check that compares it, and the command.
+/// purpose (the gradients scaled by 1.01, then the generated tokens, then
+/// the fused trainer's update) fails the check that compares it, and the
+/// command.
 #[test]
 fn tvq_check_passes_on_the_gpu_and_fails_on_a_wrong_device_result() {
     let gpu = Gpu::under_test();
@@ -68,7 +69,8 @@ fn tvq_check_passes_on_the_gpu_and_fails_on_a_wrong_device_result() {
     assert!(report["peaks"][0]["flops_per_s"].as_f64().unwrap() > 0.0);
 
     // The 4th comparison is the gradients'; the tokens' is the 10th when
-    // bf16's two are skipped (wgpu), the 12th when they run (CUDA).
+    // bf16's two are skipped (wgpu), the 12th when they run (CUDA); the
+    // last is the fused trainer's update (its AdamW kernel).
     let tokens = if all.iter().any(|(n, _, s)| n.contains("bf16") && *s) {
         10
     } else {
@@ -77,6 +79,7 @@ fn tvq_check_passes_on_the_gpu_and_fails_on_a_wrong_device_result() {
     for (nth, wrong) in [
         (4, "gradients of one step"),
         (tokens, "16 generated tokens"),
+        (ran, "AdamW step of the fused trainer"),
     ] {
         let (out, report) = check(gpu.name(), Some(&format!("device-result:error@{nth}")));
         assert!(!out.status.success(), "a wrong {wrong} must fail");

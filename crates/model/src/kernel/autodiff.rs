@@ -11,11 +11,13 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 
 use burn::tensor::ops::IntTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::{
     AdamwParam, AttentionKernelInput, BlockCaches, CodeTotals, FUSED_CALLS, NORM_CALLS, Nearest,
-    QUANTIZE_CALLS, TOTALS_CALLS, VqBackend, VqKernels, count,
+    QUANTIZE_CALLS, RMS_CALLS, TOTALS_CALLS, VqBackend, VqKernels, count,
 };
+use crate::norm::reciprocal_rms;
 
 /// The backward step of the fused attention; its parents are the six
 /// differentiable inputs in [`AttentionKernelGrads`](super::AttentionKernelGrads)'s order.
@@ -38,8 +40,38 @@ impl<B: VqKernels> Backward<B, 6> for AttentionBackward {
     }
 }
 
+/// The backward step of [`VqBackend::vq_rms_normalize`] over rank-`D`
+/// tensors; its parent is the input.
+#[derive(Debug)]
+struct RmsBackward<const D: usize>;
+
+impl<B: VqKernels, const D: usize> Backward<B, 1> for RmsBackward<D> {
+    /// The input `x` `[..., K]` and its `r = 1 / sqrt(mean(x^2) + eps)`
+    /// `[..., 1]`.
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = float::<B, D>(grads.consume::<B>(&ops.node));
+        let [Some(node)] = ops.parents else {
+            return;
+        };
+        let (x, r) = ops.state;
+        let (x, r) = (float::<B, D>(x), float::<B, D>(r));
+        // y = x r: dx = r g + x dr/dx . g, with dr/dx = -r^3 x / K.
+        let gx = (grad.clone() * x.clone()).mean_dim(D - 1); // [..., 1]
+        let dx = grad * r.clone() - x * (r.clone() * r.clone() * r * gx);
+        grads.register::<B>(node.id, dx.into_primitive().tensor());
+    }
+}
+
+/// A float primitive as a rank-`D` tensor.
+fn float<B: burn::prelude::Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
 impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
     const FUSES_ATTENTION: bool = true;
+    const STEPS_ADAMW: bool = <B as VqKernels>::STEPS_ADAMW;
 
     fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Option<Nearest<Self>> {
         count(&QUANTIZE_CALLS);
@@ -126,6 +158,24 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
 
     fn vq_totals_by_group(_: &Self::Device) -> bool {
         B::TOTALS_BY_GROUP
+    }
+
+    fn vq_rms_normalize<const D: usize>(x: Tensor<Self, D>) -> Tensor<Self, D> {
+        count(&RMS_CALLS);
+        let x = x.into_primitive().tensor();
+        // The composed forward ops, on the inner backend.
+        let inner = float::<B, D>(x.primitive.clone());
+        let r = reciprocal_rms(inner.clone());
+        let y = (inner * r.clone()).into_primitive().tensor();
+        let out = match RmsBackward::<D>
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((x.primitive, r.into_primitive().tensor()), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        };
+        float::<Self, D>(out)
     }
 
     fn vq_attention(x: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {

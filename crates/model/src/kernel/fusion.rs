@@ -257,7 +257,7 @@ impl<B: FusionBackend + VqKernels> VqKernels for Fusion<B> {
         Some(total)
     }
 
-    const STEPS_ADAMW: bool = B::STEPS_ADAMW;
+    const STEPS_ADAMW: bool = <B as VqKernels>::STEPS_ADAMW;
 
     fn vq_adamw(
         tensors: Vec<FloatTensor<Self>>,
@@ -265,7 +265,7 @@ impl<B: FusionBackend + VqKernels> VqKernels for Fusion<B> {
     ) -> Option<Vec<FloatTensor<Self>>> {
         let float = table.dtype();
         // The kernel declines tensors of other types (as `B`'s does).
-        if !B::STEPS_ADAMW || tensors.iter().any(|t| t.dtype() != float) {
+        if !<B as VqKernels>::STEPS_ADAMW || tensors.iter().any(|t| t.dtype() != float) {
             return None;
         }
         // Each parameter's new value and moments are of its shape.

@@ -32,7 +32,9 @@ mod totals;
 use std::cell::Cell;
 
 use burn::backend::flex::{Flex, FlexTensor};
-use burn::prelude::Backend;
+use burn::prelude::{Backend, Tensor};
+
+use crate::norm::rms_normalize;
 use burn::tensor::backend::DeviceOps;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps, IntTensor, IntTensorOps};
 use burn::tensor::{DType, TensorData, TensorMetadata, TensorPrimitive};
@@ -420,6 +422,10 @@ pub trait VqBackend: Backend {
     /// kernel's inputs only then.
     const FUSES_ATTENTION: bool;
 
+    /// Whether [`Self::vq_adamw`] may have a kernel (answer `Some`): the
+    /// trainer gathers the optimizer's moments for it only then.
+    const STEPS_ADAMW: bool;
+
     /// The fused attention's output `[G, L, V]`, differentiable where the
     /// backend is.
     fn vq_attention(input: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>>;
@@ -462,10 +468,18 @@ pub trait VqBackend: Backend {
     /// Whether the composed totals of codes on `device` scatter within each
     /// group ([`VqKernels::TOTALS_BY_GROUP`]).
     fn vq_totals_by_group(device: &Self::Device) -> bool;
+
+    /// [`rms_normalize`] of `x` over its last axis, the same forward ops,
+    /// differentiated by a backward step of its own where the backend is
+    /// burn's `Autodiff` over one with kernels (`dx = r g - r^3 x
+    /// mean(g x)`: one reduction, no tensor of ones as burn's `mean_dim`
+    /// backward fills); composed elsewhere.
+    fn vq_rms_normalize<const D: usize>(x: Tensor<Self, D>) -> Tensor<Self, D>;
 }
 
 impl<B: VqKernels> VqBackend for B {
     const FUSES_ATTENTION: bool = true;
+    const STEPS_ADAMW: bool = <B as VqKernels>::STEPS_ADAMW;
 
     fn vq_attention(input: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {
         count(&FUSED_CALLS);
@@ -514,7 +528,7 @@ impl<B: VqKernels> VqBackend for B {
     }
 
     fn vq_adamw(params: Vec<AdamwParam<Self>>) -> Option<Vec<[FloatTensor<Self>; 3]>> {
-        if !B::STEPS_ADAMW {
+        if !<B as VqKernels>::STEPS_ADAMW {
             return None;
         }
         let n = params.len();
@@ -545,6 +559,11 @@ impl<B: VqKernels> VqBackend for B {
 
     fn vq_totals_by_group(_: &Self::Device) -> bool {
         B::TOTALS_BY_GROUP
+    }
+
+    /// Composed: without `Autodiff` there is no backward step to replace.
+    fn vq_rms_normalize<const D: usize>(x: Tensor<Self, D>) -> Tensor<Self, D> {
+        rms_normalize(x)
     }
 }
 
@@ -630,6 +649,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
 /// or burn's `Cuda` instead).
 impl VqBackend for Dispatch {
     const FUSES_ATTENTION: bool = true;
+    const STEPS_ADAMW: bool = false;
 
     fn vq_attention(x: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {
         let device = plain_cpu(&x.q)?;
@@ -701,6 +721,11 @@ impl VqBackend for Dispatch {
     fn vq_totals_by_group(device: &DispatchDevice) -> bool {
         !matches!(device.inner(), DispatchDevice::Flex(_))
     }
+
+    /// Composed, as [`Self::vq_code_totals`].
+    fn vq_rms_normalize<const D: usize>(x: Tensor<Self, D>) -> Tensor<Self, D> {
+        rms_normalize(x)
+    }
 }
 
 /// The device of `t` if it is the CPU without autodiff.
@@ -726,6 +751,7 @@ thread_local! {
     static TOTALS_CALLS: Cell<u64> = const { Cell::new(0) };
     static NORM_CALLS: Cell<u64> = const { Cell::new(0) };
     static ADAMW_CALLS: Cell<u64> = const { Cell::new(0) };
+    static RMS_CALLS: Cell<u64> = const { Cell::new(0) };
 }
 
 /// Counts one call in `counter`.
@@ -757,6 +783,12 @@ pub fn fused_norm_calls() -> u64 {
 /// How many AdamW steps by kernel this thread has made.
 pub fn fused_adamw_calls() -> u64 {
     ADAMW_CALLS.with(Cell::get)
+}
+
+/// How many RMS normalisations with their own backward step this thread
+/// has made.
+pub fn fused_rms_calls() -> u64 {
+    RMS_CALLS.with(Cell::get)
 }
 
 #[cfg(test)]

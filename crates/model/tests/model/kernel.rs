@@ -19,9 +19,10 @@ use burn::tensor::Distribution;
 use burn::tensor::TensorPrimitive;
 use burn::tensor::backend::AutodiffBackend;
 use tvq_model::attention::{AttentionInput, AttentionState, Position, block_attention};
+use tvq_model::gau::rms_normalize_with;
 use tvq_model::kernel::{
     AdamwParam, AdamwScalars, Kernels, VqBackend, fused_adamw_calls, fused_attention_calls,
-    fused_norm_calls, fused_quantize_calls, fused_totals_calls,
+    fused_norm_calls, fused_quantize_calls, fused_rms_calls, fused_totals_calls,
 };
 use tvq_model::quantizer::{Quantized, VectorQuantizer};
 use tvq_model::{CacheGrad, Compute};
@@ -837,6 +838,57 @@ fn fused_sum_of_squares_matches_a_host_oracle_under_burns_fusion() {
 #[test]
 fn the_cpu_composes_the_sum_of_squares() {
     sum_squares_agree::<Cpu>(&FlexDevice, false);
+}
+
+/// RMS normalisation with its own backward step (`VqBackend::vq_rms_normalize`)
+/// against the composed ops: the values, and the input's gradient under an
+/// upstream gradient that is not constant, on a view that is not
+/// contiguous (axes swapped), rows of odd width, one row small enough that
+/// the epsilon matters; one call counted.
+fn rms_agrees<A: Under>(device: &A::Device) {
+    let shape = [2, 5, 3, 7];
+    let values: Vec<f32> = (0..shape.iter().product::<usize>())
+        .map(|i| {
+            let v = (i as f32 * 0.7).sin() * 1.3 + 0.2;
+            if i < 7 { v * 1e-3 } else { v }
+        })
+        .collect();
+    let upstream = Tensor::<A, 4>::random([2, 3, 5, 7], Distribution::Normal(0.0, 1.0), device);
+    let run = |kernels| {
+        let leaf = Tensor::<A, 4>::from_data(TensorData::new(values.clone(), shape), device)
+            .require_grad();
+        let y = rms_normalize_with(leaf.clone().swap_dims(1, 2), kernels); // [2, 3, 5, 7]
+        let grads = (y.clone() * upstream.clone()).sum().backward();
+        (host(y), host(leaf.grad(&grads).unwrap()))
+    };
+    let (want, want_grad) = run(Kernels::Composed);
+    let calls = fused_rms_calls();
+    let (got, got_grad) = run(Kernels::Fused);
+    assert_eq!(fused_rms_calls(), calls + 1, "one call counted");
+    let (values, grads) = (max_diff(&got, &want), max_diff(&got_grad, &want_grad));
+    assert!(values <= 1e-6, "values differ by {values}");
+    assert!(grads <= 1e-5, "gradients differ by {grads}");
+}
+
+#[test]
+fn rms_backward_matches_the_composed_ops() {
+    let Some(device) = wgpu("rms_backward_matches_the_composed_ops") else {
+        return;
+    };
+    rms_agrees::<Ad>(&device);
+}
+
+#[test]
+fn rms_backward_matches_the_composed_ops_under_burns_fusion() {
+    let Some(device) = wgpu("rms_backward_matches_the_composed_ops_under_burns_fusion") else {
+        return;
+    };
+    rms_agrees::<Fused>(&device);
+}
+
+#[test]
+fn cpu_rms_backward_matches_the_composed_ops() {
+    rms_agrees::<Cpu>(&FlexDevice);
 }
 
 /// AdamW over many parameters by kernel (`VqBackend::vq_adamw`) against

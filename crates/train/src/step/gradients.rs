@@ -222,10 +222,19 @@ pub(crate) fn shared_grads<B: TrainBackend>(
 ) -> [GradientsParams; 2] {
     let mut flat = vec![];
     let shapes = flatten_grads(from, &mut grads, &mut flat);
-    [from, to].map(|m| {
-        let device = B::inner_device(&m.embedding.weight.device());
-        unflatten_grads(m, shapes.clone(), &mut Pieces(&flat), &device)
-    })
+    [from, to].map(|m| flat_grads(m, shapes.clone(), &flat))
+}
+
+/// The gradients [`flatten_grads`] took (`shapes`, `flat`) as gradients of
+/// `model`'s parameters, matched in module order, on `model`'s device: how
+/// one backend's gradients reach a trainer of another.
+pub(crate) fn flat_grads<B: TrainBackend>(
+    model: &TransformerVq<B>,
+    shapes: Vec<Option<Vec<usize>>>,
+    flat: &[f32],
+) -> GradientsParams {
+    let device = B::inner_device(&model.embedding.weight.device());
+    unflatten_grads(model, shapes, &mut Pieces(flat), &device)
 }
 
 fn from_values<B: Backend, const D: usize>(

@@ -326,6 +326,9 @@ impl<B: TrainBackend> Optimizers<B> {
         grads: &mut GradientsParams,
         grad_factor: f64,
     ) -> TransformerVq<B> {
+        if !<B::InnerBackend as VqBackend>::STEPS_ADAMW {
+            return model;
+        }
         let mut gather = GatherAdamw::<B> {
             groups,
             grads,
