@@ -33,14 +33,14 @@ use std::cell::Cell;
 
 use burn::backend::flex::{Flex, FlexTensor};
 use burn::prelude::{Backend, Tensor};
-
-use crate::norm::rms_normalize;
 use burn::tensor::backend::DeviceOps;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps, IntTensor, IntTensorOps};
 use burn::tensor::{DType, TensorData, TensorMetadata, TensorPrimitive};
 use burn::{Dispatch, DispatchDevice};
 use burn_cubecl::element::BoolElement;
 use burn_cubecl::{CubeBackend, CubeRuntime, FloatElement, IntElement};
+
+use crate::norm::rms_normalize;
 
 /// The sources of tvq's cubecl kernels (every file of this folder with
 /// a `cube` attribute; a test keeps the list whole), hashed into
