@@ -337,14 +337,25 @@ impl<B: Backend> VectorQuantizer<B> {
         };
 
         let k_hat = k.clone() + (c_z.clone() - k.clone()).detach();
-        let err = (k - c_z).square().sum_dim(3); // [B, H, T, 1]
-        // One head: its error is the sum (no reduction over an axis of one).
-        let commitment = match h {
-            1 => err.clone().reshape([b, t]),
-            _ => err.clone().sum_dim(1).reshape([b, t]),
-        }; // [B, T]
+        let own = match kernels {
+            Kernels::Fused => B::vq_commitment(k.clone(), c_z.clone()),
+            Kernels::Composed => None,
+        };
         // The kernel's squared errors where it ran (no gradient needed).
-        let sq_err = sq_err.map_or_else(|| err.detach(), |e| e.reshape([b, h, t, 1]));
+        let sq_err = sq_err.map(|e| e.reshape([b, h, t, 1]));
+        let (commitment, sq_err) = match (own, sq_err) {
+            (Some(commitment), Some(sq_err)) => (commitment, sq_err),
+            (Some(commitment), None) => (commitment, (kd.clone() - c_z).square().sum_dim(3)),
+            (None, sq_err) => {
+                let err = (k - c_z).square().sum_dim(3); // [B, H, T, 1]
+                // One head: its error is the sum (no reduction over an axis of one).
+                let commitment = match h {
+                    1 => err.clone().reshape([b, t]),
+                    _ => err.clone().sum_dim(1).reshape([b, t]),
+                }; // [B, T]
+                (commitment, sq_err.unwrap_or_else(|| err.detach()))
+            }
+        }; // [B, T], [B, H, T, 1]
 
         // Statistics over valid tokens only (no gradient).
         let weight = valid.map(|valid| bool_to_float(valid, &device)); // [B, T]

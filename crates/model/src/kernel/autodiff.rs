@@ -14,10 +14,10 @@ use burn::tensor::ops::IntTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::{
-    AdamwParam, AttentionKernelInput, BlockCaches, CodeTotals, FUSED_CALLS, NORM_CALLS, Nearest,
-    QUANTIZE_CALLS, RMS_CALLS, TOTALS_CALLS, VqBackend, VqKernels, count,
+    AdamwParam, AttentionKernelInput, BlockCaches, COMMITMENT_CALLS, CodeTotals, FUSED_CALLS,
+    NORM_CALLS, Nearest, QUANTIZE_CALLS, RMS_CALLS, TOTALS_CALLS, VqBackend, VqKernels, count,
 };
-use crate::norm::reciprocal_rms;
+use crate::norm::{reciprocal_rms, rms_normalize};
 
 /// The backward step of the fused attention; its parents are the six
 /// differentiable inputs in [`AttentionKernelGrads`](super::AttentionKernelGrads)'s order.
@@ -61,6 +61,30 @@ impl<B: VqKernels, const D: usize> Backward<B, 1> for RmsBackward<D> {
         let gx = (grad.clone() * x.clone()).mean_dim(D - 1); // [..., 1]
         let dx = grad * r.clone() - x * (r.clone() * r.clone() * r * gx);
         grads.register::<B>(node.id, dx.into_primitive().tensor());
+    }
+}
+
+/// The backward step of [`VqBackend::vq_commitment`]; its parents are the
+/// keys and the codewords.
+#[derive(Debug)]
+struct CommitmentBackward;
+
+impl<B: VqKernels> Backward<B, 2> for CommitmentBackward {
+    /// `k - words` `[B, H, T, K]`.
+    type State = FloatTensor<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = float::<B, 2>(grads.consume::<B>(&ops.node)); // [B, T]
+        let diff = float::<B, 4>(ops.state); // [B, H, T, K]
+        let [b, _, t, _] = diff.dims();
+        let dk = diff * (grad * 2.0).reshape([b, 1, t, 1]); // [B, H, T, K]
+        let [k, words] = ops.parents;
+        if let Some(words) = words {
+            grads.register::<B>(words.id, dk.clone().neg().into_primitive().tensor());
+        }
+        if let Some(k) = k {
+            grads.register::<B>(k.id, dk.into_primitive().tensor());
+        }
     }
 }
 
@@ -161,6 +185,9 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
     }
 
     fn vq_rms_normalize<const D: usize>(x: Tensor<Self, D>) -> Tensor<Self, D> {
+        if !B::OWN_BACKWARDS {
+            return rms_normalize(x);
+        }
         count(&RMS_CALLS);
         let x = x.into_primitive().tensor();
         // The composed forward ops, on the inner backend.
@@ -176,6 +203,34 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
             OpsKind::UnTracked(prep) => prep.finish(y),
         };
         float::<Self, D>(out)
+    }
+
+    fn vq_commitment(k: Tensor<Self, 4>, words: Tensor<Self, 4>) -> Option<Tensor<Self, 2>> {
+        if !B::OWN_BACKWARDS {
+            return None;
+        }
+        count(&COMMITMENT_CALLS);
+        let [b, h, t, _] = k.dims();
+        let (k, words) = (k.into_primitive().tensor(), words.into_primitive().tensor());
+        // The composed forward ops, on the inner backend.
+        let diff = float::<B, 4>(k.primitive) - float::<B, 4>(words.primitive); // [B, H, T, K]
+        let err = diff.clone().square().sum_dim(3); // [B, H, T, 1]
+        // One head: its error is the sum (no reduction over an axis of one).
+        let err = match h {
+            1 => err.reshape([b, t]),
+            _ => err.sum_dim(1).reshape([b, t]),
+        }
+        .into_primitive()
+        .tensor(); // [B, T]
+        let out = match CommitmentBackward
+            .prepare::<C>([k.node, words.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(diff.into_primitive().tensor(), err),
+            OpsKind::UnTracked(prep) => prep.finish(err),
+        };
+        Some(float::<Self, 2>(out))
     }
 
     fn vq_attention(x: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {

@@ -259,6 +259,8 @@ impl<B: FusionBackend + VqKernels> VqKernels for Fusion<B> {
 
     const STEPS_ADAMW: bool = <B as VqKernels>::STEPS_ADAMW;
 
+    const OWN_BACKWARDS: bool = B::OWN_BACKWARDS;
+
     fn vq_adamw(
         tensors: Vec<FloatTensor<Self>>,
         table: FloatTensor<Self>,

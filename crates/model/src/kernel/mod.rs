@@ -381,6 +381,14 @@ pub trait VqKernels: Backend {
     /// Whether [`Self::vq_adamw`] has a kernel (answers `Some`).
     const STEPS_ADAMW: bool = false;
 
+    /// Whether RMS normalisation and the commitment under `Autodiff` over
+    /// this backend take backward steps of their own
+    /// ([`VqBackend::vq_rms_normalize`], [`VqBackend::vq_commitment`]): on
+    /// the cubecl backends they save the fills of ones and the launches of
+    /// burn's backward of the composed ops; on the CPU those are cheap and
+    /// the composed backward is the faster.
+    const OWN_BACKWARDS: bool = false;
+
     /// AdamW steps of many parameters ([`AdamwScalars`]): `tensors` holds
     /// each parameter's four (the parameter, its gradient, its first and
     /// second moments) in turn, `table` their scalars `[n, ROW]`
@@ -471,10 +479,23 @@ pub trait VqBackend: Backend {
 
     /// [`rms_normalize`] of `x` over its last axis, the same forward ops,
     /// differentiated by a backward step of its own where the backend is
-    /// burn's `Autodiff` over one with kernels (`dx = r g - r^3 x
-    /// mean(g x)`: one reduction, no tensor of ones as burn's `mean_dim`
-    /// backward fills); composed elsewhere.
+    /// burn's `Autodiff` over a cubecl one ([`VqKernels::OWN_BACKWARDS`]:
+    /// `dx = r g - r^3 x mean(g x)`, one reduction, no tensor of ones as
+    /// burn's `mean_dim` backward fills); composed elsewhere.
     fn vq_rms_normalize<const D: usize>(x: Tensor<Self, D>) -> Tensor<Self, D>;
+
+    /// The commitment of keys `k` `[B, H, T, K]` to their codewords
+    /// `words` `[B, H, T, K]` per token, `[B, T]`: `sum_{h, k} (k -
+    /// words)^2` by the composed forward ops, differentiated by a backward
+    /// step of its own (`dk = 2 (k - words) g`, one elementwise pass, no
+    /// tensors of ones as burn's `sum_dim` backward fills) where the
+    /// backend is burn's `Autodiff` over a cubecl one
+    /// ([`VqKernels::OWN_BACKWARDS`]); `None` (the default) elsewhere, where
+    /// the caller composes it.
+    fn vq_commitment(k: Tensor<Self, 4>, words: Tensor<Self, 4>) -> Option<Tensor<Self, 2>> {
+        let _ = (k, words);
+        None
+    }
 }
 
 impl<B: VqKernels> VqBackend for B {
@@ -606,6 +627,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
     }
 
     const STEPS_ADAMW: bool = true;
+
+    const OWN_BACKWARDS: bool = true;
 
     fn vq_adamw(
         tensors: Vec<FloatTensor<Self>>,
@@ -752,6 +775,7 @@ thread_local! {
     static NORM_CALLS: Cell<u64> = const { Cell::new(0) };
     static ADAMW_CALLS: Cell<u64> = const { Cell::new(0) };
     static RMS_CALLS: Cell<u64> = const { Cell::new(0) };
+    static COMMITMENT_CALLS: Cell<u64> = const { Cell::new(0) };
 }
 
 /// Counts one call in `counter`.
@@ -789,6 +813,11 @@ pub fn fused_adamw_calls() -> u64 {
 /// has made.
 pub fn fused_rms_calls() -> u64 {
     RMS_CALLS.with(Cell::get)
+}
+
+/// How many commitments with their own backward step this thread has made.
+pub fn fused_commitment_calls() -> u64 {
+    COMMITMENT_CALLS.with(Cell::get)
 }
 
 #[cfg(test)]

@@ -22,7 +22,8 @@ use tvq_model::attention::{AttentionInput, AttentionState, Position, block_atten
 use tvq_model::gau::rms_normalize_with;
 use tvq_model::kernel::{
     AdamwParam, AdamwScalars, Kernels, VqBackend, fused_adamw_calls, fused_attention_calls,
-    fused_norm_calls, fused_quantize_calls, fused_rms_calls, fused_totals_calls,
+    fused_commitment_calls, fused_norm_calls, fused_quantize_calls, fused_rms_calls,
+    fused_totals_calls,
 };
 use tvq_model::quantizer::{Quantized, VectorQuantizer};
 use tvq_model::{CacheGrad, Compute};
@@ -844,8 +845,9 @@ fn the_cpu_composes_the_sum_of_squares() {
 /// against the composed ops: the values, and the input's gradient under an
 /// upstream gradient that is not constant, on a view that is not
 /// contiguous (axes swapped), rows of odd width, one row small enough that
-/// the epsilon matters; one call counted.
-fn rms_agrees<A: Under>(device: &A::Device) {
+/// the epsilon matters. `own`: whether the backend takes the step of its
+/// own (one call counted) or composes (none counted, the same numbers).
+fn rms_agrees<A: Under>(device: &A::Device, own: bool) {
     let shape = [2, 5, 3, 7];
     let values: Vec<f32> = (0..shape.iter().product::<usize>())
         .map(|i| {
@@ -864,10 +866,13 @@ fn rms_agrees<A: Under>(device: &A::Device) {
     let (want, want_grad) = run(Kernels::Composed);
     let calls = fused_rms_calls();
     let (got, got_grad) = run(Kernels::Fused);
-    assert_eq!(fused_rms_calls(), calls + 1, "one call counted");
+    assert_eq!(fused_rms_calls(), calls + u64::from(own), "calls counted");
     let (values, grads) = (max_diff(&got, &want), max_diff(&got_grad, &want_grad));
     assert!(values <= 1e-6, "values differ by {values}");
     assert!(grads <= 1e-5, "gradients differ by {grads}");
+    if !own {
+        assert_eq!((values, grads), (0.0, 0.0), "the composed ops, twice");
+    }
 }
 
 #[test]
@@ -875,7 +880,7 @@ fn rms_backward_matches_the_composed_ops() {
     let Some(device) = wgpu("rms_backward_matches_the_composed_ops") else {
         return;
     };
-    rms_agrees::<Ad>(&device);
+    rms_agrees::<Ad>(&device, true);
 }
 
 #[test]
@@ -883,12 +888,94 @@ fn rms_backward_matches_the_composed_ops_under_burns_fusion() {
     let Some(device) = wgpu("rms_backward_matches_the_composed_ops_under_burns_fusion") else {
         return;
     };
-    rms_agrees::<Fused>(&device);
+    rms_agrees::<Fused>(&device, true);
+}
+
+/// The CPU keeps burn's backward of the composed ops: the faster there.
+#[test]
+fn the_cpu_composes_the_rms_backward() {
+    rms_agrees::<Cpu>(&FlexDevice, false);
+}
+
+/// The commitment with its own backward step (`VqBackend::vq_commitment`)
+/// against the composed ops: the values, and the gradients of the keys (a
+/// view with swapped axes) and of the codewords under an upstream gradient
+/// that is not constant, one head and three. `own`: whether the backend
+/// takes the step of its own (a call counted) or answers `None`.
+fn commitment_agrees<A: Under>(device: &A::Device, own: bool) {
+    for h in [1, 3] {
+        let normal = |shape: [usize; 4]| {
+            host(Tensor::<A, 4>::random(
+                shape,
+                Distribution::Normal(0.0, 1.0),
+                device,
+            ))
+        };
+        let (keys, words) = (normal([2, 5, h, 7]), normal([2, h, 5, 7]));
+        let upstream = Tensor::<A, 2>::random([2, 5], Distribution::Normal(0.0, 1.0), device);
+        let leaf = |values: &[f32], shape: [usize; 4]| {
+            Tensor::<A, 4>::from_data(TensorData::new(values.to_vec(), shape), device)
+                .require_grad()
+        };
+        let run = |fused: bool| {
+            let (k, w) = (leaf(&keys, [2, 5, h, 7]), leaf(&words, [2, h, 5, 7]));
+            let (kt, w2) = (k.clone().swap_dims(1, 2), w.clone()); // [2, H, 5, 7]
+            let c = if fused {
+                A::vq_commitment(kt, w2)?
+            } else {
+                (kt - w2).square().sum_dim(3).sum_dim(1).reshape([2, 5])
+            };
+            let grads = (c.clone() * upstream.clone()).sum().backward();
+            Some([
+                host(c.inner()),
+                host(k.grad(&grads)?),
+                host(w.grad(&grads)?),
+            ])
+        };
+        let want = run(false).expect("the composed ops");
+        let calls = fused_commitment_calls();
+        let got = run(true);
+        assert_eq!(
+            fused_commitment_calls(),
+            calls + u64::from(own),
+            "H {h}: calls counted"
+        );
+        let Some(got) = got else {
+            assert!(!own, "H {h}: no commitment of its own");
+            continue;
+        };
+        assert!(
+            own,
+            "H {h}: a commitment of its own where none was expected"
+        );
+        for ((name, got), want) in ["values", "keys", "codewords"].iter().zip(got).zip(want) {
+            let diff = max_diff(&got, &want);
+            assert!(diff <= 1e-5, "H {h}: {name} differ by {diff}");
+        }
+    }
 }
 
 #[test]
-fn cpu_rms_backward_matches_the_composed_ops() {
-    rms_agrees::<Cpu>(&FlexDevice);
+fn commitment_backward_matches_the_composed_ops() {
+    let Some(device) = wgpu("commitment_backward_matches_the_composed_ops") else {
+        return;
+    };
+    commitment_agrees::<Ad>(&device, true);
+}
+
+#[test]
+fn commitment_backward_matches_the_composed_ops_under_burns_fusion() {
+    let Some(device) = wgpu("commitment_backward_matches_the_composed_ops_under_burns_fusion")
+    else {
+        return;
+    };
+    commitment_agrees::<Fused>(&device, true);
+}
+
+/// The CPU keeps burn's backward of the composed ops, as for the RMS norm.
+#[test]
+fn the_cpu_composes_the_commitment() {
+    commitment_agrees::<Cpu>(&FlexDevice, false);
 }
 
 /// AdamW over many parameters by kernel (`VqBackend::vq_adamw`) against
