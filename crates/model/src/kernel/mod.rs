@@ -384,9 +384,10 @@ pub trait VqKernels: Backend {
     /// Whether RMS normalisation and the commitment under `Autodiff` over
     /// this backend take backward steps of their own
     /// ([`VqBackend::vq_rms_normalize`], [`VqBackend::vq_commitment`]): on
-    /// the cubecl backends they save the fills of ones and the launches of
-    /// burn's backward of the composed ops; on the CPU those are cheap and
-    /// the composed backward is the faster.
+    /// the cubecl backends they save launches of burn's backward of the
+    /// composed ops (which broadcasts through tensors of ones); on the CPU,
+    /// where a launch costs nothing, they gave no speed beside the noise
+    /// (docs/benchmarks.md), so it keeps burn's.
     const OWN_BACKWARDS: bool = false;
 
     /// AdamW steps of many parameters ([`AdamwScalars`]): `tensors` holds
