@@ -348,11 +348,7 @@ impl<B: Backend> VectorQuantizer<B> {
             (Some(commitment), None) => (commitment, (kd.clone() - c_z).square().sum_dim(3)),
             (None, sq_err) => {
                 let err = (k - c_z).square().sum_dim(3); // [B, H, T, 1]
-                // One head: its error is the sum (no reduction over an axis of one).
-                let commitment = match h {
-                    1 => err.clone().reshape([b, t]),
-                    _ => err.clone().sum_dim(1).reshape([b, t]),
-                }; // [B, T]
+                let commitment = kernel::sum_over_heads(err.clone()); // [B, T]
                 (commitment, sq_err.unwrap_or_else(|| err.detach()))
             }
         }; // [B, T], [B, H, T, 1]

@@ -16,6 +16,7 @@ use burn::tensor::{Tensor, TensorPrimitive};
 use super::{
     AdamwParam, AttentionKernelInput, BlockCaches, COMMITMENT_CALLS, CodeTotals, FUSED_CALLS,
     NORM_CALLS, Nearest, QUANTIZE_CALLS, RMS_CALLS, TOTALS_CALLS, VqBackend, VqKernels, count,
+    sum_over_heads,
 };
 use crate::norm::{reciprocal_rms, rms_normalize};
 
@@ -77,7 +78,9 @@ impl<B: VqKernels> Backward<B, 2> for CommitmentBackward {
         let grad = float::<B, 2>(grads.consume::<B>(&ops.node)); // [B, T]
         let diff = float::<B, 4>(ops.state); // [B, H, T, K]
         let [b, _, t, _] = diff.dims();
-        let dk = diff * (grad * 2.0).reshape([b, 1, t, 1]); // [B, H, T, K]
+        // The factor 2 on the full shape, where burn's fusion takes it into
+        // the product's kernel (on `[B, T]` it is a launch of its own).
+        let dk = diff * grad.reshape([b, 1, t, 1]) * 2.0; // [B, H, T, K]
         let [k, words] = ops.parents;
         if let Some(words) = words {
             grads.register::<B>(words.id, dk.clone().neg().into_primitive().tensor());
@@ -210,18 +213,12 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
             return None;
         }
         count(&COMMITMENT_CALLS);
-        let [b, h, t, _] = k.dims();
         let (k, words) = (k.into_primitive().tensor(), words.into_primitive().tensor());
         // The composed forward ops, on the inner backend.
         let diff = float::<B, 4>(k.primitive) - float::<B, 4>(words.primitive); // [B, H, T, K]
-        let err = diff.clone().square().sum_dim(3); // [B, H, T, 1]
-        // One head: its error is the sum (no reduction over an axis of one).
-        let err = match h {
-            1 => err.reshape([b, t]),
-            _ => err.sum_dim(1).reshape([b, t]),
-        }
-        .into_primitive()
-        .tensor(); // [B, T]
+        let err = sum_over_heads(diff.clone().square().sum_dim(3)) // [B, T]
+            .into_primitive()
+            .tensor();
         let out = match CommitmentBackward
             .prepare::<C>([k.node, words.node])
             .compute_bound()

@@ -752,6 +752,17 @@ impl VqBackend for Dispatch {
     }
 }
 
+/// The commitment per token `[B, T]` from each head's squared error
+/// `err` `[B, H, T, 1]`: their sum over the heads (for one head, the error
+/// itself: no reduction over an axis of one).
+pub(crate) fn sum_over_heads<B: Backend>(err: Tensor<B, 4>) -> Tensor<B, 2> {
+    let [b, h, t, _] = err.dims();
+    match h {
+        1 => err.reshape([b, t]),
+        _ => err.sum_dim(1).reshape([b, t]),
+    }
+}
+
 /// The device of `t` if it is the CPU without autodiff.
 fn plain_cpu(t: &FloatTensor<Dispatch>) -> Option<DispatchDevice> {
     match Dispatch::float_device(t) {
