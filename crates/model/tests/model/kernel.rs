@@ -891,7 +891,8 @@ fn rms_backward_matches_the_composed_ops_under_burns_fusion() {
     rms_agrees::<Fused>(&device, true);
 }
 
-/// The CPU keeps burn's backward of the composed ops: the faster there.
+/// The CPU keeps burn's backward of the composed ops (the step of its own
+/// measured no faster there).
 #[test]
 fn the_cpu_composes_the_rms_backward() {
     rms_agrees::<Cpu>(&FlexDevice, false);
