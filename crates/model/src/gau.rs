@@ -293,7 +293,7 @@ impl<B: VqBackend> Gau<B> {
             k_window: self.window_keys(&vq.k_hat, &p.k),
             codes: vq.codes.clone(),
             v: p.v,
-            codebook: self.keys_with_channel(self.quantizer.codebook()),
+            codebook: self.keys_with_channel(vq.codebook.clone()),
             count_weight: p.count_weight,
         };
         let (o, state, attention) = if with_attention {
@@ -334,7 +334,7 @@ impl<B: VqBackend> Gau<B> {
             k_window: self.window_keys(&vq.k_hat, &p.k),
             codes: vq.codes,
             v: p.v,
-            codebook: self.keys_with_channel(self.quantizer.codebook()),
+            codebook: self.keys_with_channel(vq.codebook.clone()),
             count_weight: p.count_weight,
         };
         let (o, state) = attention::recurrent_attention(input, state, self.block_len, cx)?;
@@ -361,7 +361,10 @@ pub fn rms_normalize_with<B: VqBackend, const D: usize>(
 /// than on contiguous tensors. For one token (the recurrent form) the
 /// product is sliced instead: slicing the weight would copy it whole at
 /// every token, while the output row is tiny.
-fn column_blocks<B: Backend, const N: usize>(
+/// Under [`Kernels::Fused`], several blocks are the backend's product with
+/// a backward step of its own where it has one
+/// ([`VqBackend::vq_column_blocks`]).
+fn column_blocks<B: VqBackend, const N: usize>(
     x: &Tensor<B, 3>,
     w: Tensor<B, 2>,
     widths: [usize; N],
@@ -372,6 +375,13 @@ fn column_blocks<B: Backend, const N: usize>(
     // One block of every column is the weight itself (a slice's backward
     // would zero a copy of its gradient and assign into it).
     let whole = N == 1 && widths[0] == cols;
+    if t > 1 && !whole && cx.kernels == Kernels::Fused {
+        let dtype = cx.precision.dtype();
+        let own = B::vq_column_blocks(x.clone().cast(dtype), w.clone().cast(dtype), widths);
+        if let Some(blocks) = own {
+            return blocks;
+        }
+    }
     let product = (t == 1 || whole).then(|| cx.product(x.clone(), w.clone().unsqueeze::<3>()));
     let mut start = 0;
     widths.map(|n| {

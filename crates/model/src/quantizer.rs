@@ -35,6 +35,9 @@ pub struct Quantized<B: Backend> {
     pub codes: Tensor<B, 3, Int>,
     /// Commitment error per token, `sum_h |k - sg(C_z)|^2`; carries gradient into `k`. `[B, T]`.
     pub commitment: Tensor<B, 2>,
+    /// The codebook the keys were quantized against (detached), `[H, S,
+    /// K]`: the attention's, computed once.
+    pub codebook: Tensor<B, 3>,
     /// Code statistics of the valid tokens (no gradient).
     pub stats: CodebookStats<B>,
 }
@@ -319,15 +322,13 @@ impl<B: Backend> VectorQuantizer<B> {
             )
         })
         .flatten();
-        let (codes, c_z, sq_err) = match fused {
+        let (codes, c_z, squares) = match fused {
             Some(n) => {
                 let float = |x| Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(x));
                 (
                     Tensor::<B, 2, Int>::from_primitive(n.codes).reshape([b, h, t]),
                     float(n.words).reshape([b, h, t, d_k]),
-                    Some(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(
-                        n.error,
-                    ))),
+                    Some(float(n.squares).reshape([b, h, t, 2])),
                 )
             }
             None => {
@@ -337,21 +338,26 @@ impl<B: Backend> VectorQuantizer<B> {
         };
 
         let k_hat = k.clone() + (c_z.clone() - k.clone()).detach();
+        // Each key's squared error and squared norm `[B, H, T, 2]` (no
+        // gradient): the kernel's where it ran, else composed, the errors
+        // then with gradient for the commitment.
+        let (squares, err) = match squares {
+            Some(squares) => (squares, None),
+            None => {
+                let err = (k.clone() - c_z.clone()).square().sum_dim(3); // [B, H, T, 1]
+                let norm = kd.clone().square().sum_dim(3); // [B, H, T, 1]
+                (Tensor::cat(vec![err.clone().detach(), norm], 3), Some(err))
+            }
+        };
         let own = match kernels {
-            Kernels::Fused => B::vq_commitment(k.clone(), c_z.clone()),
+            Kernels::Fused => {
+                B::vq_commitment(k.clone(), c_z.clone(), squares.clone().narrow(3, 0, 1))
+            }
             Kernels::Composed => None,
         };
-        // The kernel's squared errors where it ran (no gradient needed).
-        let sq_err = sq_err.map(|e| e.reshape([b, h, t, 1]));
-        let (commitment, sq_err) = match (own, sq_err) {
-            (Some(commitment), Some(sq_err)) => (commitment, sq_err),
-            (Some(commitment), None) => (commitment, (kd.clone() - c_z).square().sum_dim(3)),
-            (None, sq_err) => {
-                let err = (k - c_z).square().sum_dim(3); // [B, H, T, 1]
-                let commitment = kernel::sum_over_heads(err.clone()); // [B, T]
-                (commitment, sq_err.unwrap_or_else(|| err.detach()))
-            }
-        }; // [B, T], [B, H, T, 1]
+        let commitment = own.unwrap_or_else(|| {
+            kernel::sum_over_heads(err.unwrap_or_else(|| (k - c_z).square().sum_dim(3)))
+        }); // [B, T]
 
         // Statistics over valid tokens only (no gradient).
         let weight = valid.map(|valid| bool_to_float(valid, &device)); // [B, T]
@@ -362,26 +368,24 @@ impl<B: Backend> VectorQuantizer<B> {
                     .expand([b, h, t])
                     .reshape([b * h, t])
             }),
-            kd.clone().reshape([b * h, t, d_k]),
+            kd.reshape([b * h, t, d_k]),
             s,
             h,
             kernels,
         ); // [H, S], [H, S, K]: summed over the batch
-        let sq_norm = kd.square().sum_dim(3); // [B, H, T, 1]
-        // Flat sums: a sum over every axis may run as one reduction per axis.
-        let total = |x: Tensor<B, 4>| x.reshape([b * h * t]).sum();
-        let (sq_error, sq_norm) = match weight {
-            Some(w) => {
-                let w = w.reshape([b, 1, t, 1]);
-                (total(sq_err * w.clone()), total(sq_norm * w))
-            }
-            None => (total(sq_err), total(sq_norm)),
+        let squares = match weight {
+            Some(w) => squares * w.reshape([b, 1, t, 1]),
+            None => squares,
         };
+        // Both totals in one reduction.
+        let totals = squares.reshape([b * h * t, 2]).sum_dim(0).reshape([2]); // [2]
+        let (sq_error, sq_norm) = (totals.clone().narrow(0, 0, 1), totals.narrow(0, 1, 1));
 
         Quantized {
             k_hat,
             codes,
             commitment,
+            codebook,
             stats: CodebookStats {
                 counts,
                 sums,

@@ -13,10 +13,12 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::ops::IntTensor;
 use burn::tensor::{Tensor, TensorPrimitive};
 
+use std::sync::{Arc, Mutex};
+
 use super::{
-    AdamwParam, AttentionKernelInput, BlockCaches, COMMITMENT_CALLS, CodeTotals, FUSED_CALLS,
-    NORM_CALLS, Nearest, QUANTIZE_CALLS, RMS_CALLS, TOTALS_CALLS, VqBackend, VqKernels, count,
-    sum_over_heads,
+    AdamwParam, AttentionKernelInput, BlockCaches, COLUMN_BLOCKS_CALLS, COMMITMENT_CALLS,
+    CodeTotals, FUSED_CALLS, NORM_CALLS, Nearest, QUANTIZE_CALLS, RMS_CALLS, TOTALS_CALLS,
+    VqBackend, VqKernels, count, sum_over_heads,
 };
 use crate::norm::{reciprocal_rms, rms_normalize};
 
@@ -91,6 +93,78 @@ impl<B: VqKernels> Backward<B, 2> for CommitmentBackward {
     }
 }
 
+/// Where a later block of [`VqBackend::vq_column_blocks`] leaves its
+/// gradient for the first block's step.
+type Slot<B> = Arc<Mutex<Option<FloatTensor<B>>>>;
+
+/// The backward step of [`VqBackend::vq_column_blocks`]; its parents are
+/// `x` and `w`, its output the first block. The other blocks are its
+/// children ([`StashGradient`]), so theirs run first (burn runs the deeper
+/// steps first) and leave their gradients in its slots.
+#[derive(Debug)]
+struct ColumnBlocksBackward;
+
+/// What [`ColumnBlocksBackward`] keeps.
+#[derive(Clone, Debug)]
+struct ColumnBlocksState<B: burn::prelude::Backend> {
+    /// `[B, T, D]`.
+    x: FloatTensor<B>,
+    /// `[D, N]`.
+    w: FloatTensor<B>,
+    /// The blocks' widths (they sum to `N`).
+    widths: Vec<usize>,
+    /// The later blocks' gradients, one slot each.
+    slots: Vec<Slot<B>>,
+}
+
+impl<B: VqKernels> Backward<B, 2> for ColumnBlocksBackward {
+    type State = ColumnBlocksState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let first = float::<B, 3>(grads.consume::<B>(&ops.node)); // [B, T, widths[0]]
+        let ColumnBlocksState {
+            x,
+            w,
+            widths,
+            slots,
+        } = ops.state;
+        let [b, t, _] = first.dims();
+        let device = first.device();
+        let mut blocks = vec![first];
+        for (slot, &n) in slots.iter().zip(&widths[1..]) {
+            let grad = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+            blocks.push(grad.map_or_else(|| Tensor::zeros([b, t, n], &device), float::<B, 3>));
+        }
+        let dy = Tensor::cat(blocks, 2); // [B, T, N]
+        let [px, pw] = ops.parents;
+        if let Some(pw) = pw {
+            let x = float::<B, 3>(x);
+            let (d, n) = (x.dims()[2], dy.dims()[2]);
+            let x = x.reshape([b * t, d]).transpose(); // [D, B T]
+            let dw = x.matmul(dy.clone().reshape([b * t, n])); // [D, N]
+            grads.register::<B>(pw.id, dw.into_primitive().tensor());
+        }
+        if let Some(px) = px {
+            let wt = float::<B, 2>(w).transpose().unsqueeze::<3>(); // [1, N, D]
+            grads.register::<B>(px.id, dy.matmul(wt).into_primitive().tensor());
+        }
+    }
+}
+
+/// The backward step of a later block of [`VqBackend::vq_column_blocks`]:
+/// its gradient into its slot, for the first block's step (its parent).
+#[derive(Debug)]
+struct StashGradient;
+
+impl<B: VqKernels> Backward<B, 1> for StashGradient {
+    type State = Slot<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        *ops.state.lock().unwrap_or_else(|e| e.into_inner()) = Some(grad);
+    }
+}
+
 /// A float primitive as a rank-`D` tensor.
 fn float<B: burn::prelude::Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
@@ -107,7 +181,7 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
         Some(Nearest {
             codes: n.codes,
             words: Self::from_inner(n.words),
-            error: Self::from_inner(n.error),
+            squares: Self::from_inner(n.squares),
         })
     }
 
@@ -208,17 +282,20 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
         float::<Self, D>(out)
     }
 
-    fn vq_commitment(k: Tensor<Self, 4>, words: Tensor<Self, 4>) -> Option<Tensor<Self, 2>> {
+    fn vq_commitment(
+        k: Tensor<Self, 4>,
+        words: Tensor<Self, 4>,
+        errors: Tensor<Self, 4>,
+    ) -> Option<Tensor<Self, 2>> {
         if !B::OWN_BACKWARDS {
             return None;
         }
         count(&COMMITMENT_CALLS);
         let (k, words) = (k.into_primitive().tensor(), words.into_primitive().tensor());
-        // The composed forward ops, on the inner backend.
+        // The backward's `k - words`, on the inner backend.
         let diff = float::<B, 4>(k.primitive) - float::<B, 4>(words.primitive); // [B, H, T, K]
-        let err = sum_over_heads(diff.clone().square().sum_dim(3)) // [B, T]
-            .into_primitive()
-            .tensor();
+        let errors = float::<B, 4>(errors.into_primitive().tensor().primitive); // [B, H, T, 1]
+        let err = sum_over_heads(errors).into_primitive().tensor(); // [B, T]
         let out = match CommitmentBackward
             .prepare::<C>([k.node, words.node])
             .compute_bound()
@@ -228,6 +305,62 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
             OpsKind::UnTracked(prep) => prep.finish(err),
         };
         Some(float::<Self, 2>(out))
+    }
+
+    fn vq_column_blocks<const N: usize>(
+        x: Tensor<Self, 3>,
+        w: Tensor<Self, 2>,
+        widths: [usize; N],
+    ) -> Option<[Tensor<Self, 3>; N]> {
+        if !B::OWN_BACKWARDS || N < 2 || w.dims()[1] != widths.iter().sum::<usize>() {
+            return None;
+        }
+        count(&COLUMN_BLOCKS_CALLS);
+        let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
+        // The products of the blocks of columns, on the inner backend.
+        let (xi, wi) = (
+            float::<B, 3>(x.primitive.clone()),
+            float::<B, 2>(w.primitive.clone()),
+        );
+        let d = wi.dims()[0];
+        let mut start = 0;
+        let products = widths.map(|n| {
+            let cols = wi.clone().slice([0..d, start..start + n]).unsqueeze::<3>(); // [1, D, n]
+            start += n;
+            xi.clone().matmul(cols).into_primitive().tensor() // [B, T, n]
+        });
+        let slots: Vec<Slot<B>> = (1..N).map(|_| Slot::<B>::default()).collect();
+        let mut products = products.into_iter();
+        let first = products.next()?;
+        let first = match ColumnBlocksBackward
+            .prepare::<C>([x.node, w.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let state = ColumnBlocksState {
+                    x: x.primitive,
+                    w: w.primitive,
+                    widths: widths.to_vec(),
+                    slots: slots.clone(),
+                };
+                prep.finish(state, first)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(first),
+        };
+        let mut blocks = vec![float::<Self, 3>(first.clone())];
+        for (product, slot) in products.zip(slots) {
+            let block = match StashGradient
+                .prepare::<C>([first.node.clone()])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(slot, product),
+                OpsKind::UnTracked(prep) => prep.finish(product),
+            };
+            blocks.push(float::<Self, 3>(block));
+        }
+        blocks.try_into().ok()
     }
 
     fn vq_attention(x: AttentionKernelInput<Self>) -> Option<FloatTensor<Self>> {

@@ -680,7 +680,7 @@ impl VqKernels for Flex {
         let (keys, words) = (keys.storage::<f32>(), words.storage::<f32>());
         let mut codes = vec![0i32; g * t];
         let mut chosen = vec![0.0f32; g * t * k];
-        let mut error = vec![0.0f32; g * t];
+        let mut squares = vec![0.0f32; g * t * 2];
         for gi in 0..g {
             let head = row(words, gi % h, s, k);
             for ti in 0..t {
@@ -697,13 +697,14 @@ impl VqKernels for Flex {
                 }
                 codes[n] = best as i32;
                 chosen[n * k..][..k].copy_from_slice(&head[best * k..][..k]);
-                error[n] = best_d;
+                squares[2 * n] = best_d;
+                squares[2 * n + 1] = key.iter().map(|a| a * a).sum();
             }
         }
         Nearest {
             codes: FlexTensor::from_data(TensorData::new(codes, [g, t])),
             words: tensor(chosen, vec![g, t, k], dtype),
-            error: tensor(error, vec![g, t], dtype),
+            squares: tensor(squares, vec![g, t, 2], dtype),
         }
     }
 

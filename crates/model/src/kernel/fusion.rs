@@ -118,7 +118,7 @@ impl<B: FusionBackend + VqKernels> Operation<B::FusionRuntime> for Custom<B> {
                 let n = B::vq_quantize(keys, codebook);
                 handles.register_int_tensor::<B>(&outputs[0].id, n.codes);
                 handles.register_float_tensor::<B>(&outputs[1].id, n.words);
-                handles.register_float_tensor::<B>(&outputs[2].id, n.error);
+                handles.register_float_tensor::<B>(&outputs[2].id, n.squares);
             }
             Kernel::Totals { weighted } => {
                 let codes = handles.get_int_tensor::<B>(&inputs[0]);
@@ -286,13 +286,14 @@ impl<B: FusionBackend + VqKernels> VqKernels for Fusion<B> {
         let outputs = [
             (Shape::new([g, t]), <B::IntElem as Element>::dtype()),
             (keys.shape(), float),
-            (Shape::new([g, t]), float),
+            (Shape::new([g, t, 2]), float),
         ];
-        let [codes, words, error] = queue::<B, 3>(Kernel::Quantize, vec![keys, codebook], outputs);
+        let [codes, words, squares] =
+            queue::<B, 3>(Kernel::Quantize, vec![keys, codebook], outputs);
         Nearest {
             codes,
             words,
-            error,
+            squares,
         }
     }
 

@@ -203,8 +203,10 @@ pub struct Nearest<B: Backend> {
     pub codes: IntTensor<B>,
     /// Its codeword, `[G, T, K]`.
     pub words: FloatTensor<B>,
-    /// The squared distance to it, `|k - C_z|^2`, `[G, T]`.
-    pub error: FloatTensor<B>,
+    /// The squared distance to it and the key's squared norm side by
+    /// side, `(|k - C_z|^2, |k|^2)` `[G, T, 2]`: the statistics total both
+    /// in one reduction.
+    pub squares: FloatTensor<B>,
 }
 
 /// How much weight each code carries within groups of tokens, and the
@@ -487,14 +489,40 @@ pub trait VqBackend: Backend {
 
     /// The commitment of keys `k` `[B, H, T, K]` to their codewords
     /// `words` `[B, H, T, K]` per token, `[B, T]`: `sum_{h, k} (k -
-    /// words)^2` by the composed forward ops, differentiated by a backward
-    /// step of its own (`dk = 2 (k - words) g`, one elementwise pass, no
-    /// tensors of ones as burn's `sum_dim` backward fills) where the
-    /// backend is burn's `Autodiff` over a cubecl one
-    /// ([`VqKernels::OWN_BACKWARDS`]); `None` (the default) elsewhere, where
-    /// the caller composes it.
-    fn vq_commitment(k: Tensor<Self, 4>, words: Tensor<Self, 4>) -> Option<Tensor<Self, 2>> {
-        let _ = (k, words);
+    /// words)^2`, its value the sum over heads of `errors` `[B, H, T, 1]`
+    /// (the squared errors, detached, as the quantizer found them),
+    /// differentiated by a backward step of its own (`dk = 2 (k - words)
+    /// g`, one elementwise pass, no tensors of ones as burn's `sum_dim`
+    /// backward fills) where the backend is burn's `Autodiff` over a
+    /// cubecl one ([`VqKernels::OWN_BACKWARDS`]); `None` (the default)
+    /// elsewhere, where the caller composes it.
+    fn vq_commitment(
+        k: Tensor<Self, 4>,
+        words: Tensor<Self, 4>,
+        errors: Tensor<Self, 4>,
+    ) -> Option<Tensor<Self, 2>> {
+        let _ = (k, words, errors);
+        None
+    }
+
+    /// `x W` for `x` `[B, T, D]` and `w` `[D, sum(widths)]` as one tensor
+    /// per block of `widths` columns, `[B, T, widths[i]]`, each the product
+    /// with its columns of `w`, differentiated by a backward step of its
+    /// own where the backend is burn's `Autodiff` over a cubecl one
+    /// ([`VqKernels::OWN_BACKWARDS`]): the blocks' gradients joined, then
+    /// one product for `dx` and one for `dw` (burn's backward of the
+    /// products of slices of `w` takes two products per block, and each
+    /// slice's gradient is a filled tensor of `w`'s shape with the block
+    /// assigned in). Every block must reach the loss, as the projections
+    /// of a sublayer do: the first block's step runs the others'. `None`
+    /// (the default) elsewhere, and where the widths do not cover every
+    /// column of `w`: the caller composes it then.
+    fn vq_column_blocks<const N: usize>(
+        x: Tensor<Self, 3>,
+        w: Tensor<Self, 2>,
+        widths: [usize; N],
+    ) -> Option<[Tensor<Self, 3>; N]> {
+        let _ = (x, w, widths);
         None
     }
 }
@@ -640,11 +668,11 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
 
     fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Nearest<Self> {
         let int: DType = I::dtype();
-        let (codes, words, error) = quantizer::quantize(keys, codebook, int);
+        let (codes, words, squares) = quantizer::quantize(keys, codebook, int);
         Nearest {
             codes,
             words,
-            error,
+            squares,
         }
     }
 
@@ -704,7 +732,7 @@ impl VqBackend for Dispatch {
         Some(Nearest {
             codes: Self::int_from_data(n.codes.into_data(), &device),
             words: Self::float_from_data(n.words.into_data(), &device),
-            error: Self::float_from_data(n.error.into_data(), &device),
+            squares: Self::float_from_data(n.squares.into_data(), &device),
         })
     }
 
@@ -788,6 +816,7 @@ thread_local! {
     static ADAMW_CALLS: Cell<u64> = const { Cell::new(0) };
     static RMS_CALLS: Cell<u64> = const { Cell::new(0) };
     static COMMITMENT_CALLS: Cell<u64> = const { Cell::new(0) };
+    static COLUMN_BLOCKS_CALLS: Cell<u64> = const { Cell::new(0) };
 }
 
 /// Counts one call in `counter`.
@@ -830,6 +859,12 @@ pub fn fused_rms_calls() -> u64 {
 /// How many commitments with their own backward step this thread has made.
 pub fn fused_commitment_calls() -> u64 {
     COMMITMENT_CALLS.with(Cell::get)
+}
+
+/// How many column-block products with their own backward step this
+/// thread has made.
+pub fn fused_column_blocks_calls() -> u64 {
+    COLUMN_BLOCKS_CALLS.with(Cell::get)
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! The fused quantizer in CubeCL (CUDA, wgpu): each key's squared distance
 //! to every codeword of its head, the nearest codeword (ties to the lowest
-//! index), its row and the squared error, in one pass with no `[B, H, T, S]`
-//! distance tensor in device memory.
+//! index), its row, the squared error and the key's squared norm, in one
+//! pass with no `[B, H, T, S]` distance tensor in device memory.
 //!
 //! A cube holds `UNITS` keys of one block row `g = b H + h`, a key per
 //! unit, in registers; the head's codewords pass through shared memory
@@ -34,14 +34,14 @@ pub fn covers(key_width: usize) -> bool {
 
 /// Keys `[G, T, K]` against codewords `[H, S, K]` (row `g` is head
 /// `g % H`): codes `[G, T]`, nearest codewords `[G, T, K]`, squared
-/// errors `[G, T]`. A cube per `(g, UNITS keys)`.
+/// errors and squared norms `[G, T, 2]`. A cube per `(g, UNITS keys)`.
 #[cube(launch)]
 fn quantize_keys<F: Float, I: Int>(
     keys: &Tensor<F>,
     codebook: &Tensor<F>,
     codes: &mut Tensor<I>,
     nearest: &mut Tensor<F>,
-    error: &mut Tensor<F>,
+    squares: &mut Tensor<F>,
     #[comptime] width: usize,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
@@ -57,6 +57,7 @@ fn quantize_keys<F: Float, I: Int>(
     let own = i < t;
 
     let mut key = Array::<F>::new(width);
+    let mut norm = F::new(0.0);
     #[unroll]
     for c in 0..width {
         let mut v = F::new(0.0);
@@ -64,6 +65,7 @@ fn quantize_keys<F: Float, I: Int>(
             v = keys[g * keys.stride(0) + i * keys.stride(1) + c * keys.stride(2)];
         }
         key[c] = v;
+        norm += v * v;
     }
     let mut words = SharedMemory::<F>::new(CODES * width);
     let mut best = F::new(0.0);
@@ -104,7 +106,9 @@ fn quantize_keys<F: Float, I: Int>(
     }
     if own {
         codes[g * codes.stride(0) + i * codes.stride(1)] = I::cast_from(code);
-        error[g * error.stride(0) + i * error.stride(1)] = best;
+        let at = g * squares.stride(0) + i * squares.stride(1);
+        squares[at] = best;
+        squares[at + squares.stride(2)] = norm;
         let word = h * codebook.stride(0) + code * codebook.stride(1);
         let row = g * nearest.stride(0) + i * nearest.stride(1);
         for c in 0..width {
@@ -115,7 +119,7 @@ fn quantize_keys<F: Float, I: Int>(
 
 /// [`super::VqKernels::vq_quantize`] on a cubecl backend: `keys` `[G, T,
 /// K]`, `codebook` `[H, S, K]`; codes of `int` type, nearest codewords and
-/// squared errors.
+/// the squares (errors and norms).
 pub(super) fn quantize<R: CubeRuntime>(
     keys: CubeTensor<R>,
     codebook: CubeTensor<R>,
@@ -125,7 +129,7 @@ pub(super) fn quantize<R: CubeRuntime>(
     let dtype = keys.dtype;
     let codes = empty_like(&keys, vec![g, t], int);
     let nearest = empty_like(&keys, vec![g, t, k], dtype);
-    let error = empty_like(&keys, vec![g, t], dtype);
+    let squares = empty_like(&keys, vec![g, t, 2], dtype);
     quantize_keys::launch::<R>(
         &keys.client.clone(),
         cubes(g * t.div_ceil(UNITS)),
@@ -134,9 +138,9 @@ pub(super) fn quantize<R: CubeRuntime>(
         codebook.into_tensor_arg(),
         codes.clone().into_tensor_arg(),
         nearest.clone().into_tensor_arg(),
-        error.clone().into_tensor_arg(),
+        squares.clone().into_tensor_arg(),
         k,
         [dtype.into(), int.into()],
     );
-    (codes, nearest, error)
+    (codes, nearest, squares)
 }

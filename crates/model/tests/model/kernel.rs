@@ -22,8 +22,8 @@ use tvq_model::attention::{AttentionInput, AttentionState, Position, block_atten
 use tvq_model::gau::rms_normalize_with;
 use tvq_model::kernel::{
     AdamwParam, AdamwScalars, Kernels, VqBackend, fused_adamw_calls, fused_attention_calls,
-    fused_commitment_calls, fused_norm_calls, fused_quantize_calls, fused_rms_calls,
-    fused_totals_calls,
+    fused_column_blocks_calls, fused_commitment_calls, fused_norm_calls, fused_quantize_calls,
+    fused_rms_calls, fused_totals_calls,
 };
 use tvq_model::quantizer::{Quantized, VectorQuantizer};
 use tvq_model::{CacheGrad, Compute};
@@ -898,8 +898,8 @@ fn the_cpu_composes_the_rms_backward() {
     rms_agrees::<Cpu>(&FlexDevice, false);
 }
 
-/// The commitment with its own backward step (`VqBackend::vq_commitment`)
-/// against the composed ops: the values, and the gradients of the keys (a
+/// The commitment with its own backward step (`VqBackend::vq_commitment`,
+/// given the squared errors) against the composed ops: the values, and the gradients of the keys (a
 /// view with swapped axes) and of the codewords under an upstream gradient
 /// that is not constant, one head and three. `own`: whether the backend
 /// takes the step of its own (a call counted) or answers `None`.
@@ -922,7 +922,8 @@ fn commitment_agrees<A: Under>(device: &A::Device, own: bool) {
             let (k, w) = (leaf(&keys, [2, 5, h, 7]), leaf(&words, [2, h, 5, 7]));
             let (kt, w2) = (k.clone().swap_dims(1, 2), w.clone()); // [2, H, 5, 7]
             let c = if fused {
-                A::vq_commitment(kt, w2)?
+                let errors = (kt.clone() - w2.clone()).square().sum_dim(3).detach();
+                A::vq_commitment(kt, w2, errors)?
             } else {
                 (kt - w2).square().sum_dim(3).sum_dim(1).reshape([2, 5])
             };
@@ -977,6 +978,122 @@ fn commitment_backward_matches_the_composed_ops_under_burns_fusion() {
 #[test]
 fn the_cpu_composes_the_commitment() {
     commitment_agrees::<Cpu>(&FlexDevice, false);
+}
+
+/// The product with blocks of a weight's columns with its own backward
+/// step (`VqBackend::vq_column_blocks`) against the composed ops (a
+/// product with each slice of the weight): the blocks, and the gradients
+/// of the input (a view with swapped axes, also read by another term of
+/// the loss) and of the weight (likewise), each block under an upstream
+/// gradient of its own; three blocks and two, a batch of two. `own`:
+/// whether the backend takes the step of its own (a call counted) or
+/// answers `None`.
+fn column_blocks_agree<A: Under>(device: &A::Device, own: bool) {
+    /// The blocks, then the gradients of the input and the weight.
+    fn run<A: Under, const N: usize>(
+        device: &A::Device,
+        widths: [usize; N],
+        draws: &[Vec<f32>],
+        fused: bool,
+    ) -> Option<Vec<Vec<f32>>> {
+        let (b, t, d) = (2, 5, 6);
+        let n: usize = widths.iter().sum();
+        fn tensor<A: Under, const D: usize>(
+            data: &[f32],
+            shape: [usize; D],
+            device: &A::Device,
+        ) -> Tensor<A, D> {
+            Tensor::from_data(TensorData::new(data.to_vec(), shape), device)
+        }
+        let x = tensor::<A, 3>(&draws[0], [t, b, d], device).require_grad(); // [T, B, D]
+        let w = tensor::<A, 2>(&draws[1], [d, n], device).require_grad();
+        let xv = x.clone().swap_dims(0, 1); // [B, T, D]
+        let blocks = if fused {
+            A::vq_column_blocks(xv.clone(), w.clone(), widths)?
+        } else {
+            let mut start = 0;
+            widths.map(|c| {
+                let cols = w.clone().slice([0..d, start..start + c]).unsqueeze::<3>();
+                start += c;
+                xv.clone().matmul(cols)
+            })
+        };
+        let mut loss = (xv.clone() * xv).sum() + w.clone().sum() * 0.5;
+        let mut got = vec![];
+        for (i, block) in blocks.into_iter().enumerate() {
+            let probe = tensor::<A, 3>(&draws[2 + i], [b, t, widths[i]], device);
+            loss = loss + (block.clone() * probe).sum();
+            got.push(host(block.inner()));
+        }
+        let grads = loss.backward();
+        got.push(host(x.grad(&grads)?));
+        got.push(host(w.grad(&grads)?));
+        Some(got)
+    }
+    fn check<A: Under, const N: usize>(device: &A::Device, widths: [usize; N], own: bool) {
+        let (b, t, d) = (2, 5, 6);
+        let n: usize = widths.iter().sum();
+        let normal = |len: usize| {
+            host(Tensor::<A, 1>::random(
+                [len],
+                Distribution::Normal(0.0, 1.0),
+                device,
+            ))
+        };
+        let mut draws = vec![normal(t * b * d), normal(d * n)];
+        draws.extend(widths.map(|c| normal(b * t * c)));
+        let want = run::<A, N>(device, widths, &draws, false).expect("the composed ops");
+        let calls = fused_column_blocks_calls();
+        let got = run::<A, N>(device, widths, &draws, true);
+        assert_eq!(
+            fused_column_blocks_calls(),
+            calls + u64::from(own),
+            "{widths:?}: calls counted"
+        );
+        let Some(got) = got else {
+            assert!(!own, "{widths:?}: no product of its own");
+            return;
+        };
+        assert!(
+            own,
+            "{widths:?}: a product of its own where none was expected"
+        );
+        assert_eq!(got.len(), want.len());
+        for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+            let name = match i {
+                i if i < N => format!("block {i}"),
+                i if i == N => "the input's gradient".into(),
+                _ => "the weight's gradient".into(),
+            };
+            let diff = max_diff(got, want);
+            assert!(diff <= 1e-5, "{widths:?}: {name} differs by {diff}");
+        }
+    }
+    check::<A, 3>(device, [3, 4, 2], own);
+    check::<A, 2>(device, [5, 1], own);
+}
+
+#[test]
+fn column_blocks_backward_matches_the_composed_ops() {
+    let Some(device) = wgpu("column_blocks_backward_matches_the_composed_ops") else {
+        return;
+    };
+    column_blocks_agree::<Ad>(&device, true);
+}
+
+#[test]
+fn column_blocks_backward_matches_the_composed_ops_under_burns_fusion() {
+    let Some(device) = wgpu("column_blocks_backward_matches_the_composed_ops_under_burns_fusion")
+    else {
+        return;
+    };
+    column_blocks_agree::<Fused>(&device, true);
+}
+
+/// The CPU keeps burn's backward of the composed ops, as for the RMS norm.
+#[test]
+fn the_cpu_composes_the_column_blocks() {
+    column_blocks_agree::<Cpu>(&FlexDevice, false);
 }
 
 /// AdamW over many parameters by kernel (`VqBackend::vq_adamw`) against
