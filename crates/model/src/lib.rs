@@ -24,6 +24,7 @@ pub mod loss;
 pub mod model;
 pub mod norm;
 pub mod official;
+pub mod ops;
 pub mod pass;
 pub mod position;
 pub mod precision;

@@ -5,6 +5,7 @@ use burn::prelude::*;
 use burn::tensor::activation::log_softmax;
 
 use crate::model::ModelOutput;
+use crate::ops::total;
 use crate::quantizer::bool_to_float;
 
 /// The padding token. A target of it is never scored: the official code's
@@ -28,9 +29,7 @@ fn sum_and_mean<B: Backend>(
     x: Tensor<B, 2>,
     marked: Option<Tensor<B, 2>>,
 ) -> (Tensor<B, 1>, Tensor<B, 1>) {
-    // Flat sums: a sum over every axis may run as one reduction per axis.
     let n = x.dims().iter().product::<usize>();
-    let total = |x: Tensor<B, 2>| x.reshape([n]).sum();
     match marked {
         None => {
             let sum = total(x);

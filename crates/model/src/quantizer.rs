@@ -12,6 +12,7 @@ use burn::tensor::{Distribution, IndexingUpdateOp, TensorPrimitive};
 
 use crate::device::to_device_via_host;
 use crate::kernel::{self, Kernels, VqBackend};
+use crate::ops::total;
 
 /// Floor on `c_count` when dividing, as in the official code.
 const MIN_COUNT: f64 = 0.01;
@@ -324,11 +325,13 @@ impl<B: Backend> VectorQuantizer<B> {
         .flatten();
         let (codes, c_z, squares) = match fused {
             Some(n) => {
-                let float = |x| Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(x));
+                let float = |x| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(x));
+                let words = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(n.words));
+                let per_key = |x| float(x).reshape([b, h, t, 1]);
                 (
                     Tensor::<B, 2, Int>::from_primitive(n.codes).reshape([b, h, t]),
-                    float(n.words).reshape([b, h, t, d_k]),
-                    Some(float(n.squares).reshape([b, h, t, 2])),
+                    words.reshape([b, h, t, d_k]),
+                    Some((per_key(n.error), per_key(n.norm))),
                 )
             }
             None => {
@@ -337,22 +340,25 @@ impl<B: Backend> VectorQuantizer<B> {
             }
         };
 
-        let k_hat = k.clone() + (c_z.clone() - k.clone()).detach();
-        // Each key's squared error and squared norm `[B, H, T, 2]` (no
+        // The straight-through estimator: `c_z` forward, `k`'s gradient back.
+        let own = match kernels {
+            Kernels::Fused => B::vq_straight_through(k.clone(), c_z.clone()),
+            Kernels::Composed => None,
+        };
+        let k_hat = own.unwrap_or_else(|| k.clone() + (c_z.clone() - k.clone()).detach());
+        // Each key's squared error and squared norm `[B, H, T, 1]` (no
         // gradient): the kernel's where it ran, else composed, the errors
         // then with gradient for the commitment.
-        let (squares, err) = match squares {
-            Some(squares) => (squares, None),
+        let (sq_err, sq_norm, err) = match squares {
+            Some((sq_err, sq_norm)) => (sq_err, sq_norm, None),
             None => {
-                let err = (k.clone() - c_z.clone()).square().sum_dim(3); // [B, H, T, 1]
-                let norm = kd.clone().square().sum_dim(3); // [B, H, T, 1]
-                (Tensor::cat(vec![err.clone().detach(), norm], 3), Some(err))
+                let err = (k.clone() - c_z.clone()).square().sum_dim(3);
+                let sq_norm = kd.clone().square().sum_dim(3);
+                (err.clone().detach(), sq_norm, Some(err))
             }
         };
         let own = match kernels {
-            Kernels::Fused => {
-                B::vq_commitment(k.clone(), c_z.clone(), squares.clone().narrow(3, 0, 1))
-            }
+            Kernels::Fused => B::vq_commitment(k.clone(), c_z.clone(), sq_err.clone()),
             Kernels::Composed => None,
         };
         let commitment = own.unwrap_or_else(|| {
@@ -373,13 +379,11 @@ impl<B: Backend> VectorQuantizer<B> {
             h,
             kernels,
         ); // [H, S], [H, S, K]: summed over the batch
-        let squares = match weight {
-            Some(w) => squares * w.reshape([b, 1, t, 1]),
-            None => squares,
+        let weighed_total = |x: Tensor<B, 4>| match &weight {
+            Some(w) => total(x * w.clone().reshape([b, 1, t, 1])),
+            None => total(x),
         };
-        // Both totals in one reduction.
-        let totals = squares.reshape([b * h * t, 2]).sum_dim(0).reshape([2]); // [2]
-        let (sq_error, sq_norm) = (totals.clone().narrow(0, 0, 1), totals.narrow(0, 1, 1));
+        let (sq_error, sq_norm) = (weighed_total(sq_err), weighed_total(sq_norm));
 
         Quantized {
             k_hat,

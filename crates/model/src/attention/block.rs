@@ -11,7 +11,7 @@ use super::{AttentionGroups, AttentionInput, Position};
 use crate::compute::Compute;
 use crate::config::CacheGrad;
 use crate::error::ModelError;
-use crate::kernel::{self, AttentionKernelInput, Kernels, VqBackend};
+use crate::kernel::{self, AttentionFlags, AttentionKernelInput, Kernels, VqBackend};
 use crate::precision::{Precision, to_f32};
 use crate::quantizer::code_totals;
 
@@ -266,15 +266,23 @@ fn fused_attention<B: VqBackend>(x: FusedInputs<'_, B>) -> Option<Tensor<B, 5>> 
         Some(limit) => x.cache_counts.clone().clamp_max(limit as f64),
         None => x.cache_counts.clone(),
     };
-    let shift = match x.cx.cache_limit {
-        Some(limit) => -(x.cache_counts.sum_dim(3) / limit as f64)
+    // The kernel reads `shift` and `count_weight` only where they are
+    // given: an empty tensor stands for each elsewhere (no fill launched).
+    let shift = x.cx.cache_limit.map(|limit| {
+        -(x.cache_counts.sum_dim(3) / limit as f64)
             .clamp_min(1.0)
-            .log(),
-        None => Tensor::zeros([b, h, r, 1], &device),
-    }; // [B, H, R, 1]
+            .log()
+    }); // [B, H, R, 1]
+    let flags = AttentionFlags {
+        mask_first: !x.has_prev,
+        prev_grad: x.cx.cache_grad != CacheGrad::None,
+        shifted: shift.is_some(),
+        weighted: x.count_weight.is_some(),
+    };
+    let shift = shift.unwrap_or_else(|| Tensor::empty([b, h, r, 1], &device));
     let count_weight = match x.count_weight {
         Some(w) => w.reshape([g, l]),
-        None => Tensor::ones([g, l], &device),
+        None => Tensor::empty([g, l], &device),
     };
     let out = B::vq_attention(AttentionKernelInput {
         q: rows(x.q, dk),
@@ -304,8 +312,7 @@ fn fused_attention<B: VqBackend>(x: FusedInputs<'_, B>) -> Option<Tensor<B, 5>> 
         shift: shift.reshape([g]).into_primitive().tensor(),
         count_weight: count_weight.into_primitive().tensor(),
         means: x.cache_means.reshape([g, s, dv]).into_primitive().tensor(),
-        mask_first: !x.has_prev,
-        prev_grad: x.cx.cache_grad != CacheGrad::None,
+        flags,
     })?;
     let out = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out));
     Some(out.reshape([b, h, r, l, dv]))

@@ -110,6 +110,10 @@ struct Operands<F: Float> {
     means: Tensor<F>,
     /// 1 when block 0 of every row has no previous block.
     mask_first: u32,
+    /// 1 when the cache's scores add `shift`.
+    shifted: u32,
+    /// 1 when the cache's scores weigh `log_counts` by `count_weight`.
+    weighted: u32,
 }
 
 /// Keys a query sees, `2L + S`.
@@ -193,8 +197,14 @@ fn term<F: Float>(x: &Operands<F>, g: usize, i: usize, n: usize) -> F {
             let a = x.log_counts[g * x.log_counts.stride(0) + s * x.log_counts.stride(1)];
             // An empty code's ln 0 = -inf fails this test: it stays masked.
             if a > F::new(NEG) {
-                let w = x.count_weight[g * x.count_weight.stride(0) + i * x.count_weight.stride(1)];
-                out = w * a + x.shift[g * x.shift.stride(0)];
+                out = a;
+                if x.weighted == 1 {
+                    out *=
+                        x.count_weight[g * x.count_weight.stride(0) + i * x.count_weight.stride(1)];
+                }
+                if x.shifted == 1 {
+                    out += x.shift[g * x.shift.stride(0)];
+                }
             }
         }
     }
@@ -1005,7 +1015,9 @@ fn operands<F: Float, R: CubeRuntime>(
         x.shift.clone().into_tensor_arg(),
         x.count_weight.clone().into_tensor_arg(),
         x.means.clone().into_tensor_arg(),
-        x.mask_first as u32,
+        x.flags.mask_first as u32,
+        x.flags.shifted as u32,
+        x.flags.weighted as u32,
     )
 }
 
@@ -1095,7 +1107,7 @@ pub(super) fn backward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTen
     );
     // dk and dk_prev: ds^T q, [G, 2L, L] x [G, L, K] = [G, 2L, K].
     let window = B::float_matmul(B::float_swap_dims(ds, 1, 2), x.q);
-    let dk_all = if x.prev_grad {
+    let dk_all = if x.flags.prev_grad {
         let out = empty_like(&window, vec![g, l, dk], dtype);
         let blocks = x.bias.shape().dims::<4>()[2] / l;
         fold_previous::launch::<R>(

@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex};
 
 use super::{
     AdamwParam, AttentionKernelInput, BlockCaches, COLUMN_BLOCKS_CALLS, COMMITMENT_CALLS,
-    CodeTotals, FUSED_CALLS, NORM_CALLS, Nearest, QUANTIZE_CALLS, RMS_CALLS, TOTALS_CALLS,
-    VqBackend, VqKernels, count, sum_over_heads,
+    CodeTotals, FUSED_CALLS, NORM_CALLS, Nearest, QUANTIZE_CALLS, RMS_CALLS,
+    STRAIGHT_THROUGH_CALLS, TOTALS_CALLS, VqBackend, VqKernels, count, sum_over_heads,
 };
 use crate::norm::{reciprocal_rms, rms_normalize};
 
@@ -73,12 +73,15 @@ impl<B: VqKernels, const D: usize> Backward<B, 1> for RmsBackward<D> {
 struct CommitmentBackward;
 
 impl<B: VqKernels> Backward<B, 2> for CommitmentBackward {
-    /// `k - words` `[B, H, T, K]`.
-    type State = FloatTensor<B>;
+    /// The keys and the codewords, `[B, H, T, K]` each: their difference
+    /// is taken here, in the pass that scales it, rather than as a launch
+    /// of its own in the forward pass.
+    type State = (FloatTensor<B>, FloatTensor<B>);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let grad = float::<B, 2>(grads.consume::<B>(&ops.node)); // [B, T]
-        let diff = float::<B, 4>(ops.state); // [B, H, T, K]
+        let (k, words) = ops.state;
+        let diff = float::<B, 4>(k) - float::<B, 4>(words); // [B, H, T, K]
         let [b, _, t, _] = diff.dims();
         // The factor 2 on the full shape, where burn's fusion takes it into
         // the product's kernel (on `[B, T]` it is a launch of its own).
@@ -89,6 +92,22 @@ impl<B: VqKernels> Backward<B, 2> for CommitmentBackward {
         }
         if let Some(k) = k {
             grads.register::<B>(k.id, dk.into_primitive().tensor());
+        }
+    }
+}
+
+/// The backward step of [`VqBackend::vq_straight_through`]; its parent is
+/// the keys, whose gradient is the output's.
+#[derive(Debug)]
+struct StraightThroughBackward;
+
+impl<B: VqKernels> Backward<B, 1> for StraightThroughBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        if let [Some(k)] = ops.parents {
+            grads.register::<B>(k.id, grad);
         }
     }
 }
@@ -135,7 +154,15 @@ impl<B: VqKernels> Backward<B, 2> for ColumnBlocksBackward {
             let grad = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
             blocks.push(grad.map_or_else(|| Tensor::zeros([b, t, n], &device), float::<B, 3>));
         }
-        let dy = Tensor::cat(blocks, 2); // [B, T, N]
+        // One launch where the backend joins, else one a block.
+        let parts = blocks
+            .iter()
+            .map(|t| t.clone().into_primitive().tensor())
+            .collect();
+        let dy = match B::vq_join(parts) {
+            Some(dy) => float::<B, 3>(dy),
+            None => Tensor::cat(blocks, 2),
+        }; // [B, T, N]
         let [px, pw] = ops.parents;
         if let Some(pw) = pw {
             let x = float::<B, 3>(x);
@@ -181,7 +208,8 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
         Some(Nearest {
             codes: n.codes,
             words: Self::from_inner(n.words),
-            squares: Self::from_inner(n.squares),
+            error: Self::from_inner(n.error),
+            norm: Self::from_inner(n.norm),
         })
     }
 
@@ -292,8 +320,6 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
         }
         count(&COMMITMENT_CALLS);
         let (k, words) = (k.into_primitive().tensor(), words.into_primitive().tensor());
-        // The backward's `k - words`, on the inner backend.
-        let diff = float::<B, 4>(k.primitive) - float::<B, 4>(words.primitive); // [B, H, T, K]
         let errors = float::<B, 4>(errors.into_primitive().tensor().primitive); // [B, H, T, 1]
         let err = sum_over_heads(errors).into_primitive().tensor(); // [B, T]
         let out = match CommitmentBackward
@@ -301,10 +327,25 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
             .compute_bound()
             .stateful()
         {
-            OpsKind::Tracked(prep) => prep.finish(diff.into_primitive().tensor(), err),
+            OpsKind::Tracked(prep) => prep.finish((k.primitive, words.primitive), err),
             OpsKind::UnTracked(prep) => prep.finish(err),
         };
         Some(float::<Self, 2>(out))
+    }
+
+    fn vq_straight_through(k: Tensor<Self, 4>, words: Tensor<Self, 4>) -> Option<Tensor<Self, 4>> {
+        if !B::OWN_BACKWARDS {
+            return None;
+        }
+        count(&STRAIGHT_THROUGH_CALLS);
+        let k = k.into_primitive().tensor();
+        // The codewords' own values: no launch.
+        let words = words.into_primitive().tensor().primitive;
+        let out = StraightThroughBackward
+            .prepare::<C>([k.node])
+            .compute_bound()
+            .stateless(words);
+        Some(float::<Self, 4>(out))
     }
 
     fn vq_column_blocks<const N: usize>(
@@ -387,8 +428,7 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
             shift: x.shift.primitive,
             count_weight: x.count_weight.primitive,
             means: x.means.primitive,
-            mask_first: x.mask_first,
-            prev_grad: x.prev_grad,
+            flags: x.flags,
         };
         Some(
             match AttentionBackward

@@ -17,7 +17,8 @@ use burn::tensor::{DType, TensorData, TensorMetadata};
 use rayon::prelude::*;
 
 use super::{
-    AttentionKernelGrads, AttentionKernelInput, BlockCaches, CodeTotals, Nearest, VqKernels,
+    AttentionFlags, AttentionKernelGrads, AttentionKernelInput, BlockCaches, CodeTotals, Nearest,
+    VqKernels,
 };
 
 /// A matrix view of a slice: element `(i, j)` at `i rs + j cs`.
@@ -158,11 +159,12 @@ struct Rows<'a> {
     bias: &'a [f32],
     codebook: &'a [f32],
     log_counts: &'a [f32],
-    shift: &'a [f32],
-    count_weight: &'a [f32],
+    /// `None` unless [`AttentionFlags::shifted`].
+    shift: Option<&'a [f32]>,
+    /// `None` unless [`AttentionFlags::weighted`].
+    count_weight: Option<&'a [f32]>,
     means: &'a [f32],
-    mask_first: bool,
-    prev_grad: bool,
+    flags: AttentionFlags,
 }
 
 /// Row `g`'s slice of a `[G, n, width]` tensor.
@@ -218,13 +220,13 @@ impl Rows<'_> {
         for (start, keys) in self.keys(d, g) {
             matmul(&mut p[start..], n, false, q, keys.t());
         }
-        let no_prev = self.mask_first && g.is_multiple_of(d.r);
+        let no_prev = self.flags.mask_first && g.is_multiple_of(d.r);
         let log_counts = row(self.log_counts, g, 1, s);
-        let shift = self.shift[g];
+        let shift = self.shift.map_or(0.0, |shift| shift[g]);
         for i in 0..l {
             let bias = &self.bias[(g * l + i) * (l + 1)..][..l + 1];
             let scores = &mut p[i * n..][..n];
-            let weight = self.count_weight[g * l + i];
+            let weight = self.count_weight.map_or(1.0, |w| w[g * l + i]);
             // Masked scores are -inf until the exponent makes them 0.
             for (j, x) in scores[..l].iter_mut().enumerate() {
                 *x = if j <= i {
@@ -359,7 +361,7 @@ fn backward(x: &Rows<'_>, d: Dims, out: &[f32], lse: &[f32], grad: &[f32]) -> Gr
         );
     // Row g's previous block is row g - 1 of the same stream (its block 0's
     // is the carried block, which takes no gradient).
-    if x.prev_grad {
+    if x.flags.prev_grad {
         for (ours, prev, width) in [
             (&mut grads.k, &grads.k_prev, k),
             (&mut grads.v, &grads.v_prev, v),
@@ -509,11 +511,10 @@ fn with_rows<R>(input: &AttentionKernelInput<Flex>, f: impl FnOnce(&Rows<'_>, Di
         bias: slice(5),
         codebook: slice(6),
         log_counts: slice(7),
-        shift: slice(8),
-        count_weight: slice(9),
+        shift: input.flags.shifted.then(|| slice(8)),
+        count_weight: input.flags.weighted.then(|| slice(9)),
         means: slice(10),
-        mask_first: input.mask_first,
-        prev_grad: input.prev_grad,
+        flags: input.flags,
     };
     f(
         &rows,
@@ -680,7 +681,8 @@ impl VqKernels for Flex {
         let (keys, words) = (keys.storage::<f32>(), words.storage::<f32>());
         let mut codes = vec![0i32; g * t];
         let mut chosen = vec![0.0f32; g * t * k];
-        let mut squares = vec![0.0f32; g * t * 2];
+        let mut error = vec![0.0f32; g * t];
+        let mut norm = vec![0.0f32; g * t];
         for gi in 0..g {
             let head = row(words, gi % h, s, k);
             for ti in 0..t {
@@ -697,14 +699,15 @@ impl VqKernels for Flex {
                 }
                 codes[n] = best as i32;
                 chosen[n * k..][..k].copy_from_slice(&head[best * k..][..k]);
-                squares[2 * n] = best_d;
-                squares[2 * n + 1] = key.iter().map(|a| a * a).sum();
+                error[n] = best_d;
+                norm[n] = key.iter().map(|a| a * a).sum();
             }
         }
         Nearest {
             codes: FlexTensor::from_data(TensorData::new(codes, [g, t])),
             words: tensor(chosen, vec![g, t, k], dtype),
-            squares: tensor(squares, vec![g, t, 2], dtype),
+            error: tensor(error, vec![g, t], dtype),
+            norm: tensor(norm, vec![g, t], dtype),
         }
     }
 

@@ -18,7 +18,8 @@ use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 use burn::tensor::ops::IntTensor;
 
 use super::{
-    AttentionKernelGrads, AttentionKernelInput, BlockCaches, CodeTotals, Nearest, VqKernels,
+    AttentionFlags, AttentionKernelGrads, AttentionKernelInput, BlockCaches, CodeTotals, Nearest,
+    VqKernels,
 };
 
 /// Which kernel a custom operation runs.
@@ -35,12 +36,14 @@ enum Kernel {
     Caches,
     /// Inputs: [`AttentionKernelInput`]'s eleven tensors. Outputs: the
     /// attention's output and log-sum-exp.
-    Forward { mask_first: bool },
+    Forward(AttentionFlags),
     /// Inputs: the forward pass's eleven, its output, its log-sum-exp and
     /// the output's gradient. Outputs: [`AttentionKernelGrads`]'s six.
-    Backward { mask_first: bool, prev_grad: bool },
+    Backward(AttentionFlags),
     /// Inputs: the tensors. Output: the sum of their squares, `[1]`.
     SumSquares,
+    /// Inputs: the parts. Output: them joined along their last axis.
+    Join,
     /// Inputs: four tensors a parameter, then the table of scalars.
     /// Outputs: three a parameter (`VqKernels::vq_adamw`'s).
     Adamw,
@@ -49,25 +52,26 @@ enum Kernel {
 impl Kernel {
     /// The operation's name in the stream; the flags are part of it, so
     /// that two operations that differ only there never look alike.
-    fn name(self) -> &'static str {
+    fn name(self) -> String {
+        let attention = |pass: &str, f: AttentionFlags| {
+            let bit = |on: bool| if on { '1' } else { '0' };
+            // mask_first, prev_grad, shifted, weighted.
+            let bits: String = [f.mask_first, f.prev_grad, f.shifted, f.weighted]
+                .map(bit)
+                .into_iter()
+                .collect();
+            format!("tvq_attention_{pass}_{bits}")
+        };
         match self {
-            Self::Quantize => "tvq_quantize",
-            Self::Totals { weighted: true } => "tvq_code_totals_weighted",
-            Self::Totals { weighted: false } => "tvq_code_totals",
-            Self::Caches => "tvq_block_caches",
-            Self::Forward { mask_first: true } => "tvq_attention_forward_first",
-            Self::Forward { mask_first: false } => "tvq_attention_forward",
-            Self::Backward {
-                mask_first,
-                prev_grad,
-            } => match (mask_first, prev_grad) {
-                (true, true) => "tvq_attention_backward_first",
-                (false, true) => "tvq_attention_backward",
-                (true, false) => "tvq_attention_backward_first_detached",
-                (false, false) => "tvq_attention_backward_detached",
-            },
-            Self::SumSquares => "tvq_sum_squares",
-            Self::Adamw => "tvq_adamw",
+            Self::Quantize => "tvq_quantize".into(),
+            Self::Totals { weighted: true } => "tvq_code_totals_weighted".into(),
+            Self::Totals { weighted: false } => "tvq_code_totals".into(),
+            Self::Caches => "tvq_block_caches".into(),
+            Self::Forward(flags) => attention("forward", flags),
+            Self::Backward(flags) => attention("backward", flags),
+            Self::SumSquares => "tvq_sum_squares".into(),
+            Self::Join => "tvq_join".into(),
+            Self::Adamw => "tvq_adamw".into(),
         }
     }
 }
@@ -87,8 +91,7 @@ type Handles<B> =
 fn input_from<B: FusionBackend>(
     handles: &mut Handles<B>,
     ir: &[TensorIr],
-    mask_first: bool,
-    prev_grad: bool,
+    flags: AttentionFlags,
 ) -> AttentionKernelInput<B> {
     let mut get = |i: usize| handles.get_float_tensor::<B>(&ir[i]);
     AttentionKernelInput {
@@ -103,8 +106,7 @@ fn input_from<B: FusionBackend>(
         shift: get(8),
         count_weight: get(9),
         means: get(10),
-        mask_first,
-        prev_grad,
+        flags,
     }
 }
 
@@ -118,7 +120,8 @@ impl<B: FusionBackend + VqKernels> Operation<B::FusionRuntime> for Custom<B> {
                 let n = B::vq_quantize(keys, codebook);
                 handles.register_int_tensor::<B>(&outputs[0].id, n.codes);
                 handles.register_float_tensor::<B>(&outputs[1].id, n.words);
-                handles.register_float_tensor::<B>(&outputs[2].id, n.squares);
+                handles.register_float_tensor::<B>(&outputs[2].id, n.error);
+                handles.register_float_tensor::<B>(&outputs[3].id, n.norm);
             }
             Kernel::Totals { weighted } => {
                 let codes = handles.get_int_tensor::<B>(&inputs[0]);
@@ -140,18 +143,14 @@ impl<B: FusionBackend + VqKernels> Operation<B::FusionRuntime> for Custom<B> {
                     handles.register_float_tensor::<B>(&ir.id, t);
                 }
             }
-            Kernel::Forward { mask_first } => {
-                // The forward pass is the same either way.
-                let input = input_from::<B>(handles, inputs, mask_first, true);
+            Kernel::Forward(flags) => {
+                let input = input_from::<B>(handles, inputs, flags);
                 let (out, lse) = B::vq_attention_forward(&input);
                 handles.register_float_tensor::<B>(&outputs[0].id, out);
                 handles.register_float_tensor::<B>(&outputs[1].id, lse);
             }
-            Kernel::Backward {
-                mask_first,
-                prev_grad,
-            } => {
-                let input = input_from::<B>(handles, &inputs[..11], mask_first, prev_grad);
+            Kernel::Backward(flags) => {
+                let input = input_from::<B>(handles, &inputs[..11], flags);
                 let mut get = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
                 let (out, lse, grad) = (get(11), get(12), get(13));
                 let computed = B::vq_attention_backward(input, out, lse, grad).into_array();
@@ -167,6 +166,14 @@ impl<B: FusionBackend + VqKernels> Operation<B::FusionRuntime> for Custom<B> {
                 let total =
                     B::vq_sum_squares(tensors).expect("queued only where the backend sums squares");
                 handles.register_float_tensor::<B>(&outputs[0].id, total);
+            }
+            Kernel::Join => {
+                let parts = inputs
+                    .iter()
+                    .map(|ir| handles.get_float_tensor::<B>(ir))
+                    .collect();
+                let out = B::vq_join(parts).expect("queued only where the backend joins");
+                handles.register_float_tensor::<B>(&outputs[0].id, out);
             }
             Kernel::Adamw => {
                 let mut tensors: Vec<_> = inputs
@@ -209,7 +216,11 @@ fn queue_all<B: FusionBackend + VqKernels>(
         .map(|(shape, dtype)| TensorIr::uninit(client.create_empty_handle(), shape, dtype))
         .collect();
     let inputs: Vec<TensorIr> = inputs.into_iter().map(FusionTensor::into_ir).collect();
-    let desc = CustomOpIr::new(kernel.name(), &inputs, &outputs);
+    let desc = CustomOpIr {
+        id: kernel.name(),
+        inputs,
+        outputs,
+    };
     let op = Custom::<B> {
         desc: desc.clone(),
         kernel,
@@ -246,6 +257,26 @@ impl<B: FusionBackend + VqKernels> VqKernels for Fusion<B> {
     const TOTALS_BY_GROUP: bool = B::TOTALS_BY_GROUP;
 
     const SUMS_SQUARES: bool = B::SUMS_SQUARES;
+
+    const JOINS: bool = B::JOINS;
+
+    fn vq_join(parts: Vec<FloatTensor<Self>>) -> Option<FloatTensor<Self>> {
+        let first = parts.first()?;
+        let (float, dims) = (first.dtype(), first.shape().to_vec());
+        let last = dims.len().checked_sub(1)?;
+        // The kernel declines what `B`'s declines.
+        let alike = |t: &FloatTensor<Self>| {
+            let d = t.shape().to_vec();
+            t.dtype() == float && d.len() == dims.len() && d[..last] == dims[..last]
+        };
+        if !B::JOINS || !parts.iter().all(alike) || dims[..last].iter().product::<usize>() == 0 {
+            return None;
+        }
+        let mut shape = dims;
+        shape[last] = parts.iter().map(|t| t.shape()[last]).sum();
+        let [out] = queue::<B, 1>(Kernel::Join, parts, [(Shape::from(shape), float)]);
+        Some(out)
+    }
 
     fn vq_sum_squares(tensors: Vec<FloatTensor<Self>>) -> Option<FloatTensor<Self>> {
         let float = tensors[0].dtype();
@@ -286,14 +317,16 @@ impl<B: FusionBackend + VqKernels> VqKernels for Fusion<B> {
         let outputs = [
             (Shape::new([g, t]), <B::IntElem as Element>::dtype()),
             (keys.shape(), float),
-            (Shape::new([g, t, 2]), float),
+            (Shape::new([g, t]), float),
+            (Shape::new([g, t]), float),
         ];
-        let [codes, words, squares] =
-            queue::<B, 3>(Kernel::Quantize, vec![keys, codebook], outputs);
+        let [codes, words, error, norm] =
+            queue::<B, 4>(Kernel::Quantize, vec![keys, codebook], outputs);
         Nearest {
             codes,
             words,
-            squares,
+            error,
+            norm,
         }
     }
 
@@ -351,9 +384,7 @@ impl<B: FusionBackend + VqKernels> VqKernels for Fusion<B> {
             (input.v.shape(), input.v.dtype()),
             (Shape::new([g, l]), input.q.dtype()),
         ];
-        let kernel = Kernel::Forward {
-            mask_first: input.mask_first,
-        };
+        let kernel = Kernel::Forward(input.flags);
         let [out, lse] = queue::<B, 2>(kernel, attention_inputs(input.clone()), outputs);
         (out, lse)
     }
@@ -372,10 +403,7 @@ impl<B: FusionBackend + VqKernels> VqKernels for Fusion<B> {
             like(&input.means),
             like(&input.count_weight),
         ];
-        let kernel = Kernel::Backward {
-            mask_first: input.mask_first,
-            prev_grad: input.prev_grad,
-        };
+        let kernel = Kernel::Backward(input.flags);
         let mut inputs = attention_inputs(input);
         inputs.extend([out, lse, grad]);
         AttentionKernelGrads::from_array(queue::<B, 6>(kernel, inputs, outputs))

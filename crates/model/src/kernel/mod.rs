@@ -10,10 +10,10 @@
 //!
 //! | backend | fused |
 //! |---|---|
-//! | `CubeBackend<R, ..>` (cubecl: CUDA, wgpu), with or without `Autodiff` | [`attention`], [`quantizer`], code totals (`totals.rs`), the sum of squares of many tensors (`norm.rs`: the global gradient norm), AdamW over many parameters (`adamw.rs`) |
+//! | `CubeBackend<R, ..>` (cubecl: CUDA, wgpu), with or without `Autodiff` | [`attention`], [`quantizer`], code totals (`totals.rs`), the sum of squares of many tensors (`norm.rs`: the global gradient norm), AdamW over many parameters (`adamw.rs`), tensors joined along their last axis (`join.rs`) |
 //! | `Fusion<B>` (burn's fusion over such a backend: burn's `Wgpu` and `Cuda` in the default build), with or without `Autodiff` | `B`'s, each a custom operation of the fusion stream (`fusion.rs`) |
 //! | `burn::Dispatch` (what `tvq` infers on, and trains on where the kernels do not cover a run) | the CPU's, forward only, on a CPU device without autodiff (inference); otherwise none: its tensors hide the backend they live on, so training with the kernels runs on `Autodiff<Flex>`, `Autodiff<burn::backend::Wgpu>` or `Autodiff<burn::backend::Cuda>`, and `tvq bench kernels` on those |
-//! | `Flex` (the CPU), with or without `Autodiff` | attention, quantizer and code totals in Rust over its buffers (`cpu.rs`); the sum of squares and AdamW compose |
+//! | `Flex` (the CPU), with or without `Autodiff` | attention, quantizer and code totals in Rust over its buffers (`cpu.rs`); the sum of squares, AdamW and the join compose |
 //!
 //! Shapes: `G = B H R` block rows, `L` block length, `K` key width, `V`
 //! value width, `S` codes, `T = R L`.
@@ -24,6 +24,7 @@ mod autodiff;
 mod cpu;
 #[cfg(feature = "fusion")]
 mod fusion;
+mod join;
 mod launch;
 mod norm;
 pub mod quantizer;
@@ -45,9 +46,10 @@ use crate::norm::rms_normalize;
 /// The sources of tvq's cubecl kernels (every file of this folder with
 /// a `cube` attribute; a test keeps the list whole), hashed into
 /// [`SOURCE_HASH`].
-const SOURCES: [(&str, &[u8]); 6] = [
+const SOURCES: [(&str, &[u8]); 7] = [
     ("adamw.rs", include_bytes!("adamw.rs")),
     ("attention.rs", include_bytes!("attention.rs")),
+    ("join.rs", include_bytes!("join.rs")),
     ("launch.rs", include_bytes!("launch.rs")),
     ("norm.rs", include_bytes!("norm.rs")),
     ("quantizer.rs", include_bytes!("quantizer.rs")),
@@ -103,9 +105,11 @@ pub enum Kernels {
 /// - previous-block key `j`: `q_i . k'_j`, plus `bias[L + i - j]` when
 ///   `j >= i` (distance `<= L`), where `k'` is block `r - 1` of the
 ///   segment's keys, or `k_carried` in block 0 (`r = g mod R`); masked in
-///   block 0 when `mask_first`;
+///   block 0 when [`AttentionFlags::mask_first`];
 /// - code `s` of the compressed cache: `q_i . C_s + w_i log_counts_s +
-///   shift_g`, masked where `log_counts_s = -inf` (an empty code).
+///   shift_g`, masked where `log_counts_s = -inf` (an empty code); `w_i`
+///   is 1 unless [`AttentionFlags::weighted`], `shift_g` 0 unless
+///   [`AttentionFlags::shifted`].
 ///
 /// One softmax over the `2L + S` scores weighs the present values, the
 /// previous block's (`v'`, as `k'`) and `means`. The previous block is read
@@ -120,7 +124,8 @@ pub struct AttentionKernelInput<B: Backend> {
     /// Present-block values, `[G, L, V]`.
     pub v: FloatTensor<B>,
     /// The carried previous block's keys, block 0's previous keys,
-    /// `[B H, L, K]` (read only without `mask_first`); no gradient.
+    /// `[B H, L, K]` (read only without [`AttentionFlags::mask_first`]);
+    /// no gradient.
     pub k_carried: FloatTensor<B>,
     /// Its values, `[B H, L, V]`; no gradient.
     pub v_carried: FloatTensor<B>,
@@ -132,19 +137,34 @@ pub struct AttentionKernelInput<B: Backend> {
     /// `ln` of each block's (limited) code counts, `-inf` for an empty
     /// code, `[G, S]`; no gradient.
     pub log_counts: FloatTensor<B>,
-    /// The cache limit's score, the same for every code, `[G]`; no gradient.
+    /// The cache limit's score, the same for every code, `[G]`; no
+    /// gradient. Read only when [`AttentionFlags::shifted`] (any tensor of
+    /// the shape otherwise, such as an empty one: no fill to launch).
     pub shift: FloatTensor<B>,
-    /// Each query's weight of `log_counts`, `[G, L]` (ones in the paper's
-    /// cache).
+    /// Each query's weight of `log_counts`, `[G, L]`. Read only when
+    /// [`AttentionFlags::weighted`] (the paper's cache weighs every query
+    /// by 1; any tensor of the shape otherwise, as for `shift`).
     pub count_weight: FloatTensor<B>,
     /// The compressed cache's mean values, `[G, S, V]`.
     pub means: FloatTensor<B>,
+    /// What the kernels read and pass on.
+    pub flags: AttentionFlags,
+}
+
+/// The switches of an [`AttentionKernelInput`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionFlags {
     /// Whether block 0 of every row has no previous block (a fresh stream).
     pub mask_first: bool,
     /// Whether the previous-block scores pass gradient on to the keys and
     /// values of the segment's blocks (`false`: only the present block's
     /// do, as where the previous block is detached).
     pub prev_grad: bool,
+    /// Whether the cache's scores add `shift` (a cache limit).
+    pub shifted: bool,
+    /// Whether the cache's scores weigh `log_counts` by `count_weight` (a
+    /// learned count weight; its gradient is the kernel's only then).
+    pub weighted: bool,
 }
 
 /// The gradients of [`AttentionKernelInput`]'s differentiable inputs,
@@ -153,7 +173,8 @@ pub struct AttentionKernelInput<B: Backend> {
 pub struct AttentionKernelGrads<B: Backend> {
     /// `[G, L, K]`.
     pub q: FloatTensor<B>,
-    /// `[G, L, K]`: as present and (under `prev_grad`) as previous keys.
+    /// `[G, L, K]`: as present and (under [`AttentionFlags::prev_grad`])
+    /// as previous keys.
     pub k: FloatTensor<B>,
     /// `[G, L, V]`: as `k`.
     pub v: FloatTensor<B>,
@@ -161,7 +182,7 @@ pub struct AttentionKernelGrads<B: Backend> {
     pub bias: FloatTensor<B>,
     /// `[G, S, V]`.
     pub means: FloatTensor<B>,
-    /// `[G, L]`.
+    /// `[G, L]` (meaningless unless [`AttentionFlags::weighted`]).
     pub count_weight: FloatTensor<B>,
 }
 
@@ -203,10 +224,10 @@ pub struct Nearest<B: Backend> {
     pub codes: IntTensor<B>,
     /// Its codeword, `[G, T, K]`.
     pub words: FloatTensor<B>,
-    /// The squared distance to it and the key's squared norm side by
-    /// side, `(|k - C_z|^2, |k|^2)` `[G, T, 2]`: the statistics total both
-    /// in one reduction.
-    pub squares: FloatTensor<B>,
+    /// The squared distance to it, `|k - C_z|^2`, `[G, T]`.
+    pub error: FloatTensor<B>,
+    /// The key's squared norm, `|k|^2`, `[G, T]` (for the statistics).
+    pub norm: FloatTensor<B>,
 }
 
 /// How much weight each code carries within groups of tokens, and the
@@ -380,6 +401,18 @@ pub trait VqKernels: Backend {
         None
     }
 
+    /// Whether [`Self::vq_join`] has a kernel (answers `Some`).
+    const JOINS: bool = false;
+
+    /// `parts` (each `[.., n_i]`, alike but for the last axis) joined
+    /// along their last axis, `[.., sum n_i]`, in one launch, or `None`
+    /// (the default) where the backend has no kernel for it or the parts
+    /// are not all of one float type: the caller `cat`s them then.
+    fn vq_join(parts: Vec<FloatTensor<Self>>) -> Option<FloatTensor<Self>> {
+        let _ = parts;
+        None
+    }
+
     /// Whether [`Self::vq_adamw`] has a kernel (answers `Some`).
     const STEPS_ADAMW: bool = false;
 
@@ -502,6 +535,19 @@ pub trait VqBackend: Backend {
         errors: Tensor<Self, 4>,
     ) -> Option<Tensor<Self, 2>> {
         let _ = (k, words, errors);
+        None
+    }
+
+    /// The straight-through estimator of keys `k` `[B, H, T, K]` and their
+    /// codewords `words` `[B, H, T, K]` (no gradient): `words` in the
+    /// forward pass, the gradient passed to `k` unchanged, by a backward
+    /// step of its own where the backend is burn's `Autodiff` over a
+    /// cubecl one ([`VqKernels::OWN_BACKWARDS`]): composed, `k` plus the
+    /// detached `words - k` takes two launches for a value the kernel
+    /// already wrote. `None` (the default) elsewhere, where the
+    /// caller composes it.
+    fn vq_straight_through(k: Tensor<Self, 4>, words: Tensor<Self, 4>) -> Option<Tensor<Self, 4>> {
+        let _ = (k, words);
         None
     }
 
@@ -655,6 +701,12 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
         norm::partials(tensors).map(Self::float_sum)
     }
 
+    const JOINS: bool = true;
+
+    fn vq_join(parts: Vec<FloatTensor<Self>>) -> Option<FloatTensor<Self>> {
+        join::join_last(parts)
+    }
+
     const STEPS_ADAMW: bool = true;
 
     const OWN_BACKWARDS: bool = true;
@@ -668,11 +720,12 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
 
     fn vq_quantize(keys: FloatTensor<Self>, codebook: FloatTensor<Self>) -> Nearest<Self> {
         let int: DType = I::dtype();
-        let (codes, words, squares) = quantizer::quantize(keys, codebook, int);
+        let (codes, words, error, norm) = quantizer::quantize(keys, codebook, int);
         Nearest {
             codes,
             words,
-            squares,
+            error,
+            norm,
         }
     }
 
@@ -718,8 +771,7 @@ impl VqBackend for Dispatch {
             shift: to_flex(x.shift),
             count_weight: to_flex(x.count_weight),
             means: to_flex(x.means),
-            mask_first: x.mask_first,
-            prev_grad: x.prev_grad,
+            flags: x.flags,
         };
         let (out, _) = Flex::vq_attention_forward(&flex);
         Some(Self::float_from_data(out.into_data(), &device))
@@ -732,7 +784,8 @@ impl VqBackend for Dispatch {
         Some(Nearest {
             codes: Self::int_from_data(n.codes.into_data(), &device),
             words: Self::float_from_data(n.words.into_data(), &device),
-            squares: Self::float_from_data(n.squares.into_data(), &device),
+            error: Self::float_from_data(n.error.into_data(), &device),
+            norm: Self::float_from_data(n.norm.into_data(), &device),
         })
     }
 
@@ -817,6 +870,7 @@ thread_local! {
     static RMS_CALLS: Cell<u64> = const { Cell::new(0) };
     static COMMITMENT_CALLS: Cell<u64> = const { Cell::new(0) };
     static COLUMN_BLOCKS_CALLS: Cell<u64> = const { Cell::new(0) };
+    static STRAIGHT_THROUGH_CALLS: Cell<u64> = const { Cell::new(0) };
 }
 
 /// Counts one call in `counter`.
@@ -865,6 +919,12 @@ pub fn fused_commitment_calls() -> u64 {
 /// thread has made.
 pub fn fused_column_blocks_calls() -> u64 {
     COLUMN_BLOCKS_CALLS.with(Cell::get)
+}
+
+/// How many straight-through estimators with their own backward step this
+/// thread has made.
+pub fn fused_straight_through_calls() -> u64 {
+    STRAIGHT_THROUGH_CALLS.with(Cell::get)
 }
 
 #[cfg(test)]

@@ -34,14 +34,15 @@ pub fn covers(key_width: usize) -> bool {
 
 /// Keys `[G, T, K]` against codewords `[H, S, K]` (row `g` is head
 /// `g % H`): codes `[G, T]`, nearest codewords `[G, T, K]`, squared
-/// errors and squared norms `[G, T, 2]`. A cube per `(g, UNITS keys)`.
+/// errors and squared norms `[G, T]`. A cube per `(g, UNITS keys)`.
 #[cube(launch)]
 fn quantize_keys<F: Float, I: Int>(
     keys: &Tensor<F>,
     codebook: &Tensor<F>,
     codes: &mut Tensor<I>,
     nearest: &mut Tensor<F>,
-    squares: &mut Tensor<F>,
+    error: &mut Tensor<F>,
+    norms: &mut Tensor<F>,
     #[comptime] width: usize,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
@@ -106,9 +107,8 @@ fn quantize_keys<F: Float, I: Int>(
     }
     if own {
         codes[g * codes.stride(0) + i * codes.stride(1)] = I::cast_from(code);
-        let at = g * squares.stride(0) + i * squares.stride(1);
-        squares[at] = best;
-        squares[at + squares.stride(2)] = norm;
+        error[g * error.stride(0) + i * error.stride(1)] = best;
+        norms[g * norms.stride(0) + i * norms.stride(1)] = norm;
         let word = h * codebook.stride(0) + code * codebook.stride(1);
         let row = g * nearest.stride(0) + i * nearest.stride(1);
         for c in 0..width {
@@ -118,18 +118,19 @@ fn quantize_keys<F: Float, I: Int>(
 }
 
 /// [`super::VqKernels::vq_quantize`] on a cubecl backend: `keys` `[G, T,
-/// K]`, `codebook` `[H, S, K]`; codes of `int` type, nearest codewords and
-/// the squares (errors and norms).
+/// K]`, `codebook` `[H, S, K]`; codes of `int` type, nearest codewords,
+/// squared errors and squared norms.
 pub(super) fn quantize<R: CubeRuntime>(
     keys: CubeTensor<R>,
     codebook: CubeTensor<R>,
     int: DType,
-) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let [g, t, k] = keys.shape().dims();
     let dtype = keys.dtype;
     let codes = empty_like(&keys, vec![g, t], int);
     let nearest = empty_like(&keys, vec![g, t, k], dtype);
-    let squares = empty_like(&keys, vec![g, t, 2], dtype);
+    let error = empty_like(&keys, vec![g, t], dtype);
+    let norm = empty_like(&keys, vec![g, t], dtype);
     quantize_keys::launch::<R>(
         &keys.client.clone(),
         cubes(g * t.div_ceil(UNITS)),
@@ -138,9 +139,10 @@ pub(super) fn quantize<R: CubeRuntime>(
         codebook.into_tensor_arg(),
         codes.clone().into_tensor_arg(),
         nearest.clone().into_tensor_arg(),
-        squares.clone().into_tensor_arg(),
+        error.clone().into_tensor_arg(),
+        norm.clone().into_tensor_arg(),
         k,
         [dtype.into(), int.into()],
     );
-    (codes, nearest, squares)
+    (codes, nearest, error, norm)
 }

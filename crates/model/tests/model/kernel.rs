@@ -21,9 +21,9 @@ use burn::tensor::backend::AutodiffBackend;
 use tvq_model::attention::{AttentionInput, AttentionState, Position, block_attention};
 use tvq_model::gau::rms_normalize_with;
 use tvq_model::kernel::{
-    AdamwParam, AdamwScalars, Kernels, VqBackend, fused_adamw_calls, fused_attention_calls,
-    fused_column_blocks_calls, fused_commitment_calls, fused_norm_calls, fused_quantize_calls,
-    fused_rms_calls, fused_totals_calls,
+    AdamwParam, AdamwScalars, Kernels, VqBackend, VqKernels, fused_adamw_calls,
+    fused_attention_calls, fused_column_blocks_calls, fused_commitment_calls, fused_norm_calls,
+    fused_quantize_calls, fused_rms_calls, fused_straight_through_calls, fused_totals_calls,
 };
 use tvq_model::quantizer::{Quantized, VectorQuantizer};
 use tvq_model::{CacheGrad, Compute};
@@ -978,6 +978,148 @@ fn commitment_backward_matches_the_composed_ops_under_burns_fusion() {
 #[test]
 fn the_cpu_composes_the_commitment() {
     commitment_agrees::<Cpu>(&FlexDevice, false);
+}
+
+/// Tensors joined along their last axis by kernel (`VqKernels::vq_join`,
+/// what joins the gradients of the projections onto column blocks)
+/// against burn's `cat`, bit for bit: ten parts of odd widths (more than
+/// one launch takes, so the later launches start at an offset), one read
+/// through a view with swapped axes, one a slice. Parts of other leading
+/// axes are declined. `kernel`: whether the backend has the kernel.
+fn join_agrees<K: VqKernels>(device: &K::Device, kernel: bool) {
+    let widths = [3, 1, 7, 5, 2, 9, 4, 1, 6, 8];
+    let normal =
+        |shape: [usize; 3]| Tensor::<K, 3>::random(shape, Distribution::Normal(0.0, 1.0), device);
+    let parts: Vec<Tensor<K, 3>> = widths
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| match i {
+            2 => normal([2, n, 5]).swap_dims(1, 2),
+            5 => normal([2, 5, n + 3]).slice([0..2, 0..5, 1..n + 1]),
+            _ => normal([2, 5, n]),
+        })
+        .collect();
+    let primitives = |parts: &[Tensor<K, 3>]| {
+        parts
+            .iter()
+            .map(|t| t.clone().into_primitive().tensor())
+            .collect()
+    };
+    let got = K::vq_join(primitives(&parts));
+    let Some(got) = got else {
+        assert!(!kernel, "the backend has the kernel");
+        return;
+    };
+    assert!(kernel, "a join where there is no kernel");
+    let got = Tensor::<K, 3>::from_primitive(TensorPrimitive::Float(got));
+    let want = Tensor::cat(parts.clone(), 2);
+    assert_eq!(got.dims(), want.dims(), "shape");
+    assert_eq!(host(got), host(want), "values");
+    let mut other = parts;
+    other[7] = normal([2, 4, 1]);
+    assert!(
+        K::vq_join(primitives(&other)).is_none(),
+        "other leading axes"
+    );
+}
+
+#[test]
+fn joins_match_burns_cat() {
+    let Some(device) = wgpu("joins_match_burns_cat") else {
+        return;
+    };
+    join_agrees::<Cube>(&device, true);
+}
+
+#[test]
+fn joins_match_burns_cat_under_burns_fusion() {
+    let Some(device) = wgpu("joins_match_burns_cat_under_burns_fusion") else {
+        return;
+    };
+    join_agrees::<burn::backend::Wgpu>(&device, true);
+}
+
+#[test]
+fn the_cpu_cats() {
+    join_agrees::<Flex>(&FlexDevice, false);
+}
+
+/// The straight-through estimator with its own backward step
+/// (`VqBackend::vq_straight_through`) against the composed `k + (words -
+/// k)` with the difference detached: the values (the codewords), and the
+/// gradient of the keys (a view with swapped axes, also read by another
+/// term of the loss) under an upstream gradient that is not constant, one
+/// head and three. `own` as for the commitment.
+fn straight_through_agrees<A: Under>(device: &A::Device, own: bool) {
+    for h in [1, 3] {
+        let normal = |shape: [usize; 4]| {
+            host(Tensor::<A, 4>::random(
+                shape,
+                Distribution::Normal(0.0, 1.0),
+                device,
+            ))
+        };
+        let (keys, words) = (normal([2, 5, h, 7]), normal([2, h, 5, 7]));
+        let upstream = Tensor::<A, 4>::random([2, h, 5, 7], Distribution::Normal(0.0, 1.0), device);
+        let run = |fused: bool| {
+            let k = Tensor::<A, 4>::from_data(TensorData::new(keys.clone(), [2, 5, h, 7]), device)
+                .require_grad();
+            let w = Tensor::<A, 4>::from_data(TensorData::new(words.clone(), [2, h, 5, 7]), device);
+            let kt = k.clone().swap_dims(1, 2); // [2, H, 5, 7]
+            let k_hat = if fused {
+                A::vq_straight_through(kt.clone(), w)?
+            } else {
+                kt.clone() + (w - kt.clone()).detach()
+            };
+            let loss = (k_hat.clone() * upstream.clone()).sum() + kt.sum_dim(3).sum() * 0.5;
+            let grads = loss.backward();
+            Some([host(k_hat.inner()), host(k.grad(&grads)?)])
+        };
+        let want = run(false).expect("the composed ops");
+        let calls = fused_straight_through_calls();
+        let got = run(true);
+        assert_eq!(
+            fused_straight_through_calls(),
+            calls + u64::from(own),
+            "H {h}: calls counted"
+        );
+        let Some(got) = got else {
+            assert!(!own, "H {h}: no straight-through of its own");
+            continue;
+        };
+        assert!(
+            own,
+            "H {h}: a straight-through of its own where none was expected"
+        );
+        for ((name, got), want) in ["values", "keys"].iter().zip(got).zip(want) {
+            let diff = max_diff(&got, &want);
+            assert!(diff <= 1e-5, "H {h}: {name} differ by {diff}");
+        }
+    }
+}
+
+#[test]
+fn straight_through_backward_matches_the_composed_ops() {
+    let Some(device) = wgpu("straight_through_backward_matches_the_composed_ops") else {
+        return;
+    };
+    straight_through_agrees::<Ad>(&device, true);
+}
+
+#[test]
+fn straight_through_backward_matches_the_composed_ops_under_burns_fusion() {
+    let Some(device) =
+        wgpu("straight_through_backward_matches_the_composed_ops_under_burns_fusion")
+    else {
+        return;
+    };
+    straight_through_agrees::<Fused>(&device, true);
+}
+
+/// The CPU keeps burn's backward of the composed ops, as for the RMS norm.
+#[test]
+fn the_cpu_composes_the_straight_through() {
+    straight_through_agrees::<Cpu>(&FlexDevice, false);
 }
 
 /// The product with blocks of a weight's columns with its own backward
