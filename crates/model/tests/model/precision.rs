@@ -110,8 +110,10 @@ fn reduced_precision_forward_passes_agree_with_f32() {
 /// The compressed cache's counts and means and the carried block stay f32,
 /// so a long stream read in bf16 does not drift from f32: over 32 segments
 /// (4,096 tokens, the cache absorbing all but the last two blocks) the loss
-/// of the last segments differs from f32's hardly more than the first's
-/// does (measured: 4.4e-5 against 3.7e-5, relative).
+/// of the last four segments differs from f32's within twice the most
+/// that one of the first sixteen does (measured, relative: 4.4e-5 and
+/// 5.2e-5 against 3.7e-5 and 3.4e-5, two runs whose CPU sums took other
+/// orders). A drift would grow with the segments; bf16's noise does not.
 #[test]
 fn a_long_bf16_stream_does_not_drift_from_f32() {
     B::seed(&cpu(), 3);
@@ -135,8 +137,8 @@ fn a_long_bf16_stream_does_not_drift_from_f32() {
         .zip(&bf16s)
         .map(|(a, b)| (a - b).abs() / a)
         .collect();
-    let first = rel[..4].iter().copied().fold(0f32, f32::max);
+    let first = rel[..16].iter().copied().fold(0f32, f32::max);
     let last = rel[28..].iter().copied().fold(0f32, f32::max);
     eprintln!("relative loss difference: first segments {first:.2e}, last {last:.2e}");
-    assert!(first <= 1e-3 && last <= 3.0 * first.max(1e-5), "{rel:?}");
+    assert!(first <= 1e-3 && last <= 2.0 * first.max(1e-5), "{rel:?}");
 }
