@@ -229,7 +229,8 @@ impl<B: VqBackend> TransformerVq<B> {
             h = h.clone().detach();
             self.clone().no_grad()
         });
-        let mut commitment = Tensor::zeros([b, t], &h.device()); // [B, T]
+        // The sublayers' commitment summed, [B, T]; no fill to start from.
+        let mut commitment: Option<Tensor<B, 2>> = None;
         let (mut stats, mut codes, mut attention) = (vec![], vec![], vec![]);
         let mut states = Vec::with_capacity(range.len());
         let (mut inputs, mut recomputable) = (vec![], None);
@@ -255,10 +256,14 @@ impl<B: VqBackend> TransformerVq<B> {
                 None => self.sublayer(i, h, s, valid, m, with_attention)?,
             };
             h = next;
-            commitment = match pass.graph {
-                Graph::Whole => commitment + sublayer.commitment,
-                Graph::LastSublayer => commitment + sublayer.commitment.detach(),
+            let term = match pass.graph {
+                Graph::Whole => sublayer.commitment,
+                Graph::LastSublayer => sublayer.commitment.detach(),
             };
+            commitment = Some(match commitment {
+                Some(sum) => sum + term,
+                None => term,
+            });
             stats.extend(sublayer.stats);
             codes.extend(sublayer.codes);
             attention.extend(sublayer.attention);
@@ -272,6 +277,7 @@ impl<B: VqBackend> TransformerVq<B> {
             }
             Logits::None => None,
         };
+        let commitment = commitment.unwrap_or_else(|| Tensor::zeros([b, t], &h.device()));
         Ok(ModelOutput {
             h,
             logits,

@@ -75,7 +75,7 @@ fn previous_blocks<B: Backend>(
 /// The previous block of every block ([`previous_blocks`]), laid out only
 /// where composed ops ask for it: the fused kernels read it in place.
 struct Previous<'a, B: Backend> {
-    carried: &'a CachedBlock<B>,
+    carried: &'a Carried<B>,
     blocks: &'a Blocks<B>,
     cache_grad: CacheGrad,
     laid_out: OnceCell<Blocks<B>>,
@@ -83,8 +83,9 @@ struct Previous<'a, B: Backend> {
 
 impl<B: Backend> Previous<'_, B> {
     fn blocks(&self) -> &Blocks<B> {
-        self.laid_out
-            .get_or_init(|| previous_blocks(self.carried.clone(), self.blocks, self.cache_grad))
+        self.laid_out.get_or_init(|| {
+            previous_blocks(self.carried.prev_or_empty(), self.blocks, self.cache_grad)
+        })
     }
 }
 
@@ -97,42 +98,40 @@ impl<B: Backend> Previous<'_, B> {
 /// and the carried cache with every block's previous block folded in (the
 /// state after the segment, detached).
 fn block_caches<B: VqBackend>(
-    carried: CompressedCache<B>,
     prev: &Previous<'_, B>,
     s: usize,
     cx: Compute,
 ) -> (Tensor<B, 4>, Tensor<B, 5>, CompressedCache<B>) {
     let [b, h, r, l, dv] = prev.blocks.v.dims();
+    let carried = prev.carried;
     // The fused kernel passes no gradient on: values that carry one compose.
     let fused = (cx.kernels == Kernels::Fused && cx.cache_grad != CacheGrad::Full)
         .then(|| {
+            // A fresh stream's kernel reads nothing carried: placeholders.
+            let fresh = carried.prev.is_none() && carried.cache.is_none();
+            let (block, cache) = if fresh {
+                (carried.unread_block(), carried.unread_cache())
+            } else {
+                (carried.prev_or_empty(), carried.cache_or_empty())
+            };
             // Counts and means in f32 whatever the compute type.
             let values = |v: Tensor<B, 3>| to_f32(v.detach()).into_primitive().tensor();
             B::vq_block_caches(
-                prev.carried
-                    .codes
-                    .clone()
-                    .reshape([b * h, l])
-                    .into_primitive(),
-                values(prev.carried.v.clone().reshape([b * h, l, dv])),
+                block.codes.reshape([b * h, l]).into_primitive(),
+                values(block.v.reshape([b * h, l, dv])),
                 prev.blocks
                     .codes
                     .clone()
                     .reshape([b * h, r * l])
                     .into_primitive(),
                 values(prev.blocks.v.clone().reshape([b * h, r * l, dv])),
-                carried
-                    .counts
-                    .clone()
-                    .reshape([b * h, s])
-                    .into_primitive()
-                    .tensor(),
-                carried
+                cache.counts.reshape([b * h, s]).into_primitive().tensor(),
+                cache
                     .means
-                    .clone()
                     .reshape([b * h, s, dv])
                     .into_primitive()
                     .tensor(),
+                fresh,
             )
         })
         .flatten();
@@ -166,6 +165,7 @@ fn block_caches<B: VqBackend>(
     let sums = sums.reshape([b, h, r, s, dv]); // [B, H, R, S, V]
     let counts_before = counts.clone().cumsum(2) - counts.clone();
     let sums_before = sums.clone().cumsum(2) - sums.clone();
+    let carried = carried.cache_or_empty();
     let (cache_counts, cache_means) = carried.merge(counts_before, sums_before);
     let after = carried.absorb(
         counts.detach().sum_dim(2).reshape([b, h, s]),
@@ -174,13 +174,14 @@ fn block_caches<B: VqBackend>(
     (cache_counts, cache_means, after)
 }
 
-/// What a segment starts from: the carried previous block (empty slots
-/// when there is none yet) and compressed cache, checked against the
-/// segment's sizes.
+/// What a segment starts from: the carried previous block and compressed
+/// cache (`None` in a fresh stream), checked against the segment's sizes.
 struct Carried<B: Backend> {
-    has_prev: bool,
-    prev: CachedBlock<B>,
-    cache: CompressedCache<B>,
+    prev: Option<CachedBlock<B>>,
+    cache: Option<CompressedCache<B>>,
+    /// `[B, H, L, K, V, S]`.
+    dims: [usize; 6],
+    device: B::Device,
 }
 
 impl<B: Backend> Carried<B> {
@@ -197,26 +198,61 @@ impl<B: Backend> Carried<B> {
                 block_len: l,
             });
         }
-        let has_prev = state.prev.is_some();
-        let prev = state
-            .prev
-            .unwrap_or_else(|| empty_block(b, h, l, dk, dv, s, device));
-        expect_dims(
-            "previous-block k_window",
-            &prev.k_window.dims(),
-            &[b, h, l, dk],
-        )?;
-        expect_dims("previous-block v", &prev.v.dims(), &[b, h, l, dv])?;
-        let cache = state
-            .cache
-            .unwrap_or_else(|| CompressedCache::empty(b, h, s, dv, device));
-        expect_dims("cache counts", &cache.counts.dims(), &[b, h, s])?;
-        expect_dims("cache means", &cache.means.dims(), &[b, h, s, dv])?;
+        if let Some(prev) = &state.prev {
+            expect_dims(
+                "previous-block k_window",
+                &prev.k_window.dims(),
+                &[b, h, l, dk],
+            )?;
+            expect_dims("previous-block v", &prev.v.dims(), &[b, h, l, dv])?;
+        }
+        if let Some(cache) = &state.cache {
+            expect_dims("cache counts", &cache.counts.dims(), &[b, h, s])?;
+            expect_dims("cache means", &cache.means.dims(), &[b, h, s, dv])?;
+        }
         Ok(Self {
-            has_prev,
-            prev,
-            cache,
+            prev: state.prev,
+            cache: state.cache,
+            dims,
+            device: device.clone(),
         })
+    }
+
+    /// The previous block, or empty slots (zeros, code `S`) where there is
+    /// none yet: what the composed ops read.
+    fn prev_or_empty(&self) -> CachedBlock<B> {
+        let [b, h, l, dk, dv, s] = self.dims;
+        self.prev
+            .clone()
+            .unwrap_or_else(|| empty_block(b, h, l, dk, dv, s, &self.device))
+    }
+
+    /// The compressed cache, or an empty one (zeros) where there is none yet.
+    fn cache_or_empty(&self) -> CompressedCache<B> {
+        let [b, h, _, _, dv, s] = self.dims;
+        self.cache
+            .clone()
+            .unwrap_or_else(|| CompressedCache::empty(b, h, s, dv, &self.device))
+    }
+
+    /// A previous block of uninitialised tensors, no fill launched: for the
+    /// fused kernels of a fresh stream, which do not read it.
+    fn unread_block(&self) -> CachedBlock<B> {
+        let [b, h, l, dk, dv, _] = self.dims;
+        CachedBlock {
+            k_window: Tensor::empty([b, h, l, dk], &self.device),
+            v: Tensor::empty([b, h, l, dv], &self.device),
+            codes: Tensor::empty([b, h, l], &self.device),
+        }
+    }
+
+    /// A compressed cache of uninitialised tensors, as [`Self::unread_block`].
+    fn unread_cache(&self) -> CompressedCache<B> {
+        let [b, h, _, _, dv, s] = self.dims;
+        CompressedCache {
+            counts: Tensor::empty([b, h, s], &self.device),
+            means: Tensor::empty([b, h, s, dv], &self.device),
+        }
     }
 }
 
@@ -236,8 +272,8 @@ struct FusedInputs<'a, B: Backend> {
     /// `[B, H, R, L, K]`.
     q: Tensor<B, 5>,
     blocks: &'a Blocks<B>,
-    /// Block 0's previous block.
-    carried: &'a CachedBlock<B>,
+    /// Block 0's previous block (`None` in a fresh stream).
+    carried: Option<&'a CachedBlock<B>>,
     /// `[B or 1, H, T or 1, L + 1]`.
     bias: Tensor<B, 4>,
     /// `[H, S, K]`.
@@ -248,7 +284,6 @@ struct FusedInputs<'a, B: Backend> {
     cache_means: Tensor<B, 5>,
     /// `[B, H, R, L, 1]`.
     count_weight: Option<Tensor<B, 5>>,
-    has_prev: bool,
     cx: Compute,
 }
 
@@ -274,7 +309,7 @@ fn fused_attention<B: VqBackend>(x: FusedInputs<'_, B>) -> Option<Tensor<B, 5>> 
             .log()
     }); // [B, H, R, 1]
     let flags = AttentionFlags {
-        mask_first: !x.has_prev,
+        mask_first: x.carried.is_none(),
         prev_grad: x.cx.cache_grad != CacheGrad::None,
         shifted: shift.is_some(),
         weighted: x.count_weight.is_some(),
@@ -284,24 +319,20 @@ fn fused_attention<B: VqBackend>(x: FusedInputs<'_, B>) -> Option<Tensor<B, 5>> 
         Some(w) => w.reshape([g, l]),
         None => Tensor::empty([g, l], &device),
     };
+    // A fresh stream's block 0 has no previous block: masked, not read.
+    let carried = |t: Option<&Tensor<B, 4>>, width: usize| {
+        t.cloned()
+            .unwrap_or_else(|| Tensor::empty([b, h, l, width], &device))
+            .reshape([b * h, l, width])
+            .into_primitive()
+            .tensor()
+    };
     let out = B::vq_attention(AttentionKernelInput {
         q: rows(x.q, dk),
         k: rows(x.blocks.k_window.clone(), dk),
         v: rows(x.blocks.v.clone(), dv),
-        k_carried: x
-            .carried
-            .k_window
-            .clone()
-            .reshape([b * h, l, dk])
-            .into_primitive()
-            .tensor(),
-        v_carried: x
-            .carried
-            .v
-            .clone()
-            .reshape([b * h, l, dv])
-            .into_primitive()
-            .tensor(),
+        k_carried: carried(x.carried.map(|c| &c.k_window), dk),
+        v_carried: carried(x.carried.map(|c| &c.v), dv),
         bias: x
             .bias
             .expand([b, h, r * l, l + 1])
@@ -421,13 +452,13 @@ fn block_attention_impl<B: VqBackend>(
     };
     // 2: previous blocks (laid out where composed ops read them).
     let prev = Previous {
-        carried: &carried.prev,
+        carried: &carried,
         blocks: &blocks,
         cache_grad: cx.cache_grad,
         laid_out: OnceCell::new(),
     };
     // 4: compressed cache by cumulative sum, [B, H, R, S] and [B, H, R, S, V].
-    let (cache_counts, cache_means, cache_after) = block_caches(carried.cache, &prev, s, cx);
+    let (cache_counts, cache_means, cache_after) = block_caches(&prev, s, cx);
     let count_weight = count_weight.map(|w| w.reshape([b, h, r, l, 1]));
     // 3 and 5 in one kernel, where the backend has one that covers them.
     let fusable = B::FUSES_ATTENTION
@@ -439,13 +470,12 @@ fn block_attention_impl<B: VqBackend>(
         Position::Table(bias) if fusable => fused_attention(FusedInputs {
             q: q.clone(),
             blocks: &blocks,
-            carried: &carried.prev,
+            carried: carried.prev.as_ref(),
             bias: bias.clone(),
             codebook: codebook.clone(),
             cache_counts: cache_counts.clone(),
             cache_means: cache_means.clone(),
             count_weight: count_weight.clone(),
-            has_prev: carried.has_prev,
             cx,
         }),
         _ => None,
@@ -463,7 +493,7 @@ fn block_attention_impl<B: VqBackend>(
                 0..l,
                 cx,
             );
-            if !carried.has_prev {
+            if carried.prev.is_none() {
                 prev_scores = mask_first_previous(prev_scores);
             }
             let cache_scores =

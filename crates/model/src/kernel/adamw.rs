@@ -16,7 +16,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 use super::ROW;
-use super::launch::{empty_like, flat_chunks};
+use super::launch::{empty_like, flat_chunks, per_launch};
 
 /// Units per cube, each updating every `UNITS`-th element of the chunk.
 const UNITS: usize = 256;
@@ -109,11 +109,8 @@ pub(super) fn step<R: CubeRuntime>(
         })
         .collect();
     let client = table.client.clone();
-    // Seven bindings a parameter, the table's, one to spare for metadata.
-    let per_launch = (client.properties().hardware.max_bindings as usize)
-        .saturating_sub(2)
-        .div_euclid(7)
-        .clamp(1, PER_LAUNCH);
+    // Seven bindings a parameter (and the table's).
+    let per_launch = per_launch(&client, 7, PER_LAUNCH);
     let arg = |i: usize| tensors[i].clone().into_tensor_arg();
     let out = |j: usize| outputs[j].clone().into_tensor_arg();
     for start in (0..n).step_by(per_launch) {

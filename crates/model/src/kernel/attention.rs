@@ -136,7 +136,9 @@ fn head<F: Float>(x: &Operands<F>, g: usize) -> usize {
 
 /// Channel `c` of row `j` of block row `g`'s previous block: row `g - 1`
 /// of `segment` (`[G, L, W]`), or of `carried` (`[G / R, L, W]`) for a
-/// stream's block 0.
+/// stream's block 0; zero there under `mask_first`, where `carried` is
+/// not read (it may be an empty tensor, whose bits would make NaNs of
+/// the masked scores and their zero weights).
 #[cube]
 fn previous<F: Float>(
     x: &Operands<F>,
@@ -150,6 +152,8 @@ fn previous<F: Float>(
     let block = g % r;
     if block > 0 {
         segment[(g - 1) * segment.stride(0) + j * segment.stride(1) + c * segment.stride(2)]
+    } else if x.mask_first == 1 {
+        F::new(0.0)
     } else {
         carried[g / r * carried.stride(0) + j * carried.stride(1) + c * carried.stride(2)]
     }

@@ -242,6 +242,7 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
         values: FloatTensor<Self>,
         counts: FloatTensor<Self>,
         means: FloatTensor<Self>,
+        fresh: bool,
     ) -> Option<BlockCaches<Self>> {
         count(&TOTALS_CALLS);
         // Nothing carries gradient (the caller's promise): new leaves.
@@ -252,6 +253,7 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
             values.primitive,
             counts.primitive,
             means.primitive,
+            fresh,
         );
         Some(BlockCaches::from_array(
             c.into_array().map(Self::from_inner),

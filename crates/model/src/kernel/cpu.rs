@@ -165,6 +165,8 @@ struct Rows<'a> {
     count_weight: Option<&'a [f32]>,
     means: &'a [f32],
     flags: AttentionFlags,
+    /// `L max(K, V)` zeros: a fresh stream's previous block.
+    zeros: Vec<f32>,
 }
 
 /// Row `g`'s slice of a `[G, n, width]` tensor.
@@ -172,16 +174,27 @@ fn row(x: &[f32], g: usize, n: usize, width: usize) -> &[f32] {
     &x[g * n * width..][..n * width]
 }
 
-/// Row `g`'s previous block in `x` (the segment's keys or values,
-/// `[G, L, width]`) or `carried` (`[G / R, L, width]`).
-fn previous<'a>(d: Dims, g: usize, x: &'a [f32], carried: &'a [f32], width: usize) -> &'a [f32] {
-    match g % d.r {
-        0 => row(carried, g / d.r, d.l, width),
-        _ => row(x, g - 1, d.l, width),
-    }
-}
-
 impl Rows<'_> {
+    /// Row `g`'s previous block in `x` (the segment's keys or values,
+    /// `[G, L, width]`) or `carried` (`[G / R, L, width]`); zeros in a
+    /// fresh stream's block 0, where `carried` is not read (its scores are
+    /// masked, and an empty tensor's values would make NaNs of their zero
+    /// weights).
+    fn previous<'a>(
+        &'a self,
+        d: Dims,
+        g: usize,
+        x: &'a [f32],
+        carried: &'a [f32],
+        width: usize,
+    ) -> &'a [f32] {
+        match g % d.r {
+            0 if self.flags.mask_first => &self.zeros[..d.l * width],
+            0 => row(carried, g / d.r, d.l, width),
+            _ => row(x, g - 1, d.l, width),
+        }
+    }
+
     /// Row `g`'s three groups of keys (present `[L, K]`, previous
     /// `[L, K]`, its head's codewords `[S, K]`), each with the column of
     /// the row's scores where the group starts.
@@ -192,7 +205,7 @@ impl Rows<'_> {
             (0, Mat::dense(row(self.k, g, l, k), l, k)),
             (
                 l,
-                Mat::dense(previous(d, g, self.k, self.k_carried, k), l, k),
+                Mat::dense(self.previous(d, g, self.k, self.k_carried, k), l, k),
             ),
             (2 * l, Mat::dense(row(self.codebook, head, s, k), s, k)),
         ]
@@ -206,7 +219,7 @@ impl Rows<'_> {
             (0, Mat::dense(row(self.v, g, l, v), l, v)),
             (
                 l,
-                Mat::dense(previous(d, g, self.v, self.v_carried, v), l, v),
+                Mat::dense(self.previous(d, g, self.v, self.v_carried, v), l, v),
             ),
             (2 * l, Mat::dense(row(self.means, g, s, v), s, v)),
         ]
@@ -515,6 +528,14 @@ fn with_rows<R>(input: &AttentionKernelInput<Flex>, f: impl FnOnce(&Rows<'_>, Di
         count_weight: input.flags.weighted.then(|| slice(9)),
         means: slice(10),
         flags: input.flags,
+        zeros: vec![
+            0.0;
+            if input.flags.mask_first {
+                l * k.max(v)
+            } else {
+                0
+            }
+        ],
     };
     f(
         &rows,
@@ -552,6 +573,7 @@ impl VqKernels for Flex {
         values: FlexTensor,
         counts: FlexTensor,
         means: FlexTensor,
+        fresh: bool,
     ) -> BlockCaches<Self> {
         let dtype = values.dtype();
         let [g, n, w] = dims3(&values);
@@ -572,20 +594,25 @@ impl VqKernels for Flex {
         let mut after_means = vec![0.0f32; g * s * w];
         // The running totals of one group's previous blocks so far.
         let (mut total, mut sums) = (vec![0.0f32; s], vec![0.0f32; s * w]);
-        // Writes the carried cache with the running totals merged in.
+        // Writes the carried cache (empty when fresh, and not read) with
+        // the running totals merged in.
         let merge =
             |gi: usize, total: &[f32], sums: &[f32], n_out: &mut [f32], m_out: &mut [f32]| {
                 for z in 0..s {
-                    let n_c = carried[gi * s + z];
+                    let n_c = if fresh { 0.0 } else { carried[gi * s + z] };
                     let n = n_c + total[z];
                     let d = n.max(1.0);
                     n_out[z] = n;
-                    let mean = &carried_means[(gi * s + z) * w..][..w];
-                    for ((m, &mu), &sum) in m_out[z * w..][..w]
+                    for (c, (m, &sum)) in m_out[z * w..][..w]
                         .iter_mut()
-                        .zip(mean)
                         .zip(&sums[z * w..][..w])
+                        .enumerate()
                     {
+                        let mu = if fresh {
+                            0.0
+                        } else {
+                            carried_means[(gi * s + z) * w + c]
+                        };
                         *m = mu * (n_c / d) + sum / d;
                     }
                 }
@@ -602,8 +629,10 @@ impl VqKernels for Flex {
                     &mut out_counts[at * s..][..s],
                     &mut out_means[at * s * w..][..s * w],
                 );
-                // Block r's previous block: the carried one, or block r - 1.
+                // Block r's previous block: the carried one (none when
+                // fresh), or block r - 1.
                 let (codes, values) = match r {
+                    0 if fresh => continue,
                     0 => (&carried_codes[gi * l..][..l], row(carried_values, gi, l, w)),
                     _ => (
                         &codes[gi * n + (r - 1) * l..][..l],

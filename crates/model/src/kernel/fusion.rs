@@ -17,6 +17,7 @@ use burn_ir::{CustomOpIr, HandleContainer, OperationIr, TensorIr};
 
 use burn::tensor::ops::IntTensor;
 
+use super::join::joined_shape;
 use super::{
     AttentionFlags, AttentionKernelGrads, AttentionKernelInput, BlockCaches, CodeTotals, Nearest,
     VqKernels,
@@ -25,15 +26,15 @@ use super::{
 /// Which kernel a custom operation runs.
 #[derive(Clone, Copy, Debug)]
 enum Kernel {
-    /// Inputs: keys, codebook. Outputs: codes, words, error.
+    /// Inputs: keys, codebook. Outputs: codes, words, error, norm.
     Quantize,
     /// Inputs: codes, the weights when `weighted`, values. Outputs: counts,
     /// sums (whose shapes give the code count and the output rows).
     Totals { weighted: bool },
     /// Inputs: the carried block's codes and values, the segment's codes
-    /// and values, the carried counts and means. Outputs: [`BlockCaches`]'
-    /// four.
-    Caches,
+    /// and values, the carried counts and means (not read when `fresh`).
+    /// Outputs: [`BlockCaches`]' four.
+    Caches { fresh: bool },
     /// Inputs: [`AttentionKernelInput`]'s eleven tensors. Outputs: the
     /// attention's output and log-sum-exp.
     Forward(AttentionFlags),
@@ -66,7 +67,8 @@ impl Kernel {
             Self::Quantize => "tvq_quantize".into(),
             Self::Totals { weighted: true } => "tvq_code_totals_weighted".into(),
             Self::Totals { weighted: false } => "tvq_code_totals".into(),
-            Self::Caches => "tvq_block_caches".into(),
+            Self::Caches { fresh: true } => "tvq_block_caches_fresh".into(),
+            Self::Caches { fresh: false } => "tvq_block_caches".into(),
             Self::Forward(flags) => attention("forward", flags),
             Self::Backward(flags) => attention("backward", flags),
             Self::SumSquares => "tvq_sum_squares".into(),
@@ -132,13 +134,20 @@ impl<B: FusionBackend + VqKernels> Operation<B::FusionRuntime> for Custom<B> {
                 handles.register_float_tensor::<B>(&outputs[0].id, t.counts);
                 handles.register_float_tensor::<B>(&outputs[1].id, t.sums);
             }
-            Kernel::Caches => {
+            Kernel::Caches { fresh } => {
                 let carried_codes = handles.get_int_tensor::<B>(&inputs[0]);
                 let codes = handles.get_int_tensor::<B>(&inputs[2]);
                 let mut get = |i: usize| handles.get_float_tensor::<B>(&inputs[i]);
                 let (carried_values, values, counts, means) = (get(1), get(3), get(4), get(5));
-                let c =
-                    B::vq_block_caches(carried_codes, carried_values, codes, values, counts, means);
+                let c = B::vq_block_caches(
+                    carried_codes,
+                    carried_values,
+                    codes,
+                    values,
+                    counts,
+                    means,
+                    fresh,
+                );
                 for (ir, t) in outputs.iter().zip(c.into_array()) {
                     handles.register_float_tensor::<B>(&ir.id, t);
                 }
@@ -261,19 +270,10 @@ impl<B: FusionBackend + VqKernels> VqKernels for Fusion<B> {
     const JOINS: bool = B::JOINS;
 
     fn vq_join(parts: Vec<FloatTensor<Self>>) -> Option<FloatTensor<Self>> {
-        let first = parts.first()?;
-        let (float, dims) = (first.dtype(), first.shape().to_vec());
-        let last = dims.len().checked_sub(1)?;
-        // The kernel declines what `B`'s declines.
-        let alike = |t: &FloatTensor<Self>| {
-            let d = t.shape().to_vec();
-            t.dtype() == float && d.len() == dims.len() && d[..last] == dims[..last]
-        };
-        if !B::JOINS || !parts.iter().all(alike) || dims[..last].iter().product::<usize>() == 0 {
-            return None;
-        }
-        let mut shape = dims;
-        shape[last] = parts.iter().map(|t| t.shape()[last]).sum();
+        // Decided before queuing: the kernel declines what `B`'s declines.
+        let shape = joined_shape(parts.iter().map(|t| (t.shape().to_vec(), t.dtype())))
+            .filter(|_| B::JOINS)?;
+        let float = parts[0].dtype();
         let [out] = queue::<B, 1>(Kernel::Join, parts, [(Shape::from(shape), float)]);
         Some(out)
     }
@@ -361,6 +361,7 @@ impl<B: FusionBackend + VqKernels> VqKernels for Fusion<B> {
         values: FloatTensor<Self>,
         counts: FloatTensor<Self>,
         means: FloatTensor<Self>,
+        fresh: bool,
     ) -> BlockCaches<Self> {
         let [g, s] = counts.shape().dims();
         let [_, n, width] = values.shape().dims();
@@ -373,7 +374,7 @@ impl<B: FusionBackend + VqKernels> VqKernels for Fusion<B> {
             (Shape::new([g, s, width]), float),
         ];
         let inputs = vec![carried_codes, carried_values, codes, values, counts, means];
-        BlockCaches::from_array(queue::<B, 4>(Kernel::Caches, inputs, outputs))
+        BlockCaches::from_array(queue::<B, 4>(Kernel::Caches { fresh }, inputs, outputs))
     }
 
     fn vq_attention_forward(

@@ -14,7 +14,7 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::launch::{empty_like, flat_chunks};
+use super::launch::{empty_like, flat_chunks, per_launch};
 
 /// Units per cube, each copying every `UNITS`-th element of the chunk.
 const UNITS: usize = 256;
@@ -56,36 +56,39 @@ fn join<F: Float>(
     }
 }
 
-/// [`super::VqKernels::vq_join`] on a cubecl backend: `parts` (each `[..,
-/// n_i]`, alike but for the last axis, of one float type)
-/// joined along their last axis, `[.., sum n_i]`; `None` where there are
-/// none, they are not all of one float type, or they have no rows.
-pub(super) fn join_last<R: CubeRuntime>(parts: Vec<CubeTensor<R>>) -> Option<CubeTensor<R>> {
-    let dtype: DType = parts.first()?.dtype;
-    let shape = parts[0].meta.shape().to_vec();
+/// The shape of parts of these shapes and types (each `[.., n_i]`) joined
+/// along their last axis, `[.., sum n_i]`: `None` (the kernel declines)
+/// where there are none, they are not all of one type or alike but for
+/// the last axis, or they have no rows.
+pub(super) fn joined_shape(
+    parts: impl IntoIterator<Item = (Vec<usize>, DType)>,
+) -> Option<Vec<usize>> {
+    let mut parts = parts.into_iter();
+    let (mut shape, dtype) = parts.next()?;
     let last = shape.len().checked_sub(1)?;
-    let alike = |t: &CubeTensor<R>| {
-        t.dtype == dtype
-            && t.meta.shape().len() == shape.len()
-            && t.meta.shape()[..last] == shape[..last]
-    };
-    if !parts.iter().all(alike) || shape[..last].iter().product::<usize>() == 0 {
-        return None;
+    for (dims, d) in parts {
+        if d != dtype || dims.len() != shape.len() || dims[..last] != shape[..last] {
+            return None;
+        }
+        shape[last] += dims[last];
     }
+    (shape[..last].iter().product::<usize>() > 0).then_some(shape)
+}
+
+/// [`super::VqKernels::vq_join`] on a cubecl backend: `parts` joined along
+/// their last axis, or `None` where [`joined_shape`] declines them.
+pub(super) fn join_last<R: CubeRuntime>(parts: Vec<CubeTensor<R>>) -> Option<CubeTensor<R>> {
+    let shape = joined_shape(parts.iter().map(|t| (t.meta.shape().to_vec(), t.dtype)))?;
+    let dtype: DType = parts[0].dtype;
     let parts: Vec<_> = parts.into_iter().map(into_contiguous).collect();
-    let mut shape = parts[0].meta.shape().to_vec();
     let last = shape.len() - 1;
     let rows: usize = shape[..last].iter().product();
     let widths: Vec<usize> = parts.iter().map(|t| t.meta.shape()[last]).collect();
-    shape[last] = widths.iter().sum();
     let out = empty_like(&parts[0], shape, dtype);
     let lens: Vec<usize> = widths.iter().map(|n| rows * n).collect();
     let (chunk, chunks) = flat_chunks(&lens, UNITS);
     let client = out.client.clone();
-    // The output's binding, and one to spare for the launch's metadata.
-    let per_launch = (client.properties().hardware.max_bindings as usize)
-        .saturating_sub(2)
-        .clamp(1, PER_LAUNCH);
+    let per_launch = per_launch(&client, 1, PER_LAUNCH);
     let mut offset = 0;
     for (group, widths) in parts.chunks(per_launch).zip(widths.chunks(per_launch)) {
         join::launch::<R>(

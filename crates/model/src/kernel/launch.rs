@@ -45,6 +45,21 @@ pub(crate) fn flat_chunks(lens: &[usize], units: usize) -> (usize, usize) {
     (chunk, most.div_ceil(chunk))
 }
 
+/// Items per launch of a kernel that takes its items as sequence
+/// arguments, `bindings` buffers each: as many as the device binds beside
+/// one more buffer and the launch's metadata, at least one, at most
+/// `most` (each item a branch of the unrolled kernel).
+pub(crate) fn per_launch<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    bindings: usize,
+    most: usize,
+) -> usize {
+    (client.properties().hardware.max_bindings as usize)
+        .saturating_sub(2)
+        .div_euclid(bindings)
+        .clamp(1, most)
+}
+
 /// A new tensor of `shape` and `dtype` on `like`'s device.
 pub(crate) fn empty_like<R: CubeRuntime>(
     like: &CubeTensor<R>,

@@ -352,7 +352,9 @@ pub trait VqKernels: Backend {
     /// block `r`'s the segment's block `r - 1` (`codes` `[G, R L]`,
     /// `values` `[G, R L, V]`), read in place; code `S` is an empty slot.
     /// A merge keeps the running mean: `(mean n_c + sum) / max(n_c + n,
-    /// 1)`.
+    /// 1)`. `fresh`: a stream's first segment, where nothing is carried
+    /// (no previous block, an empty cache): the four carried tensors keep
+    /// their shapes but are not read (`Tensor::empty` will do, no fill).
     fn vq_block_caches(
         carried_codes: IntTensor<Self>,
         carried_values: FloatTensor<Self>,
@@ -360,6 +362,7 @@ pub trait VqKernels: Backend {
         values: FloatTensor<Self>,
         counts: FloatTensor<Self>,
         means: FloatTensor<Self>,
+        fresh: bool,
     ) -> BlockCaches<Self>;
 
     /// How much weight each code carries and the weighted sum of the
@@ -487,6 +490,7 @@ pub trait VqBackend: Backend {
         values: FloatTensor<Self>,
         counts: FloatTensor<Self>,
         means: FloatTensor<Self>,
+        fresh: bool,
     ) -> Option<BlockCaches<Self>>;
 
     /// [`VqKernels::vq_code_totals`] (for values that carry no gradient),
@@ -605,6 +609,7 @@ impl<B: VqKernels> VqBackend for B {
         values: FloatTensor<Self>,
         counts: FloatTensor<Self>,
         means: FloatTensor<Self>,
+        fresh: bool,
     ) -> Option<BlockCaches<Self>> {
         count(&TOTALS_CALLS);
         Some(B::vq_block_caches(
@@ -614,6 +619,7 @@ impl<B: VqKernels> VqBackend for B {
             values,
             counts,
             means,
+            fresh,
         ))
     }
 
@@ -684,12 +690,14 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> VqKernels
         values: FloatTensor<Self>,
         counts: FloatTensor<Self>,
         means: FloatTensor<Self>,
+        fresh: bool,
     ) -> BlockCaches<Self> {
         BlockCaches::from_array(totals::caches(
             [carried_codes, codes],
             [carried_values, values],
             counts,
             means,
+            fresh,
         ))
     }
 
@@ -808,6 +816,7 @@ impl VqBackend for Dispatch {
         _: FloatTensor<Self>,
         _: FloatTensor<Self>,
         _: FloatTensor<Self>,
+        _: bool,
     ) -> Option<BlockCaches<Self>> {
         None
     }

@@ -14,7 +14,7 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::launch::{empty_like, flat_chunks};
+use super::launch::{empty_like, flat_chunks, per_launch};
 
 /// Units per cube, each summing every `UNITS`-th element of the chunk.
 const UNITS: usize = 256;
@@ -97,10 +97,7 @@ pub(super) fn partials<R: CubeRuntime>(tensors: Vec<CubeTensor<R>>) -> Option<Cu
     let (chunk, chunks) = flat_chunks(&lens, UNITS);
     let partials = empty_like(&tensors[0], vec![tensors.len(), chunks], dtype);
     let client = tensors[0].client.clone();
-    // The partials' binding, and one to spare for the launch's metadata.
-    let per_launch = (client.properties().hardware.max_bindings as usize)
-        .saturating_sub(2)
-        .clamp(1, PER_LAUNCH);
+    let per_launch = per_launch(&client, 1, PER_LAUNCH);
     for (i, group) in tensors.chunks(per_launch).enumerate() {
         sum_squares::launch::<R>(
             &client,

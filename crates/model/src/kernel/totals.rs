@@ -210,7 +210,8 @@ fn write_cache<F: Float>(
 
 /// The caches of a segment of `R` blocks (see
 /// [`super::VqKernels::vq_block_caches`]): a cube per `(g, code tile,
-/// slice)`, walking the blocks in order with a running total.
+/// slice)`, walking the blocks in order with a running total. The carried
+/// tensors are not read when `fresh`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn block_caches<F: Float, I: Int>(
@@ -225,6 +226,7 @@ fn block_caches<F: Float, I: Int>(
     counts_after: &mut Tensor<F>,
     means_after: &mut Tensor<F>,
     #[comptime] per_unit: usize,
+    #[comptime] fresh: bool,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let (groups, s) = (carried_counts.shape(0), carried_counts.shape(1));
@@ -234,23 +236,23 @@ fn block_caches<F: Float, I: Int>(
     let (g, code, c0) = place(groups, s, width, per_unit);
     let mut token_codes = SharedMemory::<I>::new(TOKENS);
     let mut token_weights = SharedMemory::<F>::new(TOKENS);
-    // The carried cache of this unit's code and channels.
+    // The carried cache of this unit's code and channels (empty when fresh).
     let mut n_c = F::new(0.0);
-    let mut mean = Array::<F>::new(per_unit);
+    let mut mean = zeros::<F>(per_unit);
     let mut acc = zeros::<F>(per_unit);
-    #[unroll]
-    for j in 0..per_unit {
-        let c = c0 + j * TILE;
-        let mut m = F::new(0.0);
-        if code < s && c < width {
-            m = carried_means[g * carried_means.stride(0)
-                + code * carried_means.stride(1)
-                + c * carried_means.stride(2)];
+    if comptime!(!fresh) {
+        #[unroll]
+        for j in 0..per_unit {
+            let c = c0 + j * TILE;
+            if code < s && c < width {
+                mean[j] = carried_means[g * carried_means.stride(0)
+                    + code * carried_means.stride(1)
+                    + c * carried_means.stride(2)];
+            }
         }
-        mean[j] = m;
-    }
-    if code < s {
-        n_c = carried_counts[g * carried_counts.stride(0) + code * carried_counts.stride(1)];
+        if code < s {
+            n_c = carried_counts[g * carried_counts.stride(0) + code * carried_counts.stride(1)];
+        }
     }
     let mut total = F::new(0.0);
     for r in 0..blocks {
@@ -273,23 +275,25 @@ fn block_caches<F: Float, I: Int>(
         // Block r's previous block (the carried one, or the segment's
         // block r - 1) joins the caches of the blocks after it.
         if r == 0 {
-            add_tokens::<F, I>(
-                carried_codes,
-                carried_values,
-                carried_values,
-                g,
-                0,
-                l,
-                code,
-                code < s,
-                c0,
-                &mut total,
-                &mut acc,
-                &mut token_codes,
-                &mut token_weights,
-                false,
-                per_unit,
-            );
+            if comptime!(!fresh) {
+                add_tokens::<F, I>(
+                    carried_codes,
+                    carried_values,
+                    carried_values,
+                    g,
+                    0,
+                    l,
+                    code,
+                    code < s,
+                    c0,
+                    &mut total,
+                    &mut acc,
+                    &mut token_codes,
+                    &mut token_weights,
+                    false,
+                    per_unit,
+                );
+            }
         } else {
             add_tokens::<F, I>(
                 codes,
@@ -375,6 +379,7 @@ pub(super) fn caches<R: CubeRuntime>(
     [carried_values, values]: [CubeTensor<R>; 2],
     carried_counts: CubeTensor<R>,
     carried_means: CubeTensor<R>,
+    fresh: bool,
 ) -> [CubeTensor<R>; 4] {
     let [g, n, width] = values.shape().dims();
     let blocks = n / carried_codes.shape().dims::<2>()[1];
@@ -405,6 +410,7 @@ pub(super) fn caches<R: CubeRuntime>(
         outputs[2].clone().into_tensor_arg(),
         outputs[3].clone().into_tensor_arg(),
         per_unit,
+        fresh,
         [dtype.into(), int.into()],
     );
     outputs

@@ -21,9 +21,10 @@ use burn::tensor::backend::AutodiffBackend;
 use tvq_model::attention::{AttentionInput, AttentionState, Position, block_attention};
 use tvq_model::gau::rms_normalize_with;
 use tvq_model::kernel::{
-    AdamwParam, AdamwScalars, Kernels, VqBackend, VqKernels, fused_adamw_calls,
-    fused_attention_calls, fused_column_blocks_calls, fused_commitment_calls, fused_norm_calls,
-    fused_quantize_calls, fused_rms_calls, fused_straight_through_calls, fused_totals_calls,
+    AdamwParam, AdamwScalars, AttentionFlags, AttentionKernelInput, Kernels, VqBackend, VqKernels,
+    fused_adamw_calls, fused_attention_calls, fused_column_blocks_calls, fused_commitment_calls,
+    fused_norm_calls, fused_quantize_calls, fused_rms_calls, fused_straight_through_calls,
+    fused_totals_calls,
 };
 use tvq_model::quantizer::{Quantized, VectorQuantizer};
 use tvq_model::{CacheGrad, Compute};
@@ -499,6 +500,135 @@ fn cpu_fused_attention_matches_the_composed_ops() {
     }
 }
 
+/// A fresh stream's kernels read nothing carried (so that its carried
+/// tensors can be left unfilled): the block caches under `fresh` and the
+/// attention under `mask_first`, given carried tensors of NaN (and codes
+/// that would count), agree bit for bit with the same kernels given an
+/// empty carried state (zeros, empty slots), in the values and the
+/// gradients. A read would spread the NaNs.
+fn fresh_streams_read_nothing_carried<A: Under>(device: &A::Device) {
+    let (b, h, r, l, k, v, s) = (2, 3, 3, 5, 4, 6, 7);
+    let (bh, g, t) = (b * h, b * h * r, r * l);
+    let normal =
+        |shape: [usize; 3]| Tensor::<A, 3>::random(shape, Distribution::Normal(0.0, 1.0), device);
+    let fill = |shape: [usize; 3], x: f32| {
+        let len = shape.iter().product::<usize>();
+        Tensor::<A, 3>::from_data(TensorData::new(vec![x; len], shape), device)
+    };
+    let bits = |x: Vec<f32>| x.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    let float = |x| TensorPrimitive::Float(x);
+
+    // The block caches: carried codes 0 (which would count), values,
+    // counts and means NaN; against empty slots and a zero cache.
+    let codes =
+        Tensor::<A, 2, Int>::random([bh, t], Distribution::Uniform(0.0, (s + 1) as f64), device);
+    let values = normal([bh, t, v]);
+    let caches = |fresh: bool| {
+        let (carried_codes, x) = if fresh {
+            (Tensor::<A, 2, Int>::zeros([bh, l], device), f32::NAN)
+        } else {
+            (Tensor::<A, 2, Int>::full([bh, l], s as i64, device), 0.0)
+        };
+        let c = A::vq_block_caches(
+            carried_codes.into_primitive(),
+            fill([bh, l, v], x).into_primitive().tensor(),
+            codes.clone().into_primitive(),
+            values.clone().into_primitive().tensor(),
+            fill([bh, s, 1], x)
+                .reshape([bh, s])
+                .into_primitive()
+                .tensor(),
+            fill([bh, s, v], x).into_primitive().tensor(),
+            fresh,
+        )
+        .expect("the backend has the kernel");
+        [
+            host(Tensor::<A, 3>::from_primitive(float(c.counts))),
+            host(Tensor::<A, 4>::from_primitive(float(c.means))),
+            host(Tensor::<A, 2>::from_primitive(float(c.counts_after))),
+            host(Tensor::<A, 3>::from_primitive(float(c.means_after))),
+        ]
+    };
+    let (want, got) = (caches(false), caches(true));
+    for (name, want, got) in ["counts", "means", "counts after", "means after"]
+        .into_iter()
+        .zip(want)
+        .zip(got)
+        .map(|((n, w), g)| (n, w, g))
+    {
+        assert!(
+            want.iter().all(|x| x.is_finite()),
+            "caches: {name}: {want:?}"
+        );
+        assert_eq!(bits(got), bits(want), "caches: {name}");
+    }
+
+    // The attention: carried keys and values NaN, against zeros.
+    let (q, keys, vals) = (normal([g, l, k]), normal([g, l, k]), normal([g, l, v]));
+    let bias = normal([b * h, t, l + 1]).reshape([b, h, t, l + 1]);
+    let codebook = normal([h, s, k]);
+    let log_counts = normal([g, s, 1]).reshape([g, s]);
+    let means = normal([g, s, v]);
+    let probe = normal([g, l, v]);
+    let attend = |x: f32| {
+        let leaves = [q.clone(), keys.clone(), vals.clone()].map(|t| t.require_grad());
+        let input = AttentionKernelInput {
+            q: leaves[0].clone().into_primitive().tensor(),
+            k: leaves[1].clone().into_primitive().tensor(),
+            v: leaves[2].clone().into_primitive().tensor(),
+            k_carried: fill([bh, l, k], x).into_primitive().tensor(),
+            v_carried: fill([bh, l, v], x).into_primitive().tensor(),
+            bias: bias.clone().into_primitive().tensor(),
+            codebook: codebook.clone().into_primitive().tensor(),
+            log_counts: log_counts.clone().into_primitive().tensor(),
+            shift: fill([g, 1, 1], 0.0).reshape([g]).into_primitive().tensor(),
+            count_weight: fill([g, l, 1], 0.0)
+                .reshape([g, l])
+                .into_primitive()
+                .tensor(),
+            means: means.clone().into_primitive().tensor(),
+            flags: AttentionFlags {
+                mask_first: true,
+                prev_grad: true,
+                shifted: false,
+                weighted: false,
+            },
+        };
+        let out = A::vq_attention(input).expect("the backend has the kernel");
+        let out = Tensor::<A, 3>::from_primitive(float(out));
+        let grads = (out.clone() * probe.clone()).sum().backward();
+        let mut all = vec![host(out.inner())];
+        all.extend(leaves.map(|t| host(t.grad(&grads).expect("a gradient"))));
+        all
+    };
+    let (want, got) = (attend(0.0), attend(f32::NAN));
+    for ((name, want), got) in ["output", "dq", "dk", "dv"].into_iter().zip(want).zip(got) {
+        assert!(want.iter().all(|x| x.is_finite()), "attention: {name}");
+        assert_eq!(bits(got), bits(want), "attention: {name}");
+    }
+}
+
+#[test]
+fn fresh_streams_read_nothing_carried_on_the_gpu() {
+    let Some(device) = wgpu("fresh_streams_read_nothing_carried_on_the_gpu") else {
+        return;
+    };
+    fresh_streams_read_nothing_carried::<Ad>(&device);
+}
+
+#[test]
+fn fresh_streams_read_nothing_carried_under_burns_fusion() {
+    let Some(device) = wgpu("fresh_streams_read_nothing_carried_under_burns_fusion") else {
+        return;
+    };
+    fresh_streams_read_nothing_carried::<Fused>(&device);
+}
+
+#[test]
+fn fresh_streams_read_nothing_carried_on_the_cpu() {
+    fresh_streams_read_nothing_carried::<Cpu>(&FlexDevice);
+}
+
 /// A quantizer of `h` heads whose codewords are `words` `[H, S, K]`
 /// (counts of one, so that the codebook is `words` itself).
 fn quantizer_of<A: Under>(words: Tensor<A, 3>) -> VectorQuantizer<A> {
@@ -904,22 +1034,18 @@ fn the_cpu_composes_the_rms_backward() {
 /// that is not constant, one head and three. `own`: whether the backend
 /// takes the step of its own (a call counted) or answers `None`.
 fn commitment_agrees<A: Under>(device: &A::Device, own: bool) {
-    for h in [1, 3] {
-        let normal = |shape: [usize; 4]| {
-            host(Tensor::<A, 4>::random(
-                shape,
-                Distribution::Normal(0.0, 1.0),
-                device,
-            ))
-        };
-        let (keys, words) = (normal([2, 5, h, 7]), normal([2, h, 5, 7]));
+    let names = ["values", "keys", "codewords"];
+    own_step_agrees("commitment", names, fused_commitment_calls, own, |h| {
+        let (keys, words) = (
+            draw::<A>([2, 5, h, 7], device),
+            draw::<A>([2, h, 5, 7], device),
+        );
         let upstream = Tensor::<A, 2>::random([2, 5], Distribution::Normal(0.0, 1.0), device);
-        let leaf = |values: &[f32], shape: [usize; 4]| {
-            Tensor::<A, 4>::from_data(TensorData::new(values.to_vec(), shape), device)
-                .require_grad()
-        };
-        let run = |fused: bool| {
-            let (k, w) = (leaf(&keys, [2, 5, h, 7]), leaf(&words, [2, h, 5, 7]));
+        move |fused: bool| {
+            let (k, w) = (
+                leaf::<A>(&keys, [2, 5, h, 7], device),
+                leaf::<A>(&words, [2, h, 5, 7], device),
+            );
             let (kt, w2) = (k.clone().swap_dims(1, 2), w.clone()); // [2, H, 5, 7]
             let c = if fused {
                 let errors = (kt.clone() - w2.clone()).square().sum_dim(3).detach();
@@ -933,26 +1059,57 @@ fn commitment_agrees<A: Under>(device: &A::Device, own: bool) {
                 host(k.grad(&grads)?),
                 host(w.grad(&grads)?),
             ])
-        };
+        }
+    });
+}
+
+/// Normal draws of `shape` as host values.
+fn draw<A: Under>(shape: [usize; 4], device: &A::Device) -> Vec<f32> {
+    host(Tensor::<A, 4>::random(
+        shape,
+        Distribution::Normal(0.0, 1.0),
+        device,
+    ))
+}
+
+/// A leaf tensor of `shape` holding `values`, asking for its gradient.
+fn leaf<A: Under>(values: &[f32], shape: [usize; 4], device: &A::Device) -> Tensor<A, 4> {
+    Tensor::<A, 4>::from_data(TensorData::new(values.to_vec(), shape), device).require_grad()
+}
+
+/// A step with a backward of its own (`what`) against the composed ops,
+/// for one head and three: `setup(h)` draws the inputs and returns the run,
+/// which gives the `names`d host values (composed, or fused: `None` where
+/// the backend has no step of its own). `calls` counts the step's calls;
+/// `own`: whether the backend takes the step of its own.
+fn own_step_agrees<const N: usize, R: Fn(bool) -> Option<[Vec<f32>; N]>>(
+    what: &str,
+    names: [&str; N],
+    calls: fn() -> u64,
+    own: bool,
+    setup: impl Fn(usize) -> R,
+) {
+    for h in [1, 3] {
+        let run = setup(h);
         let want = run(false).expect("the composed ops");
-        let calls = fused_commitment_calls();
+        let before = calls();
         let got = run(true);
         assert_eq!(
-            fused_commitment_calls(),
-            calls + u64::from(own),
-            "H {h}: calls counted"
+            calls(),
+            before + u64::from(own),
+            "{what}, H {h}: calls counted"
         );
         let Some(got) = got else {
-            assert!(!own, "H {h}: no commitment of its own");
+            assert!(!own, "{what}, H {h}: no step of its own");
             continue;
         };
         assert!(
             own,
-            "H {h}: a commitment of its own where none was expected"
+            "{what}, H {h}: a step of its own where none was expected"
         );
-        for ((name, got), want) in ["values", "keys", "codewords"].iter().zip(got).zip(want) {
+        for ((name, got), want) in names.iter().zip(got).zip(want) {
             let diff = max_diff(&got, &want);
-            assert!(diff <= 1e-5, "H {h}: {name} differ by {diff}");
+            assert!(diff <= 1e-5, "{what}, H {h}: {name} differ by {diff}");
         }
     }
 }
@@ -1051,51 +1208,35 @@ fn the_cpu_cats() {
 /// term of the loss) under an upstream gradient that is not constant, one
 /// head and three. `own` as for the commitment.
 fn straight_through_agrees<A: Under>(device: &A::Device, own: bool) {
-    for h in [1, 3] {
-        let normal = |shape: [usize; 4]| {
-            host(Tensor::<A, 4>::random(
-                shape,
-                Distribution::Normal(0.0, 1.0),
-                device,
-            ))
-        };
-        let (keys, words) = (normal([2, 5, h, 7]), normal([2, h, 5, 7]));
-        let upstream = Tensor::<A, 4>::random([2, h, 5, 7], Distribution::Normal(0.0, 1.0), device);
-        let run = |fused: bool| {
-            let k = Tensor::<A, 4>::from_data(TensorData::new(keys.clone(), [2, 5, h, 7]), device)
-                .require_grad();
-            let w = Tensor::<A, 4>::from_data(TensorData::new(words.clone(), [2, h, 5, 7]), device);
-            let kt = k.clone().swap_dims(1, 2); // [2, H, 5, 7]
-            let k_hat = if fused {
-                A::vq_straight_through(kt.clone(), w)?
-            } else {
-                kt.clone() + (w - kt.clone()).detach()
-            };
-            let loss = (k_hat.clone() * upstream.clone()).sum() + kt.sum_dim(3).sum() * 0.5;
-            let grads = loss.backward();
-            Some([host(k_hat.inner()), host(k.grad(&grads)?)])
-        };
-        let want = run(false).expect("the composed ops");
-        let calls = fused_straight_through_calls();
-        let got = run(true);
-        assert_eq!(
-            fused_straight_through_calls(),
-            calls + u64::from(own),
-            "H {h}: calls counted"
-        );
-        let Some(got) = got else {
-            assert!(!own, "H {h}: no straight-through of its own");
-            continue;
-        };
-        assert!(
-            own,
-            "H {h}: a straight-through of its own where none was expected"
-        );
-        for ((name, got), want) in ["values", "keys"].iter().zip(got).zip(want) {
-            let diff = max_diff(&got, &want);
-            assert!(diff <= 1e-5, "H {h}: {name} differ by {diff}");
-        }
-    }
+    let names = ["values", "keys"];
+    own_step_agrees(
+        "straight-through",
+        names,
+        fused_straight_through_calls,
+        own,
+        |h| {
+            let (keys, words) = (
+                draw::<A>([2, 5, h, 7], device),
+                draw::<A>([2, h, 5, 7], device),
+            );
+            let upstream =
+                Tensor::<A, 4>::random([2, h, 5, 7], Distribution::Normal(0.0, 1.0), device);
+            move |fused: bool| {
+                let k = leaf::<A>(&keys, [2, 5, h, 7], device);
+                let w =
+                    Tensor::<A, 4>::from_data(TensorData::new(words.clone(), [2, h, 5, 7]), device);
+                let kt = k.clone().swap_dims(1, 2); // [2, H, 5, 7]
+                let k_hat = if fused {
+                    A::vq_straight_through(kt.clone(), w)?
+                } else {
+                    kt.clone() + (w - kt.clone()).detach()
+                };
+                let loss = (k_hat.clone() * upstream.clone()).sum() + kt.sum_dim(3).sum() * 0.5;
+                let grads = loss.backward();
+                Some([host(k_hat.inner()), host(k.grad(&grads)?)])
+            }
+        },
+    );
 }
 
 #[test]
