@@ -182,11 +182,14 @@ impl<B: VqBackend> Gau<B> {
             let z = heads(cx.product(x.clone(), w)); // [B, H, T, 1]
             sigmoid(z) * 2.0
         });
+        let k = rms_normalize_with(heads(k_raw), cx.kernels) * scale;
+        // Both activations before `v` is split by head: one fused kernel.
+        let (v, gate) = (silu(v_raw), silu(g_raw));
         Projected {
             q,
-            k: rms_normalize_with(heads(k_raw), cx.kernels) * scale,
-            v: split_heads(silu(v_raw), h),
-            gate: silu(g_raw),
+            k,
+            v: split_heads(v, h),
+            gate,
             count_weight,
         }
     }

@@ -4,6 +4,7 @@
 use burn::prelude::*;
 use burn::tensor::activation::log_softmax;
 
+use crate::kernel::{Kernels, VqBackend};
 use crate::model::ModelOutput;
 use crate::ops::total;
 use crate::quantizer::bool_to_float;
@@ -14,13 +15,25 @@ use crate::quantizer::bool_to_float;
 pub const PAD: i64 = 0;
 
 /// Per-token negative log-likelihood in nats, `[B, T]`, of `targets` `[B, T]`
-/// under `logits` `[B, T, vocab]`.
-pub fn token_nll<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 2> {
-    let [b, t, _] = logits.dims();
-    let logp = log_softmax(logits, 2);
-    logp.gather(2, targets.reshape([b, t, 1]))
-        .reshape([b, t])
-        .neg()
+/// under `logits` `[B, T, vocab]`; under [`Kernels::Fused`], with the
+/// backend's own backward step where it has one
+/// ([`VqBackend::vq_token_nll`]).
+pub fn token_nll<B: VqBackend>(
+    logits: Tensor<B, 3>,
+    targets: Tensor<B, 2, Int>,
+    kernels: Kernels,
+) -> Tensor<B, 2> {
+    let own = match kernels {
+        Kernels::Fused => B::vq_token_nll(logits.clone(), targets.clone()),
+        Kernels::Composed => None,
+    };
+    own.unwrap_or_else(|| {
+        let [b, t, _] = logits.dims();
+        let logp = log_softmax(logits, 2);
+        logp.gather(2, targets.reshape([b, t, 1]))
+            .reshape([b, t])
+            .neg()
+    })
 }
 
 /// The sum and the mean of `x` `[B, T]` over the tokens `marked` marks
@@ -62,7 +75,7 @@ pub struct Loss<B: Backend> {
     pub commitment: Tensor<B, 1>,
 }
 
-impl<B: Backend> Loss<B> {
+impl<B: VqBackend> Loss<B> {
     /// The loss of `output` against `targets` `[B, T]`; `valid` `[B, T]`
     /// marks the real tokens (all when `None`), of which those whose target
     /// is not [`PAD`] are scored.
@@ -82,25 +95,30 @@ impl<B: Backend> Loss<B> {
             output.commitment.clone(),
             targets,
             valid,
+            output.kernels,
         )
     }
 
     /// The loss of `logits` `[B, T, vocab]` and per-token commitment `[B, T]`
     /// against `targets` `[B, T]` ([`Self::new`] from the parts of a
-    /// [`ModelOutput`]).
+    /// [`ModelOutput`], `kernels` its pass's).
     pub fn from_parts(
         logits: Tensor<B, 3>,
         commitment: Tensor<B, 2>,
         targets: Tensor<B, 2, Int>,
         valid: Option<Tensor<B, 2, Bool>>,
+        kernels: Kernels,
     ) -> Self {
-        let scored = targets.clone().not_equal_elem(PAD); // [B, T]
+        let device = logits.device();
+        // 1 where scored, 0 elsewhere `[B, T]`: a mask and a fill that burn's
+        // fusion takes into one kernel (boolean `not` and `and` are not).
+        let pad = targets.clone().equal_elem(PAD);
         let scored = match valid.clone() {
-            Some(valid) => valid.bool_and(scored),
-            None => scored,
-        };
-        let nll = token_nll(logits, targets); // [B, T]
-        let scored = bool_to_float(scored, &nll.device()); // [B, T]
+            Some(valid) => bool_to_float(valid, &device),
+            None => Tensor::ones(targets.dims(), &device),
+        }
+        .mask_fill(pad, 0.0);
+        let nll = token_nll(logits, targets, kernels); // [B, T]
         let (nll_sum, ce) = sum_and_mean(nll.clone(), Some(scored.clone()));
         Self {
             ce,
@@ -110,7 +128,9 @@ impl<B: Backend> Loss<B> {
             nll,
         }
     }
+}
 
+impl<B: Backend> Loss<B> {
     /// The mean commitment per valid token, `[1]`, of per-token commitment
     /// `[B, T]` (one sublayer's, or all of them summed): [`Self::commitment`]
     /// of one part, for training that adds the parts' gradients one sublayer
@@ -175,11 +195,23 @@ mod tests {
         // token 4) everywhere else, loses nothing.
         let targets = Tensor::<Dispatch, 2, Int>::from_data([[0, 2, 0, 3]], &device);
         let copies = sure_of([4, 2, 4, 3], &device);
-        let loss = Loss::from_parts(copies, commitment.clone(), targets.clone(), None);
+        let loss = Loss::from_parts(
+            copies,
+            commitment.clone(),
+            targets.clone(),
+            None,
+            Kernels::Fused,
+        );
         assert!(loss.ce.into_scalar().elem::<f32>() < 1e-6);
         // Wrong on one answer: its loss, over the two answers.
         let wrong = sure_of([4, 2, 4, 1], &device);
-        let loss = Loss::from_parts(wrong, commitment.clone(), targets.clone(), None);
+        let loss = Loss::from_parts(
+            wrong,
+            commitment.clone(),
+            targets.clone(),
+            None,
+            Kernels::Fused,
+        );
         let ce = loss.ce.into_scalar().elem::<f32>();
         assert!((ce - 50.0).abs() < 1e-3, "{ce}");
         // Commitment counts every valid token, answer or not; an invalid
@@ -187,7 +219,7 @@ mod tests {
         assert!((loss.commitment.into_scalar().elem::<f32>() - 2.5).abs() < 1e-6);
         let valid = Tensor::<Dispatch, 2, Bool>::from_data([[true, true, true, false]], &device);
         let wrong = sure_of([4, 2, 4, 1], &device);
-        let loss = Loss::from_parts(wrong, commitment, targets, Some(valid));
+        let loss = Loss::from_parts(wrong, commitment, targets, Some(valid), Kernels::Fused);
         assert!(loss.ce.into_scalar().elem::<f32>() < 1e-6);
         assert!((loss.commitment.into_scalar().elem::<f32>() - 2.0).abs() < 1e-6);
     }
@@ -201,7 +233,7 @@ mod tests {
         let targets =
             Tensor::<Dispatch, 2, Int>::from_data([[0, 2, 0, 0], [1, 1, 1, 1], [0; 4]], &device);
         let logits = sure_of_rows([[4, 1, 4, 4], [1, 1, 1, 1], [4; 4]], &device);
-        let loss = Loss::from_parts(logits, commitment, targets, None);
+        let loss = Loss::from_parts(logits, commitment, targets, None, Kernels::Fused);
         // Per token, the answer is one of five scored targets.
         let ce = loss.ce.clone().into_scalar().elem::<f32>();
         assert!((ce - 20.0).abs() < 1e-3, "{ce}");

@@ -116,6 +116,9 @@ pub struct ModelOutput<B: Backend> {
     pub state: ModelState<B>,
     /// Under [`Graph::LastSublayer`], what the backward pass recomputes from.
     pub recomputable: Option<Recomputable<B>>,
+    /// The kernels the pass ran under ([`TransformerVq::kernels`]): the
+    /// loss takes the same.
+    pub kernels: Kernels,
 }
 
 /// Building a model from its config lives here, beside the model (as in
@@ -287,6 +290,7 @@ impl<B: VqBackend> TransformerVq<B> {
             attention,
             state: ModelState { sublayers: states },
             recomputable,
+            kernels: self.kernels(),
         })
     }
 
@@ -455,6 +459,14 @@ impl<B: VqBackend> TransformerVq<B> {
         for g in &mut self.sublayers {
             g.compute.kernels = kernels;
         }
+    }
+
+    /// Whether the sublayers run the backend's fused kernels
+    /// ([`Self::set_kernels`]).
+    pub fn kernels(&self) -> Kernels {
+        self.sublayers
+            .first()
+            .map_or(Kernels::default(), |g| g.compute.kernels)
     }
 
     /// The type of the sublayers' matrix products ([`Self::set_precision`]).

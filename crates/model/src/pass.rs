@@ -146,12 +146,9 @@ impl<B: Backend> Pass<B> {
     }
 
     /// The pass counting only the tokens `valid` `[B, T]` marks in the
-    /// codebook statistics.
-    pub fn with_valid(self, valid: Tensor<B, 2, Bool>) -> Self {
-        Self {
-            valid: Some(valid),
-            ..self
-        }
+    /// codebook statistics (every token where `None`).
+    pub fn with_valid(self, valid: Option<Tensor<B, 2, Bool>>) -> Self {
+        Self { valid, ..self }
     }
 
     /// The pass reporting where each sublayer's attention went if

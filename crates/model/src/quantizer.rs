@@ -282,13 +282,10 @@ impl<B: Backend> VectorQuantizer<B> {
 
     /// The codebook `C = c_sum / max(c_count, 0.01)`, detached. `[H, S, K]`.
     pub fn codebook(&self) -> Tensor<B, 3> {
-        let count = self
-            .c_count
-            .val()
-            .detach()
-            .clamp_min(MIN_COUNT)
-            .unsqueeze_dim(2); // [H, S, 1]
-        self.c_sum.val().detach() / count
+        // Shaped before the floor: burn's fusion then takes the floor and
+        // the division into one kernel.
+        let count = self.c_count.val().detach().unsqueeze_dim::<3>(2); // [H, S, 1]
+        self.c_sum.val().detach() / count.clamp_min(MIN_COUNT)
     }
 
     /// Quantizes keys `k` `[B, H, T, K]`; `valid` `[B, T]` marks the tokens

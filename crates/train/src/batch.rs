@@ -11,8 +11,10 @@ pub struct BatchTensors<B: Backend> {
     pub inputs: Tensor<B, 2, Int>,
     /// The next token of each input.
     pub targets: Tensor<B, 2, Int>,
-    /// Which positions hold real tokens (not padding).
-    pub valid: Tensor<B, 2, Bool>,
+    /// Which positions hold real tokens (not padding); `None` where all
+    /// do, so that the passes weigh nothing (no launches for a mask of
+    /// ones on the GPU backends).
+    pub valid: Option<Tensor<B, 2, Bool>>,
 }
 
 impl<B: Backend> BatchTensors<B> {
@@ -20,6 +22,7 @@ impl<B: Backend> BatchTensors<B> {
     pub fn rows(batch: &Batch, rows: Range<usize>, device: &B::Device) -> Self {
         let t = batch.len;
         let span = rows.start * t..rows.end * t;
+        let valid = &batch.valid[span.clone()];
         let shape = [rows.len(), t];
         let ints = |v: &[u32]| {
             let data: Vec<i64> = v[span.clone()].iter().map(|&x| x as i64).collect();
@@ -28,10 +31,37 @@ impl<B: Backend> BatchTensors<B> {
         Self {
             inputs: ints(&batch.inputs),
             targets: ints(&batch.targets),
-            valid: Tensor::from_data(
-                TensorData::new(batch.valid[span.clone()].to_vec(), shape),
-                device,
-            ),
+            valid: (!valid.iter().all(|&v| v))
+                .then(|| Tensor::from_data(TensorData::new(valid.to_vec(), shape), device)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::flex::{Flex, FlexDevice};
+
+    use super::*;
+
+    /// Rows with padding keep their mask; rows without any take none (the
+    /// passes then weigh every token, as a mask of ones would).
+    #[test]
+    fn rows_without_padding_have_no_mask() {
+        let batch = Batch {
+            batch: 3,
+            len: 2,
+            inputs: vec![1, 2, 3, 4, 5, 0],
+            targets: vec![2, 3, 4, 5, 6, 0],
+            valid: vec![true, true, true, true, true, false],
+            reset: false,
+        };
+        let rows = |r| BatchTensors::<Flex>::rows(&batch, r, &FlexDevice);
+        assert!(rows(0..2).valid.is_none());
+        let valid = rows(1..3).valid.expect("a padded row");
+        let valid: Vec<bool> = valid.into_data().to_vec().unwrap();
+        assert_eq!(valid, vec![true, true, true, false]);
+        let inputs = rows(1..3).inputs.into_data().convert::<i64>();
+        let inputs: Vec<i64> = inputs.to_vec().unwrap();
+        assert_eq!(inputs, vec![3, 4, 5, 0]);
     }
 }

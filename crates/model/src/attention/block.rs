@@ -272,8 +272,8 @@ struct FusedInputs<'a, B: Backend> {
     /// `[B, H, R, L, K]`.
     q: Tensor<B, 5>,
     blocks: &'a Blocks<B>,
-    /// Block 0's previous block (`None` in a fresh stream).
-    carried: Option<&'a CachedBlock<B>>,
+    /// What the segment starts from (its previous block read for block 0).
+    carried: &'a Carried<B>,
     /// `[B or 1, H, T or 1, L + 1]`.
     bias: Tensor<B, 4>,
     /// `[H, S, K]`.
@@ -309,7 +309,7 @@ fn fused_attention<B: VqBackend>(x: FusedInputs<'_, B>) -> Option<Tensor<B, 5>> 
             .log()
     }); // [B, H, R, 1]
     let flags = AttentionFlags {
-        mask_first: x.carried.is_none(),
+        mask_first: x.carried.prev.is_none(),
         prev_grad: x.cx.cache_grad != CacheGrad::None,
         shifted: shift.is_some(),
         weighted: x.count_weight.is_some(),
@@ -320,19 +320,18 @@ fn fused_attention<B: VqBackend>(x: FusedInputs<'_, B>) -> Option<Tensor<B, 5>> 
         None => Tensor::empty([g, l], &device),
     };
     // A fresh stream's block 0 has no previous block: masked, not read.
-    let carried = |t: Option<&Tensor<B, 4>>, width: usize| {
-        t.cloned()
-            .unwrap_or_else(|| Tensor::empty([b, h, l, width], &device))
-            .reshape([b * h, l, width])
-            .into_primitive()
-            .tensor()
+    let carried_block = match &x.carried.prev {
+        Some(block) => block.clone(),
+        None => x.carried.unread_block(),
     };
+    let carried =
+        |t: Tensor<B, 4>, width: usize| t.reshape([b * h, l, width]).into_primitive().tensor();
     let out = B::vq_attention(AttentionKernelInput {
         q: rows(x.q, dk),
         k: rows(x.blocks.k_window.clone(), dk),
         v: rows(x.blocks.v.clone(), dv),
-        k_carried: carried(x.carried.map(|c| &c.k_window), dk),
-        v_carried: carried(x.carried.map(|c| &c.v), dv),
+        k_carried: carried(carried_block.k_window, dk),
+        v_carried: carried(carried_block.v, dv),
         bias: x
             .bias
             .expand([b, h, r * l, l + 1])
@@ -470,7 +469,7 @@ fn block_attention_impl<B: VqBackend>(
         Position::Table(bias) if fusable => fused_attention(FusedInputs {
             q: q.clone(),
             blocks: &blocks,
-            carried: carried.prev.as_ref(),
+            carried: &carried,
             bias: bias.clone(),
             codebook: codebook.clone(),
             cache_counts: cache_counts.clone(),

@@ -11,14 +11,15 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 
 use burn::tensor::ops::IntTensor;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Int, Tensor, TensorPrimitive};
 
 use std::sync::{Arc, Mutex};
 
 use super::{
     AdamwParam, AttentionKernelInput, BlockCaches, COLUMN_BLOCKS_CALLS, COMMITMENT_CALLS,
     CodeTotals, FUSED_CALLS, NORM_CALLS, Nearest, QUANTIZE_CALLS, RMS_CALLS,
-    STRAIGHT_THROUGH_CALLS, TOTALS_CALLS, VqBackend, VqKernels, count, sum_over_heads,
+    STRAIGHT_THROUGH_CALLS, TOKEN_NLL_CALLS, TOTALS_CALLS, VqBackend, VqKernels, count,
+    sum_over_heads,
 };
 use crate::norm::{reciprocal_rms, rms_normalize};
 
@@ -60,9 +61,12 @@ impl<B: VqKernels, const D: usize> Backward<B, 1> for RmsBackward<D> {
         };
         let (x, r) = ops.state;
         let (x, r) = (float::<B, D>(x), float::<B, D>(r));
-        // y = x r: dx = r g + x dr/dx . g, with dr/dx = -r^3 x / K.
+        // y = x r: dx = r g + x dr/dx . g, with dr/dx = -r^3 x / K. In this
+        // order burn's fusion takes the `[..., 1]` products into the
+        // reduction's kernel and the rest into one elementwise kernel.
         let gx = (grad.clone() * x.clone()).mean_dim(D - 1); // [..., 1]
-        let dx = grad * r.clone() - x * (r.clone() * r.clone() * r * gx);
+        let c = gx * r.clone() * r.clone() * r.clone(); // [..., 1]
+        let dx = grad * r - x * c;
         grads.register::<B>(node.id, dx.into_primitive().tensor());
     }
 }
@@ -109,6 +113,34 @@ impl<B: VqKernels> Backward<B, 1> for StraightThroughBackward {
         if let [Some(k)] = ops.parents {
             grads.register::<B>(k.id, grad);
         }
+    }
+}
+
+/// The backward step of [`VqBackend::vq_token_nll`]; its parent is the
+/// logits.
+#[derive(Debug)]
+struct TokenNllBackward;
+
+impl<B: VqKernels> Backward<B, 1> for TokenNllBackward {
+    /// The logits `[B, T, V]`, the targets `[B, T, 1]` and each position's
+    /// log-sum-exp of the logits `[B, T, 1]`.
+    type State = (FloatTensor<B>, IntTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = float::<B, 2>(grads.consume::<B>(&ops.node)); // [B, T]
+        let [Some(node)] = ops.parents else {
+            return;
+        };
+        let (logits, targets, lse) = ops.state;
+        let (logits, lse) = (float::<B, 3>(logits), float::<B, 3>(lse));
+        let [b, t, v] = logits.dims();
+        let vocab = Tensor::<B, 1, Int>::arange(0..v as i64, &logits.device()).reshape([1, 1, v]);
+        let target = vocab.equal(Tensor::<B, 3, Int>::from_primitive(targets)); // [B, T, V]
+        // Every term has the logits' shape (the rest broadcast): burn's
+        // fusion takes them into one kernel.
+        let p = (logits - lse).exp(); // softmax, [B, T, V]
+        let dx = p.clone().mask_where(target, p - 1.0) * grad.reshape([b, t, 1]);
+        grads.register::<B>(node.id, dx.into_primitive().tensor());
     }
 }
 
@@ -348,6 +380,42 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
             .compute_bound()
             .stateless(words);
         Some(float::<Self, 4>(out))
+    }
+
+    fn vq_token_nll(
+        logits: Tensor<Self, 3>,
+        targets: Tensor<Self, 2, Int>,
+    ) -> Option<Tensor<Self, 2>> {
+        if !B::OWN_BACKWARDS {
+            return None;
+        }
+        count(&TOKEN_NLL_CALLS);
+        let [b, t, _] = logits.dims();
+        let logits = logits.into_primitive().tensor();
+        // The composed forward ops, on the inner backend: `lse - x_t` with
+        // `x_t - m` as the log-softmax's `(x - m)_t`, the same value.
+        let x = float::<B, 3>(logits.primitive.clone());
+        let targets =
+            Tensor::<B, 2, Int>::from_primitive(targets.into_primitive()).reshape([b, t, 1]);
+        let m = x.clone().max_dim(2); // [B, T, 1]
+        let log_sum = (x.clone() - m.clone()).exp().sum_dim(2).log(); // [B, T, 1]
+        let picked = x.gather(2, targets.clone()) - m.clone(); // [B, T, 1]
+        let nll = (log_sum.clone() - picked)
+            .reshape([b, t])
+            .into_primitive()
+            .tensor();
+        let out = match TokenNllBackward
+            .prepare::<C>([logits.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let lse = (log_sum + m).into_primitive().tensor();
+                prep.finish((logits.primitive, targets.into_primitive(), lse), nll)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(nll),
+        };
+        Some(float::<Self, 2>(out))
     }
 
     fn vq_column_blocks<const N: usize>(

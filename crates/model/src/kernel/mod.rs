@@ -33,7 +33,7 @@ mod totals;
 use std::cell::Cell;
 
 use burn::backend::flex::{Flex, FlexTensor};
-use burn::prelude::{Backend, Tensor};
+use burn::prelude::{Backend, Int, Tensor};
 use burn::tensor::backend::DeviceOps;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps, IntTensor, IntTensorOps};
 use burn::tensor::{DType, TensorData, TensorMetadata, TensorPrimitive};
@@ -555,6 +555,22 @@ pub trait VqBackend: Backend {
         None
     }
 
+    /// The negative log-likelihood per token `[B, T]` of `targets` `[B, T]`
+    /// under `logits` `[B, T, V]`, the value [`crate::token_nll`] composes,
+    /// differentiated by a backward step of its own where the backend is
+    /// burn's `Autodiff` over a cubecl one ([`VqKernels::OWN_BACKWARDS`]):
+    /// `d logits = (softmax - onehot) g`, one elementwise pass, where
+    /// burn's backward of the log-softmax and the gather fills a tensor,
+    /// scatters into it and reduces it again. `None` (the default)
+    /// elsewhere, where the caller composes it.
+    fn vq_token_nll(
+        logits: Tensor<Self, 3>,
+        targets: Tensor<Self, 2, Int>,
+    ) -> Option<Tensor<Self, 2>> {
+        let _ = (logits, targets);
+        None
+    }
+
     /// `x W` for `x` `[B, T, D]` and `w` `[D, sum(widths)]` as one tensor
     /// per block of `widths` columns, `[B, T, widths[i]]`, each the product
     /// with its columns of `w`, differentiated by a backward step of its
@@ -880,6 +896,7 @@ thread_local! {
     static COMMITMENT_CALLS: Cell<u64> = const { Cell::new(0) };
     static COLUMN_BLOCKS_CALLS: Cell<u64> = const { Cell::new(0) };
     static STRAIGHT_THROUGH_CALLS: Cell<u64> = const { Cell::new(0) };
+    static TOKEN_NLL_CALLS: Cell<u64> = const { Cell::new(0) };
 }
 
 /// Counts one call in `counter`.
@@ -934,6 +951,12 @@ pub fn fused_column_blocks_calls() -> u64 {
 /// thread has made.
 pub fn fused_straight_through_calls() -> u64 {
     STRAIGHT_THROUGH_CALLS.with(Cell::get)
+}
+
+/// How many token log-likelihoods with their own backward step this thread
+/// has made.
+pub fn fused_token_nll_calls() -> u64 {
+    TOKEN_NLL_CALLS.with(Cell::get)
 }
 
 #[cfg(test)]

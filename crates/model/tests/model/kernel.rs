@@ -24,10 +24,10 @@ use tvq_model::kernel::{
     AdamwParam, AdamwScalars, AttentionFlags, AttentionKernelInput, Kernels, VqBackend, VqKernels,
     fused_adamw_calls, fused_attention_calls, fused_column_blocks_calls, fused_commitment_calls,
     fused_norm_calls, fused_quantize_calls, fused_rms_calls, fused_straight_through_calls,
-    fused_totals_calls,
+    fused_token_nll_calls, fused_totals_calls,
 };
 use tvq_model::quantizer::{Quantized, VectorQuantizer};
-use tvq_model::{CacheGrad, Compute};
+use tvq_model::{CacheGrad, Compute, token_nll};
 use tvq_testkit::Gpu;
 
 use crate::common::{self, cpu};
@@ -1261,6 +1261,67 @@ fn straight_through_backward_matches_the_composed_ops_under_burns_fusion() {
 #[test]
 fn the_cpu_composes_the_straight_through() {
     straight_through_agrees::<Cpu>(&FlexDevice, false);
+}
+
+/// The token log-likelihood with its own backward step
+/// (`VqBackend::vq_token_nll`) against the composed log-softmax and
+/// gather: the values, and the gradient of the logits (a view with swapped
+/// axes, scaled so that the softmax is far from uniform) under an upstream
+/// gradient that is not constant, for one row and three, over a vocabulary
+/// of odd size with targets at both ends of it. `own` as for the
+/// commitment.
+fn token_nll_agrees<A: Under>(device: &A::Device, own: bool) {
+    let names = ["values", "logits"];
+    own_step_agrees("token nll", names, fused_token_nll_calls, own, |rows| {
+        let (t, v) = (5, 11);
+        let logits: Vec<f32> = draw::<A>([rows, v, t, 1], device)
+            .into_iter()
+            .map(|x| x * 8.0)
+            .collect();
+        let targets: Vec<i64> = (0..rows * t).map(|i| [0, v as i64 - 1, 3][i % 3]).collect();
+        let upstream = Tensor::<A, 2>::random([rows, t], Distribution::Normal(0.0, 1.0), device);
+        move |fused: bool| {
+            let x = leaf::<A>(&logits, [rows, v, t, 1], device);
+            let xt = x.clone().reshape([rows, v, t]).swap_dims(1, 2); // [R, T, V]
+            let targets =
+                Tensor::<A, 2, Int>::from_data(TensorData::new(targets.clone(), [rows, t]), device);
+            let kernels = if fused {
+                Kernels::Fused
+            } else {
+                Kernels::Composed
+            };
+            if fused && !own {
+                // No step of its own: the composed ops, as `token_nll` runs them.
+                A::vq_token_nll(xt.clone(), targets.clone())?;
+            }
+            let nll = token_nll(xt, targets, kernels); // [R, T]
+            let grads = (nll.clone() * upstream.clone()).sum().backward();
+            Some([host(nll.inner()), host(x.grad(&grads)?)])
+        }
+    });
+}
+
+#[test]
+fn token_nll_backward_matches_the_composed_ops() {
+    let Some(device) = wgpu("token_nll_backward_matches_the_composed_ops") else {
+        return;
+    };
+    token_nll_agrees::<Ad>(&device, true);
+}
+
+#[test]
+fn token_nll_backward_matches_the_composed_ops_under_burns_fusion() {
+    let Some(device) = wgpu("token_nll_backward_matches_the_composed_ops_under_burns_fusion")
+    else {
+        return;
+    };
+    token_nll_agrees::<Fused>(&device, true);
+}
+
+/// The CPU keeps burn's backward of the composed ops, as for the RMS norm.
+#[test]
+fn the_cpu_composes_the_token_nll() {
+    token_nll_agrees::<Cpu>(&FlexDevice, false);
 }
 
 /// The product with blocks of a weight's columns with its own backward

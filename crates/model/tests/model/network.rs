@@ -509,7 +509,7 @@ fn padding_is_left_out_of_codebook_statistics() {
         .forward(
             tokens(&data, 2, &device),
             m.empty_state(),
-            Pass::new().with_valid(valid),
+            Pass::new().with_valid(Some(valid)),
         )
         .unwrap();
     for s in &out.stats {

@@ -3,7 +3,8 @@
 use burn::prelude::*;
 use burn::tensor::DType;
 use tvq_model::{
-    AttentionForm, ModelState, Pass, Precision, TransformerVq, TransformerVqConfig, token_nll,
+    AttentionForm, Kernels, ModelState, Pass, Precision, TransformerVq, TransformerVqConfig,
+    token_nll,
 };
 
 use crate::common::*;
@@ -32,7 +33,9 @@ fn mean_nll(logits: Tensor<B, 3>, tokens: &Tensor<B, 2, Int>) -> f32 {
     let [b, t] = tokens.dims();
     let targets = tokens.clone().slice([0..b, 1..t]);
     let logits = logits.slice([0..b, 0..t - 1]);
-    token_nll(logits, targets).mean().into_scalar()
+    token_nll(logits, targets, Kernels::Composed)
+        .mean()
+        .into_scalar()
 }
 
 /// The root mean square of `x`.

@@ -398,7 +398,7 @@ fn score_rows(
         .with_valid(valid.clone())
         .with_attention(opts.attention);
     let out = model.forward(inputs, state, pass)?;
-    let loss = Loss::new(&out, targets, Some(valid));
+    let loss = Loss::new(&out, targets, valid);
     let token_nll = match opts.by_position || opts.attention {
         true => loss.nll.into_data().convert::<f32>().to_vec().expect("f32"),
         false => vec![],

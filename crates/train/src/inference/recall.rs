@@ -221,7 +221,7 @@ pub fn evaluate_recall(
                 .expect("i64");
             let figures = attention::per_token(&out.attention); // [R, T, sublayer, FIGURES]
             let per_token = figures.len() / batch.targets.len();
-            nll += Loss::new(&out, t.targets, Some(t.valid))
+            nll += Loss::new(&out, t.targets, t.valid)
                 .nll_sum
                 .into_scalar()
                 .elem::<f64>();

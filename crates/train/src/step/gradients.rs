@@ -70,7 +70,7 @@ fn run_shard<B: TrainBackend>(
             let forward = tracing::debug_span!("forward").entered();
             let pass = Pass::new().with_masks(masks).with_valid(valid.clone());
             let out = fork.forward(inputs, state, pass)?;
-            let loss = Loss::new(&out, targets, Some(valid));
+            let loss = Loss::new(&out, targets, valid);
             drop(forward);
             // The step minimises the mean over shards of each shard's mean token loss.
             let grads = tracing::debug_span!("backward")

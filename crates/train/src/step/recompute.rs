@@ -34,13 +34,13 @@ use crate::step::shard::{ShardPlan, ShardResult};
 use tvq_model::TransformerVq;
 
 /// The forward and backward passes of one shard (`inputs`, `targets` and
-/// `valid` `[B, T]`) from `state` with dropout `masks`, recomputing each
-/// sublayer in the backward pass.
+/// `valid` `[B, T]`, `None` where every token is real) from `state` with
+/// dropout `masks`, recomputing each sublayer in the backward pass.
 pub(crate) fn passes<B: TrainBackend>(
     model: &TransformerVq<B>,
     inputs: Tensor<B, 2, Int>,
     targets: Tensor<B, 2, Int>,
-    valid: Tensor<B, 2, Bool>,
+    valid: Option<Tensor<B, 2, Bool>>,
     state: ModelState<B>,
     masks: DropoutMasks<B>,
     plan: &ShardPlan,
@@ -71,10 +71,11 @@ pub(crate) fn passes<B: TrainBackend>(
         model.head(out.h),
         out.commitment,
         targets,
-        Some(valid.clone()),
+        valid.clone(),
+        out.kernels,
     );
     let objective =
-        plan.objective(&loss) + plan.commitment_objective(last_commitment, Some(valid.clone()));
+        plan.objective(&loss) + plan.commitment_objective(last_commitment, valid.clone());
     let mut g = backward(model, objective, &x, &mut grads); // [B, T, D]
 
     // 3: each other sublayer again, last to first, from its input.
@@ -91,7 +92,7 @@ pub(crate) fn passes<B: TrainBackend>(
         let out = model.forward(x.clone(), one, pass)?;
         drop(recompute);
         let objective =
-            (out.h * g).sum() + plan.commitment_objective(out.commitment, Some(valid.clone()));
+            (out.h * g).sum() + plan.commitment_objective(out.commitment, valid.clone());
         g = backward(model, objective, &x, &mut grads);
     }
 
