@@ -5,13 +5,16 @@
 //! query's log-sum-exp, as FlashAttention does.
 //!
 //! Every kernel works on tiles of `TILE = 32` queries by `TILE` keys, a
-//! cube of `16 x 16` units: unit `(y, z)` computes the four scores of rows
-//! `y`, `y + 16` and columns `z`, `z + 16`, so that each element it reads
-//! from shared memory serves two multiply-adds (four loads for four, where
-//! one score per unit took two loads for each). The tile's query and key
-//! rows are read from device memory once per tile into shared memory, a
-//! chunk of channels at a time, and shared by all its units. Keys number
-//! `N = 2L + S` (present `0..L`, previous `L..2L`, codes `2L..`).
+//! cube of `16 x 16` units. The tile's query and key rows are read from
+//! device memory once per tile into shared memory, a chunk of channels at
+//! a time, and shared by all its units. The scores, `dO . value` and the
+//! weighted values and gradients are warps' `16 x 16` tile products
+//! (`tile.rs`: on the tensor cores where the device has them) into shared
+//! memory, from which unit `(y, z)` takes rows `y`, `y + 16` and columns
+//! `z`, `z + 16, ...` for everything elementwise. `backward_query`'s `dq =
+//! ds key` is on its units, two rows each (its whole key tile leaves no
+//! room in shared memory for the tile of `dq`). Keys number `N = 2L + S`
+//! (present `0..L`, previous `L..2L`, codes `2L..`).
 //!
 //! - `attend`: a cube per query tile and slice of value channels, in one
 //!   pass over the keys: each query's running maximum and sum of
@@ -37,10 +40,8 @@
 //! enwik8's 1,536. Value rows and output gradients pass through shared
 //! memory `CHUNK` channels at a time.
 //!
-//! Tiles keep their rows one element more than their width apart, so that
-//! the units of a warp reading one column of 16 rows (query and key rows,
-//! the chunks of `dO . value`) read 16 different shared-memory banks
-//! instead of one bank 16 times.
+//! Tiles keep their rows `PAD` elements more than their width apart, as
+//! the tensor cores ask.
 //!
 //! Every output element is written by exactly one unit, so nothing is
 //! zeroed first and nothing is accumulated atomically.
@@ -52,6 +53,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 use super::launch::{cubes, empty_like, parts, zeros};
+use super::tile::{ALIGN, Strides, WARP, product, tensor_cores};
 use super::{AttentionKernelGrads, AttentionKernelInput};
 
 /// Units along each side of a cube: a cube is `SIDE x SIDE` units.
@@ -70,6 +72,15 @@ const KEY_CHUNK: usize = 32;
 
 /// Value channels through shared memory at a time where values are weighed.
 const CHUNK: usize = 64;
+
+/// Channels of queries, output gradients and values through shared memory
+/// at a time in `backward_query`, whose whole key tile leaves less room.
+const ROW_CHUNK: usize = 16;
+
+/// What rows of the tiles that `attend` multiplies on warps' tile products
+/// hold past their width: 4 floats, so that the tensor cores' rows start
+/// 16 bytes apart and their fragments at 32-byte boundaries (`tile.rs`).
+const PAD: usize = 4;
 
 /// A unit's accumulators per row and chunk of value channels.
 const PER_CHUNK: usize = CHUNK / SIDE;
@@ -246,7 +257,7 @@ fn key<F: Float>(x: &Operands<F>, g: usize, h: usize, n: usize, c: usize) -> F {
 }
 
 /// Channels `c0..c0 + chunk` of queries `first..first + TILE` of block row
-/// `g` into `tile` (`TILE x chunk`, rows `chunk + 1` apart), zeros past
+/// `g` into `tile` (`TILE x chunk`, rows `stride` apart), zeros past
 /// the block or the key width.
 #[cube]
 fn load_queries<F: Float>(
@@ -256,6 +267,7 @@ fn load_queries<F: Float>(
     c0: usize,
     tile: &mut SharedMemory<F>,
     #[comptime] chunk: usize,
+    #[comptime] stride: usize,
 ) {
     let mut e = UNIT_POS as usize;
     while e < TILE * chunk {
@@ -264,13 +276,13 @@ fn load_queries<F: Float>(
         if i < x.q.shape(1) && c < x.q.shape(2) {
             v = x.q[g * x.q.stride(0) + i * x.q.stride(1) + c * x.q.stride(2)];
         }
-        tile[e / chunk * (chunk + 1) + e % chunk] = v;
+        tile[e / chunk * stride + e % chunk] = v;
         e += UNITS;
     }
 }
 
 /// Channels `c0..c0 + chunk` of keys `first..first + TILE` of block row
-/// `g` (head `h`) into `tile` (`TILE x chunk`, rows `chunk + 1` apart),
+/// `g` (head `h`) into `tile` (`TILE x chunk`, rows `stride` apart),
 /// zeros past the keys or the key width.
 #[cube]
 fn load_keys<F: Float>(
@@ -281,6 +293,7 @@ fn load_keys<F: Float>(
     c0: usize,
     tile: &mut SharedMemory<F>,
     #[comptime] chunk: usize,
+    #[comptime] stride: usize,
 ) {
     let keys = key_count::<F>(x);
     let mut e = UNIT_POS as usize;
@@ -290,13 +303,13 @@ fn load_keys<F: Float>(
         if n < keys && c < x.q.shape(2) {
             v = key::<F>(x, g, h, n, c);
         }
-        tile[e / chunk * (chunk + 1) + e % chunk] = v;
+        tile[e / chunk * stride + e % chunk] = v;
         e += UNITS;
     }
 }
 
 /// Channels `c0..c0 + chunk` of the values of keys `first..first + TILE`
-/// into `tile` (`TILE x chunk`, rows `chunk + 1` apart), zeros past the
+/// into `tile` (`TILE x chunk`, rows `stride` apart), zeros past the
 /// keys or channels.
 #[cube]
 fn load_values<F: Float>(
@@ -306,6 +319,7 @@ fn load_values<F: Float>(
     c0: usize,
     tile: &mut SharedMemory<F>,
     #[comptime] chunk: usize,
+    #[comptime] stride: usize,
 ) {
     let keys = key_count::<F>(x);
     let mut e = UNIT_POS as usize;
@@ -315,13 +329,13 @@ fn load_values<F: Float>(
         if n < keys && c < x.v.shape(2) {
             v = value::<F>(x, g, n, c);
         }
-        tile[e / chunk * (chunk + 1) + e % chunk] = v;
+        tile[e / chunk * stride + e % chunk] = v;
         e += UNITS;
     }
 }
 
 /// Channels `c0..c0 + chunk` of the output gradient of queries
-/// `first..first + TILE` into `tile` (`TILE x chunk`, rows `chunk + 1`
+/// `first..first + TILE` into `tile` (`TILE x chunk`, rows `stride`
 /// apart), zeros past them.
 #[cube]
 fn load_grads<F: Float>(
@@ -331,6 +345,7 @@ fn load_grads<F: Float>(
     c0: usize,
     tile: &mut SharedMemory<F>,
     #[comptime] chunk: usize,
+    #[comptime] stride: usize,
 ) {
     let mut e = UNIT_POS as usize;
     while e < TILE * chunk {
@@ -339,99 +354,9 @@ fn load_grads<F: Float>(
         if i < grad.shape(1) && c < grad.shape(2) {
             v = grad[g * grad.stride(0) + i * grad.stride(1) + c * grad.stride(2)];
         }
-        tile[e / chunk * (chunk + 1) + e % chunk] = v;
+        tile[e / chunk * stride + e % chunk] = v;
         e += UNITS;
     }
-}
-
-/// Unit `(y, z)`'s four products of a row pair and a column pair over
-/// `count` channels: `dots[2a + b] += sum_c rows[y + a SIDE, at_r + c]
-/// cols[z + b SIDE, at_c + c]` for `a, b` in `0..2`. Four loads for four
-/// multiply-adds, where a unit of one product per score made two loads
-/// per multiply-add.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn pair_products<F: Float>(
-    dots: &mut Array<F>,
-    rows: &SharedMemory<F>,
-    at_r: usize,
-    cols: &SharedMemory<F>,
-    at_c: usize,
-    y: usize,
-    z: usize,
-    #[comptime] count: usize,
-    #[comptime] row_stride: usize,
-    #[comptime] col_stride: usize,
-) {
-    let (r0, r1) = (y * row_stride + at_r, (y + SIDE) * row_stride + at_r);
-    let (k0, k1) = (z * col_stride + at_c, (z + SIDE) * col_stride + at_c);
-    for c in 0..count {
-        let (a0, a1) = (rows[r0 + c], rows[r1 + c]);
-        let (b0, b1) = (cols[k0 + c], cols[k1 + c]);
-        dots[0usize] += a0 * b0;
-        dots[1usize] += a0 * b1;
-        dots[2usize] += a1 * b0;
-        dots[3usize] += a1 * b1;
-    }
-}
-
-/// `q_i . key_n` for the unit's two queries and two keys, `KEY_CHUNK`
-/// channels at a time through `queries` and `keys` (`TILE x KEY_CHUNK`
-/// each): queries `q_first + y + a SIDE` and keys `k_first + z + b SIDE`
-/// at `[2a + b]`, or with `by_key` keys on the unit's rows (`k_first + y
-/// + a SIDE`) and queries on its columns. Every unit of the cube calls it.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn query_key_dots<F: Float>(
-    x: &Operands<F>,
-    g: usize,
-    h: usize,
-    q_first: usize,
-    k_first: usize,
-    queries: &mut SharedMemory<F>,
-    keys: &mut SharedMemory<F>,
-    y: usize,
-    z: usize,
-    #[comptime] width: usize,
-    #[comptime] by_key: bool,
-) -> Array<F> {
-    let mut dots = zeros::<F>(4usize);
-    let mut c0 = 0usize;
-    while c0 < width {
-        sync_cube();
-        load_queries::<F>(x, g, q_first, c0, queries, KEY_CHUNK);
-        load_keys::<F>(x, g, h, k_first, c0, keys, KEY_CHUNK);
-        sync_cube();
-        if by_key {
-            pair_products::<F>(
-                &mut dots,
-                keys,
-                0,
-                queries,
-                0,
-                y,
-                z,
-                KEY_CHUNK,
-                comptime!(KEY_CHUNK + 1),
-                comptime!(KEY_CHUNK + 1),
-            );
-        } else {
-            pair_products::<F>(
-                &mut dots,
-                queries,
-                0,
-                keys,
-                0,
-                y,
-                z,
-                KEY_CHUNK,
-                comptime!(KEY_CHUNK + 1),
-                comptime!(KEY_CHUNK + 1),
-            );
-        }
-        c0 += KEY_CHUNK;
-    }
-    dots
 }
 
 /// The score of key `n` for query `i` whose product `q_i . key_n` is
@@ -521,8 +446,12 @@ fn channel(z: usize, j: usize) -> usize {
 
 /// A query tile's output in one slice of `per_unit SIDE` value channels
 /// and (slice 0) its log-sum-exp, in one pass over the keys: a cube per
-/// `(g, query tile, slice)`. Unit `(y, z)` weighs queries `y`, `y + SIDE`
-/// of the tile against keys `z`, `z + SIDE` of each key tile.
+/// `(g, query tile, slice)`. The products are warps' tile products
+/// (`tile.rs`): the `2 x 2` score tiles on warps 0-3, the `2 x 4` tiles
+/// of each chunk of weighted values on warps 0-7; unit `(y, z)` then
+/// takes queries `y`, `y + SIDE` of the tile against keys `z`, `z + SIDE`
+/// of each key tile for the softmax, and channels `z + j SIDE` of the
+/// weighted values.
 #[cube(launch)]
 fn attend<F: Float>(
     x: &Operands<F>,
@@ -530,6 +459,7 @@ fn attend<F: Float>(
     lse: &mut Tensor<F>,
     #[comptime] width: usize,
     #[comptime] per_unit: usize,
+    #[comptime] tensor_cores: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let l = x.q.shape(1);
@@ -544,11 +474,18 @@ fn attend<F: Float>(
     let first = (CUBE_POS / slices % tiles) * TILE;
     let c0 = (CUBE_POS % slices) * comptime!(per_unit * SIDE);
     let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
+    let (warp, lane) = (UNIT_POS as usize / WARP, UNIT_POS as usize % WARP);
     let h = head::<F>(x, g);
-    let mut queries = SharedMemory::<F>::new(TILE * (KEY_CHUNK + 1));
-    let mut key_tile = SharedMemory::<F>::new(TILE * (KEY_CHUNK + 1));
-    let mut probs = SharedMemory::<F>::new(TILE * TILE);
-    let mut values = SharedMemory::<F>::new(TILE * (CHUNK + 1));
+    let key_stride = comptime!(KEY_CHUNK + PAD);
+    let value_stride = comptime!(CHUNK + PAD);
+    let mut queries = SharedMemory::<F>::new_aligned(TILE * key_stride, ALIGN);
+    let mut key_tile = SharedMemory::<F>::new_aligned(TILE * key_stride, ALIGN);
+    let mut probs = SharedMemory::<F>::new_aligned(TILE * TILE, ALIGN);
+    let mut values = SharedMemory::<F>::new_aligned(TILE * value_stride, ALIGN);
+    let mut weighed = SharedMemory::<F>::new_aligned(TILE * value_stride, ALIGN);
+    // Warp w's tile of a score tile (w < 4) and of a chunk's weighted values.
+    let (score_row, score_col) = (warp / 2 * SIDE, warp % 2 * SIDE);
+    let (value_row, value_col) = (warp / 4 * SIDE, warp % 4 * SIDE);
 
     // Each of the unit's rows' running maximum and sum of exponents (every
     // unit of the row keeps the same), and its channels of the weighted
@@ -562,27 +499,45 @@ fn attend<F: Float>(
     let mut acc = zeros::<F>(comptime!(2 * per_unit));
     let mut n0 = 0;
     while n0 < keys {
-        let dots = query_key_dots::<F>(
-            x,
-            g,
-            h,
-            first,
-            n0,
-            &mut queries,
-            &mut key_tile,
-            y,
-            z,
-            width,
-            false,
-        );
+        // q . key into `probs`, KEY_CHUNK channels at a time.
+        let mut k0 = 0usize;
+        while k0 < width {
+            sync_cube();
+            load_queries::<F>(x, g, first, k0, &mut queries, KEY_CHUNK, key_stride);
+            load_keys::<F>(x, g, h, n0, k0, &mut key_tile, KEY_CHUNK, key_stride);
+            sync_cube();
+            if warp < 4 {
+                product::<F>(
+                    &mut probs,
+                    score_row * TILE + score_col,
+                    &queries,
+                    score_row * key_stride,
+                    &key_tile,
+                    score_col * key_stride,
+                    k0 == 0,
+                    lane,
+                    comptime!(Strides {
+                        a: key_stride,
+                        b: key_stride,
+                        c: TILE,
+                    }),
+                    KEY_CHUNK,
+                    true,
+                    tensor_cores,
+                );
+            }
+            k0 += KEY_CHUNK;
+        }
+        sync_cube();
         let mut s = zeros::<F>(4usize);
         #[unroll]
         for a in 0..2usize {
             #[unroll]
             for b in 0..2usize {
                 let (i, n) = (first + y + a * SIDE, n0 + z + b * SIDE);
-                s[2 * a + b] = score::<F>(x, g, i, n, dots[2 * a + b]);
-                probs[(y + a * SIDE) * TILE + z + b * SIDE] = s[2 * a + b];
+                let at = (y + a * SIDE) * TILE + z + b * SIDE;
+                s[2 * a + b] = score::<F>(x, g, i, n, probs[at]);
+                probs[at] = s[2 * a + b];
             }
         }
         sync_cube();
@@ -629,20 +584,35 @@ fn attend<F: Float>(
         #[unroll]
         for k in 0..comptime!(per_unit / PER_CHUNK) {
             sync_cube();
-            load_values::<F>(x, g, n0, c0 + k * CHUNK, &mut values, CHUNK);
+            load_values::<F>(x, g, n0, c0 + k * CHUNK, &mut values, CHUNK, value_stride);
             sync_cube();
-            accumulate::<F>(
-                &mut acc,
+            product::<F>(
+                &mut weighed,
+                value_row * value_stride + value_col,
                 &probs,
+                value_row * TILE,
                 &values,
-                y,
-                z,
-                k * PER_CHUNK,
-                per_unit,
-                PER_CHUNK,
-                comptime!(CHUNK + 1),
-                CHUNK,
+                value_col,
+                true,
+                lane,
+                comptime!(Strides {
+                    a: TILE,
+                    b: value_stride,
+                    c: value_stride,
+                }),
+                TILE,
+                false,
+                tensor_cores,
             );
+            sync_cube();
+            #[unroll]
+            for a in 0..2usize {
+                #[unroll]
+                for j in 0..PER_CHUNK {
+                    acc[a * per_unit + k * PER_CHUNK + j] +=
+                        weighed[(y + a * SIDE) * value_stride + z + j * SIDE];
+                }
+            }
         }
         n0 += TILE;
     }
@@ -680,6 +650,7 @@ fn backward_query<F: Float>(
     dweight: &mut Tensor<F>,
     ds_window: &mut Tensor<F>,
     #[comptime] width: usize,
+    #[comptime] tensor_cores: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let l = x.q.shape(1);
@@ -692,16 +663,32 @@ fn backward_query<F: Float>(
     let g = CUBE_POS / tiles;
     let first = (CUBE_POS % tiles) * TILE;
     let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
+    let (warp, lane) = (UNIT_POS as usize / WARP, UNIT_POS as usize % WARP);
     let h = head::<F>(x, g);
     // The key tile stays whole (for `dq = ds key`), its rows a whole number
     // of chunks wide (zeros past the key width) so that the chunked
     // products never read past a row.
     let padded = comptime!(width.div_ceil(KEY_CHUNK) * KEY_CHUNK);
-    let mut key_tile = SharedMemory::<F>::new(TILE * (padded + 1));
+    let key_stride = comptime!(padded + PAD);
+    let row_stride = comptime!(ROW_CHUNK + PAD);
+    let mut key_tile = SharedMemory::<F>::new_aligned(TILE * key_stride, ALIGN);
     // Query chunks, then output gradient chunks.
-    let mut rows = SharedMemory::<F>::new(TILE * (KEY_CHUNK + 1));
-    let mut values = SharedMemory::<F>::new(TILE * (KEY_CHUNK + 1));
-    let mut ds_tile = SharedMemory::<F>::new(TILE * TILE);
+    let mut rows = SharedMemory::<F>::new_aligned(TILE * row_stride, ALIGN);
+    let mut values = SharedMemory::<F>::new_aligned(TILE * row_stride, ALIGN);
+    // q . key, then ds; and dO . value.
+    let mut ds_tile = SharedMemory::<F>::new_aligned(TILE * TILE, ALIGN);
+    let mut dp_tile = SharedMemory::<F>::new_aligned(TILE * TILE, ALIGN);
+    let (score_row, score_col) = (warp / 2 * SIDE, warp % 2 * SIDE);
+    let scores = comptime!(Strides {
+        a: row_stride,
+        b: key_stride,
+        c: TILE,
+    });
+    let products = comptime!(Strides {
+        a: row_stride,
+        b: row_stride,
+        c: TILE,
+    });
     // D = dO_i . O_i, each unit summing every SIDE-th channel of its rows.
     let mut part = zeros::<F>(2usize);
     let mut own_lse = zeros::<F>(2usize);
@@ -725,49 +712,57 @@ fn backward_query<F: Float>(
     let mut n0 = 0;
     while n0 < keys {
         sync_cube();
-        load_keys::<F>(x, g, h, n0, 0, &mut key_tile, padded);
-        let mut dots = zeros::<F>(4usize);
+        load_keys::<F>(x, g, h, n0, 0, &mut key_tile, padded, key_stride);
+        // q . key into `ds_tile`, ROW_CHUNK channels at a time.
         let mut kc = 0usize;
         while kc < width {
             sync_cube();
-            load_queries::<F>(x, g, first, kc, &mut rows, KEY_CHUNK);
+            load_queries::<F>(x, g, first, kc, &mut rows, ROW_CHUNK, row_stride);
             sync_cube();
-            pair_products::<F>(
-                &mut dots,
-                &rows,
-                0,
-                &key_tile,
-                kc,
-                y,
-                z,
-                KEY_CHUNK,
-                comptime!(KEY_CHUNK + 1),
-                comptime!(padded + 1),
-            );
-            kc += KEY_CHUNK;
+            if warp < 4 {
+                product::<F>(
+                    &mut ds_tile,
+                    score_row * TILE + score_col,
+                    &rows,
+                    score_row * row_stride,
+                    &key_tile,
+                    score_col * key_stride + kc,
+                    kc == 0,
+                    lane,
+                    scores,
+                    ROW_CHUNK,
+                    true,
+                    tensor_cores,
+                );
+            }
+            kc += ROW_CHUNK;
         }
-        // dO_i . value_n over every value channel.
-        let mut dp = zeros::<F>(4usize);
+        // dO_i . value_n over every value channel into `dp_tile`.
         let mut vc = 0usize;
         while vc < dv {
             sync_cube();
-            load_grads::<F>(grad, g, first, vc, &mut rows, KEY_CHUNK);
-            load_values::<F>(x, g, n0, vc, &mut values, KEY_CHUNK);
+            load_grads::<F>(grad, g, first, vc, &mut rows, ROW_CHUNK, row_stride);
+            load_values::<F>(x, g, n0, vc, &mut values, ROW_CHUNK, row_stride);
             sync_cube();
-            pair_products::<F>(
-                &mut dp,
-                &rows,
-                0,
-                &values,
-                0,
-                y,
-                z,
-                KEY_CHUNK,
-                comptime!(KEY_CHUNK + 1),
-                comptime!(KEY_CHUNK + 1),
-            );
-            vc += KEY_CHUNK;
+            if warp < 4 {
+                product::<F>(
+                    &mut dp_tile,
+                    score_row * TILE + score_col,
+                    &rows,
+                    score_row * row_stride,
+                    &values,
+                    score_col * row_stride,
+                    vc == 0,
+                    lane,
+                    products,
+                    ROW_CHUNK,
+                    true,
+                    tensor_cores,
+                );
+            }
+            vc += ROW_CHUNK;
         }
+        sync_cube();
         #[unroll]
         for a in 0..2usize {
             let i = first + y + a * SIDE;
@@ -775,12 +770,13 @@ fn backward_query<F: Float>(
             #[unroll]
             for b in 0..2usize {
                 let n = n0 + z + b * SIDE;
-                let s = score::<F>(x, g, i, n, dots[2 * a + b]);
+                let at = (y + a * SIDE) * TILE + z + b * SIDE;
+                let s = score::<F>(x, g, i, n, ds_tile[at]);
                 let mut ds = F::new(0.0);
                 if s > F::new(NEG) {
-                    ds = (s - own_lse[a]).exp() * (dp[2 * a + b] - own_delta[a]);
+                    ds = (s - own_lse[a]).exp() * (dp_tile[at] - own_delta[a]);
                 }
-                ds_tile[(y + a * SIDE) * TILE + z + b * SIDE] = ds;
+                ds_tile[at] = ds;
                 if i < l && n < 2 * l {
                     ds_window[g * ds_window.stride(0)
                         + i * ds_window.stride(1)
@@ -808,16 +804,7 @@ fn backward_query<F: Float>(
         }
         sync_cube();
         accumulate::<F>(
-            &mut acc,
-            &ds_tile,
-            &key_tile,
-            y,
-            z,
-            0,
-            per_unit,
-            per_unit,
-            comptime!(padded + 1),
-            width,
+            &mut acc, &ds_tile, &key_tile, y, z, 0, per_unit, per_unit, key_stride, width,
         );
         n0 += TILE;
     }
@@ -843,8 +830,10 @@ fn backward_query<F: Float>(
 
 /// A key tile's value gradients (`dv`, `dv_prev` or the cache means') in
 /// one slice of `per_unit SIDE` channels, `p^T dO`: a cube per `(g, key
-/// tile, slice)`. Unit `(y, z)` takes keys `y`, `y + SIDE` of the tile and
-/// queries `z`, `z + SIDE` of each query tile.
+/// tile, slice)`. The products are warps' tile products, as in `attend`,
+/// with keys on the rows and queries on the columns; unit `(y, z)` then
+/// takes keys `y`, `y + SIDE` of the tile and queries `z`, `z + SIDE` of
+/// each query tile, and channels `z + j SIDE` of the gradients.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn backward_values<F: Float>(
@@ -856,6 +845,7 @@ fn backward_values<F: Float>(
     dmeans: &mut Tensor<F>,
     #[comptime] width: usize,
     #[comptime] per_unit: usize,
+    #[comptime] tensor_cores: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let l = x.q.shape(1);
@@ -870,57 +860,96 @@ fn backward_values<F: Float>(
     let first = (CUBE_POS / slices % tiles) * TILE;
     let c0 = (CUBE_POS % slices) * comptime!(per_unit * SIDE);
     let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
+    let (warp, lane) = (UNIT_POS as usize / WARP, UNIT_POS as usize % WARP);
     let h = head::<F>(x, g);
-    let mut queries = SharedMemory::<F>::new(TILE * (KEY_CHUNK + 1));
-    let mut key_tile = SharedMemory::<F>::new(TILE * (KEY_CHUNK + 1));
-    let mut grads = SharedMemory::<F>::new(TILE * (CHUNK + 1));
-    let mut probs = SharedMemory::<F>::new(TILE * TILE);
+    let key_stride = comptime!(KEY_CHUNK + PAD);
+    let grad_stride = comptime!(CHUNK + PAD);
+    let mut queries = SharedMemory::<F>::new_aligned(TILE * key_stride, ALIGN);
+    let mut key_tile = SharedMemory::<F>::new_aligned(TILE * key_stride, ALIGN);
+    let mut grads = SharedMemory::<F>::new_aligned(TILE * grad_stride, ALIGN);
+    let mut probs = SharedMemory::<F>::new_aligned(TILE * TILE, ALIGN);
+    let mut weighed = SharedMemory::<F>::new_aligned(TILE * grad_stride, ALIGN);
+    let (score_row, score_col) = (warp / 2 * SIDE, warp % 2 * SIDE);
+    let (grad_row, grad_col) = (warp / 4 * SIDE, warp % 4 * SIDE);
     let mut acc = zeros::<F>(comptime!(2 * per_unit));
     let mut i0 = 0;
     while i0 < l {
-        let dots = query_key_dots::<F>(
-            x,
-            g,
-            h,
-            i0,
-            first,
-            &mut queries,
-            &mut key_tile,
-            y,
-            z,
-            width,
-            true,
-        );
+        // key . q into `probs` (keys on its rows), KEY_CHUNK channels at a time.
+        let mut k0 = 0usize;
+        while k0 < width {
+            sync_cube();
+            load_queries::<F>(x, g, i0, k0, &mut queries, KEY_CHUNK, key_stride);
+            load_keys::<F>(x, g, h, first, k0, &mut key_tile, KEY_CHUNK, key_stride);
+            sync_cube();
+            if warp < 4 {
+                product::<F>(
+                    &mut probs,
+                    score_row * TILE + score_col,
+                    &key_tile,
+                    score_row * key_stride,
+                    &queries,
+                    score_col * key_stride,
+                    k0 == 0,
+                    lane,
+                    comptime!(Strides {
+                        a: key_stride,
+                        b: key_stride,
+                        c: TILE,
+                    }),
+                    KEY_CHUNK,
+                    true,
+                    tensor_cores,
+                );
+            }
+            k0 += KEY_CHUNK;
+        }
+        sync_cube();
         #[unroll]
         for a in 0..2usize {
             #[unroll]
             for b in 0..2usize {
                 let (n, i) = (first + y + a * SIDE, i0 + z + b * SIDE);
-                let s = score::<F>(x, g, i, n, dots[2 * a + b]);
+                let at = (y + a * SIDE) * TILE + z + b * SIDE;
+                let s = score::<F>(x, g, i, n, probs[at]);
                 let mut p = F::new(0.0);
                 if s > F::new(NEG) {
                     p = (s - lse[g * lse.stride(0) + i * lse.stride(1)]).exp();
                 }
-                probs[(y + a * SIDE) * TILE + z + b * SIDE] = p;
+                probs[at] = p;
             }
         }
         #[unroll]
         for k in 0..comptime!(per_unit / PER_CHUNK) {
             sync_cube();
-            load_grads::<F>(grad, g, i0, c0 + k * CHUNK, &mut grads, CHUNK);
+            load_grads::<F>(grad, g, i0, c0 + k * CHUNK, &mut grads, CHUNK, grad_stride);
             sync_cube();
-            accumulate::<F>(
-                &mut acc,
+            product::<F>(
+                &mut weighed,
+                grad_row * grad_stride + grad_col,
                 &probs,
+                grad_row * TILE,
                 &grads,
-                y,
-                z,
-                k * PER_CHUNK,
-                per_unit,
-                PER_CHUNK,
-                comptime!(CHUNK + 1),
-                CHUNK,
+                grad_col,
+                true,
+                lane,
+                comptime!(Strides {
+                    a: TILE,
+                    b: grad_stride,
+                    c: grad_stride,
+                }),
+                TILE,
+                false,
+                tensor_cores,
             );
+            sync_cube();
+            #[unroll]
+            for a in 0..2usize {
+                #[unroll]
+                for j in 0..PER_CHUNK {
+                    acc[a * per_unit + k * PER_CHUNK + j] +=
+                        weighed[(y + a * SIDE) * grad_stride + z + j * SIDE];
+                }
+            }
         }
         i0 += TILE;
     }
@@ -1052,6 +1081,7 @@ pub(super) fn forward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTens
         lse.clone().into_tensor_arg(),
         dk,
         per_unit,
+        tensor_cores(&x.q.client, dtype),
         dtype.into(),
     );
     (out, lse)
@@ -1092,6 +1122,7 @@ pub(super) fn backward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTen
         dweight.clone().into_tensor_arg(),
         ds.clone().into_tensor_arg(),
         dk,
+        tensor_cores(&client, dtype),
         dtype.into(),
     );
     let per_unit = per_unit(dv);
@@ -1107,6 +1138,7 @@ pub(super) fn backward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTen
         dmeans.clone().into_tensor_arg(),
         dk,
         per_unit,
+        tensor_cores(&client, dtype),
         dtype.into(),
     );
     // dk and dk_prev: ds^T q, [G, 2L, L] x [G, L, K] = [G, 2L, K].

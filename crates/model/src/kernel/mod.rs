@@ -28,6 +28,7 @@ mod join;
 mod launch;
 mod norm;
 pub mod quantizer;
+mod tile;
 mod totals;
 
 use std::cell::Cell;
@@ -46,13 +47,14 @@ use crate::norm::rms_normalize;
 /// The sources of tvq's cubecl kernels (every file of this folder with
 /// a `cube` attribute; a test keeps the list whole), hashed into
 /// [`SOURCE_HASH`].
-const SOURCES: [(&str, &[u8]); 7] = [
+const SOURCES: [(&str, &[u8]); 8] = [
     ("adamw.rs", include_bytes!("adamw.rs")),
     ("attention.rs", include_bytes!("attention.rs")),
     ("join.rs", include_bytes!("join.rs")),
     ("launch.rs", include_bytes!("launch.rs")),
     ("norm.rs", include_bytes!("norm.rs")),
     ("quantizer.rs", include_bytes!("quantizer.rs")),
+    ("tile.rs", include_bytes!("tile.rs")),
     ("totals.rs", include_bytes!("totals.rs")),
 ];
 
