@@ -77,8 +77,8 @@ const CHUNK: usize = 64;
 /// at a time in `backward_query`, whose whole key tile leaves less room.
 const ROW_CHUNK: usize = 16;
 
-/// What rows of the tiles that `attend` multiplies on warps' tile products
-/// hold past their width: 4 floats, so that the tensor cores' rows start
+/// What rows of the tiles multiplied by warps' tile products hold past
+/// their width: 4 floats, so that the tensor cores' rows start
 /// 16 bytes apart and their fragments at 32-byte boundaries (`tile.rs`).
 const PAD: usize = 4;
 
@@ -437,6 +437,126 @@ fn row_sums<F: Float>(
     totals
 }
 
+/// `q . key` of queries `i0..i0 + TILE` and keys `n0..n0 + TILE` of block
+/// row `g` into `probs` (`TILE x TILE`; queries on its rows, or keys where
+/// `by_key`), through `queries` and `key_tile` (`TILE x (KEY_CHUNK +
+/// PAD)` each) `KEY_CHUNK` channels at a time: warp `w < 4` takes the
+/// `16 x 16` tile `(w / 2, w % 2)`. Every unit of the cube calls it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn score_tile<F: Float>(
+    x: &Operands<F>,
+    g: usize,
+    h: usize,
+    i0: usize,
+    n0: usize,
+    queries: &mut SharedMemory<F>,
+    key_tile: &mut SharedMemory<F>,
+    probs: &mut SharedMemory<F>,
+    #[comptime] width: usize,
+    #[comptime] by_key: bool,
+    #[comptime] tensor_cores: bool,
+) {
+    let stride = comptime!(KEY_CHUNK + PAD);
+    let (warp, lane) = (UNIT_POS as usize / WARP, UNIT_POS as usize % WARP);
+    let (row, col) = (warp / 2 * SIDE, warp % 2 * SIDE);
+    let mut k0 = 0usize;
+    while k0 < width {
+        sync_cube();
+        load_queries::<F>(x, g, i0, k0, queries, KEY_CHUNK, stride);
+        load_keys::<F>(x, g, h, n0, k0, key_tile, KEY_CHUNK, stride);
+        sync_cube();
+        if warp < 4 {
+            let strides = comptime!(Strides {
+                a: stride,
+                b: stride,
+                c: TILE,
+            });
+            if comptime!(by_key) {
+                product::<F>(
+                    probs,
+                    row * TILE + col,
+                    key_tile,
+                    row * stride,
+                    queries,
+                    col * stride,
+                    k0 == 0,
+                    lane,
+                    strides,
+                    KEY_CHUNK,
+                    true,
+                    tensor_cores,
+                );
+            } else {
+                product::<F>(
+                    probs,
+                    row * TILE + col,
+                    queries,
+                    row * stride,
+                    key_tile,
+                    col * stride,
+                    k0 == 0,
+                    lane,
+                    strides,
+                    KEY_CHUNK,
+                    true,
+                    tensor_cores,
+                );
+            }
+        }
+        k0 += KEY_CHUNK;
+    }
+    sync_cube();
+}
+
+/// Adds chunk `k` of `probs rows` (`TILE x TILE` by `TILE x CHUNK`, rows
+/// `CHUNK + PAD` apart) to the unit's accumulators: unit `(y, z)` takes
+/// rows `y`, `y + SIDE` and the chunk's channels `z + j SIDE`. Warp `w`
+/// computes the `16 x 16` tile `(w / 4, w % 4)` of the product into
+/// `weighed`. Every unit of the cube calls it, after `rows` is loaded.
+#[cube]
+fn weigh_chunk<F: Float>(
+    probs: &SharedMemory<F>,
+    rows: &SharedMemory<F>,
+    weighed: &mut SharedMemory<F>,
+    acc: &mut Array<F>,
+    #[comptime] k: usize,
+    #[comptime] per_unit: usize,
+    #[comptime] tensor_cores: bool,
+) {
+    let stride = comptime!(CHUNK + PAD);
+    let (warp, lane) = (UNIT_POS as usize / WARP, UNIT_POS as usize % WARP);
+    let (row, col) = (warp / 4 * SIDE, warp % 4 * SIDE);
+    product::<F>(
+        weighed,
+        row * stride + col,
+        probs,
+        row * TILE,
+        rows,
+        col,
+        true,
+        lane,
+        comptime!(Strides {
+            a: TILE,
+            b: stride,
+            c: stride,
+        }),
+        TILE,
+        false,
+        tensor_cores,
+    );
+    sync_cube();
+    let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
+    #[unroll]
+    for a in 0..2usize {
+        #[unroll]
+        for j in 0..PER_CHUNK {
+            acc[a * per_unit + k * PER_CHUNK + j] +=
+                weighed[(y + a * SIDE) * stride + z + j * SIDE];
+        }
+    }
+}
+
 /// The channel of unit `z`'s accumulator `j` within its slice: chunk
 /// `j / PER_CHUNK`, column `z + (j % PER_CHUNK) SIDE` of it.
 #[cube]
@@ -474,7 +594,6 @@ fn attend<F: Float>(
     let first = (CUBE_POS / slices % tiles) * TILE;
     let c0 = (CUBE_POS % slices) * comptime!(per_unit * SIDE);
     let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
-    let (warp, lane) = (UNIT_POS as usize / WARP, UNIT_POS as usize % WARP);
     let h = head::<F>(x, g);
     let key_stride = comptime!(KEY_CHUNK + PAD);
     let value_stride = comptime!(CHUNK + PAD);
@@ -483,9 +602,6 @@ fn attend<F: Float>(
     let mut probs = SharedMemory::<F>::new_aligned(TILE * TILE, ALIGN);
     let mut values = SharedMemory::<F>::new_aligned(TILE * value_stride, ALIGN);
     let mut weighed = SharedMemory::<F>::new_aligned(TILE * value_stride, ALIGN);
-    // Warp w's tile of a score tile (w < 4) and of a chunk's weighted values.
-    let (score_row, score_col) = (warp / 2 * SIDE, warp % 2 * SIDE);
-    let (value_row, value_col) = (warp / 4 * SIDE, warp % 4 * SIDE);
 
     // Each of the unit's rows' running maximum and sum of exponents (every
     // unit of the row keeps the same), and its channels of the weighted
@@ -499,36 +615,19 @@ fn attend<F: Float>(
     let mut acc = zeros::<F>(comptime!(2 * per_unit));
     let mut n0 = 0;
     while n0 < keys {
-        // q . key into `probs`, KEY_CHUNK channels at a time.
-        let mut k0 = 0usize;
-        while k0 < width {
-            sync_cube();
-            load_queries::<F>(x, g, first, k0, &mut queries, KEY_CHUNK, key_stride);
-            load_keys::<F>(x, g, h, n0, k0, &mut key_tile, KEY_CHUNK, key_stride);
-            sync_cube();
-            if warp < 4 {
-                product::<F>(
-                    &mut probs,
-                    score_row * TILE + score_col,
-                    &queries,
-                    score_row * key_stride,
-                    &key_tile,
-                    score_col * key_stride,
-                    k0 == 0,
-                    lane,
-                    comptime!(Strides {
-                        a: key_stride,
-                        b: key_stride,
-                        c: TILE,
-                    }),
-                    KEY_CHUNK,
-                    true,
-                    tensor_cores,
-                );
-            }
-            k0 += KEY_CHUNK;
-        }
-        sync_cube();
+        score_tile::<F>(
+            x,
+            g,
+            h,
+            first,
+            n0,
+            &mut queries,
+            &mut key_tile,
+            &mut probs,
+            width,
+            false,
+            tensor_cores,
+        );
         let mut s = zeros::<F>(4usize);
         #[unroll]
         for a in 0..2usize {
@@ -586,33 +685,15 @@ fn attend<F: Float>(
             sync_cube();
             load_values::<F>(x, g, n0, c0 + k * CHUNK, &mut values, CHUNK, value_stride);
             sync_cube();
-            product::<F>(
-                &mut weighed,
-                value_row * value_stride + value_col,
+            weigh_chunk::<F>(
                 &probs,
-                value_row * TILE,
                 &values,
-                value_col,
-                true,
-                lane,
-                comptime!(Strides {
-                    a: TILE,
-                    b: value_stride,
-                    c: value_stride,
-                }),
-                TILE,
-                false,
+                &mut weighed,
+                &mut acc,
+                k,
+                per_unit,
                 tensor_cores,
             );
-            sync_cube();
-            #[unroll]
-            for a in 0..2usize {
-                #[unroll]
-                for j in 0..PER_CHUNK {
-                    acc[a * per_unit + k * PER_CHUNK + j] +=
-                        weighed[(y + a * SIDE) * value_stride + z + j * SIDE];
-                }
-            }
         }
         n0 += TILE;
     }
@@ -860,7 +941,6 @@ fn backward_values<F: Float>(
     let first = (CUBE_POS / slices % tiles) * TILE;
     let c0 = (CUBE_POS % slices) * comptime!(per_unit * SIDE);
     let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
-    let (warp, lane) = (UNIT_POS as usize / WARP, UNIT_POS as usize % WARP);
     let h = head::<F>(x, g);
     let key_stride = comptime!(KEY_CHUNK + PAD);
     let grad_stride = comptime!(CHUNK + PAD);
@@ -869,41 +949,22 @@ fn backward_values<F: Float>(
     let mut grads = SharedMemory::<F>::new_aligned(TILE * grad_stride, ALIGN);
     let mut probs = SharedMemory::<F>::new_aligned(TILE * TILE, ALIGN);
     let mut weighed = SharedMemory::<F>::new_aligned(TILE * grad_stride, ALIGN);
-    let (score_row, score_col) = (warp / 2 * SIDE, warp % 2 * SIDE);
-    let (grad_row, grad_col) = (warp / 4 * SIDE, warp % 4 * SIDE);
     let mut acc = zeros::<F>(comptime!(2 * per_unit));
     let mut i0 = 0;
     while i0 < l {
-        // key . q into `probs` (keys on its rows), KEY_CHUNK channels at a time.
-        let mut k0 = 0usize;
-        while k0 < width {
-            sync_cube();
-            load_queries::<F>(x, g, i0, k0, &mut queries, KEY_CHUNK, key_stride);
-            load_keys::<F>(x, g, h, first, k0, &mut key_tile, KEY_CHUNK, key_stride);
-            sync_cube();
-            if warp < 4 {
-                product::<F>(
-                    &mut probs,
-                    score_row * TILE + score_col,
-                    &key_tile,
-                    score_row * key_stride,
-                    &queries,
-                    score_col * key_stride,
-                    k0 == 0,
-                    lane,
-                    comptime!(Strides {
-                        a: key_stride,
-                        b: key_stride,
-                        c: TILE,
-                    }),
-                    KEY_CHUNK,
-                    true,
-                    tensor_cores,
-                );
-            }
-            k0 += KEY_CHUNK;
-        }
-        sync_cube();
+        score_tile::<F>(
+            x,
+            g,
+            h,
+            i0,
+            first,
+            &mut queries,
+            &mut key_tile,
+            &mut probs,
+            width,
+            true,
+            tensor_cores,
+        );
         #[unroll]
         for a in 0..2usize {
             #[unroll]
@@ -923,33 +984,15 @@ fn backward_values<F: Float>(
             sync_cube();
             load_grads::<F>(grad, g, i0, c0 + k * CHUNK, &mut grads, CHUNK, grad_stride);
             sync_cube();
-            product::<F>(
-                &mut weighed,
-                grad_row * grad_stride + grad_col,
+            weigh_chunk::<F>(
                 &probs,
-                grad_row * TILE,
                 &grads,
-                grad_col,
-                true,
-                lane,
-                comptime!(Strides {
-                    a: TILE,
-                    b: grad_stride,
-                    c: grad_stride,
-                }),
-                TILE,
-                false,
+                &mut weighed,
+                &mut acc,
+                k,
+                per_unit,
                 tensor_cores,
             );
-            sync_cube();
-            #[unroll]
-            for a in 0..2usize {
-                #[unroll]
-                for j in 0..PER_CHUNK {
-                    acc[a * per_unit + k * PER_CHUNK + j] +=
-                        weighed[(y + a * SIDE) * grad_stride + z + j * SIDE];
-                }
-            }
         }
         i0 += TILE;
     }
