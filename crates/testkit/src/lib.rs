@@ -10,7 +10,7 @@
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::process::Child;
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use tvq_model::TransformerVqConfig;
@@ -119,6 +119,40 @@ pub fn wait_for(child: &mut Child, what: &str, done: impl Fn() -> bool) {
 /// that checkout's files, or fail where it no longer exists.
 pub fn crate_dir() -> PathBuf {
     PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("tests run by cargo"))
+}
+
+/// The Python that imports every one of `modules`, as an absolute path (so
+/// that a child given another PATH still finds it, and its directory can
+/// lead that PATH): `TVQ_PYTHON`, else the `python3` of the PATH (an
+/// activated virtual or conda environment's). `None`, after a SKIPPED
+/// line, where it lacks one; a failure instead under `TVQ_REQUIRE_TORCH`
+/// (CI installs PyTorch and sets it, so there these tests run for real).
+pub fn python_with(test: &str, modules: &[&str]) -> Option<PathBuf> {
+    let python = std::env::var_os("TVQ_PYTHON").map_or("python3".into(), PathBuf::from);
+    let executable = Command::new(&python)
+        .args([
+            "-c",
+            &format!("import sys, {}; print(sys.executable)", modules.join(", ")),
+        ])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()));
+    if let Some(executable) = executable.filter(|e| e.is_absolute()) {
+        return Some(executable);
+    }
+    let why = format!(
+        "{} lacks one of {modules:?} (pip install {})",
+        python.display(),
+        modules.join(" ")
+    );
+    assert!(
+        std::env::var_os("TVQ_REQUIRE_TORCH").is_none(),
+        "{test}: {why}, and TVQ_REQUIRE_TORCH is set"
+    );
+    // Straight to stderr: the harness hides a passing test's eprintln!.
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+    None
 }
 
 /// The system allocator, counting the bytes held now and the most held: a

@@ -3,12 +3,11 @@
 //! bundle's `run.sh --device cpu --small` from a directory with no Rust on
 //! the PATH.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use super::{TVQ, parse_json_lines, repo, succeeds, tiny_config, tvq};
-use tvq_testkit::Gpu;
+use tvq_testkit::{Gpu, python_with};
 
 /// `tvq check --json` on `device`, with `TVQ_FAULT` set to `fault` if given.
 fn check(device: &str, fault: Option<&str>) -> (Output, Option<serde_json::Value>) {
@@ -117,42 +116,9 @@ fn tvq_check_on_the_cpu_is_a_trivial_pass() {
     assert!(text.contains("f32 matrix products"), "{text}");
 }
 
-/// The Python with PyTorch the tests use, as an absolute path (so that a
-/// child given another PATH still finds it, and its directory can lead
-/// that PATH): `TVQ_PYTHON`, else the `python3` of the PATH (an activated
-/// virtual or conda environment's); `None` (after a SKIPPED line, or a
-/// failure under `TVQ_REQUIRE_TORCH`) where it has no torch.
+/// The Python with PyTorch the tests use ([`python_with`]).
 fn python_with_torch(test: &str) -> Option<PathBuf> {
     python_with(test, &["torch"])
-}
-
-/// [`python_with_torch`] for a Python that imports every one of `modules`.
-pub(super) fn python_with(test: &str, modules: &[&str]) -> Option<PathBuf> {
-    let python = std::env::var_os("TVQ_PYTHON").map_or("python3".into(), PathBuf::from);
-    let executable = Command::new(&python)
-        .args([
-            "-c",
-            &format!("import sys, {}; print(sys.executable)", modules.join(", ")),
-        ])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()));
-    if let Some(executable) = executable.filter(|e| e.is_absolute()) {
-        return Some(executable);
-    }
-    let why = format!(
-        "{} lacks one of {modules:?} (pip install {})",
-        python.display(),
-        modules.join(" ")
-    );
-    assert!(
-        std::env::var_os("TVQ_REQUIRE_TORCH").is_none(),
-        "{test}: {why}, and TVQ_REQUIRE_TORCH is set"
-    );
-    // Straight to stderr: the harness hides a passing test's eprintln!.
-    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
-    None
 }
 
 /// `scripts/torch_reference.py`, written from docs/architecture.md, scores

@@ -13,8 +13,8 @@ use tvq_train::inference::load::load_for_inference;
 use tvq_train::placement::B;
 use tvq_train::placement::device::DeviceSpec;
 
-use super::gpu_node::python_with;
 use super::{fails, ok, repo, succeeds, tensors_of, tiny_config};
+use tvq_testkit::python_with;
 
 /// tvq's input ids (the end-of-document token, then the corpus's first
 /// bytes) and logits `[T, vocab]` of the export `weights`, `T = blocks L`.

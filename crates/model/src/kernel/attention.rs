@@ -1213,3 +1213,184 @@ pub(super) fn backward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTen
         count_weight: dweight,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::process::Command;
+
+    use burn::backend::wgpu::{WgpuDevice, WgpuRuntime};
+    use cubecl::cuda::CudaCompiler;
+    use cubecl::prelude::*;
+    use cubecl::{Compiler, Runtime};
+    use tvq_testkit::{Gpu, crate_dir, python_with};
+
+    use super::*;
+
+    /// `kernel` as the CUDA C++ that cubecl's CUDA runtime hands NVRTC on a
+    /// device of compute capability 9.0 (launched checked, as `launch`
+    /// does). The kernel is defined through a client of another runtime:
+    /// its definition reads only the comptime arguments given here.
+    fn cuda_source<K: CubeKernel>(kernel: K) -> String {
+        let mut options = <CudaCompiler as Compiler>::CompilationOptions::default();
+        let features = &mut options.supports_features;
+        (features.grid_constants, features.clusters) = (true, true);
+        (features.elect_sync, features.fast_math) = (true, true);
+        let address = kernel.address_type();
+        CudaCompiler::default()
+            .compile(kernel.define(), &options, ExecutionMode::Checked, address)
+            .expect("cubecl compiles the kernel to CUDA C++")
+            .to_string()
+    }
+
+    /// What a kernel compiled from these tensors sees of [`Operands`].
+    fn operands<F: Float>() -> OperandsCompilationArg<F> {
+        let tensor = || TensorCompilationArg { inplace: None };
+        OperandsCompilationArg {
+            q: tensor(),
+            k: tensor(),
+            v: tensor(),
+            k_carried: tensor(),
+            v_carried: tensor(),
+            bias: tensor(),
+            codebook: tensor(),
+            log_counts: tensor(),
+            shift: tensor(),
+            count_weight: tensor(),
+            means: tensor(),
+            mask_first: (),
+            shifted: (),
+            weighted: (),
+        }
+    }
+
+    /// The three kernels that multiply tiles, for keys `width` wide and
+    /// `dv` value channels, on the tensor cores or the units.
+    fn sources(
+        client: &ComputeClient<WgpuRuntime>,
+        width: usize,
+        dv: usize,
+        tensor_cores: bool,
+    ) -> Vec<(&'static str, String)> {
+        let tensor = || TensorCompilationArg { inplace: None };
+        let settings = || {
+            KernelSettings::default()
+                .cube_dim(tile_dim())
+                .address_type(AddressType::U32)
+        };
+        let dtype = f32::as_type_native_unchecked().storage_type();
+        let per_unit = per_unit(dv);
+        vec![
+            (
+                "attend",
+                cuda_source(attend::Attend::<WgpuRuntime>::new(
+                    settings(),
+                    client.clone(),
+                    operands(),
+                    tensor(),
+                    tensor(),
+                    width,
+                    per_unit,
+                    tensor_cores,
+                    dtype,
+                )),
+            ),
+            (
+                "backward_query",
+                cuda_source(backward_query::BackwardQuery::<WgpuRuntime>::new(
+                    settings(),
+                    client.clone(),
+                    operands(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    width,
+                    tensor_cores,
+                    dtype,
+                )),
+            ),
+            (
+                "backward_values",
+                cuda_source(backward_values::BackwardValues::<WgpuRuntime>::new(
+                    settings(),
+                    client.clone(),
+                    operands(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    tensor(),
+                    width,
+                    per_unit,
+                    tensor_cores,
+                    dtype,
+                )),
+            ),
+        ]
+    }
+
+    /// The kernels compile for an H100 (`sm_90a`) with NVRTC, as cubecl's
+    /// CUDA runtime compiles them, at the test model's and enwik8's widths,
+    /// in both forms: lavapipe runs only the units' form, so without this
+    /// nothing compiled the tensor cores' `wmma` calls before a GPU did.
+    /// NVRTC and CUDA's headers come with PyTorch's CUDA wheels; no GPU is
+    /// needed. Prints what ptxas says of each (`--nocapture`; fields in
+    /// `scripts/nvrtc_check.py`).
+    #[test]
+    fn the_kernels_compile_for_an_h100() {
+        let test = "the_kernels_compile_for_an_h100";
+        let Some(python) = python_with(test, &["cuda.bindings.nvrtc", "nvidia.cu13", "triton"])
+        else {
+            return;
+        };
+        let up = std::panic::catch_unwind(|| WgpuRuntime::client(&WgpuDevice::DefaultDevice));
+        let Ok(client) = up else {
+            Gpu::Wgpu.missing(test, "no wgpu adapter answered");
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let mut files = Vec::new();
+        for (width, dv) in [(64, 512), (128, 1536)] {
+            for tensor_cores in [true, false] {
+                for (kernel, source) in sources(&client, width, dv, tensor_cores) {
+                    // The form asked for is the form written.
+                    assert_eq!(source.contains("wmma::"), tensor_cores, "{kernel}");
+                    let form = if tensor_cores {
+                        "tensor-cores"
+                    } else {
+                        "units"
+                    };
+                    let file = dir
+                        .path()
+                        .join(format!("{kernel}-k{width}-v{dv}-{form}.cu"));
+                    std::fs::write(&file, source).unwrap();
+                    files.push(file);
+                }
+            }
+        }
+        let script = crate_dir().join("../../scripts/nvrtc_check.py");
+        let out = Command::new(python)
+            .arg(script)
+            .args(&files)
+            .output()
+            .unwrap();
+        let report = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{report}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let compiled: Vec<serde_json::Value> = report
+            .lines()
+            .map(|line| serde_json::from_str(line).unwrap())
+            .collect();
+        assert_eq!(compiled.len(), files.len(), "{report}");
+        for figures in &compiled {
+            assert!(figures["registers"].as_u64().unwrap() > 0, "{figures}");
+            println!("{figures}");
+        }
+    }
+}
