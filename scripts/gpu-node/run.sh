@@ -8,7 +8,7 @@
 # Options: --device cuda|cpu (default cuda), --small (small sizes),
 # --out DIR (default ./results), --layers N (layers of the enwik8-width
 # model, default 4), --parts LIST (comma separated, default all, in the
-# order they run: first-light,kernels,kernels-units,train-fused,train,torch,profile,
+# order they run: first-light,kernels,kernels-units,kernels-slice256,train-fused,train,torch,profile,
 # profile-composed,profile-toeplitz,train-long,torch-long,cold-start,products,products-torch,
 # check,generate,quickstart), --build default|unfused (the build the parts time; default:
 # the unfused one where the bundle has it, as it starts at once, while the
@@ -31,7 +31,7 @@
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 device=cuda small=0 out="$here/results" layers=4 pack="" budget="" build=""
-parts=first-light,kernels,kernels-units,train-fused,train,torch,profile,profile-composed,profile-toeplitz
+parts=first-light,kernels,kernels-units,kernels-slice256,train-fused,train,torch,profile,profile-composed,profile-toeplitz
 parts+=,train-long,torch-long,cold-start
 parts+=,products,products-torch,check,generate,quickstart
 while [ $# -gt 0 ]; do
@@ -201,6 +201,11 @@ if [ "$device" = cuda ]; then
   # cores (TVQ_TENSOR_CORES=0): what the tensor cores buy, in the same run.
   part kernels-units "$limit_kernels" env TVQ_TENSOR_CORES=0 "$tvq" bench kernels --device cuda \
     --json --batch 1 --precision f32 --steps 2 "${bench_set[@]}" --seq-len "$first_len"
+  # ... and in slices of 256 value channels (TVQ_ATTENTION_SLICE): scores
+  # computed twice as often at enwik8's width, in cubes of fewer registers,
+  # so twice as many resident (docs/nvrtc-kernels-h100.jsonl).
+  part kernels-slice256 "$limit_kernels" env TVQ_ATTENTION_SLICE=256 "$tvq" bench kernels \
+    --device cuda --json --batch 1 --precision f32 --steps 2 "${bench_set[@]}" --seq-len "$first_len"
 fi
 
 # 2. tvq's training step (forward, backward, clipping, AdamW, EMA), one row

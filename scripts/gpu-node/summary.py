@@ -66,7 +66,8 @@ def table(path):
         elif form == "kernels":
             # The model's forward and backward passes, fused and composed:
             # passes only, so not a step, and no ratio to PyTorch's steps.
-            units = ", tile products on the units" if r.get("part") == "kernels-units" else ""
+            units = {"kernels-units": ", tile products on the units",
+                     "kernels-slice256": ", slices of 256 value channels"}.get(r.get("part"), "")
             out.append(f"| passes, fused kernels{units} (attention in {r['fused_sublayers']}, quantizer in "
                        f"{r.get('fused_quantizers', 0)} of {r['sublayers']} sublayers; "
                        f"loss diff {r['loss_diff']:.1e}) | {r['seq_len']:,} | {r.get('precision')} | "

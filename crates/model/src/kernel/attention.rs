@@ -86,7 +86,7 @@ const PAD: usize = 4;
 const PER_CHUNK: usize = CHUNK / SIDE;
 
 /// The most value channels one cube weighs (a unit keeps `2 MAX_SLICE /
-/// SIDE` accumulators).
+/// SIDE` accumulators), unless `TVQ_ATTENTION_SLICE` says otherwise.
 const MAX_SLICE: usize = 512;
 
 /// Widest key a tile holds: `backward_query` keeps a whole key tile, `TILE
@@ -1097,11 +1097,24 @@ fn operands<F: Float, R: CubeRuntime>(
     )
 }
 
+/// The most value channels one cube weighs: `TVQ_ATTENTION_SLICE` where it
+/// is 128 or 256, the switch that times the trade between recomputing
+/// each tile's scores once per slice and the registers (so the cubes a
+/// multiprocessor keeps) that a wider slice's accumulators take; else
+/// `MAX_SLICE`.
+fn max_slice() -> usize {
+    match std::env::var("TVQ_ATTENTION_SLICE").as_deref() {
+        Ok("128") => 128,
+        Ok("256") => 256,
+        _ => MAX_SLICE,
+    }
+}
+
 /// A unit's accumulators where values of width `dv` are weighed: a whole
-/// number of chunks, over as few slices of at most `MAX_SLICE` channels
+/// number of chunks, over as few slices of at most `max_slice` channels
 /// as cover `dv`.
-fn per_unit(dv: usize) -> usize {
-    let slices = dv.div_ceil(MAX_SLICE).max(1);
+fn per_unit(dv: usize, max_slice: usize) -> usize {
+    let slices = dv.div_ceil(max_slice).max(1);
     dv.div_ceil(slices * CHUNK).max(1) * PER_CHUNK
 }
 
@@ -1113,7 +1126,7 @@ pub(super) fn forward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTens
     let dtype = x.q.dtype;
     let out = empty_like(&x.q, vec![g, l, dv], dtype);
     let lse = empty_like(&x.q, vec![g, l], dtype);
-    let per_unit = per_unit(dv);
+    let per_unit = per_unit(dv, max_slice());
     let slices = dv.div_ceil(per_unit * SIDE);
     attend::launch::<R>(
         &x.q.client,
@@ -1168,7 +1181,7 @@ pub(super) fn backward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTen
         tensor_cores(&client, dtype),
         dtype.into(),
     );
-    let per_unit = per_unit(dv);
+    let per_unit = per_unit(dv, max_slice());
     backward_values::launch::<R>(
         &client,
         cubes(g * (2 * l + s).div_ceil(TILE) * dv.div_ceil(per_unit * SIDE)),
@@ -1264,11 +1277,11 @@ mod tests {
     }
 
     /// The three kernels that multiply tiles, for keys `width` wide and
-    /// `dv` value channels, on the tensor cores or the units.
+    /// `per_unit` accumulators a row, on the tensor cores or the units.
     fn sources(
         client: &ComputeClient<WgpuRuntime>,
         width: usize,
-        dv: usize,
+        per_unit: usize,
         tensor_cores: bool,
     ) -> Vec<(&'static str, String)> {
         let tensor = || TensorCompilationArg { inplace: None };
@@ -1278,7 +1291,6 @@ mod tests {
                 .address_type(AddressType::U32)
         };
         let dtype = f32::as_type_native_unchecked().storage_type();
-        let per_unit = per_unit(dv);
         vec![
             (
                 "attend",
@@ -1333,9 +1345,10 @@ mod tests {
     }
 
     /// The kernels compile for an H100 (`sm_90a`) with NVRTC, as cubecl's
-    /// CUDA runtime compiles them, at the test model's and enwik8's widths,
-    /// in both forms: lavapipe runs only the units' form, so without this
-    /// nothing compiled the tensor cores' `wmma` calls before a GPU did.
+    /// CUDA runtime compiles them, at the test model's and enwik8's widths
+    /// (and enwik8's in slices of 256 value channels), in both forms:
+    /// lavapipe runs only the units' form, so without this nothing
+    /// compiled the tensor cores' `wmma` calls before a GPU did.
     /// NVRTC and CUDA's headers come with PyTorch's CUDA wheels; no GPU is
     /// needed. Prints what ptxas says of each (`--nocapture`; fields in
     /// `scripts/nvrtc_check.py`).
@@ -1353,9 +1366,14 @@ mod tests {
         };
         let dir = tempfile::tempdir().unwrap();
         let mut files = Vec::new();
-        for (width, dv) in [(64, 512), (128, 1536)] {
+        for (width, dv, slice) in [
+            (64, 512, MAX_SLICE),
+            (128, 1536, MAX_SLICE),
+            (128, 1536, 256),
+        ] {
             for tensor_cores in [true, false] {
-                for (kernel, source) in sources(&client, width, dv, tensor_cores) {
+                let per_unit = per_unit(dv, slice);
+                for (kernel, source) in sources(&client, width, per_unit, tensor_cores) {
                     // The form asked for is the form written.
                     assert_eq!(source.contains("wmma::"), tensor_cores, "{kernel}");
                     let form = if tensor_cores {
@@ -1365,7 +1383,7 @@ mod tests {
                     };
                     let file = dir
                         .path()
-                        .join(format!("{kernel}-k{width}-v{dv}-{form}.cu"));
+                        .join(format!("{kernel}-k{width}-v{dv}-s{slice}-{form}.cu"));
                     std::fs::write(&file, source).unwrap();
                     files.push(file);
                 }
