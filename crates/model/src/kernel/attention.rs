@@ -53,7 +53,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 use super::launch::{cubes, empty_like, parts, zeros};
-use super::tile::{ALIGN, Strides, WARP, product, tensor_cores};
+use super::tile::{ALIGN, Strides, Sums, WARP, product, tensor_cores};
 use super::{AttentionKernelGrads, AttentionKernelInput};
 
 /// Units along each side of a cube: a cube is `SIDE x SIDE` units.
@@ -912,9 +912,11 @@ fn backward_query<F: Float>(
 /// A key tile's value gradients (`dv`, `dv_prev` or the cache means') in
 /// one slice of `per_unit SIDE` channels, `p^T dO`: a cube per `(g, key
 /// tile, slice)`. The products are warps' tile products, as in `attend`,
-/// with keys on the rows and queries on the columns; unit `(y, z)` then
-/// takes keys `y`, `y + SIDE` of the tile and queries `z`, `z + SIDE` of
-/// each query tile, and channels `z + j SIDE` of the gradients.
+/// the scores with keys on the rows and queries on the columns; unit `(y,
+/// z)` takes keys `y`, `y + SIDE` of the tile and queries `z`, `z + SIDE`
+/// of each query tile for the probabilities. Each warp keeps its tiles of
+/// the gradients in registers over all query tiles (`Sums`), and they
+/// reach device memory once, through shared memory.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn backward_values<F: Float>(
@@ -949,7 +951,11 @@ fn backward_values<F: Float>(
     let mut grads = SharedMemory::<F>::new_aligned(TILE * grad_stride, ALIGN);
     let mut probs = SharedMemory::<F>::new_aligned(TILE * TILE, ALIGN);
     let mut weighed = SharedMemory::<F>::new_aligned(TILE * grad_stride, ALIGN);
-    let mut acc = zeros::<F>(comptime!(2 * per_unit));
+    // Warp w's running sums: tile (w / 4, w % 4) of each chunk of channels.
+    let chunks = comptime!(per_unit / PER_CHUNK);
+    let (warp, lane) = (UNIT_POS as usize / WARP, UNIT_POS as usize % WARP);
+    let (row, col) = (warp / 4 * SIDE, warp % 4 * SIDE);
+    let mut sums = Sums::<F>::new(chunks, tensor_cores);
     let mut i0 = 0;
     while i0 < l {
         score_tile::<F>(
@@ -980,39 +986,61 @@ fn backward_values<F: Float>(
             }
         }
         #[unroll]
-        for k in 0..comptime!(per_unit / PER_CHUNK) {
+        for k in 0..chunks {
             sync_cube();
             load_grads::<F>(grad, g, i0, c0 + k * CHUNK, &mut grads, CHUNK, grad_stride);
             sync_cube();
-            weigh_chunk::<F>(
-                &probs,
-                &grads,
-                &mut weighed,
-                &mut acc,
+            sums.add(
                 k,
-                per_unit,
+                &probs,
+                row * TILE,
+                &grads,
+                col,
+                lane,
+                comptime!(Strides {
+                    a: TILE,
+                    b: grad_stride,
+                    c: 0,
+                }),
+                TILE,
+                false,
                 tensor_cores,
             );
         }
         i0 += TILE;
     }
+    // Each chunk's sums through `weighed` to the units that write them.
     #[unroll]
-    for a in 0..2usize {
-        let n = first + y + a * SIDE;
-        for j in 0..per_unit {
-            let c = c0 + channel(z, j);
-            let v = acc[a * per_unit + j];
-            if c < channels {
-                if n < l {
-                    dv[g * dv.stride(0) + n * dv.stride(1) + c * dv.stride(2)] = v;
-                } else if n < 2 * l {
-                    dv_prev[g * dv_prev.stride(0)
-                        + (n - l) * dv_prev.stride(1)
-                        + c * dv_prev.stride(2)] = v;
-                } else if n < keys {
-                    dmeans[g * dmeans.stride(0)
-                        + (n - 2 * l) * dmeans.stride(1)
-                        + c * dmeans.stride(2)] = v;
+    for k in 0..chunks {
+        sync_cube();
+        sums.store(
+            k,
+            &mut weighed,
+            row * grad_stride + col,
+            lane,
+            grad_stride,
+            tensor_cores,
+        );
+        sync_cube();
+        #[unroll]
+        for a in 0..2usize {
+            let n = first + y + a * SIDE;
+            #[unroll]
+            for j in 0..PER_CHUNK {
+                let c = c0 + k * CHUNK + z + j * SIDE;
+                let v = weighed[(y + a * SIDE) * grad_stride + z + j * SIDE];
+                if c < channels {
+                    if n < l {
+                        dv[g * dv.stride(0) + n * dv.stride(1) + c * dv.stride(2)] = v;
+                    } else if n < 2 * l {
+                        dv_prev[g * dv_prev.stride(0)
+                            + (n - l) * dv_prev.stride(1)
+                            + c * dv_prev.stride(2)] = v;
+                    } else if n < keys {
+                        dmeans[g * dmeans.stride(0)
+                            + (n - 2 * l) * dmeans.stride(1)
+                            + c * dmeans.stride(2)] = v;
+                    }
                 }
             }
         }

@@ -54,13 +54,23 @@ pub fn product<F: Float>(
     #[comptime] by_rows: bool,
     #[comptime] tensor_cores: bool,
 ) {
-    if comptime!(tensor_cores) {
-        on_tensor_cores::<F>(c, c_at, a, a_at, b, b_at, fresh, strides, depth, by_rows);
-    } else {
-        on_units::<F>(
-            c, c_at, a, a_at, b, b_at, fresh, lane, strides, depth, by_rows,
-        );
+    let mut sums = Sums::<F>::new(1usize, tensor_cores);
+    if !fresh {
+        sums.load(0usize, c, c_at, lane, strides.c, tensor_cores);
     }
+    sums.add(
+        0usize,
+        a,
+        a_at,
+        b,
+        b_at,
+        lane,
+        comptime!(Strides { c: 0, ..strides }),
+        depth,
+        by_rows,
+        tensor_cores,
+    );
+    sums.store(0usize, c, c_at, lane, strides.c, tensor_cores);
 }
 
 /// The strides of a product's three tiles (elements between rows).
@@ -74,88 +84,162 @@ pub struct Strides {
     pub c: usize,
 }
 
-/// [`product`] by the warp's units: unit `lane` computes row `lane / 2`,
-/// columns `(lane % 2) PER_UNIT ..` of the tile.
+/// Running sums of `count` `16 x 16` tiles of products that a warp keeps in
+/// registers from one [`Sums::add`] to the next: a tensor-core fragment
+/// each (`f32`: [`tensor_cores`] says so), or in the units' form
+/// `PER_UNIT` entries a lane each, lane `l` holding row `l / 2`, columns
+/// `(l % 2) PER_UNIT ..` of every tile.
+#[derive(CubeType)]
+pub struct Sums<F: Float> {
+    fragments: Sequence<cmma::Matrix<F>>,
+    entries: Array<F>,
+}
+
 #[cube]
-#[allow(clippy::too_many_arguments)]
-fn on_units<F: Float>(
-    c: &mut SharedMemory<F>,
-    c_at: usize,
-    a: &SharedMemory<F>,
-    a_at: usize,
-    b: &SharedMemory<F>,
-    b_at: usize,
-    fresh: bool,
-    lane: usize,
-    #[comptime] strides: Strides,
-    #[comptime] depth: usize,
-    #[comptime] by_rows: bool,
-) {
-    let i = lane / 2;
-    let j0 = (lane % 2) * PER_UNIT;
-    let out = c_at + i * strides.c + j0;
-    let mut acc = Array::<F>::new(PER_UNIT);
-    #[unroll]
-    for j in 0..PER_UNIT {
-        acc[j] = F::new(0.0);
-        if !fresh {
-            acc[j] = c[out + j];
+impl<F: Float> Sums<F> {
+    /// `count` tiles of zeros.
+    pub fn new(#[comptime] count: usize, #[comptime] tensor_cores: bool) -> Sums<F> {
+        let mut fragments = Sequence::new();
+        let mut entries =
+            Array::<F>::new(comptime!(if tensor_cores { 1 } else { count * PER_UNIT }));
+        if comptime!(tensor_cores) {
+            #[unroll]
+            for _ in 0..count {
+                let tile = unsafe {
+                    cmma::Matrix::<F>::uninitialized(
+                        cmma::MatrixIdent::Accumulator,
+                        SIDE,
+                        SIDE,
+                        DEPTH,
+                        cmma::MatrixLayout::Undefined,
+                    )
+                };
+                cmma::fill(&tile, F::new(0.0));
+                fragments.push(tile);
+            }
+        } else {
+            #[unroll]
+            for e in 0..comptime!(count * PER_UNIT) {
+                entries[e] = F::new(0.0);
+            }
         }
+        Sums::<F> { fragments, entries }
     }
-    let row = a_at + i * strides.a;
-    for t in 0..depth {
-        let x = a[row + t];
-        #[unroll]
-        for j in 0..PER_UNIT {
-            if comptime!(by_rows) {
-                acc[j] += x * b[b_at + (j0 + j) * strides.b + t];
-            } else {
-                acc[j] += x * b[b_at + t * strides.b + j0 + j];
+
+    /// Tile `tile` `+= a b`, the operands as in [`product`] (`strides.c`
+    /// unused).
+    #[allow(clippy::too_many_arguments)]
+    pub fn add(
+        &mut self,
+        #[comptime] tile: usize,
+        a: &SharedMemory<F>,
+        a_at: usize,
+        b: &SharedMemory<F>,
+        b_at: usize,
+        lane: usize,
+        #[comptime] strides: Strides,
+        #[comptime] depth: usize,
+        #[comptime] by_rows: bool,
+        #[comptime] tensor_cores: bool,
+    ) {
+        if comptime!(tensor_cores) {
+            on_tensor_cores::<F>(
+                self.fragments.index(tile),
+                a,
+                a_at,
+                b,
+                b_at,
+                strides,
+                depth,
+                by_rows,
+            );
+        } else {
+            let i = lane / 2;
+            let j0 = (lane % 2) * PER_UNIT;
+            let row = a_at + i * strides.a;
+            for t in 0..depth {
+                let x = a[row + t];
+                #[unroll]
+                for j in 0..PER_UNIT {
+                    let at = comptime!(tile * PER_UNIT + j);
+                    if comptime!(by_rows) {
+                        self.entries[at] += x * b[b_at + (j0 + j) * strides.b + t];
+                    } else {
+                        self.entries[at] += x * b[b_at + t * strides.b + j0 + j];
+                    }
+                }
             }
         }
     }
-    #[unroll]
-    for j in 0..PER_UNIT {
-        c[out + j] = acc[j];
+
+    /// Tile `tile` from `c` at `c_at`, rows `stride` apart.
+    pub fn load(
+        &mut self,
+        #[comptime] tile: usize,
+        c: &SharedMemory<F>,
+        c_at: usize,
+        lane: usize,
+        #[comptime] stride: usize,
+        #[comptime] tensor_cores: bool,
+    ) {
+        if comptime!(tensor_cores) {
+            cmma::load_with_layout(
+                self.fragments.index(tile),
+                &c.slice(c_at, c.len()),
+                comptime!(stride as u32),
+                cmma::MatrixLayout::RowMajor,
+            );
+        } else {
+            let at = c_at + (lane / 2) * stride + (lane % 2) * PER_UNIT;
+            #[unroll]
+            for j in 0..PER_UNIT {
+                self.entries[comptime!(tile * PER_UNIT + j)] = c[at + j];
+            }
+        }
+    }
+
+    /// Tile `tile` into `c` at `c_at`, rows `stride` apart.
+    pub fn store(
+        &self,
+        #[comptime] tile: usize,
+        c: &mut SharedMemory<F>,
+        c_at: usize,
+        lane: usize,
+        #[comptime] stride: usize,
+        #[comptime] tensor_cores: bool,
+    ) {
+        if comptime!(tensor_cores) {
+            cmma::store(
+                &mut c.slice_mut(c_at, c.len()),
+                self.fragments.index(tile),
+                comptime!(stride as u32),
+                cmma::MatrixLayout::RowMajor,
+            );
+        } else {
+            let at = c_at + (lane / 2) * stride + (lane % 2) * PER_UNIT;
+            #[unroll]
+            for j in 0..PER_UNIT {
+                c[at + j] = self.entries[comptime!(tile * PER_UNIT + j)];
+            }
+        }
     }
 }
 
-/// [`product`] on the tensor cores: `depth / DEPTH` steps of `cmma` on
-/// `tf32` operands into an `f32` accumulator (`F` is `f32` here:
-/// [`tensor_cores`] says so).
+/// `acc += a b` on the tensor cores: `depth / DEPTH` steps of `cmma` on
+/// `tf32` operands into the `f32` accumulator, the operands as in
+/// [`product`].
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn on_tensor_cores<F: Float>(
-    c: &mut SharedMemory<F>,
-    c_at: usize,
+    acc: &cmma::Matrix<F>,
     a: &SharedMemory<F>,
     a_at: usize,
     b: &SharedMemory<F>,
     b_at: usize,
-    fresh: bool,
     #[comptime] strides: Strides,
     #[comptime] depth: usize,
     #[comptime] by_rows: bool,
 ) {
-    let acc = unsafe {
-        cmma::Matrix::<F>::uninitialized(
-            cmma::MatrixIdent::Accumulator,
-            SIDE,
-            SIDE,
-            DEPTH,
-            cmma::MatrixLayout::Undefined,
-        )
-    };
-    if fresh {
-        cmma::fill(&acc, F::new(0.0));
-    } else {
-        cmma::load_with_layout(
-            &acc,
-            &c.slice(c_at, c.len()),
-            comptime!(strides.c as u32),
-            cmma::MatrixLayout::RowMajor,
-        );
-    }
     let lhs = unsafe {
         cmma::Matrix::<tf32>::uninitialized(
             cmma::MatrixIdent::A,
@@ -200,14 +284,8 @@ fn on_tensor_cores<F: Float>(
                 comptime!(strides.b as u32),
             );
         }
-        cmma::execute::<tf32, tf32, F, F>(&lhs, &rhs, &acc, &acc);
+        cmma::execute::<tf32, tf32, F, F>(&lhs, &rhs, acc, acc);
     }
-    cmma::store(
-        &mut c.slice_mut(c_at, c.len()),
-        &acc,
-        comptime!(strides.c as u32),
-        cmma::MatrixLayout::RowMajor,
-    );
 }
 
 /// Whether the kernels on `client` compute their products on the tensor
