@@ -2,9 +2,11 @@
 //! together: on the tensor cores (cubecl's `cmma`, `tf32` operands and
 //! `f32` sums, `16 x 16 x 8` at a time) where the device has them, else
 //! by the warp's units, eight entries each. Both read their operands from
-//! shared memory and leave the tile there, row-major, so the kernel around
-//! a product is the same code on every device: lavapipe's tests prove it
-//! with the units' form, and only the `cmma` calls differ on a GPU.
+//! shared memory; a tile is left there, row-major ([`product`]), or kept in
+//! registers across products and stored when done ([`Sums`]), so the
+//! kernel around a product is the same code on every device: lavapipe's
+//! tests prove it with the units' form, and only the `cmma` calls differ
+//! on a GPU.
 //!
 //! The tensor cores ask for strides of a multiple of 4 floats and for
 //! operands that start at 32-byte boundaries: memory from
