@@ -209,11 +209,12 @@ if [ "$device" = cuda ]; then
 fi
 
 # 2. tvq's training step (forward, backward, clipping, AdamW, EMA), one row
-# per step: first on the device's fused kernels (f32), then as a run gets it
-# by default (train.kernels "auto": composed on a GPU), f32 and bf16.
+# per step: first on the device's fused kernels, then as a run gets it by
+# default (train.kernels "auto": composed on a GPU), f32 and bf16 each (the
+# attention kernel computes in f32 under either; bf16 is a GPU's default).
 # (--steps is each part's own: clap takes a flag once.)
 train=("$tvq" bench step --device "$device" --json --batch 1 --form vq "${bench_set[@]}")
-part train-fused "$limit_train" "${train[@]}" --steps 2 --precision f32 --seq-len "$seq_lens" \
+part train-fused "$limit_train" "${train[@]}" --steps 2 --precision "$precisions" --seq-len "$seq_lens" \
   --set 'train.kernels="fused"'
 part train "$limit_train" "${train[@]}" --steps 2 --precision "$precisions" --seq-len "$seq_lens"
 
@@ -235,9 +236,10 @@ else
 fi
 
 # 4. Where a step's device time goes, by kernel, on the fused kernels at the
-# first length (cubecl times each launch alone: the profiled step is slower).
+# first length, bf16 (cubecl times each launch alone: the profiled step is
+# slower).
 if [ "$device" = cuda ]; then
-  part profile "$limit_profile" "${train[@]}" --precision f32 --steps 1 --seq-len "$first_len" \
+  part profile "$limit_profile" "${train[@]}" --precision bf16 --steps 1 --seq-len "$first_len" \
     --set 'train.kernels="fused"' --profile
   # ... and as a run gets it by default (composed, bf16).
   part profile-composed "$limit_profile" "${train[@]}" --precision bf16 --steps 1 \
@@ -251,7 +253,7 @@ fi
 # score tensor, so no activation checkpointing), then PyTorch compiled at
 # the other lengths (the SDPA baseline's step at 131,072 alone would take
 # minutes).
-part train-long "$limit_long" "${train[@]}" --steps 2 --precision f32 --seq-len "$long_lens" \
+part train-long "$limit_long" "${train[@]}" --steps 2 --precision "$long_precision" --seq-len "$long_lens" \
   --set 'train.kernels="fused"'
 if [ $torch = 1 ]; then
   part torch-long "$limit_torch_long" "${torch_bench[@]}" --seq-len "${seq_lens#*,},$long_lens" \

@@ -214,8 +214,8 @@ impl std::str::FromStr for ActivationCheckpointing {
 
 /// `train.kernels`: where the trainer runs each sublayer's attention and
 /// quantizer as one fused kernel ([`crate::placement::TrainOn::choose`];
-/// always with `f32` products and without activation checkpointing, which
-/// the kernels do not take).
+/// always without activation checkpointing, which the kernels do not
+/// take).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KernelsSetting {

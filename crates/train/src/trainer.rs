@@ -1443,6 +1443,48 @@ pub(crate) mod tests {
         );
     }
 
+    /// bf16 products train on the fused kernels too (the attention kernel
+    /// widens its operands to `f32`): on the CPU a bf16 run chooses
+    /// `CpuFused`, every sublayer's forward pass reaches the attention
+    /// kernel, and one step's loss and gradients agree with the composed
+    /// bf16 trainer's, and with `f32`'s, within what bf16's 8 significant
+    /// bits allow (the largest gradient difference within 5% of the
+    /// largest gradient, as `half_precision_gradients_differ_from_f32_*`
+    /// finds for bf16 alone).
+    #[test]
+    fn bf16_trains_on_the_fused_kernels() {
+        use tvq_model::kernel::fused_attention_calls;
+        let cpu = DeviceSpec::Cpu.init().unwrap().0;
+        let devices = std::slice::from_ref(&cpu);
+        let settings = |precision: Precision| TrainSection {
+            precision: precision.into(),
+            ..TrainSection::default()
+        };
+        let bf16 = settings(Precision::Bf16);
+        assert_eq!(TrainOn::choose(&bf16, devices), TrainOn::CpuFused);
+        let model = tiny_model(11);
+        let first = batch(2, 8, true);
+        let calls = fused_attention_calls();
+        let mut fused =
+            Trainer::<crate::placement::CpuFused>::start(&model, &bf16, devices).unwrap();
+        assert_eq!(fused.model().precision(), Precision::Bf16);
+        let got = step_outcome(&mut fused, &first);
+        assert_eq!(
+            fused_attention_calls() - calls,
+            2 * model.n_layer as u64,
+            "every sublayer's attention fuses under bf16"
+        );
+        for precision in [Precision::Bf16, Precision::F32] {
+            let mut composed = Trainer::new(&model, &settings(precision), devices).unwrap();
+            let want = step_outcome(&mut composed, &first);
+            let gap = relative_gap(&got.0, &want.0);
+            assert!(gap <= 0.01, "losses against composed {precision}: {gap}");
+            let (got, want) = (got.1.concat(), want.1.concat());
+            let gap = relative_gap(&got, &want);
+            assert!(gap <= 0.05, "gradients against composed {precision}: {gap}");
+        }
+    }
+
     /// [`fused_trainer_takes_the_composed_steps`] on the GPU under test
     /// (`WgpuFused` on lavapipe in CI, `CudaFused` on CUDA), against the
     /// composed trainer on the same device, within 1e-5 of the largest

@@ -12,7 +12,7 @@ use crate::compute::Compute;
 use crate::config::CacheGrad;
 use crate::error::ModelError;
 use crate::kernel::{self, AttentionFlags, AttentionKernelInput, Kernels, VqBackend};
-use crate::precision::{Precision, to_f32};
+use crate::precision::to_f32;
 use crate::quantizer::code_totals;
 
 /// Keys, values and codes of a segment cut into its `R` blocks.
@@ -295,7 +295,10 @@ fn fused_attention<B: VqBackend>(x: FusedInputs<'_, B>) -> Option<Tensor<B, 5>> 
     let (dv, s) = (x.blocks.v.dims()[4], x.codebook.dims()[1]);
     let g = b * h * r;
     let device = x.q.device();
-    let rows = |t: Tensor<B, 5>, width: usize| t.reshape([g, l, width]).into_primitive().tensor();
+    // The kernel computes in f32 whatever the products' type: reduced
+    // operands are widened here (a cast, differentiable, linear in T).
+    let rows =
+        |t: Tensor<B, 5>, width: usize| to_f32(t).reshape([g, l, width]).into_primitive().tensor();
     // ln of what each code weighs as; ln 0 = -inf marks the empty codes.
     let weight = match x.cx.code_limit {
         Some(limit) => x.cache_counts.clone().clamp_max(limit as f64),
@@ -316,7 +319,7 @@ fn fused_attention<B: VqBackend>(x: FusedInputs<'_, B>) -> Option<Tensor<B, 5>> 
     };
     let shift = shift.unwrap_or_else(|| Tensor::empty([b, h, r, 1], &device));
     let count_weight = match x.count_weight {
-        Some(w) => w.reshape([g, l]),
+        Some(w) => to_f32(w).reshape([g, l]),
         None => Tensor::empty([g, l], &device),
     };
     // A fresh stream's block 0 has no previous block: masked, not read.
@@ -332,8 +335,7 @@ fn fused_attention<B: VqBackend>(x: FusedInputs<'_, B>) -> Option<Tensor<B, 5>> 
         v: rows(x.blocks.v.clone(), dv),
         k_carried: carried(carried_block.k_window, dk),
         v_carried: carried(carried_block.v, dv),
-        bias: x
-            .bias
+        bias: to_f32(x.bias)
             .expand([b, h, r * l, l + 1])
             .into_primitive()
             .tensor(),
@@ -463,7 +465,6 @@ fn block_attention_impl<B: VqBackend>(
     let fusable = B::FUSES_ATTENTION
         && cx.kernels == Kernels::Fused
         && !with_groups
-        && cx.precision == Precision::F32
         && kernel::attention::covers(l, dk);
     let fused = match &position {
         Position::Table(bias) if fusable => fused_attention(FusedInputs {

@@ -92,8 +92,9 @@ pub const SOURCE_HASH: u64 = {
 pub enum Kernels {
     /// The fused kernels where the backend has them and the sublayer's
     /// settings are covered (attention: the Toeplitz and XL position
-    /// terms, `f32` products, no report of where the attention went;
-    /// both: keys at most 128 wide); composed ops otherwise.
+    /// terms, products in any precision, the kernel computing in `f32`,
+    /// and no report of where the attention went; both: keys at most 128
+    /// wide); composed ops otherwise.
     Fused,
     /// Composed tensor ops everywhere: the oracle. Default.
     #[default]

@@ -2,6 +2,7 @@
 
 use burn::prelude::*;
 use burn::tensor::DType;
+use tvq_model::kernel::fused_attention_calls;
 use tvq_model::{
     AttentionForm, Kernels, ModelState, Pass, Precision, TransformerVq, TransformerVqConfig,
     token_nll,
@@ -44,8 +45,13 @@ fn rms<const D: usize>(x: Tensor<B, D>) -> f32 {
 }
 
 /// `(rms(a - b) / rms(a), |loss(a) - loss(b)| / loss(a))` of the `f32`
-/// logits `a` and those `b` in `precision`.
-fn errors(model: &TransformerVq<B>, precision: Precision, x: &Tensor<B, 2, Int>) -> (f32, f32) {
+/// logits `a` and those `b` in `precision`, and the fused attention's
+/// calls in the pass in `precision`.
+fn errors(
+    model: &TransformerVq<B>,
+    precision: Precision,
+    x: &Tensor<B, 2, Int>,
+) -> (f32, f32, u64) {
     let mut m = model.clone();
     m.set_precision(Precision::F32);
     let reference = m
@@ -54,7 +60,9 @@ fn errors(model: &TransformerVq<B>, precision: Precision, x: &Tensor<B, 2, Int>)
         .logits
         .unwrap();
     m.set_precision(precision);
+    let calls = fused_attention_calls();
     let out = m.forward(x.clone(), m.empty_state(), Pass::new()).unwrap();
+    let calls = fused_attention_calls() - calls;
     // The state carried to the next segment stays f32 in every precision.
     for s in &out.state.sublayers {
         if let Some(prev) = &s.prev {
@@ -74,7 +82,7 @@ fn errors(model: &TransformerVq<B>, precision: Precision, x: &Tensor<B, 2, Int>)
     assert_eq!(out.dtype(), DType::F32);
     let logits = rms(reference.clone() - out.clone()) / rms(reference.clone());
     let (a, b) = (mean_nll(reference, x), mean_nll(out, x));
-    (logits, (a - b).abs() / a)
+    (logits, (a - b).abs() / a, calls)
 }
 
 /// A forward pass with bf16 or f16 products agrees with the `f32` one
@@ -84,19 +92,36 @@ fn errors(model: &TransformerVq<B>, precision: Precision, x: &Tensor<B, 2, Int>)
 /// square, relative; measured 0.7%). f16 keeps 11 bits, eight times finer:
 /// 0.1% (measured 0.02%). The mean loss over 256 tokens averages the
 /// logits' errors out: within 0.1% for bf16 and 0.01% for f16 (measured
-/// 0.002% and 0.0001%).
+/// 0.002% and 0.0001%). Under [`Kernels::Fused`] the VQ form's attention
+/// runs as the kernel in every sublayer in either precision (its operands
+/// widened to `f32`), within the same bounds.
 #[test]
 fn reduced_precision_forward_passes_agree_with_f32() {
-    for form in [AttentionForm::Vq, AttentionForm::Quadratic] {
+    for (form, kernels) in [
+        (AttentionForm::Vq, Kernels::Composed),
+        (AttentionForm::Vq, Kernels::Fused),
+        (AttentionForm::Quadratic, Kernels::Composed),
+    ] {
         B::seed(&cpu(), 7);
-        let model = config(form).init::<B>(&cpu()).unwrap();
+        let mut model = config(form).init::<B>(&cpu()).unwrap();
+        model.set_kernels(kernels);
         let x = tokens(2, 128, 0);
         for (precision, logit_tol, loss_tol) in [
             (Precision::Bf16, 0.02, 0.005),
             (Precision::F16, 0.003, 0.001),
         ] {
-            let (logits, loss) = errors(&model, precision, &x);
-            eprintln!("{form:?} {precision}: logits {logits:.2e} loss {loss:.2e}");
+            let (logits, loss, calls) = errors(&model, precision, &x);
+            eprintln!("{form:?} {kernels:?} {precision}: logits {logits:.2e} loss {loss:.2e}");
+            let fused = kernels == Kernels::Fused;
+            assert_eq!(
+                calls,
+                if fused {
+                    model.sublayers.len() as u64
+                } else {
+                    0
+                },
+                "{form:?} {kernels:?} {precision}: fused attention calls"
+            );
             assert!(
                 logits > 0.0,
                 "{form:?} {precision}: the products did change type"

@@ -16,7 +16,7 @@ use burn::prelude::*;
 use burn::tensor::backend::{AutodiffBackend, DeviceOps};
 use burn::{CheckpointingStrategy, Dispatch, DispatchDevice};
 use tvq_model::device::to_device_via_host;
-use tvq_model::{DropoutMasks, Precision, TransformerVq, VqBackend};
+use tvq_model::{DropoutMasks, TransformerVq, VqBackend};
 
 use crate::config::{ActivationCheckpointing, KernelsSetting, TrainSection};
 
@@ -209,17 +209,13 @@ impl TrainOn {
     /// `train.kernels` asks for the kernels on these devices (`auto`: on
     /// the CPU; `fused`: on the CPU, wgpu and CUDA), no activation
     /// checkpointing asks for burn's strategies (which [`Dispatch`] chooses
-    /// per device, the fused backends per type), every device is of one
-    /// backend with kernels, and the products are `f32` (the attention
-    /// kernel's type: under bf16 a fused backend would fuse the quantizer
-    /// alone, and lose burn's fusion of elementwise kernels). [`Dispatch`],
-    /// composed, everywhere else.
+    /// per device, the fused backends per type) and every device is of one
+    /// backend with kernels, in any precision (the attention kernel widens
+    /// reduced operands to `f32`). [`Dispatch`], composed, everywhere else.
     pub fn choose(settings: &TrainSection, devices: &[DispatchDevice]) -> Self {
         let fused = settings.kernels != KernelsSetting::Composed
             && settings.activation_checkpointing == ActivationCheckpointing::None
-            && devices
-                .first()
-                .is_some_and(|d| device::precision_on(d, settings.precision) == Precision::F32);
+            && !devices.is_empty();
         let gpus = settings.kernels == KernelsSetting::Fused;
         let all = |kind: fn(&DispatchDevice) -> bool| devices.iter().all(|d| kind(d.inner()));
         if !fused {
@@ -351,9 +347,10 @@ mod tests {
     use crate::config::PrecisionSetting;
     use burn::backend::wgpu::WgpuDevice;
     use tvq_model::Kernels;
+    use tvq_model::Precision;
 
-    /// The fused backends where their kernels cover the run (`f32`
-    /// products, no activation checkpointing, one kind of device), and
+    /// The fused backends where their kernels cover the run (any
+    /// precision, no activation checkpointing, one kind of device), and
     /// composed ops wherever anything else is asked. (Devices are only
     /// named here, not used.)
     #[test]
@@ -392,7 +389,8 @@ mod tests {
             precision: PrecisionSetting::Fixed(Precision::Bf16),
             ..fused.clone()
         };
-        assert_eq!(choose(&bf16, cpu), TrainOn::Composed);
+        assert_eq!(choose(&bf16, cpu), TrainOn::CpuFused);
+        assert_eq!(choose(&bf16, wgpu), TrainOn::WgpuFused);
         assert_eq!(
             choose(&fused, &[cpu[0].clone(), wgpu[0].clone()]),
             TrainOn::Composed
