@@ -5,21 +5,31 @@
 //! query's log-sum-exp, as FlashAttention does.
 //!
 //! Every kernel works on tiles of `TILE = 32` queries by `TILE` keys, a
-//! cube of `16 x 16` units. The tile's query and key rows are read from
-//! device memory once per tile into shared memory, a chunk of channels at
-//! a time, and shared by all its units. The scores, `dO . value` and the
-//! weighted values and gradients are warps' `16 x 16` tile products
-//! (`tile.rs`: on the tensor cores where the device has them) into shared
-//! memory, from which unit `(y, z)` takes rows `y`, `y + 16` and columns
-//! `z`, `z + 16, ...` for everything elementwise. `backward_query`'s `dq =
-//! ds key` is on its units, two rows each (its whole key tile leaves no
-//! room in shared memory for the tile of `dq`). Keys number `N = 2L + S`
-//! (present `0..L`, previous `L..2L`, codes `2L..`).
+//! cube of `16 x 32` units, one row of the tile a unit, 16 warps. The
+//! tile's query and key rows are read from device memory once per tile
+//! into shared memory, a chunk of channels at a time, and shared by all
+//! its units. The scores, `dO . value` and the weighted values and
+//! gradients are warps' `16 x 16` tile products (`tile.rs`: on the tensor
+//! cores where the device has them) into shared memory, from which unit
+//! `(y, z)` takes row `y` and columns `z`, `z + 16, ...` for everything
+//! elementwise. `backward_query`'s `dq = ds key` is on its units (its
+//! whole key tile leaves no room in shared memory for the tile of `dq`).
+//! Keys number `N = 2L + S` (present `0..L`, previous `L..2L`, codes
+//! `2L..`).
 //!
-//! - `attend`: a cube per query tile and slice of value channels, in one
-//!   pass over the keys: each query's running maximum and sum of
-//!   exponents, the accumulated values rescaled as the maximum grows (as
-//!   FlashAttention does), then the output and the log-sum-exp;
+//! A cube of 512 units also bounds what a unit may hold: CUDA compiles
+//! each kernel for its cube's size, and 512 units share a multiprocessor's
+//! 65,536 registers at 128 each, where cubes of 256 let ptxas take 220 and
+//! more, for one cube of 8 warps per multiprocessor.
+//!
+//! - `log_sum_exp`: a cube per query tile: each query's log-sum-exp over
+//!   all its keys, from a running maximum and sum of exponents;
+//! - `attend`: a cube per query tile and slice of value channels: the
+//!   probabilities, final as they are computed from the log-sum-exp,
+//!   weigh the values into each warp's tiles of the output, kept in
+//!   registers over all the keys (two passes over the scores instead of
+//!   FlashAttention's one, which rescales what it has summed as a row's
+//!   maximum grows: the tensor cores' fragments hide their rows);
 //! - `backward_query`: a cube per query tile: `D = dO . O`, `ds = p (dO
 //!   . value - D)`, then `dq`, the query's row of the bias gradient and
 //!   its count weight's gradient, and `ds` of the window keys, from which
@@ -34,10 +44,10 @@
 //! segment's keys and values (or the carried block for block 0), so that
 //! no copy of them is laid out beside each block.
 //!
-//! A slice holds up to `MAX_SLICE` value channels (each unit keeps
-//! `2 MAX_SLICE / 16` accumulators, two rows' worth), so the scores are
-//! computed once per slice: once at value widths up to 512, three times at
-//! enwik8's 1,536. Value rows and output gradients pass through shared
+//! A slice holds up to `MAX_SLICE` value channels (a cube's running sums,
+//! `MAX_SLICE / 16` a unit, stay in registers), so `attend` computes the
+//! scores once per slice: once at value widths up to 512, three times at
+//! enwik8's 1,536 (and `log_sum_exp` once). Value rows and output gradients pass through shared
 //! memory `CHUNK` channels at a time.
 //!
 //! Tiles keep their rows `PAD` elements more than their width apart, as
@@ -56,22 +66,24 @@ use super::launch::{cubes, empty_like, parts, zeros};
 use super::tile::{ALIGN, Strides, Sums, WARP, product, tensor_cores};
 use super::{AttentionKernelGrads, AttentionKernelInput};
 
-/// Units along each side of a cube: a cube is `SIDE x SIDE` units.
+/// Units along a cube's rows, and rows and columns of a warp's tile.
 const SIDE: usize = 16;
 
-/// Units per cube.
-const UNITS: usize = SIDE * SIDE;
-
-/// Queries (and keys) per tile: unit `(y, z)` takes rows `y` and `y +
-/// SIDE` of it and columns `z` and `z + SIDE`.
+/// Queries (and keys) per tile: unit `(y, z)` takes row `y` of it and
+/// columns `z` and `z + SIDE`.
 const TILE: usize = 2 * SIDE;
+
+/// Units per cube, `SIDE x TILE`: one a row of the tile.
+const UNITS: usize = SIDE * TILE;
 
 /// Key channels through shared memory at a time (and value channels in
 /// `dO . value`).
 const KEY_CHUNK: usize = 32;
 
-/// Value channels through shared memory at a time where values are weighed.
-const CHUNK: usize = 64;
+/// Value channels through shared memory at a time where values are
+/// weighed: the `2 x 8` tiles of a chunk, one for each of a cube's 16
+/// warps.
+const CHUNK: usize = 128;
 
 /// Channels of queries, output gradients and values through shared memory
 /// at a time in `backward_query`, whose whole key tile leaves less room.
@@ -82,17 +94,17 @@ const ROW_CHUNK: usize = 16;
 /// 16 bytes apart and their fragments at 32-byte boundaries (`tile.rs`).
 const PAD: usize = 4;
 
-/// A unit's accumulators per row and chunk of value channels.
+/// The channels of a chunk a unit writes.
 const PER_CHUNK: usize = CHUNK / SIDE;
 
-/// The most value channels one cube weighs (a unit keeps `2 MAX_SLICE /
-/// SIDE` accumulators), unless `TVQ_ATTENTION_SLICE` says otherwise.
+/// The most value channels one cube weighs (a unit keeps `MAX_SLICE /
+/// SIDE` running sums), unless `TVQ_ATTENTION_SLICE` says otherwise.
 const MAX_SLICE: usize = 512;
 
 /// Widest key a tile holds: `backward_query` keeps a whole key tile, `TILE
-/// (K + 1)` floats, beside two chunk tiles (queries or output gradients,
-/// and values) and its `ds` tile, in 32 KiB of shared memory. Wider keys
-/// compose.
+/// (K + PAD)` floats, beside two chunk tiles (queries or output gradients,
+/// and values) and its `ds` and `dp` tiles, in 32 KiB of shared memory.
+/// Wider keys compose.
 pub const MAX_KEY_WIDTH: usize = 128;
 
 /// The score of a masked key. WGSL has no infinite literal; `exp(NEG - m)`
@@ -372,11 +384,9 @@ fn score<F: Float>(x: &Operands<F>, g: usize, i: usize, n: usize, dot: F) -> F {
 }
 
 /// Unit `(y, z)`'s share of a tile product over a tile's `TILE` inner
-/// indices: `acc[a per + at + j] += sum_t weights[y + a SIDE, t] rows[t,
-/// z + j SIDE]` for its two rows `a` and the `count` columns `z, z +
-/// SIDE, ...` below `width` (`weights`: `TILE x TILE`; `rows`: `TILE` rows
-/// `stride` apart). Each weight and each row element is read once for
-/// two multiply-adds.
+/// indices: `acc[j] += sum_t weights[y, t] rows[t, z + j SIDE]` for the
+/// `count` columns `z, z + SIDE, ...` below `width` (`weights`: `TILE x
+/// TILE`; `rows`: `TILE` rows `stride` apart).
 #[cube]
 // The two branches differ at compile time: one is a comptime `if`.
 #[allow(clippy::too_many_arguments, clippy::if_same_then_else)]
@@ -386,55 +396,36 @@ fn accumulate<F: Float>(
     rows: &SharedMemory<F>,
     y: usize,
     z: usize,
-    at: usize,
-    #[comptime] per: usize,
     #[comptime] count: usize,
     #[comptime] stride: usize,
     #[comptime] width: usize,
 ) {
     for t in 0..TILE {
-        let w0 = weights[y * TILE + t];
-        let w1 = weights[(y + SIDE) * TILE + t];
+        let w = weights[y * TILE + t];
         #[unroll]
         for j in 0..count {
             let c = z + j * SIDE;
             if comptime!(count * SIDE <= width) {
-                let r = rows[t * stride + c];
-                acc[at + j] += w0 * r;
-                acc[per + at + j] += w1 * r;
+                acc[j] += w * rows[t * stride + c];
             } else if c < width {
-                let r = rows[t * stride + c];
-                acc[at + j] += w0 * r;
-                acc[per + at + j] += w1 * r;
+                acc[j] += w * rows[t * stride + c];
             }
         }
     }
 }
 
-/// Each of the unit's two rows' sum over its `SIDE` units of their
-/// `parts[a]`, through `scratch` (`TILE x SIDE` at least). Every unit of
-/// the cube calls it.
+/// The sum of `part` over the `SIDE` units of the unit's row, through
+/// `scratch` (`TILE x SIDE` at least). Every unit of the cube calls it.
 #[cube]
-fn row_sums<F: Float>(
-    scratch: &mut SharedMemory<F>,
-    y: usize,
-    z: usize,
-    parts: &Array<F>,
-) -> Array<F> {
+fn row_sum<F: Float>(scratch: &mut SharedMemory<F>, y: usize, z: usize, part: F) -> F {
     sync_cube();
-    #[unroll]
-    for a in 0..2usize {
-        scratch[(y + a * SIDE) * SIDE + z] = parts[a];
-    }
+    scratch[y * SIDE + z] = part;
     sync_cube();
-    let mut totals = zeros::<F>(2usize);
-    #[unroll]
-    for a in 0..2usize {
-        for t in 0..SIDE {
-            totals[a] += scratch[(y + a * SIDE) * SIDE + t];
-        }
+    let mut total = F::new(0.0);
+    for t in 0..SIDE {
+        total += scratch[y * SIDE + t];
     }
-    totals
+    total
 }
 
 /// `q . key` of queries `i0..i0 + TILE` and keys `n0..n0 + TILE` of block
@@ -509,110 +500,73 @@ fn score_tile<F: Float>(
     sync_cube();
 }
 
-/// Adds chunk `k` of `probs rows` (`TILE x TILE` by `TILE x CHUNK`, rows
-/// `CHUNK + PAD` apart) to the unit's accumulators: unit `(y, z)` takes
-/// rows `y`, `y + SIDE` and the chunk's channels `z + j SIDE`. Warp `w`
-/// computes the `16 x 16` tile `(w / 4, w % 4)` of the product into
-/// `weighed`. Every unit of the cube calls it, after `rows` is loaded.
+/// `probs`, as [`score_tile`] left it (`q . key`), made the probabilities
+/// `exp(score - lse)` of its queries for its keys, 0 where masked (rows
+/// are queries from `i0` and columns keys from `n0`, or the other way
+/// round where `by_key`). Unit `(y, z)` takes row `y` and columns `z`,
+/// `z + SIDE`.
 #[cube]
-fn weigh_chunk<F: Float>(
-    probs: &SharedMemory<F>,
-    rows: &SharedMemory<F>,
-    weighed: &mut SharedMemory<F>,
-    acc: &mut Array<F>,
-    #[comptime] k: usize,
-    #[comptime] per_unit: usize,
-    #[comptime] tensor_cores: bool,
+#[allow(clippy::too_many_arguments)]
+fn probabilities<F: Float>(
+    x: &Operands<F>,
+    lse: &Tensor<F>,
+    probs: &mut SharedMemory<F>,
+    g: usize,
+    i0: usize,
+    n0: usize,
+    #[comptime] by_key: bool,
 ) {
-    let stride = comptime!(CHUNK + PAD);
-    let (warp, lane) = (UNIT_POS as usize / WARP, UNIT_POS as usize % WARP);
-    let (row, col) = (warp / 4 * SIDE, warp % 4 * SIDE);
-    product::<F>(
-        weighed,
-        row * stride + col,
-        probs,
-        row * TILE,
-        rows,
-        col,
-        true,
-        lane,
-        comptime!(Strides {
-            a: TILE,
-            b: stride,
-            c: stride,
-        }),
-        TILE,
-        false,
-        tensor_cores,
-    );
-    sync_cube();
-    let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
+    let (r, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
     #[unroll]
-    for a in 0..2usize {
-        #[unroll]
-        for j in 0..PER_CHUNK {
-            acc[a * per_unit + k * PER_CHUNK + j] +=
-                weighed[(y + a * SIDE) * stride + z + j * SIDE];
+    for b in 0..2usize {
+        let c = z + b * SIDE;
+        let mut i = i0 + r;
+        let mut n = n0 + c;
+        if comptime!(by_key) {
+            i = i0 + c;
+            n = n0 + r;
         }
+        let s = score::<F>(x, g, i, n, probs[r * TILE + c]);
+        let mut p = F::new(0.0);
+        // Only a query of the block has an unmasked score.
+        if s > F::new(NEG) {
+            p = (s - lse[g * lse.stride(0) + i * lse.stride(1)]).exp();
+        }
+        probs[r * TILE + c] = p;
     }
 }
 
-/// The channel of unit `z`'s accumulator `j` within its slice: chunk
-/// `j / PER_CHUNK`, column `z + (j % PER_CHUNK) SIDE` of it.
-#[cube]
-fn channel(z: usize, j: usize) -> usize {
-    j / PER_CHUNK * CHUNK + z + j % PER_CHUNK * SIDE
-}
-
-/// A query tile's output in one slice of `per_unit SIDE` value channels
-/// and (slice 0) its log-sum-exp, in one pass over the keys: a cube per
-/// `(g, query tile, slice)`. The products are warps' tile products
-/// (`tile.rs`): the `2 x 2` score tiles on warps 0-3, the `2 x 4` tiles
-/// of each chunk of weighted values on warps 0-7; unit `(y, z)` then
-/// takes queries `y`, `y + SIDE` of the tile against keys `z`, `z + SIDE`
-/// of each key tile for the softmax, and channels `z + j SIDE` of the
-/// weighted values.
+/// Each query's log-sum-exp of its scores `[G, L]`, the first of the
+/// forward pass's two: a cube per `(g, query tile)`. The `2 x 2` score
+/// tiles are warps 0-3's tile products; unit `(y, z)` then takes query
+/// `y` and keeps its running maximum and sum of exponents over each key
+/// tile's row (every unit of a row the same), so that no barrier is
+/// needed beyond the scores'.
 #[cube(launch)]
-fn attend<F: Float>(
+fn log_sum_exp<F: Float>(
     x: &Operands<F>,
-    out: &mut Tensor<F>,
     lse: &mut Tensor<F>,
     #[comptime] width: usize,
-    #[comptime] per_unit: usize,
     #[comptime] tensor_cores: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let l = x.q.shape(1);
-    let dv = x.v.shape(2);
     let keys = key_count::<F>(x);
     let tiles = parts(l, TILE);
-    let slices = parts(dv, comptime!(per_unit * SIDE));
-    if CUBE_POS >= x.q.shape(0) * tiles * slices {
+    if CUBE_POS >= x.q.shape(0) * tiles {
         terminate!();
     }
-    let g = CUBE_POS / (tiles * slices);
-    let first = (CUBE_POS / slices % tiles) * TILE;
-    let c0 = (CUBE_POS % slices) * comptime!(per_unit * SIDE);
+    let g = CUBE_POS / tiles;
+    let first = (CUBE_POS % tiles) * TILE;
     let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
     let h = head::<F>(x, g);
     let key_stride = comptime!(KEY_CHUNK + PAD);
-    let value_stride = comptime!(CHUNK + PAD);
     let mut queries = SharedMemory::<F>::new_aligned(TILE * key_stride, ALIGN);
     let mut key_tile = SharedMemory::<F>::new_aligned(TILE * key_stride, ALIGN);
     let mut probs = SharedMemory::<F>::new_aligned(TILE * TILE, ALIGN);
-    let mut values = SharedMemory::<F>::new_aligned(TILE * value_stride, ALIGN);
-    let mut weighed = SharedMemory::<F>::new_aligned(TILE * value_stride, ALIGN);
-
-    // Each of the unit's rows' running maximum and sum of exponents (every
-    // unit of the row keeps the same), and its channels of the weighted
-    // values, all relative to the running maximum.
-    let mut m = zeros::<F>(2usize);
-    #[unroll]
-    for a in 0..2usize {
-        m[a] = F::new(NEG);
-    }
-    let mut total = zeros::<F>(2usize);
-    let mut acc = zeros::<F>(comptime!(2 * per_unit));
+    let i = first + y;
+    let mut m = F::new(NEG);
+    let mut total = F::new(0.0);
     let mut n0 = 0;
     while n0 < keys {
         score_tile::<F>(
@@ -628,88 +582,135 @@ fn attend<F: Float>(
             false,
             tensor_cores,
         );
-        let mut s = zeros::<F>(4usize);
         #[unroll]
-        for a in 0..2usize {
-            #[unroll]
-            for b in 0..2usize {
-                let (i, n) = (first + y + a * SIDE, n0 + z + b * SIDE);
-                let at = (y + a * SIDE) * TILE + z + b * SIDE;
-                s[2 * a + b] = score::<F>(x, g, i, n, probs[at]);
-                probs[at] = s[2 * a + b];
-            }
+        for b in 0..2usize {
+            let at = y * TILE + z + b * SIDE;
+            probs[at] = score::<F>(x, g, i, n0 + z + b * SIDE, probs[at]);
         }
         sync_cube();
-        let mut top = zeros::<F>(2usize);
-        #[unroll]
-        for a in 0..2usize {
-            let mut most = m[a];
-            for t in 0..TILE {
-                most = F::max(most, probs[(y + a * SIDE) * TILE + t]);
-            }
-            top[a] = most;
+        // (The next tile's scores overwrite `probs` after score_tile's
+        // first barrier: these reads are done by then.)
+        let mut top = m;
+        for t in 0..TILE {
+            top = F::max(top, probs[y * TILE + t]);
         }
-        sync_cube();
-        #[unroll]
-        for a in 0..2usize {
-            #[unroll]
-            for b in 0..2usize {
-                let mut p = F::new(0.0);
-                if s[2 * a + b] > F::new(NEG) {
-                    p = (s[2 * a + b] - top[a]).exp();
-                }
-                probs[(y + a * SIDE) * TILE + z + b * SIDE] = p;
+        // exp(m - top) is 0 while m is still NEG and 1 while both are.
+        let mut sum = total * (m - top).exp();
+        for t in 0..TILE {
+            let s = probs[y * TILE + t];
+            if s > F::new(NEG) {
+                sum += (s - top).exp();
             }
         }
+        m = top;
+        total = sum;
+        n0 += TILE;
+    }
+    if i < l && z == 0 {
+        lse[g * lse.stride(0) + i * lse.stride(1)] = m + total.ln();
+    }
+}
+
+/// A query tile's output in one slice of `chunks CHUNK` value channels,
+/// the second of the forward pass's two: a cube per `(g, query tile,
+/// slice)`. With each query's log-sum-exp known, the probabilities are
+/// final as they are computed, so that each warp keeps its tiles of `p
+/// value` in registers over all the key tiles ([`Sums`]) with no rescale,
+/// as [`backward_values`] keeps `p^T dO`. The `2 x 2` score tiles are
+/// warps 0-3's tile products; warp `w` sums tile `(w / 8, w % 8)` of each
+/// chunk of weighted values.
+#[cube(launch)]
+fn attend<F: Float>(
+    x: &Operands<F>,
+    lse: &Tensor<F>,
+    out: &mut Tensor<F>,
+    #[comptime] width: usize,
+    #[comptime] chunks: usize,
+    #[comptime] tensor_cores: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let l = x.q.shape(1);
+    let dv = x.v.shape(2);
+    let keys = key_count::<F>(x);
+    let tiles = parts(l, TILE);
+    let slices = parts(dv, comptime!(chunks * CHUNK));
+    if CUBE_POS >= x.q.shape(0) * tiles * slices {
+        terminate!();
+    }
+    let g = CUBE_POS / (tiles * slices);
+    let first = (CUBE_POS / slices % tiles) * TILE;
+    let c0 = (CUBE_POS % slices) * comptime!(chunks * CHUNK);
+    let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
+    let h = head::<F>(x, g);
+    let key_stride = comptime!(KEY_CHUNK + PAD);
+    let value_stride = comptime!(CHUNK + PAD);
+    let mut queries = SharedMemory::<F>::new_aligned(TILE * key_stride, ALIGN);
+    let mut key_tile = SharedMemory::<F>::new_aligned(TILE * key_stride, ALIGN);
+    let mut probs = SharedMemory::<F>::new_aligned(TILE * TILE, ALIGN);
+    let mut values = SharedMemory::<F>::new_aligned(TILE * value_stride, ALIGN);
+    let (warp, lane) = (UNIT_POS as usize / WARP, UNIT_POS as usize % WARP);
+    let (row, col) = (warp / 8 * SIDE, warp % 8 * SIDE);
+    let mut sums = Sums::<F>::new(chunks, tensor_cores);
+    let mut n0 = 0;
+    while n0 < keys {
+        score_tile::<F>(
+            x,
+            g,
+            h,
+            first,
+            n0,
+            &mut queries,
+            &mut key_tile,
+            &mut probs,
+            width,
+            false,
+            tensor_cores,
+        );
+        probabilities::<F>(x, lse, &mut probs, g, first, n0, false);
         #[unroll]
-        for a in 0..2usize {
-            // exp(m - top) is 0 while m is still NEG and 1 while both are.
-            let rescale = (m[a] - top[a]).exp();
-            m[a] = top[a];
-            total[a] *= rescale;
-            for j in 0..per_unit {
-                acc[a * per_unit + j] *= rescale;
-            }
-        }
-        sync_cube();
-        #[unroll]
-        for a in 0..2usize {
-            let mut row = F::new(0.0);
-            for t in 0..TILE {
-                row += probs[(y + a * SIDE) * TILE + t];
-            }
-            total[a] += row;
-        }
-        #[unroll]
-        for k in 0..comptime!(per_unit / PER_CHUNK) {
+        for k in 0..chunks {
             sync_cube();
             load_values::<F>(x, g, n0, c0 + k * CHUNK, &mut values, CHUNK, value_stride);
             sync_cube();
-            weigh_chunk::<F>(
-                &probs,
-                &values,
-                &mut weighed,
-                &mut acc,
+            sums.add(
                 k,
-                per_unit,
+                &probs,
+                row * TILE,
+                &values,
+                col,
+                lane,
+                comptime!(Strides {
+                    a: TILE,
+                    b: value_stride,
+                    c: 0,
+                }),
+                TILE,
+                false,
                 tensor_cores,
             );
         }
         n0 += TILE;
     }
+    // Each chunk's sums through `values` to the units that write them.
     #[unroll]
-    for a in 0..2usize {
-        let i = first + y + a * SIDE;
-        if i < l {
-            for j in 0..per_unit {
-                let c = c0 + channel(z, j);
-                if c < dv {
-                    out[g * out.stride(0) + i * out.stride(1) + c * out.stride(2)] =
-                        acc[a * per_unit + j] / total[a];
-                }
-            }
-            if c0 == 0 && z == 0 {
-                lse[g * lse.stride(0) + i * lse.stride(1)] = m[a] + total[a].ln();
+    for k in 0..chunks {
+        sync_cube();
+        sums.store(
+            k,
+            &mut values,
+            row * value_stride + col,
+            lane,
+            value_stride,
+            tensor_cores,
+        );
+        sync_cube();
+        let i = first + y;
+        #[unroll]
+        for j in 0..PER_CHUNK {
+            let c = c0 + k * CHUNK + z + j * SIDE;
+            if i < l && c < dv {
+                out[g * out.stride(0) + i * out.stride(1) + c * out.stride(2)] =
+                    values[y * value_stride + z + j * SIDE];
             }
         }
     }
@@ -717,8 +718,8 @@ fn attend<F: Float>(
 
 /// A query tile's `dq`, bias gradient rows, count weight gradient and
 /// `ds` of the window keys (`[G, L, 2L]`): a cube per `(g, query tile)`.
-/// Unit `(y, z)` takes queries `y`, `y + SIDE` of the tile and keys `z`,
-/// `z + SIDE` of each key tile.
+/// Unit `(y, z)` takes query `y` of the tile and keys `z`, `z + SIDE` of
+/// each key tile.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn backward_query<F: Float>(
@@ -770,26 +771,23 @@ fn backward_query<F: Float>(
         b: row_stride,
         c: TILE,
     });
-    // D = dO_i . O_i, each unit summing every SIDE-th channel of its rows.
-    let mut part = zeros::<F>(2usize);
-    let mut own_lse = zeros::<F>(2usize);
-    #[unroll]
-    for a in 0..2usize {
-        let i = first + y + a * SIDE;
-        if i < l {
-            own_lse[a] = lse[g * lse.stride(0) + i * lse.stride(1)];
-            let mut c = z;
-            while c < dv {
-                part[a] += grad[g * grad.stride(0) + i * grad.stride(1) + c * grad.stride(2)]
-                    * out[g * out.stride(0) + i * out.stride(1) + c * out.stride(2)];
-                c += SIDE;
-            }
+    // D = dO_i . O_i, each unit summing every SIDE-th channel of its row.
+    let i = first + y;
+    let mut part = F::new(0.0);
+    let mut own_lse = F::new(0.0);
+    if i < l {
+        own_lse = lse[g * lse.stride(0) + i * lse.stride(1)];
+        let mut c = z;
+        while c < dv {
+            part += grad[g * grad.stride(0) + i * grad.stride(1) + c * grad.stride(2)]
+                * out[g * out.stride(0) + i * out.stride(1) + c * out.stride(2)];
+            c += SIDE;
         }
     }
-    let own_delta = row_sums::<F>(&mut ds_tile, y, z, &part);
+    let own_delta = row_sum::<F>(&mut ds_tile, y, z, part);
     let per_unit = comptime!(width.div_ceil(SIDE));
-    let mut acc = zeros::<F>(comptime!(2 * per_unit));
-    let mut weight_grad = zeros::<F>(2usize);
+    let mut acc = zeros::<F>(per_unit);
+    let mut weight_grad = F::new(0.0);
     let mut n0 = 0;
     while n0 < keys {
         sync_cube();
@@ -844,77 +842,65 @@ fn backward_query<F: Float>(
             vc += ROW_CHUNK;
         }
         sync_cube();
+        let bias_at = bias_row::<F>(x, dbias, g, i);
         #[unroll]
-        for a in 0..2usize {
-            let i = first + y + a * SIDE;
-            let bias_at = bias_row::<F>(x, dbias, g, i);
-            #[unroll]
-            for b in 0..2usize {
-                let n = n0 + z + b * SIDE;
-                let at = (y + a * SIDE) * TILE + z + b * SIDE;
-                let s = score::<F>(x, g, i, n, ds_tile[at]);
-                let mut ds = F::new(0.0);
-                if s > F::new(NEG) {
-                    ds = (s - own_lse[a]).exp() * (dp_tile[at] - own_delta[a]);
+        for b in 0..2usize {
+            let n = n0 + z + b * SIDE;
+            let at = y * TILE + z + b * SIDE;
+            let s = score::<F>(x, g, i, n, ds_tile[at]);
+            let mut ds = F::new(0.0);
+            if s > F::new(NEG) {
+                ds = (s - own_lse).exp() * (dp_tile[at] - own_delta);
+            }
+            ds_tile[at] = ds;
+            if i < l && n < 2 * l {
+                ds_window
+                    [g * ds_window.stride(0) + i * ds_window.stride(1) + n * ds_window.stride(2)] =
+                    ds;
+            }
+            // Distance i - n to a present key, L + i - j to previous key
+            // j >= i: each of the row's L + 1 distances is one window key's.
+            if i < l && n < l {
+                if n <= i {
+                    dbias[bias_at + (i - n) * dbias.stride(3)] = ds;
                 }
-                ds_tile[at] = ds;
-                if i < l && n < 2 * l {
-                    ds_window[g * ds_window.stride(0)
-                        + i * ds_window.stride(1)
-                        + n * ds_window.stride(2)] = ds;
+            } else if i < l && n < 2 * l {
+                let j = n - l;
+                if j >= i {
+                    dbias[bias_at + (l + i - j) * dbias.stride(3)] = ds;
                 }
-                // Distance i - n to a present key, L + i - j to previous key
-                // j >= i: each of the row's L + 1 distances is one window key's.
-                if i < l && n < l {
-                    if n <= i {
-                        dbias[bias_at + (i - n) * dbias.stride(3)] = ds;
-                    }
-                } else if i < l && n < 2 * l {
-                    let j = n - l;
-                    if j >= i {
-                        dbias[bias_at + (l + i - j) * dbias.stride(3)] = ds;
-                    }
-                } else if i < l && n < keys {
-                    let w = x.log_counts
-                        [g * x.log_counts.stride(0) + (n - 2 * l) * x.log_counts.stride(1)];
-                    if w > F::new(NEG) {
-                        weight_grad[a] += ds * w;
-                    }
+            } else if i < l && n < keys {
+                let w =
+                    x.log_counts[g * x.log_counts.stride(0) + (n - 2 * l) * x.log_counts.stride(1)];
+                if w > F::new(NEG) {
+                    weight_grad += ds * w;
                 }
             }
         }
         sync_cube();
         accumulate::<F>(
-            &mut acc, &ds_tile, &key_tile, y, z, 0, per_unit, per_unit, key_stride, width,
+            &mut acc, &ds_tile, &key_tile, y, z, per_unit, key_stride, width,
         );
         n0 += TILE;
     }
-    #[unroll]
-    for a in 0..2usize {
-        let i = first + y + a * SIDE;
-        for j in 0..per_unit {
-            let c = z + j * SIDE;
-            if i < l && c < width {
-                dq[g * dq.stride(0) + i * dq.stride(1) + c * dq.stride(2)] = acc[a * per_unit + j];
-            }
+    for j in 0..per_unit {
+        let c = z + j * SIDE;
+        if i < l && c < width {
+            dq[g * dq.stride(0) + i * dq.stride(1) + c * dq.stride(2)] = acc[j];
         }
     }
-    let totals = row_sums::<F>(&mut ds_tile, y, z, &weight_grad);
-    #[unroll]
-    for a in 0..2usize {
-        let i = first + y + a * SIDE;
-        if z == 0 && i < l {
-            dweight[g * dweight.stride(0) + i * dweight.stride(1)] = totals[a];
-        }
+    let total = row_sum::<F>(&mut ds_tile, y, z, weight_grad);
+    if z == 0 && i < l {
+        dweight[g * dweight.stride(0) + i * dweight.stride(1)] = total;
     }
 }
 
 /// A key tile's value gradients (`dv`, `dv_prev` or the cache means') in
-/// one slice of `per_unit SIDE` channels, `p^T dO`: a cube per `(g, key
+/// one slice of `chunks CHUNK` channels, `p^T dO`: a cube per `(g, key
 /// tile, slice)`. The products are warps' tile products, as in `attend`,
 /// the scores with keys on the rows and queries on the columns; unit `(y,
-/// z)` takes keys `y`, `y + SIDE` of the tile and queries `z`, `z + SIDE`
-/// of each query tile for the probabilities. Each warp keeps its tiles of
+/// z)` takes key `y` of the tile and queries `z`, `z + SIDE` of each
+/// query tile for the probabilities. Each warp keeps its tiles of
 /// the gradients in registers over all query tiles (`Sums`), and they
 /// reach device memory once, through shared memory.
 #[cube(launch)]
@@ -927,7 +913,7 @@ fn backward_values<F: Float>(
     dv_prev: &mut Tensor<F>,
     dmeans: &mut Tensor<F>,
     #[comptime] width: usize,
-    #[comptime] per_unit: usize,
+    #[comptime] chunks: usize,
     #[comptime] tensor_cores: bool,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -935,13 +921,13 @@ fn backward_values<F: Float>(
     let channels = x.v.shape(2);
     let keys = key_count::<F>(x);
     let tiles = parts(keys, TILE);
-    let slices = parts(channels, comptime!(per_unit * SIDE));
+    let slices = parts(channels, comptime!(chunks * CHUNK));
     if CUBE_POS >= x.q.shape(0) * tiles * slices {
         terminate!();
     }
     let g = CUBE_POS / (tiles * slices);
     let first = (CUBE_POS / slices % tiles) * TILE;
-    let c0 = (CUBE_POS % slices) * comptime!(per_unit * SIDE);
+    let c0 = (CUBE_POS % slices) * comptime!(chunks * CHUNK);
     let (y, z) = (UNIT_POS_Y as usize, UNIT_POS_X as usize);
     let h = head::<F>(x, g);
     let key_stride = comptime!(KEY_CHUNK + PAD);
@@ -950,11 +936,9 @@ fn backward_values<F: Float>(
     let mut key_tile = SharedMemory::<F>::new_aligned(TILE * key_stride, ALIGN);
     let mut grads = SharedMemory::<F>::new_aligned(TILE * grad_stride, ALIGN);
     let mut probs = SharedMemory::<F>::new_aligned(TILE * TILE, ALIGN);
-    let mut weighed = SharedMemory::<F>::new_aligned(TILE * grad_stride, ALIGN);
-    // Warp w's running sums: tile (w / 4, w % 4) of each chunk of channels.
-    let chunks = comptime!(per_unit / PER_CHUNK);
+    // Warp w's running sums: tile (w / 8, w % 8) of each chunk of channels.
     let (warp, lane) = (UNIT_POS as usize / WARP, UNIT_POS as usize % WARP);
-    let (row, col) = (warp / 4 * SIDE, warp % 4 * SIDE);
+    let (row, col) = (warp / 8 * SIDE, warp % 8 * SIDE);
     let mut sums = Sums::<F>::new(chunks, tensor_cores);
     let mut i0 = 0;
     while i0 < l {
@@ -971,20 +955,7 @@ fn backward_values<F: Float>(
             true,
             tensor_cores,
         );
-        #[unroll]
-        for a in 0..2usize {
-            #[unroll]
-            for b in 0..2usize {
-                let (n, i) = (first + y + a * SIDE, i0 + z + b * SIDE);
-                let at = (y + a * SIDE) * TILE + z + b * SIDE;
-                let s = score::<F>(x, g, i, n, probs[at]);
-                let mut p = F::new(0.0);
-                if s > F::new(NEG) {
-                    p = (s - lse[g * lse.stride(0) + i * lse.stride(1)]).exp();
-                }
-                probs[at] = p;
-            }
-        }
+        probabilities::<F>(x, lse, &mut probs, g, i0, first, true);
         #[unroll]
         for k in 0..chunks {
             sync_cube();
@@ -1009,13 +980,14 @@ fn backward_values<F: Float>(
         }
         i0 += TILE;
     }
-    // Each chunk's sums through `weighed` to the units that write them.
+    // Each chunk's sums through `grads` to the units that write them.
+    let n = first + y;
     #[unroll]
     for k in 0..chunks {
         sync_cube();
         sums.store(
             k,
-            &mut weighed,
+            &mut grads,
             row * grad_stride + col,
             lane,
             grad_stride,
@@ -1023,24 +995,20 @@ fn backward_values<F: Float>(
         );
         sync_cube();
         #[unroll]
-        for a in 0..2usize {
-            let n = first + y + a * SIDE;
-            #[unroll]
-            for j in 0..PER_CHUNK {
-                let c = c0 + k * CHUNK + z + j * SIDE;
-                let v = weighed[(y + a * SIDE) * grad_stride + z + j * SIDE];
-                if c < channels {
-                    if n < l {
-                        dv[g * dv.stride(0) + n * dv.stride(1) + c * dv.stride(2)] = v;
-                    } else if n < 2 * l {
-                        dv_prev[g * dv_prev.stride(0)
-                            + (n - l) * dv_prev.stride(1)
-                            + c * dv_prev.stride(2)] = v;
-                    } else if n < keys {
-                        dmeans[g * dmeans.stride(0)
-                            + (n - 2 * l) * dmeans.stride(1)
-                            + c * dmeans.stride(2)] = v;
-                    }
+        for j in 0..PER_CHUNK {
+            let c = c0 + k * CHUNK + z + j * SIDE;
+            let v = grads[y * grad_stride + z + j * SIDE];
+            if c < channels {
+                if n < l {
+                    dv[g * dv.stride(0) + n * dv.stride(1) + c * dv.stride(2)] = v;
+                } else if n < 2 * l {
+                    dv_prev[g * dv_prev.stride(0)
+                        + (n - l) * dv_prev.stride(1)
+                        + c * dv_prev.stride(2)] = v;
+                } else if n < keys {
+                    dmeans[g * dmeans.stride(0)
+                        + (n - 2 * l) * dmeans.stride(1)
+                        + c * dmeans.stride(2)] = v;
                 }
             }
         }
@@ -1086,9 +1054,10 @@ fn fold_previous<F: Float>(
     }
 }
 
-/// A cube of `SIDE x SIDE` units.
+/// A cube of `SIDE x TILE` units: `UNIT_POS_X` in `0..SIDE`, `UNIT_POS_Y`
+/// in `0..TILE`.
 fn tile_dim() -> CubeDim {
-    CubeDim::new_2d(SIDE as u32, SIDE as u32)
+    CubeDim::new_2d(SIDE as u32, TILE as u32)
 }
 
 /// `[G, L, K, V, S]` of an input.
@@ -1127,9 +1096,8 @@ fn operands<F: Float, R: CubeRuntime>(
 
 /// The most value channels one cube weighs: `TVQ_ATTENTION_SLICE` where it
 /// is 128 or 256, the switch that times the trade between recomputing
-/// each tile's scores once per slice and the registers (so the cubes a
-/// multiprocessor keeps) that a wider slice's accumulators take; else
-/// `MAX_SLICE`.
+/// each tile's scores once per slice and the registers that a wider
+/// slice's running sums take; else `MAX_SLICE`.
 fn max_slice() -> usize {
     match std::env::var("TVQ_ATTENTION_SLICE").as_deref() {
         Ok("128") => 128,
@@ -1138,12 +1106,11 @@ fn max_slice() -> usize {
     }
 }
 
-/// A unit's accumulators where values of width `dv` are weighed: a whole
-/// number of chunks, over as few slices of at most `max_slice` channels
-/// as cover `dv`.
-fn per_unit(dv: usize, max_slice: usize) -> usize {
+/// The chunks of a slice where values of width `dv` are weighed, over as
+/// few slices of at most `max_slice` channels as cover `dv`.
+fn chunks(dv: usize, max_slice: usize) -> usize {
     let slices = dv.div_ceil(max_slice).max(1);
-    dv.div_ceil(slices * CHUNK).max(1) * PER_CHUNK
+    dv.div_ceil(slices * CHUNK).max(1)
 }
 
 /// [`super::VqKernels::vq_attention_forward`] on a cubecl backend.
@@ -1154,18 +1121,29 @@ pub(super) fn forward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTens
     let dtype = x.q.dtype;
     let out = empty_like(&x.q, vec![g, l, dv], dtype);
     let lse = empty_like(&x.q, vec![g, l], dtype);
-    let per_unit = per_unit(dv, max_slice());
-    let slices = dv.div_ceil(per_unit * SIDE);
+    let tensor_cores = tensor_cores(&x.q.client, dtype);
+    log_sum_exp::launch::<R>(
+        &x.q.client,
+        cubes(g * l.div_ceil(TILE)),
+        tile_dim(),
+        operands(x),
+        lse.clone().into_tensor_arg(),
+        dk,
+        tensor_cores,
+        dtype.into(),
+    );
+    let chunks = chunks(dv, max_slice());
+    let slices = dv.div_ceil(chunks * CHUNK);
     attend::launch::<R>(
         &x.q.client,
         cubes(g * l.div_ceil(TILE) * slices),
         tile_dim(),
         operands(x),
-        out.clone().into_tensor_arg(),
         lse.clone().into_tensor_arg(),
+        out.clone().into_tensor_arg(),
         dk,
-        per_unit,
-        tensor_cores(&x.q.client, dtype),
+        chunks,
+        tensor_cores,
         dtype.into(),
     );
     (out, lse)
@@ -1209,10 +1187,10 @@ pub(super) fn backward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTen
         tensor_cores(&client, dtype),
         dtype.into(),
     );
-    let per_unit = per_unit(dv, max_slice());
+    let chunks = chunks(dv, max_slice());
     backward_values::launch::<R>(
         &client,
-        cubes(g * (2 * l + s).div_ceil(TILE) * dv.div_ceil(per_unit * SIDE)),
+        cubes(g * (2 * l + s).div_ceil(TILE) * dv.div_ceil(chunks * CHUNK)),
         tile_dim(),
         operands(&x),
         lse.into_tensor_arg(),
@@ -1221,7 +1199,7 @@ pub(super) fn backward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTen
         dv_prev.clone().into_tensor_arg(),
         dmeans.clone().into_tensor_arg(),
         dk,
-        per_unit,
+        chunks,
         tensor_cores(&client, dtype),
         dtype.into(),
     );
@@ -1304,12 +1282,12 @@ mod tests {
         }
     }
 
-    /// The three kernels that multiply tiles, for keys `width` wide and
-    /// `per_unit` accumulators a row, on the tensor cores or the units.
+    /// The four kernels that multiply tiles, for keys `width` wide and
+    /// `chunks` chunks of value channels a slice, on the tensor cores or the units.
     fn sources(
         client: &ComputeClient<WgpuRuntime>,
         width: usize,
-        per_unit: usize,
+        chunks: usize,
         tensor_cores: bool,
     ) -> Vec<(&'static str, String)> {
         let tensor = || TensorCompilationArg { inplace: None };
@@ -1321,6 +1299,18 @@ mod tests {
         let dtype = f32::as_type_native_unchecked().storage_type();
         vec![
             (
+                "log_sum_exp",
+                cuda_source(log_sum_exp::LogSumExp::<WgpuRuntime>::new(
+                    settings(),
+                    client.clone(),
+                    operands(),
+                    tensor(),
+                    width,
+                    tensor_cores,
+                    dtype,
+                )),
+            ),
+            (
                 "attend",
                 cuda_source(attend::Attend::<WgpuRuntime>::new(
                     settings(),
@@ -1329,7 +1319,7 @@ mod tests {
                     tensor(),
                     tensor(),
                     width,
-                    per_unit,
+                    chunks,
                     tensor_cores,
                     dtype,
                 )),
@@ -1364,7 +1354,7 @@ mod tests {
                     tensor(),
                     tensor(),
                     width,
-                    per_unit,
+                    chunks,
                     tensor_cores,
                     dtype,
                 )),
@@ -1400,8 +1390,8 @@ mod tests {
             (128, 1536, 256),
         ] {
             for tensor_cores in [true, false] {
-                let per_unit = per_unit(dv, slice);
-                for (kernel, source) in sources(&client, width, per_unit, tensor_cores) {
+                let chunks = chunks(dv, slice);
+                for (kernel, source) in sources(&client, width, chunks, tensor_cores) {
                     // The form asked for is the form written.
                     assert_eq!(source.contains("wmma::"), tensor_cores, "{kernel}");
                     let form = if tensor_cores {

@@ -67,7 +67,7 @@ pub fn product<F: Float>(
         b,
         b_at,
         lane,
-        comptime!(Strides { c: 0, ..strides }),
+        strides,
         depth,
         by_rows,
         tensor_cores,
