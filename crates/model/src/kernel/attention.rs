@@ -12,8 +12,7 @@
 //! gradients are warps' `16 x 16` tile products (`tile.rs`: on the tensor
 //! cores where the device has them) into shared memory, from which unit
 //! `(y, z)` takes row `y` and columns `z`, `z + 16, ...` for everything
-//! elementwise. `backward_query`'s `dq = ds key` is on its units (its
-//! whole key tile leaves no room in shared memory for the tile of `dq`).
+//! elementwise.
 //! Keys number `N = 2L + S` (present `0..L`, previous `L..2L`, codes
 //! `2L..`).
 //!
@@ -31,9 +30,10 @@
 //!   FlashAttention's one, which rescales what it has summed as a row's
 //!   maximum grows: the tensor cores' fragments hide their rows);
 //! - `backward_query`: a cube per query tile: `D = dO . O`, `ds = p (dO
-//!   . value - D)`, then `dq`, the query's row of the bias gradient and
-//!   its count weight's gradient, and `ds` of the window keys, from which
-//!   one batched matrix product gives `dk` and `dk_prev` (`ds^T q`);
+//!   . value - D)`, then `dq` (each warp's tile of it in registers over
+//!   the key tiles), the query's row of the bias gradient and its count
+//!   weight's gradient, and `ds` of the window keys, from which one
+//!   batched matrix product gives `dk` and `dk_prev` (`ds^T q`);
 //! - `backward_values`: a cube per key tile and slice of value channels:
 //!   `dv`, `dv_prev` and the cache means' gradient, `p^T dO`;
 //! - `fold_previous`: each block's previous-key and previous-value
@@ -62,7 +62,7 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::launch::{cubes, empty_like, parts, zeros};
+use super::launch::{cubes, empty_like, parts};
 use super::tile::{ALIGN, Strides, Sums, WARP, product, tensor_cores};
 use super::{AttentionKernelGrads, AttentionKernelInput};
 
@@ -381,37 +381,6 @@ fn score<F: Float>(x: &Operands<F>, g: usize, i: usize, n: usize, dot: F) -> F {
         s = dot + t;
     }
     s
-}
-
-/// Unit `(y, z)`'s share of a tile product over a tile's `TILE` inner
-/// indices: `acc[j] += sum_t weights[y, t] rows[t, z + j SIDE]` for the
-/// `count` columns `z, z + SIDE, ...` below `width` (`weights`: `TILE x
-/// TILE`; `rows`: `TILE` rows `stride` apart).
-#[cube]
-// The two branches differ at compile time: one is a comptime `if`.
-#[allow(clippy::too_many_arguments, clippy::if_same_then_else)]
-fn accumulate<F: Float>(
-    acc: &mut Array<F>,
-    weights: &SharedMemory<F>,
-    rows: &SharedMemory<F>,
-    y: usize,
-    z: usize,
-    #[comptime] count: usize,
-    #[comptime] stride: usize,
-    #[comptime] width: usize,
-) {
-    for t in 0..TILE {
-        let w = weights[y * TILE + t];
-        #[unroll]
-        for j in 0..count {
-            let c = z + j * SIDE;
-            if comptime!(count * SIDE <= width) {
-                acc[j] += w * rows[t * stride + c];
-            } else if c < width {
-                acc[j] += w * rows[t * stride + c];
-            }
-        }
-    }
 }
 
 /// The sum of `part` over the `SIDE` units of the unit's row, through
@@ -785,8 +754,13 @@ fn backward_query<F: Float>(
         }
     }
     let own_delta = row_sum::<F>(&mut ds_tile, y, z, part);
-    let per_unit = comptime!(width.div_ceil(SIDE));
-    let mut acc = zeros::<F>(per_unit);
+    // Warp w's running sum of dq = ds key over the key tiles: tile (w /
+    // columns, w % columns) of the TILE x padded tile of dq, where there is
+    // one (at most 16: 2 x 8 at keys 128 wide).
+    let columns = comptime!(padded / SIDE);
+    let dq_tiles = comptime!(2 * columns);
+    let (dq_row, dq_col) = (warp / columns * SIDE, warp % columns * SIDE);
+    let mut dq_sums = Sums::<F>::new(1usize, tensor_cores);
     let mut weight_grad = F::new(0.0);
     let mut n0 = 0;
     while n0 < keys {
@@ -878,15 +852,45 @@ fn backward_query<F: Float>(
             }
         }
         sync_cube();
-        accumulate::<F>(
-            &mut acc, &ds_tile, &key_tile, y, z, per_unit, key_stride, width,
-        );
+        if warp < dq_tiles {
+            dq_sums.add(
+                0usize,
+                &ds_tile,
+                dq_row * TILE,
+                &key_tile,
+                dq_col,
+                lane,
+                comptime!(Strides {
+                    a: TILE,
+                    b: key_stride,
+                    c: 0,
+                }),
+                TILE,
+                false,
+                tensor_cores,
+            );
+        }
         n0 += TILE;
     }
-    for j in 0..per_unit {
+    // dq through `key_tile` to the units that write it.
+    sync_cube();
+    if warp < dq_tiles {
+        dq_sums.store(
+            0usize,
+            &mut key_tile,
+            dq_row * key_stride + dq_col,
+            lane,
+            key_stride,
+            tensor_cores,
+        );
+    }
+    sync_cube();
+    #[unroll]
+    for j in 0..columns {
         let c = z + j * SIDE;
         if i < l && c < width {
-            dq[g * dq.stride(0) + i * dq.stride(1) + c * dq.stride(2)] = acc[j];
+            dq[g * dq.stride(0) + i * dq.stride(1) + c * dq.stride(2)] =
+                key_tile[y * key_stride + c];
         }
     }
     let total = row_sum::<F>(&mut ds_tile, y, z, weight_grad);
