@@ -10,7 +10,7 @@
 # model, default 4), --parts LIST (comma separated, default all, in the
 # order they run: first-light,kernels,kernels-units,kernels-slice256,train-fused,train,torch,profile,
 # profile-composed,profile-toeplitz,train-long,torch-long,cold-start,products,products-torch,
-# check,generate,quickstart), --build default|unfused (the build the parts time; default:
+# products-strategies,check,generate,quickstart), --build default|unfused (the build the parts time; default:
 # the unfused one where the bundle has it, as it starts at once, while the
 # cold-start part times the default build's first step apart),
 # --budget SECONDS (the whole run's time, default 450, so that with the binary's unpacking and
@@ -33,7 +33,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 device=cuda small=0 out="$here/results" layers=4 pack="" budget="" build=""
 parts=first-light,kernels,kernels-units,kernels-slice256,train-fused,train,torch,profile,profile-composed,profile-toeplitz
 parts+=,train-long,torch-long,cold-start
-parts+=,products,products-torch,check,generate,quickstart
+parts+=,products,products-torch,products-strategies,check,generate,quickstart
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device="$2"; shift 2 ;;
@@ -170,14 +170,14 @@ if [ $small = 1 ]; then
     --set model.d_v=64 --set model.n_code=16 --set model.block_len=64 --set model.n_layer=1)
   gen_lens=256,1024 qs_steps=4
   limit_first=120 limit_check=120 limit_kernels=120 limit_train=120 limit_profile=120 limit_long=60
-  limit_torch=400 limit_torch_long=200 limit_cold=120 limit_products=60 limit_generate=60 limit_qs=180
+  limit_torch=400 limit_torch_long=200 limit_cold=120 limit_products=60 limit_strategies=120 limit_generate=60 limit_qs=180
 else
   seq_lens=8192,32768 long_lens=131072 bench_set=(--config "$here/configs/enwik8.toml"
     --set "model.n_layer=$layers" --set model.dropout_residual=0 --set model.dropout_layer=0
     --set model.dropout_sinusoid=0)
   gen_lens=1024,8192,65536 qs_steps=200
   limit_first=240 limit_check=60 limit_kernels=90 limit_train=90 limit_profile=45 limit_long=60
-  limit_torch=180 limit_torch_long=180 limit_cold=240 limit_products=45 limit_generate=45 limit_qs=60
+  limit_torch=180 limit_torch_long=180 limit_cold=240 limit_products=45 limit_strategies=240 limit_generate=45 limit_qs=60
 fi
 precisions=f32,bf16
 [ "$device" = cpu ] && precisions=f32
@@ -284,6 +284,14 @@ part products "$limit_products" "$tvq" bench products --device "$device" --json 
 if [ $torch = 1 ] && [ -s "$out/logs/products.log" ]; then
   part products-torch "$limit_products" "$python" "$here/scripts/torch_reference.py" products \
     --device "$device" --json --from "$out/logs/products.log"
+fi
+# ... and each of cubek's strategies that burn's autotuning chooses among,
+# bf16 (a GPU run's products), each checked against burn's untuned choice:
+# the most a tuned build can reach at each shape (about 25 kernels compiled
+# per shape; the lines stream, so a part cut short keeps the shapes done).
+if [ "$device" = cuda ]; then
+  part products-strategies "$limit_strategies" "$tvq" bench products --device cuda --json --batch 1 \
+    --precision bf16 --strategies "${bench_set[@]}" --seq-len "$first_len"
 fi
 
 # 8. The device against the CPU (and its measured peaks, the MFU's yardstick).

@@ -115,7 +115,8 @@ def table(path):
             out.append(f"| {kernel} | {r['launches_per_step']:,.1f} | {1e3 * r['seconds'] / r['steps']:.3f} | {100 * r['share']:.1f}% |")
     # The model's matrix products at its own shapes: tvq's rate beside
     # PyTorch's (cuBLAS on CUDA) at the same shape and precision.
-    mine = [r for r in rows if r.get("form") == "products" and "impl" not in r and r.get("flops_per_s")]
+    mine = [r for r in rows if r.get("form") == "products" and "impl" not in r and "strategy" not in r
+            and r.get("flops_per_s")]
     theirs = {}
     for r in rows:
         if r.get("form") == "products" and r.get("impl"):
@@ -132,6 +133,27 @@ def table(path):
             out.append(f"| {r['name']} | {r['seq_len']:,} | {r['precision']} | {shape} | {r['flops_per_s'] / 1e9:,.1f} | "
                        f"{fmt(theirs.get(at + ('torch',)) and theirs[at + ('torch',)] / 1e9, ',.1f')} | "
                        f"{fmt(theirs.get(at + ('torch-tf32',)) and theirs[at + ('torch-tf32',)] / 1e9, ',.1f')} | {ratio} |")
+    # Each of cubek's strategies at those shapes (`--strategies`): burn's
+    # untuned choice, the fastest strategy whose result agrees with it, and
+    # how many strategies ran, disagreed or could not run.
+    swept = [r for r in rows if r.get("form") == "products" and "strategy" in r]
+    if swept:
+        out += ["", "cubek's strategies at the model's shapes (GFLOP/s; `tvq bench products --strategies`; "
+                    "agreeing: within 2% of auto's largest entry)",
+                "", "| product | T | precision | auto | fastest agreeing | its rate | / auto | / PyTorch "
+                    "| ran, disagreed, unavailable |", "|---|---|---|---|---|---|---|---|---|"]
+        for at in sorted({(r["name"], r["seq_len"], r["precision"]) for r in swept}, key=str):
+            these = [r for r in swept if (r["name"], r["seq_len"], r["precision"]) == at]
+            auto = next((r.get("flops_per_s") for r in these if r["strategy"] == "auto"), None)
+            ran = [r for r in these if r["strategy"] != "auto" and r.get("flops_per_s")]
+            agree = [r for r in ran if r.get("max_rel_diff", 1) <= 0.02]
+            best = max(agree, key=lambda r: r["flops_per_s"], default=None)
+            torch_rate = theirs.get(at + ("torch",))
+            rate = best and best["flops_per_s"]
+            out.append(f"| {at[0]} | {at[1]:,} | {at[2]} | {fmt(auto and auto / 1e9, ',.1f')} | "
+                       f"{best['strategy'] if best else '-'} | {fmt(rate and rate / 1e9, ',.1f')} | "
+                       f"{fmt(rate and auto and rate / auto, '.2f')} | {fmt(rate and torch_rate and rate / torch_rate, '.2f')} | "
+                       f"{len(ran)}, {len(ran) - len(agree)}, {sum('unavailable' in r for r in these)} |")
     print("\n".join(out))
 
 

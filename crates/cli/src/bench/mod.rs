@@ -133,6 +133,12 @@ pub struct BenchArgs {
     /// many GiB (products: a product whose operand or output would).
     #[arg(long, default_value_t = 4.0)]
     max_score_gib: f64,
+    /// With products on wgpu or cuda: time each product once for each of
+    /// cubek's strategies that burn's autotuning chooses among, beside
+    /// burn's untuned choice (`auto`), each result checked against
+    /// `auto`'s (the rel. diff column).
+    #[arg(long)]
+    strategies: bool,
     /// Print one JSON object per setting instead of a table.
     #[arg(long)]
     json: bool,
@@ -445,6 +451,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
             train.shards(),
             args.batch
         );
+    }
+    if args.strategies && !matches!(benchmark, Benchmark::Products) {
+        anyhow::bail!("--strategies is for tvq bench products, not {benchmark:?}")
     }
     let log = match (&benchmark, args.profile) {
         (_, false) => None,

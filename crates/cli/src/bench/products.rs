@@ -4,15 +4,38 @@
 //! against what the device's products reach at those shapes (and against
 //! PyTorch's: `scripts/torch_reference.py products` times the same shapes
 //! from this benchmark's JSON lines).
+//!
+//! With `--strategies` (wgpu, CUDA) each product is timed once for each of
+//! cubek's strategies that burn's autotuning chooses among (the
+//! [`strategies`] below), beside burn's untuned choice (`auto`, what the
+//! unfused build runs): the best of them is the most a tuned build of
+//! burn 0.21 can reach at that shape, and each strategy's result is
+//! checked against `auto`'s, so that a fast row is never a wrong one.
 
 use std::collections::HashSet;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use burn::Dispatch;
 use burn::DispatchDevice;
+use burn::backend::wgpu::WgpuRuntime;
 use burn::prelude::*;
-use burn::tensor::Distribution;
+use burn::tensor::{Distribution, TensorPrimitive};
+use burn_cubecl::cubecl::cuda::CudaRuntime;
+use burn_cubecl::kernel::matmul::{MatmulStrategy, init_matmul_output, matmul};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{CubeBackend, CubeRuntime};
+use cubek::matmul::components::tile::TileMatmulKind;
+use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
+use cubek::matmul::launch::{Strategy, launch_ref};
+use cubek::matmul::routines::BlueprintStrategy::Inferred;
+use cubek::matmul::routines::TileSizeSelection;
+use cubek::matmul::routines::double_buffering::DoubleBufferingArgs;
+use cubek::matmul::routines::double_unit::DoubleUnitSelectionArgs;
+use cubek::matmul::routines::ordered_double_buffering::OrderedSelectionArgs;
+use cubek::matmul::routines::simple::SimpleArgs;
+use cubek::matmul::routines::simple_unit::SimpleUnitSelectionArgs;
+use cubek::std::InputBinding;
 use serde_json::json;
 use tvq_model::{MatrixProduct, Precision, TransformerVqConfig};
 
@@ -25,13 +48,17 @@ const TIMED_SECONDS: f64 = 0.1;
 /// Times every matrix product of `model`'s forward pass (each --form, each
 /// --seq-len with --batch rows, each precision) on `device`; a product is
 /// listed once where several forms share it, and one whose output would
-/// exceed --max-score-gib is skipped with a row that says so.
+/// exceed --max-score-gib is skipped with a row that says so. With
+/// --strategies, each product once for each strategy.
 pub(super) fn run(
     args: &BenchArgs,
     model: &TransformerVqConfig,
     precisions: &[Precision],
     (device, info): (&DispatchDevice, &str),
 ) -> Result<()> {
+    if args.strategies && !matches!(device, DispatchDevice::Wgpu(_) | DispatchDevice::Cuda(_)) {
+        bail!("--strategies times cubek's kernels: use --device wgpu or cuda");
+    }
     // Every form and length checked before the header, so that a bad flag
     // gives its error alone.
     let forms = args
@@ -60,8 +87,18 @@ pub(super) fn run(
     if !args.json {
         println!("device: {info}; batch {}", args.batch);
         println!(
-            "{:<10} {:>8} {:>9} {:<32} {:>26} {:>12}",
-            "form", "seq_len", "precision", "product", "batch x [m, k] x [k, n]", "GFLOP/s"
+            "{:<10} {:>8} {:>9} {:<32} {:>26} {:>12}{}",
+            "form",
+            "seq_len",
+            "precision",
+            "product",
+            "batch x [m, k] x [k, n]",
+            "GFLOP/s",
+            if args.strategies {
+                "  rel. diff  strategy"
+            } else {
+                ""
+            }
         );
     }
     for &t in &args.seq_len {
@@ -69,10 +106,35 @@ pub(super) fn run(
             let mut measured = HashSet::new();
             for (form, cfg) in &forms {
                 for product in cfg.matrix_products(args.batch, t) {
-                    if measured.insert(product) {
+                    if !measured.insert(product) {
+                        continue;
+                    }
+                    let print = |strategy: Option<&str>, rate| {
+                        let row = Row {
+                            form,
+                            t,
+                            precision,
+                            product: &product,
+                            strategy,
+                            rate,
+                            info,
+                        };
+                        row.print(args)
+                    };
+                    let context = || format!("{} at T = {t}", product.name);
+                    if args.strategies {
+                        let on = (&product, precision, args.max_score_gib);
+                        let each = |name: &str, rate| print(Some(name), rate);
+                        match device {
+                            DispatchDevice::Wgpu(d) => time_strategies::<WgpuRuntime>(on, d, each),
+                            DispatchDevice::Cuda(d) => time_strategies::<CudaRuntime>(on, d, each),
+                            _ => unreachable!("checked above"),
+                        }
+                        .with_context(context)?;
+                    } else {
                         let rate = time_product(&product, precision, args.max_score_gib, device)
-                            .with_context(|| format!("{} at T = {t}", product.name))?;
-                        print_row(args, form, t, precision, &product, rate, info);
+                            .with_context(context)?;
+                        print(None, rate.map_or(Rate::Skipped, Rate::Timed));
                     }
                 }
             }
@@ -81,23 +143,46 @@ pub(super) fn run(
     Ok(())
 }
 
-/// The product's rate in FLOP/s, or `None` where an operand or the output
-/// would exceed `max_gib`: random operands of its shape in `precision`,
-/// multiplied once untimed (compilation, tuning), then in rounds of
-/// doubling length until a round lasts [`TIMED_SECONDS`], the device
-/// synchronised at the end of each round.
+/// Whether the product's operands and output all fit within `max_gib`.
+fn fits(p: &MatrixProduct, max_gib: f64) -> bool {
+    let largest = [p.m * p.k, p.k * p.n, p.m * p.n]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+    (p.batch * largest * 4) as f64 <= max_gib * (1u64 << 30) as f64
+}
+
+/// `launch` once untimed (compilation, tuning), then in rounds of doubling
+/// length until a round lasts [`TIMED_SECONDS`], `sync` at the end of
+/// each: FLOP/s of products of `flops` each.
+fn timed(flops: f64, mut launch: impl FnMut(), sync: impl Fn() -> Result<()>) -> Result<f64> {
+    launch();
+    sync()?;
+    let mut rounds = 1usize;
+    loop {
+        let start = Instant::now();
+        for _ in 0..rounds {
+            launch();
+        }
+        sync()?;
+        let seconds = start.elapsed().as_secs_f64();
+        if seconds >= TIMED_SECONDS {
+            return Ok(rounds as f64 * flops / seconds);
+        }
+        rounds *= 2;
+    }
+}
+
+/// The product's rate in FLOP/s through burn's `matmul` (the build's own
+/// choice of kernel), or `None` where it does not [`fits`]: random
+/// operands of its shape in `precision`.
 fn time_product(
     p: &MatrixProduct,
     precision: Precision,
     max_gib: f64,
     device: &DispatchDevice,
 ) -> Result<Option<f64>> {
-    let largest = [p.m * p.k, p.k * p.n, p.m * p.n]
-        .into_iter()
-        .max()
-        .unwrap_or(0);
-    let bytes = (p.batch * largest * 4) as f64;
-    if bytes > max_gib * (1u64 << 30) as f64 {
+    if !fits(p, max_gib) {
         return Ok(None);
     }
     let random = |shape: [usize; 3]| {
@@ -105,49 +190,244 @@ fn time_product(
     };
     let (a, b) = (random([p.batch, p.m, p.k]), random([p.batch, p.k, p.n]));
     let sync = || Dispatch::sync(device).context("synchronising the device");
-    drop(a.clone().matmul(b.clone()));
-    sync()?;
-    let mut rounds = 1usize;
-    loop {
-        let start = Instant::now();
-        for _ in 0..rounds {
-            drop(a.clone().matmul(b.clone()));
-        }
-        sync()?;
-        let seconds = start.elapsed().as_secs_f64();
-        if seconds >= TIMED_SECONDS {
-            return Ok(Some(rounds as f64 * p.flops_once() / seconds));
-        }
-        rounds *= 2;
-    }
+    timed(p.flops_once(), || drop(a.clone().matmul(b.clone())), sync).map(Some)
 }
 
-fn print_row(
-    args: &BenchArgs,
-    form: &str,
+/// The strategies burn's matrix-product autotuning chooses among for a
+/// general product (burn-cubecl 0.21's `matmul_autotune`, without its
+/// naive fallback and its matrix-vector kernels): units' tiles, and the
+/// accelerated ones on `cmma` (cubecl's warp matrices) or `mma` (PTX's),
+/// cyclic, double-buffered, ordered, specialized and TMA loading.
+fn strategies() -> Vec<Strategy> {
+    let mut list = Vec::new();
+    for tile_size in [
+        TileSizeSelection::MaxTileSize,
+        TileSizeSelection::MinTileSize,
+    ] {
+        list.push(Strategy::SimpleUnit(Inferred(SimpleUnitSelectionArgs {
+            tile_size,
+        })));
+        list.push(Strategy::DoubleUnit(Inferred(DoubleUnitSelectionArgs {
+            tile_size,
+        })));
+    }
+    for tile_matmul in [TileMatmulKind::Cmma, TileMatmulKind::Mma] {
+        let cmma = tile_matmul == TileMatmulKind::Cmma;
+        for multi_rows in [false, true] {
+            let simple = SimpleArgs {
+                multi_rows,
+                tile_matmul,
+            };
+            list.push(if cmma {
+                Strategy::SimpleCyclicCmma(Inferred(simple.clone()))
+            } else {
+                Strategy::SimpleCyclicMma(Inferred(simple.clone()))
+            });
+            list.push(if cmma {
+                Strategy::SimpleTmaCmma(Inferred(simple))
+            } else {
+                Strategy::SimpleTmaMma(Inferred(simple))
+            });
+        }
+        for row_count in [4, 8] {
+            let ordered = Inferred(OrderedSelectionArgs {
+                partition_k: Some(2),
+                row_count: Some(row_count),
+                rows_per_plane: Some(2),
+                tile_matmul,
+            });
+            list.push(if cmma {
+                Strategy::OrderedDoubleCmma(ordered)
+            } else {
+                Strategy::OrderedDoubleMma(ordered)
+            });
+        }
+        for specialized in [false, true] {
+            let double = Inferred(DoubleBufferingArgs {
+                specialized,
+                tile_matmul,
+            });
+            list.push(if cmma {
+                Strategy::DoubleCyclicCmma(double)
+            } else {
+                Strategy::DoubleCyclicMma(double)
+            });
+        }
+        list.extend(if cmma {
+            [
+                Strategy::SpecializedCyclicCmma(Inferred(().into())),
+                Strategy::SpecializedTmaCmma(Inferred(().into())),
+            ]
+        } else {
+            [
+                Strategy::SpecializedCyclicMma(Inferred(().into())),
+                Strategy::SpecializedTmaMma(Inferred(().into())),
+            ]
+        });
+    }
+    list
+}
+
+/// Times the product `p` in `precision` with burn's untuned choice
+/// (`auto`) and then each of [`strategies`], handing each one's name and
+/// [`Rate`] to `each` as it is measured; a strategy that cannot run the
+/// product on this device (cubek refuses its setup) is unavailable, and
+/// every other one's result is compared with `auto`'s.
+fn time_strategies<R: CubeRuntime>(
+    (p, precision, max_gib): (&MatrixProduct, Precision, f64),
+    device: &R::Device,
+    mut each: impl FnMut(&str, Rate),
+) -> Result<()> {
+    type B<R> = CubeBackend<R, f32, i32, u32>;
+    if !fits(p, max_gib) {
+        each("auto", Rate::Skipped);
+        return Ok(());
+    }
+    let dtype: burn::tensor::DType = precision.dtype().into();
+    let random = |shape: [usize; 3]| -> CubeTensor<R> {
+        let t =
+            Tensor::<B<R>, 3>::random(shape, Distribution::Default, device).cast(precision.dtype());
+        t.into_primitive().tensor()
+    };
+    let (lhs, rhs) = (random([p.batch, p.m, p.k]), random([p.batch, p.k, p.n]));
+    let host = |out: CubeTensor<R>| -> Vec<f32> {
+        let t = Tensor::<B<R>, 3>::from_primitive(TensorPrimitive::Float(out));
+        t.into_data()
+            .convert::<f32>()
+            .into_vec()
+            .unwrap_or_default()
+    };
+    let sync = || B::<R>::sync(device).context("synchronising the device");
+    let auto = || {
+        let out = matmul(lhs.clone(), rhs.clone(), None, MatmulStrategy::Cube, dtype);
+        out.map_err(|e| anyhow::anyhow!("burn's matmul: {e:?}"))
+    };
+    let expected = host(auto()?);
+    let scale = expected
+        .iter()
+        .fold(0.0f32, |m, x| m.max(x.abs()))
+        .max(f32::MIN_POSITIVE);
+    let rate = timed(p.flops_once(), || drop(auto()), sync)?;
+    each("auto", Rate::Timed(rate));
+    // An output that a strategy which wrote nothing would leave as it was:
+    // NaN (a fresh buffer may hold the last product, its memory reused).
+    let unwritten = || -> CubeTensor<R> {
+        let shape = [p.batch, p.m, p.n];
+        let t = Tensor::<B<R>, 3>::full(shape, f32::NAN, device).cast(precision.dtype());
+        t.into_primitive().tensor()
+    };
+    for strategy in strategies() {
+        let launch = |out: CubeTensor<R>| {
+            let globals = MatmulGlobalElems {
+                lhs: dtype.into(),
+                rhs: dtype.into(),
+                out: dtype.into(),
+            };
+            let bind = |t: &CubeTensor<R>| InputBinding::new(t.clone().binding(), dtype.into());
+            let client = out.client.clone();
+            launch_ref(
+                &strategy,
+                &client,
+                bind(&lhs),
+                bind(&rhs),
+                out.clone().binding(),
+                &mut MatmulElems::from_globals(&globals),
+            )
+            .map(|()| out)
+        };
+        let name = strategy.to_string();
+        match launch(unwritten()) {
+            Err(refused) => each(
+                &name,
+                Rate::Unavailable(format!("{refused:?}").trim().into()),
+            ),
+            Ok(out) => {
+                let diff = host(out).iter().zip(&expected).fold(0.0f64, |m, (a, b)| {
+                    let d = f64::from((a - b).abs());
+                    if d.is_nan() {
+                        f64::from(f32::MAX)
+                    } else {
+                        m.max(d)
+                    }
+                });
+                let fresh = || init_matmul_output(&lhs, &rhs, dtype);
+                let rate = timed(p.flops_once(), || drop(launch(fresh())), sync)?;
+                each(&name, Rate::Checked(rate, diff / f64::from(scale)));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// What one row reports.
+enum Rate {
+    /// FLOP/s.
+    Timed(f64),
+    /// FLOP/s, and the largest difference from `auto`'s result relative
+    /// to its largest entry.
+    Checked(f64, f64),
+    /// Over --max-score-gib.
+    Skipped,
+    /// The strategy cannot run the product on this device: cubek's reason.
+    Unavailable(String),
+}
+
+/// One product's line.
+struct Row<'a> {
+    form: &'a str,
     t: usize,
     precision: Precision,
-    p: &MatrixProduct,
-    rate: Option<f64>,
-    info: &str,
-) {
-    if args.json {
-        let mut row = json!({
-            "form": "products", "attention": form, "seq_len": t, "rows": args.batch,
-            "precision": precision, "name": p.name, "count": p.count, "batch": p.batch,
-            "m": p.m, "k": p.k, "n": p.n, "flops": p.flops_once(), "device": info,
-        });
-        match rate {
-            Some(rate) => row["flops_per_s"] = json!(rate),
-            None => row["skipped"] = json!(format!("over --max-score-gib {}", args.max_score_gib)),
+    product: &'a MatrixProduct,
+    strategy: Option<&'a str>,
+    rate: Rate,
+    info: &'a str,
+}
+
+impl Row<'_> {
+    fn print(&self, args: &BenchArgs) {
+        let Self {
+            form,
+            t,
+            precision,
+            product: p,
+            ..
+        } = *self;
+        if args.json {
+            let mut row = json!({
+                "form": "products", "attention": form, "seq_len": t, "rows": args.batch,
+                "precision": precision, "name": p.name, "count": p.count, "batch": p.batch,
+                "m": p.m, "k": p.k, "n": p.n, "flops": p.flops_once(), "device": self.info,
+            });
+            if let Some(strategy) = self.strategy {
+                row["strategy"] = json!(strategy);
+            }
+            match &self.rate {
+                Rate::Timed(rate) => row["flops_per_s"] = json!(rate),
+                Rate::Checked(rate, diff) => {
+                    row["flops_per_s"] = json!(rate);
+                    row["max_rel_diff"] = json!(diff);
+                }
+                Rate::Skipped => {
+                    row["skipped"] = json!(format!("over --max-score-gib {}", args.max_score_gib))
+                }
+                Rate::Unavailable(why) => row["unavailable"] = json!(why),
+            }
+            println!("{row}");
+        } else {
+            let shape = format!("{} x [{}, {}] x [{}, {}]", p.batch, p.m, p.k, p.k, p.n);
+            let (shown, diff) = match &self.rate {
+                Rate::Timed(r) => (format!("{:.1}", r / 1e9), String::new()),
+                Rate::Checked(r, d) => (format!("{:.1}", r / 1e9), format!("{d:.1e}")),
+                Rate::Skipped => ("skipped".into(), String::new()),
+                Rate::Unavailable(_) => ("unavailable".into(), String::new()),
+            };
+            let strategy = self
+                .strategy
+                .map_or(String::new(), |s| format!("  {diff:>9}  {s}"));
+            println!(
+                "{form:<10} {t:>8} {precision:>9} {:<32} {shape:>26} {shown:>12}{strategy}",
+                p.name
+            );
         }
-        println!("{row}");
-    } else {
-        let shape = format!("{} x [{}, {}] x [{}, {}]", p.batch, p.m, p.k, p.k, p.n);
-        let shown = rate.map_or("skipped".into(), |r| format!("{:.1}", r / 1e9));
-        println!(
-            "{form:<10} {t:>8} {precision:>9} {:<32} {shape:>26} {shown:>12}",
-            p.name
-        );
     }
 }

@@ -481,6 +481,97 @@ fn bench_step_profile_counts_the_launches_of_a_step() {
     assert_eq!(err.trim().lines().count(), 1, "{err}");
 }
 
+/// `tvq bench products --strategies` on the GPU times each product once
+/// with burn's untuned choice (`auto`) and once for each of cubek's
+/// strategies: every product gets the same strategies, each either timed
+/// with its result checked against `auto`'s (and agreeing: they compute
+/// the same f32 product) or unavailable with cubek's reason, and at least
+/// one besides `auto` runs each product; on the CPU, or with another
+/// benchmark, the flag is a one-line error.
+#[test]
+fn bench_products_strategies_times_each_strategy_checked() {
+    let gpu = Gpu::under_test();
+    let dir = tempfile::tempdir().unwrap();
+    let config = tiny_config(dir.path(), 2, 2);
+    let config = config.to_str().unwrap();
+    let bench = |device: &str, benchmark: &str| {
+        tvq(&[
+            "bench",
+            benchmark,
+            "--device",
+            device,
+            "--config",
+            config,
+            "--form",
+            "vq",
+            "--seq-len",
+            "64",
+            "--batch",
+            "2",
+            "--precision",
+            "f32",
+            "--strategies",
+            "--json",
+        ])
+    };
+    let out = bench(gpu.name(), "products");
+    let err = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() && err.contains("is not available") {
+        gpu.missing(
+            "bench_products_strategies_times_each_strategy_checked",
+            &err,
+        );
+        return;
+    }
+    assert!(out.status.success(), "{err}");
+    let lines = parse_json_lines(&String::from_utf8_lossy(&out.stdout));
+    let mut products: Vec<&str> = lines.iter().map(|l| l["name"].as_str().unwrap()).collect();
+    products.dedup();
+    assert!(products.len() >= 5, "{products:?}");
+    let mut names_of_first = None;
+    for product in products {
+        let rows: Vec<_> = lines.iter().filter(|l| l["name"] == product).collect();
+        let names: Vec<&str> = rows
+            .iter()
+            .map(|l| l["strategy"].as_str().unwrap())
+            .collect();
+        assert_eq!(names[0], "auto", "{product}: {names:?}");
+        assert!(
+            rows[0]["flops_per_s"].as_f64().unwrap() > 0.0,
+            "{}",
+            rows[0]
+        );
+        let unique: std::collections::HashSet<_> = names.iter().collect();
+        assert_eq!(unique.len(), names.len(), "{product}: {names:?}");
+        assert!(names.len() >= 20, "{product}: {names:?}");
+        assert_eq!(*names_of_first.get_or_insert(names.clone()), names);
+        let mut ran = 0;
+        for row in &rows[1..] {
+            match (row["flops_per_s"].as_f64(), row["unavailable"].as_str()) {
+                (Some(rate), None) => {
+                    assert!(rate > 0.0, "{row}");
+                    let diff = row["max_rel_diff"].as_f64().unwrap();
+                    assert!(diff < 1e-4, "{product} disagrees with auto: {row}");
+                    ran += 1;
+                }
+                (None, Some(why)) => assert!(!why.is_empty() && !why.contains('\n'), "{row}"),
+                _ => panic!("neither timed nor unavailable: {row}"),
+            }
+        }
+        assert!(ran >= 1, "no strategy but auto ran {product}: {rows:?}");
+    }
+    for (device, benchmark, says) in [
+        ("cpu", "products", "--device wgpu or cuda"),
+        (gpu.name(), "step", "is for tvq bench products"),
+    ] {
+        let out = bench(device, benchmark);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+    }
+}
+
 /// A node tunes once: a training step on the GPU (wgpu: lavapipe in CI)
 /// with an empty cache autotunes (cubecl's log says which kernel won for
 /// each shape) and keeps the results under `$XDG_CACHE_HOME/tvq/`; a second
