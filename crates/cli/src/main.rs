@@ -27,14 +27,14 @@ use clap::{Parser, Subcommand};
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// `tvq --version`: the crate's version and the hash of the kernel sources
-/// that names the folder of compiled kernels it uses in `~/.cache/tvq/`
-/// (a cache shipped for one set of kernels is of no use to another).
+/// `tvq --version`: the crate's version and the hash of its kernels'
+/// sources, which its compiled kernels are known by in `~/.cache/tvq/`
+/// (a cache shipped for other kernels still serves burn's).
 fn version() -> &'static str {
     static VERSION: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     VERSION.get_or_init(|| {
-        let folder = tvq_train::placement::device::compiled_kernels_folder();
-        format!("{} ({folder})", env!("CARGO_PKG_VERSION"))
+        let hash = tvq_model::kernel::SOURCE_HASH;
+        format!("{} (kernels {hash:016x})", env!("CARGO_PKG_VERSION"))
     })
 }
 

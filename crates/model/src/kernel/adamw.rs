@@ -15,8 +15,8 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use super::ROW;
 use super::launch::{empty_like, flat_chunks, per_launch};
+use super::{ROW, SOURCE_HASH};
 
 /// Units per cube, each updating every `UNITS`-th element of the chunk.
 const UNITS: usize = 256;
@@ -42,6 +42,7 @@ fn adamw<F: Float>(
     table: &Tensor<F>,
     first: usize,
     chunk: usize,
+    #[comptime] _source: u64,
     #[define(F)] _dtype: StorageType,
 ) {
     let (c, y) = (CUBE_POS_X as usize, CUBE_POS_Y as usize);
@@ -130,6 +131,7 @@ pub(super) fn step<R: CubeRuntime>(
             table.clone().into_tensor_arg(),
             start,
             chunk,
+            SOURCE_HASH,
             dtype.into(),
         );
     }

@@ -64,7 +64,7 @@ use cubecl::prelude::*;
 
 use super::launch::{cubes, empty_like, parts};
 use super::tile::{ALIGN, Strides, Sums, WARP, product, tensor_cores};
-use super::{AttentionKernelGrads, AttentionKernelInput};
+use super::{AttentionKernelGrads, AttentionKernelInput, SOURCE_HASH};
 
 /// Units along a cube's rows, and rows and columns of a warp's tile.
 const SIDE: usize = 16;
@@ -517,6 +517,7 @@ fn log_sum_exp<F: Float>(
     lse: &mut Tensor<F>,
     #[comptime] width: usize,
     #[comptime] tensor_cores: bool,
+    #[comptime] _source: u64,
     #[define(F)] _dtype: StorageType,
 ) {
     let l = x.q.shape(1);
@@ -596,6 +597,7 @@ fn attend<F: Float>(
     #[comptime] width: usize,
     #[comptime] chunks: usize,
     #[comptime] tensor_cores: bool,
+    #[comptime] _source: u64,
     #[define(F)] _dtype: StorageType,
 ) {
     let l = x.q.shape(1);
@@ -702,6 +704,7 @@ fn backward_query<F: Float>(
     ds_window: &mut Tensor<F>,
     #[comptime] width: usize,
     #[comptime] tensor_cores: bool,
+    #[comptime] _source: u64,
     #[define(F)] _dtype: StorageType,
 ) {
     let l = x.q.shape(1);
@@ -919,6 +922,7 @@ fn backward_values<F: Float>(
     #[comptime] width: usize,
     #[comptime] chunks: usize,
     #[comptime] tensor_cores: bool,
+    #[comptime] _source: u64,
     #[define(F)] _dtype: StorageType,
 ) {
     let l = x.q.shape(1);
@@ -1033,6 +1037,7 @@ fn fold_previous<F: Float>(
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
     blocks: usize,
+    #[comptime] _source: u64,
     #[define(F)] _dtype: StorageType,
 ) {
     let (l, width_k, width_v) = (dk.shape(1), dk.shape(2), dv.shape(2));
@@ -1134,6 +1139,7 @@ pub(super) fn forward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTens
         lse.clone().into_tensor_arg(),
         dk,
         tensor_cores,
+        SOURCE_HASH,
         dtype.into(),
     );
     let chunks = chunks(dv, max_slice());
@@ -1148,6 +1154,7 @@ pub(super) fn forward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTens
         dk,
         chunks,
         tensor_cores,
+        SOURCE_HASH,
         dtype.into(),
     );
     (out, lse)
@@ -1189,6 +1196,7 @@ pub(super) fn backward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTen
         ds.clone().into_tensor_arg(),
         dk,
         tensor_cores(&client, dtype),
+        SOURCE_HASH,
         dtype.into(),
     );
     let chunks = chunks(dv, max_slice());
@@ -1205,6 +1213,7 @@ pub(super) fn backward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTen
         dk,
         chunks,
         tensor_cores(&client, dtype),
+        SOURCE_HASH,
         dtype.into(),
     );
     // dk and dk_prev: ds^T q, [G, 2L, L] x [G, L, K] = [G, 2L, K].
@@ -1221,6 +1230,7 @@ pub(super) fn backward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTen
             out.clone().into_tensor_arg(),
             dv_present.clone().into_tensor_arg(),
             blocks,
+            SOURCE_HASH,
             dtype.into(),
         );
         out
@@ -1311,6 +1321,7 @@ mod tests {
                     tensor(),
                     width,
                     tensor_cores,
+                    SOURCE_HASH,
                     dtype,
                 )),
             ),
@@ -1325,6 +1336,7 @@ mod tests {
                     width,
                     chunks,
                     tensor_cores,
+                    SOURCE_HASH,
                     dtype,
                 )),
             ),
@@ -1343,6 +1355,7 @@ mod tests {
                     tensor(),
                     width,
                     tensor_cores,
+                    SOURCE_HASH,
                     dtype,
                 )),
             ),
@@ -1360,10 +1373,41 @@ mod tests {
                     width,
                     chunks,
                     tensor_cores,
+                    SOURCE_HASH,
                     dtype,
                 )),
             ),
         ]
+    }
+
+    /// A kernel's id, under which cubecl caches its compiled form, holds
+    /// the hash of the kernels' sources it was launched with.
+    #[test]
+    fn a_kernels_id_changes_with_the_sources() {
+        let test = "a_kernels_id_changes_with_the_sources";
+        let up = std::panic::catch_unwind(|| WgpuRuntime::client(&WgpuDevice::DefaultDevice));
+        let Ok(client) = up else {
+            Gpu::Wgpu.missing(test, "no wgpu adapter answered");
+            return;
+        };
+        let dtype = f32::as_type_native_unchecked().storage_type();
+        let id = |source: u64| {
+            let settings = KernelSettings::default().cube_dim(tile_dim());
+            let tensor = TensorCompilationArg { inplace: None };
+            let kernel = log_sum_exp::LogSumExp::<WgpuRuntime>::new(
+                settings,
+                client.clone(),
+                operands(),
+                tensor,
+                64,
+                false,
+                source,
+                dtype,
+            );
+            kernel.id().stable_hash()
+        };
+        assert_eq!(id(SOURCE_HASH), id(SOURCE_HASH));
+        assert_ne!(id(SOURCE_HASH), id(SOURCE_HASH ^ 1));
     }
 
     /// The kernels compile for an H100 (`sm_90a`) with NVRTC, as cubecl's

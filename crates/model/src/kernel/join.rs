@@ -14,6 +14,7 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
+use super::SOURCE_HASH;
 use super::launch::{empty_like, flat_chunks, per_launch};
 
 /// Units per cube, each copying every `UNITS`-th element of the chunk.
@@ -32,6 +33,7 @@ fn join<F: Float>(
     rows: usize,
     offset: usize,
     chunk: usize,
+    #[comptime] _source: u64,
     #[define(F)] _dtype: StorageType,
 ) {
     let (c, y) = (CUBE_POS_X as usize, CUBE_POS_Y as usize);
@@ -100,6 +102,7 @@ pub(super) fn join_last<R: CubeRuntime>(parts: Vec<CubeTensor<R>>) -> Option<Cub
             rows,
             offset,
             chunk,
+            SOURCE_HASH,
             dtype.into(),
         );
         offset += widths.iter().sum::<usize>();

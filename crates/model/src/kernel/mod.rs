@@ -59,11 +59,11 @@ const SOURCES: [(&str, &[u8]); 8] = [
 ];
 
 /// A hash (FNV-1a, 64 bits) of the kernels' sources. cubecl keeps a
-/// compiled kernel under its type and settings, not its code, so a cache of
-/// compiled kernels is only safe for the sources that filled it: tvq names
-/// its cache folder by this hash (`tvq_train::placement::device`), and a
-/// kernel changed between two builds is compiled anew, never loaded as the
-/// older build compiled it.
+/// compiled kernel under its type and comptime arguments, not its code, so
+/// every kernel here takes this hash as a comptime argument (`_source`):
+/// a kernel changed between two builds is compiled anew, never loaded as
+/// the older build compiled it, and burn's kernels compiled into the same
+/// cache stay of use to the next build.
 pub const SOURCE_HASH: u64 = {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     let mut i = 0;
@@ -969,7 +969,9 @@ mod tests {
     /// compiled kernels to a new folder.
     #[test]
     fn the_source_hash_covers_every_kernel_file() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/kernel");
+        // The crate's folder as the test runs, not as it was built: a binary
+        // reused from another checkout's build would read a folder gone.
+        let dir = tvq_testkit::crate_dir().join("src/kernel");
         let mut with_kernels: Vec<String> = std::fs::read_dir(&dir)
             .expect("the kernel folder")
             .map(|entry| entry.expect("an entry").path())
@@ -986,5 +988,31 @@ mod tests {
             .map(|(name, _)| name.to_string())
             .collect();
         assert_eq!(with_kernels, hashed);
+    }
+
+    /// Every kernel takes [`super::SOURCE_HASH`] as a comptime argument
+    /// (which cubecl keeps in the kernel's id: `a_kernels_id_changes_with_the_sources`)
+    /// and every launch passes it, so a kernel whose code changed is
+    /// compiled anew rather than loaded as an older build compiled it,
+    /// while burn's kernels in the same cache stay valid.
+    #[test]
+    fn every_kernel_is_known_by_the_sources_hash() {
+        let mut kernels = 0;
+        for (name, bytes) in super::SOURCES {
+            let text = std::str::from_utf8(bytes).unwrap();
+            for kernel in text.split("#[cube(launch)]").skip(1) {
+                let signature = &kernel[..kernel.find(") {").unwrap()];
+                assert!(
+                    signature.contains("#[comptime] _source: u64,"),
+                    "{name}: {signature}"
+                );
+                kernels += 1;
+            }
+            for launch in text.split("::launch::<").skip(1) {
+                let args = &launch[..launch.find(");").unwrap()];
+                assert!(args.contains("SOURCE_HASH,"), "{name}: {args}");
+            }
+        }
+        assert!(kernels >= 12, "{kernels} kernels");
     }
 }

@@ -14,6 +14,7 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
+use super::SOURCE_HASH;
 use super::launch::{empty_like, flat_chunks, per_launch};
 
 /// Units per cube, each summing every `UNITS`-th element of the chunk.
@@ -32,6 +33,7 @@ fn sum_squares<F: Float>(
     partials: &mut Tensor<F>,
     first: usize,
     chunk: usize,
+    #[comptime] _source: u64,
     #[define(F)] _dtype: StorageType,
 ) {
     let (c, y) = (CUBE_POS_X as usize, CUBE_POS_Y as usize);
@@ -107,6 +109,7 @@ pub(super) fn partials<R: CubeRuntime>(tensors: Vec<CubeTensor<R>>) -> Option<Cu
             partials.clone().into_tensor_arg(),
             i * per_launch,
             chunk,
+            SOURCE_HASH,
             dtype.into(),
         );
     }

@@ -16,6 +16,7 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
+use super::SOURCE_HASH;
 use super::launch::{cubes, empty_like, parts};
 
 /// Keys per cube, one per unit.
@@ -44,6 +45,7 @@ fn quantize_keys<F: Float, I: Int>(
     error: &mut Tensor<F>,
     norms: &mut Tensor<F>,
     #[comptime] width: usize,
+    #[comptime] _source: u64,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let t = keys.shape(1);
@@ -142,6 +144,7 @@ pub(super) fn quantize<R: CubeRuntime>(
         error.clone().into_tensor_arg(),
         norm.clone().into_tensor_arg(),
         k,
+        SOURCE_HASH,
         [dtype.into(), int.into()],
     );
     (codes, nearest, error, norm)

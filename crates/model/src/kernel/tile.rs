@@ -320,6 +320,7 @@ mod tests {
     use tvq_testkit::Gpu;
 
     use super::*;
+    use crate::kernel::SOURCE_HASH;
 
     /// Two tile products into the second tile of `c`: the first half of
     /// the depth fresh, the second half added to it, the operands the
@@ -335,6 +336,7 @@ mod tests {
         #[comptime] depth: usize,
         #[comptime] by_rows: bool,
         #[comptime] tensor_cores: bool,
+        #[comptime] _source: u64,
         #[define(F)] _dtype: StorageType,
     ) {
         let lane = UNIT_POS as usize;
@@ -432,6 +434,7 @@ mod tests {
                     depth,
                     by_rows,
                     tensor_cores,
+                    SOURCE_HASH,
                     f32::as_type_native_unchecked().storage_type(),
                 )
             };

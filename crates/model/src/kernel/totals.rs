@@ -22,6 +22,7 @@ use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
+use super::SOURCE_HASH;
 use super::launch::{cubes, empty_like, parts, zeros};
 
 /// Codes (and channel lanes) per cube: a cube is `TILE x TILE` units.
@@ -47,6 +48,7 @@ fn code_totals<F: Float, I: Int>(
     sums: &mut Tensor<F>,
     #[comptime] weighted: bool,
     #[comptime] per_unit: usize,
+    #[comptime] _source: u64,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let (groups, n) = (codes.shape(0), codes.shape(1));
@@ -227,6 +229,7 @@ fn block_caches<F: Float, I: Int>(
     means_after: &mut Tensor<F>,
     #[comptime] per_unit: usize,
     #[comptime] fresh: bool,
+    #[comptime] _source: u64,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let (groups, s) = (carried_counts.shape(0), carried_counts.shape(1));
@@ -367,6 +370,7 @@ pub(super) fn totals<R: CubeRuntime>(
         sums.clone().into_tensor_arg(),
         weighted,
         per_unit,
+        SOURCE_HASH,
         [dtype.into(), int.into()],
     );
     (counts, sums)
@@ -411,6 +415,7 @@ pub(super) fn caches<R: CubeRuntime>(
         outputs[3].clone().into_tensor_arg(),
         per_unit,
         fresh,
+        SOURCE_HASH,
         [dtype.into(), int.into()],
     );
     outputs

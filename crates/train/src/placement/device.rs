@@ -277,9 +277,9 @@ fn wgpu_memory_reserved(device: &WgpuDevice, streams: &[StreamId]) -> Option<u64
 /// compiled and a shape tuned once per machine rather than once per process:
 /// under `$XDG_CACHE_HOME/tvq/` or `~/.cache/tvq/`, autotuning's measurements
 /// in `autotune/` and the CUDA kernels NVRTC compiled in
-/// [`compiled_kernels_folder`] (a training step compiles hundreds; cubecl's own defaults keep no kernels and scatter
-/// autotune caches over the `target/` directory of whatever Rust project
-/// `tvq` runs in). A `cubecl.toml` that names other caches, and cubecl's
+/// [`COMPILED_KERNELS_FOLDER`] (a training step compiles hundreds;
+/// cubecl's own defaults keep no kernels and scatter autotune caches over
+/// the `target/` directory of whatever Rust project `tvq` runs in). A `cubecl.toml` that names other caches, and cubecl's
 /// `CUBECL_*` variables, are obeyed as cubecl would.
 /// Runs before the first GPU use (cubecl reads its settings once); whether
 /// this call set them (false: they were set already).
@@ -355,16 +355,14 @@ pub fn profile_kernels(log: &std::path::Path) -> Result<(), DeviceError> {
 }
 
 /// The folder of `$XDG_CACHE_HOME/tvq/` (or `~/.cache/tvq/`) that holds
-/// the kernels this build compiled: named by the hash of tvq's kernel
-/// sources ([`tvq_model::kernel::SOURCE_HASH`]), since cubecl knows a
-/// compiled kernel by its name and settings, not its code.
-pub fn compiled_kernels_folder() -> String {
-    format!("kernels-{:016x}", tvq_model::kernel::SOURCE_HASH)
-}
+/// the kernels cubecl compiled, burn's and tvq's: one for every build,
+/// since each of tvq's kernels is known by the hash of their sources
+/// ([`tvq_model::kernel::SOURCE_HASH`]) as well as its name and settings.
+pub const COMPILED_KERNELS_FOLDER: &str = "kernels";
 
 /// `config` with its caches moved under `cache_home/tvq`, where cubecl's
 /// defaults would put them (autotuning: `target/`; compiled kernels: none),
-/// the compiled kernels in [`compiled_kernels_folder`]. A cache the user
+/// the compiled kernels in [`COMPILED_KERNELS_FOLDER`]. A cache the user
 /// chose is left as it is.
 fn with_tvq_caches(
     mut config: cubecl_runtime::config::CubeClRuntimeConfig,
@@ -378,7 +376,7 @@ fn with_tvq_caches(
         config
             .compilation
             .cache
-            .get_or_insert(CacheConfig::File(dir.join(compiled_kernels_folder())));
+            .get_or_insert(CacheConfig::File(dir.join(COMPILED_KERNELS_FOLDER)));
     }
     config
 }
@@ -490,7 +488,7 @@ mod tests {
         let root = |c: &Option<CacheConfig>| c.as_ref().map(CacheConfig::root);
         let moved = with_tvq_caches(CubeClRuntimeConfig::default(), Some(home.clone()));
         assert_eq!(moved.autotune.cache.root(), home.join("tvq"));
-        let compiled = home.join("tvq").join(compiled_kernels_folder());
+        let compiled = home.join("tvq").join(COMPILED_KERNELS_FOLDER);
         assert_eq!(root(&moved.compilation.cache), Some(compiled));
 
         let mut chosen = CubeClRuntimeConfig::default();
