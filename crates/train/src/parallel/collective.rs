@@ -150,7 +150,17 @@ pub struct Collective {
     data_ports: Vec<SocketAddrV4>,
     /// Sums done so far.
     calls: std::cell::Cell<u64>,
+    /// The end of the last sum's session, still under way on the engine's
+    /// thread: node 0, which hosts the coordinator, may exit as soon as it
+    /// has its sum (a disagreement, the last checkpoint), and the others
+    /// would then wait for the session's end in vain. A node therefore
+    /// takes its sum as soon as the reduction gives it and waits for the
+    /// session's end only before its next sum.
+    finishing: std::cell::RefCell<Option<mpsc::Receiver<EngineResult<()>>>>,
 }
+
+/// What a call of the engine gives.
+type EngineResult<T> = Result<T, burn_collective::CollectiveError>;
 
 /// The backend the collective runs on: the plain (non-autodiff) one.
 type Engine = Dispatch;
@@ -210,6 +220,7 @@ impl Collective {
             own_ports: data_ports,
             data_ports: vec![],
             calls: std::cell::Cell::new(0),
+            finishing: std::cell::RefCell::new(None),
         };
         this.data_ports = this.meet(&node_host, data_ports)?;
         Ok(this)
@@ -293,16 +304,25 @@ impl Collective {
             .step_by(2)
             .copied()
             .collect();
+        if let Some(previous) = self.finishing.borrow_mut().take() {
+            self.answer(&format!("ending the sum before {what}"), previous)?;
+        }
         let started = Instant::now();
         let deadline = started + self.spec.timeout;
-        let summed = self.within_timeout(what, move || {
+        let (finished, finishing) = mpsc::channel();
+        let summed = self.within_timeout(what, move |answer| {
             await_free(own_port, deadline);
-            burn_collective::register::<Engine>(peer, device, config)?;
-            await_listening(&peers, deadline);
-            let sum = burn_collective::all_reduce::<Engine>(peer, primitive, ReduceOperation::Sum);
-            burn_collective::finish_collective::<Engine>(peer)?;
-            sum
+            let sum = burn_collective::register::<Engine>(peer, device, config).and_then(|()| {
+                await_listening(&peers, deadline);
+                burn_collective::all_reduce::<Engine>(peer, primitive, ReduceOperation::Sum)
+            });
+            let reduced = sum.is_ok();
+            let _ = answer.send(sum);
+            if reduced {
+                let _ = finished.send(burn_collective::finish_collective::<Engine>(peer));
+            }
         })?;
+        *self.finishing.borrow_mut() = Some(finishing);
         let summed = Tensor::<Engine, 1>::from_primitive(TensorPrimitive::Float(summed));
         let mut summed = summed
             .into_data()
@@ -334,21 +354,26 @@ impl Collective {
         Ok(summed)
     }
 
-    /// Runs a blocking call of the engine on its own thread and waits for
-    /// it at most the timeout. On a timeout the call is abandoned (its
-    /// thread stays blocked until the process exits, which the error leads to).
+    /// Runs blocking calls of the engine on a thread of their own, which
+    /// sends their answer as soon as it has it (and may go on), and waits
+    /// for the answer at most the timeout. On a timeout the calls are
+    /// abandoned (their thread stays blocked until the process exits,
+    /// which the error leads to).
     fn within_timeout<T: Send + 'static>(
         &self,
         what: &str,
-        call: impl FnOnce() -> Result<T, burn_collective::CollectiveError> + Send + 'static,
+        call: impl FnOnce(mpsc::Sender<EngineResult<T>>) + Send + 'static,
     ) -> Result<T, TrainError> {
         let (tx, rx) = mpsc::channel();
         std::thread::Builder::new()
             .name(ENGINE_THREAD.into())
-            .spawn(move || {
-                let _ = tx.send(call());
-            })
+            .spawn(move || call(tx))
             .map_err(|e| TrainError::Peer(format!("cannot start a collective call: {e}")))?;
+        self.answer(what, rx)
+    }
+
+    /// The engine's answer on `rx`, waited for at most the timeout.
+    fn answer<T>(&self, what: &str, rx: mpsc::Receiver<EngineResult<T>>) -> Result<T, TrainError> {
         let s = &self.spec;
         let others = other_nodes(s.nodes, s.rank);
         let fail = |what_happened: String| {
