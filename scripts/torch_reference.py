@@ -425,10 +425,13 @@ def bench(args):
 
 def products(args):
     """Times each product of `tvq bench products --json`'s lines (FILE, or
-    stdin) with torch.matmul at the same shape and precision: a batch of
-    [m, k] x [k, n], one untimed, then rounds of doubling length until a
-    round lasts 0.1 s. f32 is timed twice on CUDA, in f32 and with TF32
-    allowed (what tvq's f32 products are there); bf16 is bf16 operands."""
+    stdin) with torch.matmul at the same shape, pass and precision: a batch
+    of [m, k] x [k, n] (pass forward), [m, n] x [n, k] with the right
+    operand a transposed view (grad_left, as autograd's dA = dC B^T) or
+    [k, m] x [m, n] with the left one transposed (grad_right, dB = A^T dC);
+    one untimed, then rounds of doubling length until a round lasts 0.1 s.
+    f32 is timed twice on CUDA, in f32 and with TF32 allowed (what tvq's
+    f32 products are there); bf16 is bf16 operands."""
     device = torch.device(args.device)
     source = open(args.source) if args.source != "-" else sys.stdin
     rows = [json.loads(l) for l in source if l.startswith("{")]
@@ -440,8 +443,15 @@ def products(args):
         for impl, tf32 in kinds:
             torch.backends.cuda.matmul.allow_tf32 = tf32
             dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[r["precision"]]
-            a = torch.randn(r["batch"], r["m"], r["k"], device=device).to(dtype)
-            b = torch.randn(r["batch"], r["k"], r["n"], device=device).to(dtype)
+            batch, m, k, n = r["batch"], r["m"], r["k"], r["n"]
+            pass_ = r.get("pass", "forward")
+            randn = lambda *shape: torch.randn(batch, *shape, device=device).to(dtype)
+            if pass_ == "forward":
+                a, b = randn(m, k), randn(k, n)
+            elif pass_ == "grad_left":
+                a, b = randn(m, n), randn(k, n).transpose(1, 2)
+            else:
+                a, b = randn(m, k).transpose(1, 2), randn(m, n)
             torch.matmul(a, b)
             sync(device)
             rounds = 1
@@ -454,16 +464,16 @@ def products(args):
                 if seconds >= 0.1:
                     break
                 rounds *= 2
-            row = {k: r[k] for k in ("attention", "seq_len", "rows", "precision", "name", "count",
-                                     "batch", "m", "k", "n", "flops")}
-            row.update(form="products", impl=impl, flops_per_s=rounds * r["flops"] / seconds,
+            row = {key: r[key] for key in ("attention", "seq_len", "rows", "precision", "name", "count",
+                                           "batch", "m", "k", "n", "flops")}
+            row.update(form="products", impl=impl, **{"pass": pass_}, flops_per_s=rounds * r["flops"] / seconds,
                        tvq_flops_per_s=r["flops_per_s"], torch=torch.__version__,
                        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
             a = b = None
             if args.json:
                 print(json.dumps(row), flush=True)
             else:
-                print(f"{row['name']:<32} T={row['seq_len']:<7} {row['precision']:<5} {impl:<10} "
+                print(f"{row['name']:<32} {pass_:<10} T={row['seq_len']:<7} {row['precision']:<5} {impl:<10} "
                       f"{row['flops_per_s'] / 1e9:,.1f} GFLOP/s (tvq {r['flops_per_s'] / 1e9:,.1f})", flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
 

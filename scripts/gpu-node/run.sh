@@ -170,14 +170,14 @@ if [ $small = 1 ]; then
     --set model.d_v=64 --set model.n_code=16 --set model.block_len=64 --set model.n_layer=1)
   gen_lens=256,1024 qs_steps=4
   limit_first=120 limit_check=120 limit_kernels=120 limit_train=120 limit_profile=120 limit_long=60
-  limit_torch=400 limit_torch_long=200 limit_cold=120 limit_products=60 limit_strategies=120 limit_generate=60 limit_qs=180
+  limit_torch=400 limit_torch_long=200 limit_cold=120 limit_products=120 limit_strategies=120 limit_generate=60 limit_qs=180
 else
   seq_lens=8192,32768 long_lens=131072 bench_set=(--config "$here/configs/enwik8.toml"
     --set "model.n_layer=$layers" --set model.dropout_residual=0 --set model.dropout_layer=0
     --set model.dropout_sinusoid=0)
   gen_lens=1024,8192,65536 qs_steps=200
   limit_first=240 limit_check=60 limit_kernels=90 limit_train=90 limit_profile=45 limit_long=60
-  limit_torch=180 limit_torch_long=180 limit_cold=240 limit_products=45 limit_strategies=240 limit_generate=45 limit_qs=60
+  limit_torch=180 limit_torch_long=180 limit_cold=240 limit_products=90 limit_strategies=240 limit_generate=45 limit_qs=60
 fi
 precisions=f32,bf16
 [ "$device" = cpu ] && precisions=f32
@@ -276,9 +276,9 @@ if [ "$device" = cuda ] && [ "$build" != default ]; then
   cache_home="$cold/tvq"
 fi
 
-# 7. The model's matrix products at its own shapes, at the first length:
-# tvq's, then PyTorch's (cuBLAS on CUDA) at the same shapes, read from
-# tvq's lines.
+# 7. The model's matrix products at its own shapes, at the first length,
+# each in the forward pass and as the backward pass's two gradients: tvq's,
+# then PyTorch's (cuBLAS on CUDA) at the same shapes, read from tvq's lines.
 part products "$limit_products" "$tvq" bench products --device "$device" --json --batch 1 \
   --precision "$precisions" "${bench_set[@]}" --seq-len "$first_len"
 if [ $torch = 1 ] && [ -s "$out/logs/products.log" ]; then
@@ -288,7 +288,8 @@ fi
 # ... and each of cubek's strategies that burn's autotuning chooses among,
 # bf16 (a GPU run's products), each checked against burn's untuned choice:
 # the most a tuned build can reach at each shape (about 25 kernels compiled
-# per shape; the lines stream, so a part cut short keeps the shapes done).
+# per shape and pass; the lines stream, so a part cut short keeps the
+# shapes done, the projections first).
 if [ "$device" = cuda ]; then
   part products-strategies "$limit_strategies" "$tvq" bench products --device cuda --json --batch 1 \
     --precision bf16 --strategies "${bench_set[@]}" --seq-len "$first_len"

@@ -120,17 +120,17 @@ def table(path):
     theirs = {}
     for r in rows:
         if r.get("form") == "products" and r.get("impl"):
-            theirs[(r["name"], r["seq_len"], r["precision"], r["impl"])] = r["flops_per_s"]
+            theirs[(r["name"], r.get("pass", "forward"), r["seq_len"], r["precision"], r["impl"])] = r["flops_per_s"]
     if mine:
         out += ["", "Matrix products at the model's shapes (GFLOP/s; tvq against PyTorch's torch.matmul)",
-                "", "| product | T | precision | batch x [m, k] x [k, n] | tvq | PyTorch | PyTorch TF32 | tvq / PyTorch |",
-                "|---|---|---|---|---|---|---|---|"]
+                "", "| product | pass | T | precision | batch x [m, k] x [k, n] | tvq | PyTorch | PyTorch TF32 | tvq / PyTorch |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for r in mine:
-            at = (r["name"], r["seq_len"], r["precision"])
+            at = (r["name"], r.get("pass", "forward"), r["seq_len"], r["precision"])
             torch_rate = theirs.get(at + ("torch-tf32",)) or theirs.get(at + ("torch",))
             ratio = f"{r['flops_per_s'] / torch_rate:.2f}x" if torch_rate else "-"
             shape = f"{r['batch']:,} x [{r['m']:,}, {r['k']:,}] x [{r['k']:,}, {r['n']:,}]"
-            out.append(f"| {r['name']} | {r['seq_len']:,} | {r['precision']} | {shape} | {r['flops_per_s'] / 1e9:,.1f} | "
+            out.append(f"| {r['name']} | {at[1]} | {r['seq_len']:,} | {r['precision']} | {shape} | {r['flops_per_s'] / 1e9:,.1f} | "
                        f"{fmt(theirs.get(at + ('torch',)) and theirs[at + ('torch',)] / 1e9, ',.1f')} | "
                        f"{fmt(theirs.get(at + ('torch-tf32',)) and theirs[at + ('torch-tf32',)] / 1e9, ',.1f')} | {ratio} |")
     # Each of cubek's strategies at those shapes (`--strategies`): burn's
@@ -140,17 +140,18 @@ def table(path):
     if swept:
         out += ["", "cubek's strategies at the model's shapes (GFLOP/s; `tvq bench products --strategies`; "
                     "agreeing: within 2% of auto's largest entry)",
-                "", "| product | T | precision | auto | fastest agreeing | its rate | / auto | / PyTorch "
-                    "| ran, disagreed, unavailable |", "|---|---|---|---|---|---|---|---|---|"]
-        for at in sorted({(r["name"], r["seq_len"], r["precision"]) for r in swept}, key=str):
-            these = [r for r in swept if (r["name"], r["seq_len"], r["precision"]) == at]
+                "", "| product | pass | T | precision | auto | fastest agreeing | its rate | / auto | / PyTorch "
+                    "| ran, disagreed, unavailable |", "|---|---|---|---|---|---|---|---|---|---|"]
+        key = lambda r: (r["name"], r.get("pass", "forward"), r["seq_len"], r["precision"])
+        for at in dict.fromkeys(key(r) for r in swept):  # the model's order
+            these = [r for r in swept if key(r) == at]
             auto = next((r.get("flops_per_s") for r in these if r["strategy"] == "auto"), None)
             ran = [r for r in these if r["strategy"] != "auto" and r.get("flops_per_s")]
             agree = [r for r in ran if r.get("max_rel_diff", 1) <= 0.02]
             best = max(agree, key=lambda r: r["flops_per_s"], default=None)
             torch_rate = theirs.get(at + ("torch",))
             rate = best and best["flops_per_s"]
-            out.append(f"| {at[0]} | {at[1]:,} | {at[2]} | {fmt(auto and auto / 1e9, ',.1f')} | "
+            out.append(f"| {at[0]} | {at[1]} | {at[2]:,} | {at[3]} | {fmt(auto and auto / 1e9, ',.1f')} | "
                        f"{best['strategy'] if best else '-'} | {fmt(rate and rate / 1e9, ',.1f')} | "
                        f"{fmt(rate and auto and rate / auto, '.2f')} | {fmt(rate and torch_rate and rate / torch_rate, '.2f')} | "
                        f"{len(ran)}, {len(ran) - len(agree)}, {sum('unavailable' in r for r in these)} |")

@@ -43,10 +43,11 @@ pub enum BenchmarkArg {
     Kernels,
     /// Each matrix product of the model's forward pass at its own shapes
     /// (the projections, the codebook distances, the window and cache
-    /// products or the quadratic scores, the head): GFLOP/s by sequence
-    /// length and precision, each product once per form that has it
-    /// (`scripts/torch_reference.py products` times the same shapes in
-    /// PyTorch from the JSON lines).
+    /// products or the quadratic scores, the head), and the backward
+    /// pass's two products of each (an operand transposed): GFLOP/s by
+    /// sequence length, precision and pass, each product once per form
+    /// that has it (`scripts/torch_reference.py products` times the same
+    /// shapes in PyTorch from the JSON lines).
     Products,
     /// Generation: for each --seq-len as the prompt length, the time to the
     /// first new token (block-form prefill) and per generated token, and the

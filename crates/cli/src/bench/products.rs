@@ -1,6 +1,7 @@
 //! `tvq bench products`: the rate of each matrix product of the model's
 //! forward pass at its own shapes ([`TransformerVqConfig::matrix_products`]),
-//! by sequence length and precision, so that a step's speed can be read
+//! by sequence length and precision, and of the two products of its
+//! backward pass (the [`Pass`]es), so that a step's speed can be read
 //! against what the device's products reach at those shapes (and against
 //! PyTorch's: `scripts/torch_reference.py products` times the same shapes
 //! from this benchmark's JSON lines).
@@ -46,10 +47,11 @@ use super::{BenchArgs, parse_form};
 const TIMED_SECONDS: f64 = 0.1;
 
 /// Times every matrix product of `model`'s forward pass (each --form, each
-/// --seq-len with --batch rows, each precision) on `device`; a product is
-/// listed once where several forms share it, and one whose output would
-/// exceed --max-score-gib is skipped with a row that says so. With
-/// --strategies, each product once for each strategy.
+/// --seq-len with --batch rows, each precision) on `device` in each
+/// [`Pass`]; a product is listed once where several forms share it, and
+/// one whose operands or output would exceed --max-score-gib is skipped
+/// with a row that says so. With --strategies, each product once for each
+/// strategy.
 pub(super) fn run(
     args: &BenchArgs,
     model: &TransformerVqConfig,
@@ -87,11 +89,12 @@ pub(super) fn run(
     if !args.json {
         println!("device: {info}; batch {}", args.batch);
         println!(
-            "{:<10} {:>8} {:>9} {:<32} {:>26} {:>12}{}",
+            "{:<10} {:>8} {:>9} {:<32} {:<10} {:>26} {:>12}{}",
             "form",
             "seq_len",
             "precision",
             "product",
+            "pass",
             "batch x [m, k] x [k, n]",
             "GFLOP/s",
             if args.strategies {
@@ -109,32 +112,38 @@ pub(super) fn run(
                     if !measured.insert(product) {
                         continue;
                     }
-                    let print = |strategy: Option<&str>, rate| {
-                        let row = Row {
-                            form,
-                            t,
-                            precision,
-                            product: &product,
-                            strategy,
-                            rate,
-                            info,
+                    for pass in Pass::ALL {
+                        let print = |strategy: Option<&str>, rate| {
+                            let row = Row {
+                                form,
+                                t,
+                                precision,
+                                product: &product,
+                                pass,
+                                strategy,
+                                rate,
+                                info,
+                            };
+                            row.print(args)
                         };
-                        row.print(args)
-                    };
-                    let context = || format!("{} at T = {t}", product.name);
-                    if args.strategies {
-                        let on = (&product, precision, args.max_score_gib);
-                        let each = |name: &str, rate| print(Some(name), rate);
-                        match device {
-                            DispatchDevice::Wgpu(d) => time_strategies::<WgpuRuntime>(on, d, each),
-                            DispatchDevice::Cuda(d) => time_strategies::<CudaRuntime>(on, d, each),
-                            _ => unreachable!("checked above"),
-                        }
-                        .with_context(context)?;
-                    } else {
-                        let rate = time_product(&product, precision, args.max_score_gib, device)
+                        let context = || format!("{} ({}) at T = {t}", product.name, pass.name());
+                        let on = (&product, pass, precision, args.max_score_gib);
+                        if args.strategies {
+                            let each = |name: &str, rate| print(Some(name), rate);
+                            match device {
+                                DispatchDevice::Wgpu(d) => {
+                                    time_strategies::<WgpuRuntime>(on, d, each)
+                                }
+                                DispatchDevice::Cuda(d) => {
+                                    time_strategies::<CudaRuntime>(on, d, each)
+                                }
+                                _ => unreachable!("checked above"),
+                            }
                             .with_context(context)?;
-                        print(None, rate.map_or(Rate::Skipped, Rate::Timed));
+                        } else {
+                            let rate = time_product(on, device).with_context(context)?;
+                            print(None, rate.map_or(Rate::Skipped, Rate::Timed));
+                        }
                     }
                 }
             }
@@ -143,7 +152,59 @@ pub(super) fn run(
     Ok(())
 }
 
-/// Whether the product's operands and output all fit within `max_gib`.
+/// One of the three products a [`MatrixProduct`] costs a training step:
+/// the forward pass's `C = A B` and the backward pass's two gradients,
+/// which burn's autodiff computes on a transposed view of an operand
+/// (`dA = dC B^T`, `dB = A^T dC`): layouts of their own to a kernel, and
+/// so to the tuner.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pass {
+    /// `A [m, k] x B [k, n]`.
+    Forward,
+    /// `dC [m, n] x B^T [n, k]`, `B` read through the transposed view.
+    GradLeft,
+    /// `A^T [k, m] x dC [m, n]`, `A` read through the transposed view.
+    GradRight,
+}
+
+impl Pass {
+    /// Every pass, in the order they are timed.
+    const ALL: [Self; 3] = [Self::Forward, Self::GradLeft, Self::GradRight];
+
+    /// Its name in the JSON lines and the table.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Forward => "forward",
+            Self::GradLeft => "grad_left",
+            Self::GradRight => "grad_right",
+        }
+    }
+
+    /// The pass's two operands as they are stored, `[batch, rows,
+    /// columns]`, each with whether the product reads it transposed (its
+    /// last two axes swapped, a view), as burn's autodiff hands them over.
+    fn operands(self, p: &MatrixProduct) -> [([usize; 3], bool); 2] {
+        let (b, m, k, n) = (p.batch, p.m, p.k, p.n);
+        match self {
+            Self::Forward => [([b, m, k], false), ([b, k, n], false)],
+            Self::GradLeft => [([b, m, n], false), ([b, k, n], true)],
+            Self::GradRight => [([b, m, k], true), ([b, m, n], false)],
+        }
+    }
+
+    /// The shape of its result: `C`'s, `dA`'s or `dB`'s.
+    fn output(self, p: &MatrixProduct) -> [usize; 3] {
+        let (b, m, k, n) = (p.batch, p.m, p.k, p.n);
+        match self {
+            Self::Forward => [b, m, n],
+            Self::GradLeft => [b, m, k],
+            Self::GradRight => [b, k, n],
+        }
+    }
+}
+
+/// Whether the product's operands and output all fit within `max_gib` (the
+/// same three matrices in every [`Pass`]).
 fn fits(p: &MatrixProduct, max_gib: f64) -> bool {
     let largest = [p.m * p.k, p.k * p.n, p.m * p.n]
         .into_iter()
@@ -173,22 +234,22 @@ fn timed(flops: f64, mut launch: impl FnMut(), sync: impl Fn() -> Result<()>) ->
     }
 }
 
-/// The product's rate in FLOP/s through burn's `matmul` (the build's own
-/// choice of kernel), or `None` where it does not [`fits`]: random
-/// operands of its shape in `precision`.
+/// The product's rate in FLOP/s in `pass` through burn's `matmul` (the
+/// build's own choice of kernel), or `None` where it does not [`fits`]:
+/// random operands of its shape in `precision`.
 fn time_product(
-    p: &MatrixProduct,
-    precision: Precision,
-    max_gib: f64,
+    (p, pass, precision, max_gib): (&MatrixProduct, Pass, Precision, f64),
     device: &DispatchDevice,
 ) -> Result<Option<f64>> {
     if !fits(p, max_gib) {
         return Ok(None);
     }
-    let random = |shape: [usize; 3]| {
-        Tensor::<Dispatch, 3>::random(shape, Distribution::Default, device).cast(precision.dtype())
+    let operand = |(shape, transposed): ([usize; 3], bool)| {
+        let t = Tensor::<Dispatch, 3>::random(shape, Distribution::Default, device)
+            .cast(precision.dtype());
+        if transposed { t.swap_dims(1, 2) } else { t }
     };
-    let (a, b) = (random([p.batch, p.m, p.k]), random([p.batch, p.k, p.n]));
+    let [a, b] = pass.operands(p).map(operand);
     let sync = || Dispatch::sync(device).context("synchronising the device");
     timed(p.flops_once(), || drop(a.clone().matmul(b.clone())), sync).map(Some)
 }
@@ -268,13 +329,13 @@ fn strategies() -> Vec<Strategy> {
     list
 }
 
-/// Times the product `p` in `precision` with burn's untuned choice
-/// (`auto`) and then each of [`strategies`], handing each one's name and
-/// [`Rate`] to `each` as it is measured; a strategy that cannot run the
-/// product on this device (cubek refuses its setup) is unavailable, and
-/// every other one's result is compared with `auto`'s.
+/// Times the product `p` in `pass` and `precision` with burn's untuned
+/// choice (`auto`) and then each of [`strategies`], handing each one's
+/// name and [`Rate`] to `each` as it is measured; a strategy that cannot
+/// run the product on this device (cubek refuses its setup) is
+/// unavailable, and every other one's result is compared with `auto`'s.
 fn time_strategies<R: CubeRuntime>(
-    (p, precision, max_gib): (&MatrixProduct, Precision, f64),
+    (p, pass, precision, max_gib): (&MatrixProduct, Pass, Precision, f64),
     device: &R::Device,
     mut each: impl FnMut(&str, Rate),
 ) -> Result<()> {
@@ -284,12 +345,13 @@ fn time_strategies<R: CubeRuntime>(
         return Ok(());
     }
     let dtype: burn::tensor::DType = precision.dtype().into();
-    let random = |shape: [usize; 3]| -> CubeTensor<R> {
+    let operand = |(shape, transposed): ([usize; 3], bool)| -> CubeTensor<R> {
         let t =
             Tensor::<B<R>, 3>::random(shape, Distribution::Default, device).cast(precision.dtype());
+        let t = if transposed { t.swap_dims(1, 2) } else { t };
         t.into_primitive().tensor()
     };
-    let (lhs, rhs) = (random([p.batch, p.m, p.k]), random([p.batch, p.k, p.n]));
+    let [lhs, rhs] = pass.operands(p).map(operand);
     let host = |out: CubeTensor<R>| -> Vec<f32> {
         let t = Tensor::<B<R>, 3>::from_primitive(TensorPrimitive::Float(out));
         t.into_data()
@@ -312,8 +374,7 @@ fn time_strategies<R: CubeRuntime>(
     // An output that a strategy which wrote nothing would leave as it was:
     // NaN (a fresh buffer may hold the last product, its memory reused).
     let unwritten = || -> CubeTensor<R> {
-        let shape = [p.batch, p.m, p.n];
-        let t = Tensor::<B<R>, 3>::full(shape, f32::NAN, device).cast(precision.dtype());
+        let t = Tensor::<B<R>, 3>::full(pass.output(p), f32::NAN, device).cast(precision.dtype());
         t.into_primitive().tensor()
     };
     for strategy in strategies() {
@@ -378,6 +439,7 @@ struct Row<'a> {
     t: usize,
     precision: Precision,
     product: &'a MatrixProduct,
+    pass: Pass,
     strategy: Option<&'a str>,
     rate: Rate,
     info: &'a str,
@@ -390,12 +452,14 @@ impl Row<'_> {
             t,
             precision,
             product: p,
+            pass,
             ..
         } = *self;
         if args.json {
             let mut row = json!({
                 "form": "products", "attention": form, "seq_len": t, "rows": args.batch,
-                "precision": precision, "name": p.name, "count": p.count, "batch": p.batch,
+                "precision": precision, "name": p.name, "pass": pass.name(), "count": p.count,
+                "batch": p.batch,
                 "m": p.m, "k": p.k, "n": p.n, "flops": p.flops_once(), "device": self.info,
             });
             if let Some(strategy) = self.strategy {
@@ -425,8 +489,66 @@ impl Row<'_> {
                 .strategy
                 .map_or(String::new(), |s| format!("  {diff:>9}  {s}"));
             println!(
-                "{form:<10} {t:>8} {precision:>9} {:<32} {shape:>26} {shown:>12}{strategy}",
-                p.name
+                "{form:<10} {t:>8} {precision:>9} {:<32} {:<10} {shape:>26} {shown:>12}{strategy}",
+                p.name,
+                pass.name()
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::flex::Flex;
+
+    use super::*;
+
+    /// Each pass multiplies the operands a step's backward pass does: with
+    /// `C = A B` and a gradient `dC`, `grad_left` is `dA = dC B^T` and
+    /// `grad_right` is `dB = A^T dC`, so `<dA, A> = <dB, B> = <dC, C>`;
+    /// and its result has the shape [`Pass::output`] says.
+    #[test]
+    fn each_pass_is_a_gradient_of_the_forward_product() {
+        let device = Default::default();
+        let p = MatrixProduct {
+            name: "test",
+            count: 1,
+            batch: 2,
+            m: 5,
+            k: 3,
+            n: 4,
+        };
+        let random =
+            |shape: [usize; 3]| Tensor::<Flex, 3>::random(shape, Distribution::Default, &device);
+        let [a, b, dc] = [[2, 5, 3], [2, 3, 4], [2, 5, 4]].map(random);
+        let inner =
+            |x: &Tensor<Flex, 3>, y: &Tensor<Flex, 3>| (x.clone() * y.clone()).sum().into_scalar();
+        let c = a.clone().matmul(b.clone());
+        let expected = inner(&dc, &c);
+        for pass in Pass::ALL {
+            // The stored operands, told apart by shape (all three differ).
+            let [lhs, rhs] = pass.operands(&p).map(|(shape, transposed)| {
+                let stored = [&a, &b, &dc]
+                    .into_iter()
+                    .find(|t| t.dims() == shape)
+                    .expect("a stored operand of the product")
+                    .clone();
+                if transposed {
+                    stored.swap_dims(1, 2)
+                } else {
+                    stored
+                }
+            });
+            let out = lhs.matmul(rhs);
+            assert_eq!(out.dims(), pass.output(&p), "{pass:?}");
+            let got = match pass {
+                Pass::Forward => inner(&dc, &out),
+                Pass::GradLeft => inner(&a, &out),
+                Pass::GradRight => inner(&b, &out),
+            };
+            assert!(
+                (got - expected).abs() < 1e-4 * expected.abs().max(1.0),
+                "{pass:?}: {got} against {expected}"
             );
         }
     }

@@ -232,21 +232,28 @@ fn the_bundle_runs_every_part_small_on_the_cpu_without_rust() {
         "skipped"
     };
     assert_eq!(status("torch").as_deref(), Some(torch), "{stderr}");
-    // The model's products at its shapes, tvq's and (with torch) PyTorch's
-    // at the same shapes, side by side in the table.
+    // The model's products at its shapes in each pass (the forward one
+    // and the backward pass's two gradients), tvq's and (with torch)
+    // PyTorch's at the same shapes, side by side in the table.
     let products = |torch: bool| {
         results
             .iter()
             .filter(|r| r["form"] == "products" && r["impl"].is_string() == torch)
             .filter(|r| r["flops_per_s"].as_f64().is_some_and(|f| f > 0.0))
-            .map(|r| (r["name"].as_str().unwrap().to_string(), r["m"].clone()))
+            .map(|r| {
+                let text = |key: &str| r[key].as_str().unwrap().to_string();
+                (text("name"), text("pass"), r["m"].clone())
+            })
             .collect::<Vec<_>>()
     };
     let ours = products(false);
-    assert!(
-        ours.iter().any(|(name, _)| name == "window scores"),
-        "{ours:?}"
-    );
+    for pass in ["forward", "grad_left", "grad_right"] {
+        assert!(
+            ours.iter()
+                .any(|(name, p, _)| name == "window scores" && p == pass),
+            "{pass}: {ours:?}"
+        );
+    }
     if python.is_some() {
         assert_eq!(products(true), ours, "PyTorch times every product of tvq's");
     }
@@ -481,9 +488,10 @@ fn bench_step_profile_counts_the_launches_of_a_step() {
     assert_eq!(err.trim().lines().count(), 1, "{err}");
 }
 
-/// `tvq bench products --strategies` on the GPU times each product once
-/// with burn's untuned choice (`auto`) and once for each of cubek's
-/// strategies: every product gets the same strategies, each either timed
+/// `tvq bench products --strategies` on the GPU times each product, in
+/// the forward pass and as the backward pass's two gradients, once with
+/// burn's untuned choice (`auto`) and once for each of cubek's
+/// strategies: every product and pass gets the same strategies, each either timed
 /// with its result checked against `auto`'s (and agreeing: they compute
 /// the same f32 product) or unavailable with cubek's reason, and at least
 /// one besides `auto` runs each product; on the CPU, or with another
@@ -525,25 +533,39 @@ fn bench_products_strategies_times_each_strategy_checked() {
     }
     assert!(out.status.success(), "{err}");
     let lines = parse_json_lines(&String::from_utf8_lossy(&out.stdout));
-    let mut products: Vec<&str> = lines.iter().map(|l| l["name"].as_str().unwrap()).collect();
+    let mut products: Vec<(&str, &str)> = lines
+        .iter()
+        .map(|l| (l["name"].as_str().unwrap(), l["pass"].as_str().unwrap()))
+        .collect();
     products.dedup();
-    assert!(products.len() >= 5, "{products:?}");
+    // Every product in the forward pass and the backward pass's two
+    // gradients (an operand read through a transposed view).
+    assert!(products.len() >= 15, "{products:?}");
+    for pass in ["forward", "grad_left", "grad_right"] {
+        let each = products.iter().filter(|(_, p)| *p == pass).count();
+        assert_eq!(each * 3, products.len(), "{pass}: {products:?}");
+    }
     let mut names_of_first = None;
     for product in products {
-        let rows: Vec<_> = lines.iter().filter(|l| l["name"] == product).collect();
+        let rows: Vec<_> = lines
+            .iter()
+            .filter(|l| {
+                (l["name"].as_str(), l["pass"].as_str()) == (Some(product.0), Some(product.1))
+            })
+            .collect();
         let names: Vec<&str> = rows
             .iter()
             .map(|l| l["strategy"].as_str().unwrap())
             .collect();
-        assert_eq!(names[0], "auto", "{product}: {names:?}");
+        assert_eq!(names[0], "auto", "{product:?}: {names:?}");
         assert!(
             rows[0]["flops_per_s"].as_f64().unwrap() > 0.0,
             "{}",
             rows[0]
         );
         let unique: std::collections::HashSet<_> = names.iter().collect();
-        assert_eq!(unique.len(), names.len(), "{product}: {names:?}");
-        assert!(names.len() >= 20, "{product}: {names:?}");
+        assert_eq!(unique.len(), names.len(), "{product:?}: {names:?}");
+        assert!(names.len() >= 20, "{product:?}: {names:?}");
         assert_eq!(*names_of_first.get_or_insert(names.clone()), names);
         let mut ran = 0;
         for row in &rows[1..] {
@@ -551,14 +573,14 @@ fn bench_products_strategies_times_each_strategy_checked() {
                 (Some(rate), None) => {
                     assert!(rate > 0.0, "{row}");
                     let diff = row["max_rel_diff"].as_f64().unwrap();
-                    assert!(diff < 1e-4, "{product} disagrees with auto: {row}");
+                    assert!(diff < 1e-4, "{product:?} disagrees with auto: {row}");
                     ran += 1;
                 }
                 (None, Some(why)) => assert!(!why.is_empty() && !why.contains('\n'), "{row}"),
                 _ => panic!("neither timed nor unavailable: {row}"),
             }
         }
-        assert!(ran >= 1, "no strategy but auto ran {product}: {rows:?}");
+        assert!(ran >= 1, "no strategy but auto ran {product:?}: {rows:?}");
     }
     for (device, benchmark, says) in [
         ("cpu", "products", "--device wgpu or cuda"),
