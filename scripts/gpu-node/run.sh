@@ -289,7 +289,7 @@ fi
 # bf16 (a GPU run's products), each checked against burn's untuned choice:
 # the most a tuned build can reach at each shape (about 25 kernels compiled
 # per shape and pass; the lines stream, so a part cut short keeps the
-# shapes done, the projections first).
+# shapes done, the forward pass's first).
 if [ "$device" = cuda ]; then
   part products-strategies "$limit_strategies" "$tvq" bench products --device cuda --json --batch 1 \
     --precision bf16 --strategies "${bench_set[@]}" --seq-len "$first_len"

@@ -104,15 +104,17 @@ pub(super) fn run(
             }
         );
     }
+    // Each pass's products in turn, the forward pass's first: what a run
+    // cut short (the bundle's time limits) keeps.
     for &t in &args.seq_len {
         for &precision in precisions {
-            let mut measured = HashSet::new();
-            for (form, cfg) in &forms {
-                for product in cfg.matrix_products(args.batch, t) {
-                    if !measured.insert(product) {
-                        continue;
-                    }
-                    for pass in Pass::ALL {
+            for pass in Pass::ALL {
+                let mut measured = HashSet::new();
+                for (form, cfg) in &forms {
+                    for product in cfg.matrix_products(args.batch, t) {
+                        if !measured.insert(product) {
+                            continue;
+                        }
                         let print = |strategy: Option<&str>, rate| {
                             let row = Row {
                                 form,
