@@ -46,6 +46,43 @@ type Cpu = Autodiff<Flex>;
 trait Under: AutodiffBackend + VqBackend {}
 impl<A: AutodiffBackend + VqBackend> Under for A {}
 
+/// One property's three tests, in a module of the property's name: `gpu`
+/// (wgpu's cubecl backend, unfused, so that each kernel is reached
+/// directly), `fusion` (burn's wgpu backend with its fusion, as the default
+/// build has it) and `cpu` (`Flex`), each an expression of the device `$d`
+/// (a reference). The GPU's two are SKIPPED without a wgpu adapter, or fail
+/// where wgpu is required.
+macro_rules! on_each_backend {
+    ($(#[$doc:meta])* $name:ident, |$d:ident| gpu: $gpu:expr, fusion: $fusion:expr, cpu: $cpu:expr) => {
+        $(#[$doc])*
+        mod $name {
+            use super::*;
+
+            #[test]
+            fn gpu() {
+                if let Some(device) = wgpu(concat!(stringify!($name), "::gpu")) {
+                    let $d = &device;
+                    $gpu;
+                }
+            }
+
+            #[test]
+            fn fusion() {
+                if let Some(device) = wgpu(concat!(stringify!($name), "::fusion")) {
+                    let $d = &device;
+                    $fusion;
+                }
+            }
+
+            #[test]
+            fn cpu() {
+                let $d = &FlexDevice;
+                $cpu;
+            }
+        }
+    };
+}
+
 /// The wgpu device, once its adapter answers; `None` (and a SKIPPED line,
 /// or a failure where wgpu is required) when there is none.
 fn wgpu(test: &str) -> Option<WgpuDevice> {
@@ -473,32 +510,19 @@ fn cases() -> [Case; 11] {
     ]
 }
 
-#[test]
-fn fused_attention_matches_the_composed_ops() {
-    let Some(device) = wgpu("fused_attention_matches_the_composed_ops") else {
-        return;
-    };
+/// Every case of [`cases`] on one backend.
+fn each_case<A: Under>(device: &A::Device) {
     for case in cases() {
-        agree::<Ad>(case, &device, 2e-5);
+        agree::<A>(case, device, 2e-5);
     }
 }
 
-#[test]
-fn fused_attention_matches_the_composed_ops_under_burns_fusion() {
-    let Some(device) = wgpu("fused_attention_matches_the_composed_ops_under_burns_fusion") else {
-        return;
-    };
-    for case in cases() {
-        agree::<Fused>(case, &device, 2e-5);
-    }
-}
-
-#[test]
-fn cpu_fused_attention_matches_the_composed_ops() {
-    for case in cases() {
-        agree::<Cpu>(case, &FlexDevice, 2e-5);
-    }
-}
+on_each_backend!(
+    fused_attention_matches_the_composed_ops,
+    |d| gpu: each_case::<Ad>(d),
+    fusion: each_case::<Fused>(d),
+    cpu: each_case::<Cpu>(d)
+);
 
 /// A fresh stream's kernels read nothing carried (so that its carried
 /// tensors can be left unfilled): the block caches under `fresh` and the
@@ -608,26 +632,12 @@ fn fresh_streams_read_nothing_carried<A: Under>(device: &A::Device) {
     }
 }
 
-#[test]
-fn fresh_streams_read_nothing_carried_on_the_gpu() {
-    let Some(device) = wgpu("fresh_streams_read_nothing_carried_on_the_gpu") else {
-        return;
-    };
-    fresh_streams_read_nothing_carried::<Ad>(&device);
-}
-
-#[test]
-fn fresh_streams_read_nothing_carried_under_burns_fusion() {
-    let Some(device) = wgpu("fresh_streams_read_nothing_carried_under_burns_fusion") else {
-        return;
-    };
-    fresh_streams_read_nothing_carried::<Fused>(&device);
-}
-
-#[test]
-fn fresh_streams_read_nothing_carried_on_the_cpu() {
-    fresh_streams_read_nothing_carried::<Cpu>(&FlexDevice);
-}
+on_each_backend!(
+    fresh_streams_read_nothing_carried,
+    |d| gpu: fresh_streams_read_nothing_carried::<Ad>(d),
+    fusion: fresh_streams_read_nothing_carried::<Fused>(d),
+    cpu: fresh_streams_read_nothing_carried::<Cpu>(d)
+);
 
 /// A quantizer of `h` heads whose codewords are `words` `[H, S, K]`
 /// (counts of one, so that the codebook is `words` itself).
@@ -665,31 +675,17 @@ fn ints<B: Backend, const D: usize>(t: Tensor<B, D, Int>) -> Vec<i64> {
     t.into_data().convert::<i64>().to_vec().unwrap()
 }
 
-/// The fused quantizer gives what the composed one does where the nearest
-/// code is clear (keys planted near codewords), each of its codes is a
-/// nearest one by an `f64` oracle on random keys, and exact ties go to the
-/// lowest index: sizes past a cube's 256 keys and a step's 32 codes, key
-/// widths of 1, an odd one and the widest covered (128).
-#[test]
-fn fused_quantizer_matches_the_composed_ops() {
-    let Some(device) = wgpu("fused_quantizer_matches_the_composed_ops") else {
-        return;
-    };
-    quantizer_agrees::<Ad>(&device);
-}
-
-#[test]
-fn fused_quantizer_matches_the_composed_ops_under_burns_fusion() {
-    let Some(device) = wgpu("fused_quantizer_matches_the_composed_ops_under_burns_fusion") else {
-        return;
-    };
-    quantizer_agrees::<Fused>(&device);
-}
-
-#[test]
-fn cpu_fused_quantizer_matches_the_composed_ops() {
-    quantizer_agrees::<Cpu>(&FlexDevice);
-}
+on_each_backend!(
+    /// The fused quantizer gives what the composed one does where the nearest
+    /// code is clear (keys planted near codewords), each of its codes is a
+    /// nearest one by an `f64` oracle on random keys, and exact ties go to the
+    /// lowest index: sizes past a cube's 256 keys and a step's 32 codes, key
+    /// widths of 1, an odd one and the widest covered (128).
+    fused_quantizer_matches_the_composed_ops,
+    |d| gpu: quantizer_agrees::<Ad>(d),
+    fusion: quantizer_agrees::<Fused>(d),
+    cpu: quantizer_agrees::<Cpu>(d)
+);
 
 fn quantizer_agrees<A: Under>(device: &A::Device) {
     let normal = |shape: [usize; 4], std: f64| {
@@ -884,26 +880,12 @@ fn code_totals_agree<A: Under>(device: &A::Device) {
     }
 }
 
-#[test]
-fn fused_code_totals_match_a_host_oracle() {
-    let Some(device) = wgpu("fused_code_totals_match_a_host_oracle") else {
-        return;
-    };
-    code_totals_agree::<Ad>(&device);
-}
-
-#[test]
-fn fused_code_totals_match_a_host_oracle_under_burns_fusion() {
-    let Some(device) = wgpu("fused_code_totals_match_a_host_oracle_under_burns_fusion") else {
-        return;
-    };
-    code_totals_agree::<Fused>(&device);
-}
-
-#[test]
-fn cpu_code_totals_match_a_host_oracle() {
-    code_totals_agree::<Cpu>(&FlexDevice);
-}
+on_each_backend!(
+    fused_code_totals_match_a_host_oracle,
+    |d| gpu: code_totals_agree::<Ad>(d),
+    fusion: code_totals_agree::<Fused>(d),
+    cpu: code_totals_agree::<Cpu>(d)
+);
 
 /// The sum of the squares of many tensors by kernel (`VqBackend::vq_sum_squares`,
 /// the global gradient norm's) against an f64 host sum: 70 tensors, more
@@ -950,26 +932,12 @@ fn sum_squares_agree<A: Under>(device: &A::Device, kernel: bool) {
     );
 }
 
-#[test]
-fn fused_sum_of_squares_matches_a_host_oracle() {
-    let Some(device) = wgpu("fused_sum_of_squares_matches_a_host_oracle") else {
-        return;
-    };
-    sum_squares_agree::<Ad>(&device, true);
-}
-
-#[test]
-fn fused_sum_of_squares_matches_a_host_oracle_under_burns_fusion() {
-    let Some(device) = wgpu("fused_sum_of_squares_matches_a_host_oracle_under_burns_fusion") else {
-        return;
-    };
-    sum_squares_agree::<Fused>(&device, true);
-}
-
-#[test]
-fn the_cpu_composes_the_sum_of_squares() {
-    sum_squares_agree::<Cpu>(&FlexDevice, false);
-}
+on_each_backend!(
+    fused_sum_of_squares_matches_a_host_oracle,
+    |d| gpu: sum_squares_agree::<Ad>(d, true),
+    fusion: sum_squares_agree::<Fused>(d, true),
+    cpu: sum_squares_agree::<Cpu>(d, false)
+);
 
 /// RMS normalisation with its own backward step (`VqBackend::vq_rms_normalize`)
 /// against the composed ops: the values, and the input's gradient under an
@@ -1005,28 +973,14 @@ fn rms_agrees<A: Under>(device: &A::Device, own: bool) {
     }
 }
 
-#[test]
-fn rms_backward_matches_the_composed_ops() {
-    let Some(device) = wgpu("rms_backward_matches_the_composed_ops") else {
-        return;
-    };
-    rms_agrees::<Ad>(&device, true);
-}
-
-#[test]
-fn rms_backward_matches_the_composed_ops_under_burns_fusion() {
-    let Some(device) = wgpu("rms_backward_matches_the_composed_ops_under_burns_fusion") else {
-        return;
-    };
-    rms_agrees::<Fused>(&device, true);
-}
-
-/// The CPU keeps burn's backward of the composed ops (the step of its own
-/// measured no faster there).
-#[test]
-fn the_cpu_composes_the_rms_backward() {
-    rms_agrees::<Cpu>(&FlexDevice, false);
-}
+on_each_backend!(
+    /// The CPU keeps burn's backward of the composed ops (the step of its own
+    /// measured no faster there).
+    rms_backward_matches_the_composed_ops,
+    |d| gpu: rms_agrees::<Ad>(d, true),
+    fusion: rms_agrees::<Fused>(d, true),
+    cpu: rms_agrees::<Cpu>(d, false)
+);
 
 /// The commitment with its own backward step (`VqBackend::vq_commitment`,
 /// given the squared errors) against the composed ops: the values, and the gradients of the keys (a
@@ -1114,28 +1068,13 @@ fn own_step_agrees<const N: usize, R: Fn(bool) -> Option<[Vec<f32>; N]>>(
     }
 }
 
-#[test]
-fn commitment_backward_matches_the_composed_ops() {
-    let Some(device) = wgpu("commitment_backward_matches_the_composed_ops") else {
-        return;
-    };
-    commitment_agrees::<Ad>(&device, true);
-}
-
-#[test]
-fn commitment_backward_matches_the_composed_ops_under_burns_fusion() {
-    let Some(device) = wgpu("commitment_backward_matches_the_composed_ops_under_burns_fusion")
-    else {
-        return;
-    };
-    commitment_agrees::<Fused>(&device, true);
-}
-
-/// The CPU keeps burn's backward of the composed ops, as for the RMS norm.
-#[test]
-fn the_cpu_composes_the_commitment() {
-    commitment_agrees::<Cpu>(&FlexDevice, false);
-}
+on_each_backend!(
+    /// The CPU keeps burn's backward of the composed ops, as for the RMS norm.
+    commitment_backward_matches_the_composed_ops,
+    |d| gpu: commitment_agrees::<Ad>(d, true),
+    fusion: commitment_agrees::<Fused>(d, true),
+    cpu: commitment_agrees::<Cpu>(d, false)
+);
 
 /// Tensors joined along their last axis by kernel (`VqKernels::vq_join`,
 /// what joins the gradients of the projections onto column blocks)
@@ -1180,26 +1119,12 @@ fn join_agrees<K: VqKernels>(device: &K::Device, kernel: bool) {
     );
 }
 
-#[test]
-fn joins_match_burns_cat() {
-    let Some(device) = wgpu("joins_match_burns_cat") else {
-        return;
-    };
-    join_agrees::<Cube>(&device, true);
-}
-
-#[test]
-fn joins_match_burns_cat_under_burns_fusion() {
-    let Some(device) = wgpu("joins_match_burns_cat_under_burns_fusion") else {
-        return;
-    };
-    join_agrees::<burn::backend::Wgpu>(&device, true);
-}
-
-#[test]
-fn the_cpu_cats() {
-    join_agrees::<Flex>(&FlexDevice, false);
-}
+on_each_backend!(
+    joins_match_burns_cat,
+    |d| gpu: join_agrees::<Cube>(d, true),
+    fusion: join_agrees::<burn::backend::Wgpu>(d, true),
+    cpu: join_agrees::<Flex>(d, false)
+);
 
 /// The straight-through estimator with its own backward step
 /// (`VqBackend::vq_straight_through`) against the composed `k + (words -
@@ -1239,29 +1164,13 @@ fn straight_through_agrees<A: Under>(device: &A::Device, own: bool) {
     );
 }
 
-#[test]
-fn straight_through_backward_matches_the_composed_ops() {
-    let Some(device) = wgpu("straight_through_backward_matches_the_composed_ops") else {
-        return;
-    };
-    straight_through_agrees::<Ad>(&device, true);
-}
-
-#[test]
-fn straight_through_backward_matches_the_composed_ops_under_burns_fusion() {
-    let Some(device) =
-        wgpu("straight_through_backward_matches_the_composed_ops_under_burns_fusion")
-    else {
-        return;
-    };
-    straight_through_agrees::<Fused>(&device, true);
-}
-
-/// The CPU keeps burn's backward of the composed ops, as for the RMS norm.
-#[test]
-fn the_cpu_composes_the_straight_through() {
-    straight_through_agrees::<Cpu>(&FlexDevice, false);
-}
+on_each_backend!(
+    /// The CPU keeps burn's backward of the composed ops, as for the RMS norm.
+    straight_through_backward_matches_the_composed_ops,
+    |d| gpu: straight_through_agrees::<Ad>(d, true),
+    fusion: straight_through_agrees::<Fused>(d, true),
+    cpu: straight_through_agrees::<Cpu>(d, false)
+);
 
 /// The token log-likelihood with its own backward step
 /// (`VqBackend::vq_token_nll`) against the composed log-softmax and
@@ -1301,28 +1210,13 @@ fn token_nll_agrees<A: Under>(device: &A::Device, own: bool) {
     });
 }
 
-#[test]
-fn token_nll_backward_matches_the_composed_ops() {
-    let Some(device) = wgpu("token_nll_backward_matches_the_composed_ops") else {
-        return;
-    };
-    token_nll_agrees::<Ad>(&device, true);
-}
-
-#[test]
-fn token_nll_backward_matches_the_composed_ops_under_burns_fusion() {
-    let Some(device) = wgpu("token_nll_backward_matches_the_composed_ops_under_burns_fusion")
-    else {
-        return;
-    };
-    token_nll_agrees::<Fused>(&device, true);
-}
-
-/// The CPU keeps burn's backward of the composed ops, as for the RMS norm.
-#[test]
-fn the_cpu_composes_the_token_nll() {
-    token_nll_agrees::<Cpu>(&FlexDevice, false);
-}
+on_each_backend!(
+    /// The CPU keeps burn's backward of the composed ops, as for the RMS norm.
+    token_nll_backward_matches_the_composed_ops,
+    |d| gpu: token_nll_agrees::<Ad>(d, true),
+    fusion: token_nll_agrees::<Fused>(d, true),
+    cpu: token_nll_agrees::<Cpu>(d, false)
+);
 
 /// The product with blocks of a weight's columns with its own backward
 /// step (`VqBackend::vq_column_blocks`) against the composed ops (a
@@ -1417,28 +1311,13 @@ fn column_blocks_agree<A: Under>(device: &A::Device, own: bool) {
     check::<A, 2>(device, [5, 1], own);
 }
 
-#[test]
-fn column_blocks_backward_matches_the_composed_ops() {
-    let Some(device) = wgpu("column_blocks_backward_matches_the_composed_ops") else {
-        return;
-    };
-    column_blocks_agree::<Ad>(&device, true);
-}
-
-#[test]
-fn column_blocks_backward_matches_the_composed_ops_under_burns_fusion() {
-    let Some(device) = wgpu("column_blocks_backward_matches_the_composed_ops_under_burns_fusion")
-    else {
-        return;
-    };
-    column_blocks_agree::<Fused>(&device, true);
-}
-
-/// The CPU keeps burn's backward of the composed ops, as for the RMS norm.
-#[test]
-fn the_cpu_composes_the_column_blocks() {
-    column_blocks_agree::<Cpu>(&FlexDevice, false);
-}
+on_each_backend!(
+    /// The CPU keeps burn's backward of the composed ops, as for the RMS norm.
+    column_blocks_backward_matches_the_composed_ops,
+    |d| gpu: column_blocks_agree::<Ad>(d, true),
+    fusion: column_blocks_agree::<Fused>(d, true),
+    cpu: column_blocks_agree::<Cpu>(d, false)
+);
 
 /// AdamW over many parameters by kernel (`VqBackend::vq_adamw`) against
 /// burn's AdamW written out on the host in `f32`, operation by operation
@@ -1529,26 +1408,12 @@ fn adamw_agrees<A: Under>(device: &A::Device, kernel: bool) {
     }
 }
 
-#[test]
-fn fused_adamw_matches_a_host_oracle() {
-    let Some(device) = wgpu("fused_adamw_matches_a_host_oracle") else {
-        return;
-    };
-    adamw_agrees::<Ad>(&device, true);
-}
-
-#[test]
-fn fused_adamw_matches_a_host_oracle_under_burns_fusion() {
-    let Some(device) = wgpu("fused_adamw_matches_a_host_oracle_under_burns_fusion") else {
-        return;
-    };
-    adamw_agrees::<Fused>(&device, true);
-}
-
-#[test]
-fn the_cpu_composes_adamw() {
-    adamw_agrees::<Cpu>(&FlexDevice, false);
-}
+on_each_backend!(
+    fused_adamw_matches_a_host_oracle,
+    |d| gpu: adamw_agrees::<Ad>(d, true),
+    fusion: adamw_agrees::<Fused>(d, true),
+    cpu: adamw_agrees::<Cpu>(d, false)
+);
 
 /// `burn::Dispatch` (what `tvq` runs on) reaches the CPU's kernels in
 /// inference: on the CPU without autodiff the network's forward pass under
