@@ -133,6 +133,23 @@ def table(path):
             out.append(f"| {r['name']} | {at[1]} | {r['seq_len']:,} | {r['precision']} | {shape} | {r['flops_per_s'] / 1e9:,.1f} | "
                        f"{fmt(theirs.get(at + ('torch',)) and theirs[at + ('torch',)] / 1e9, ',.1f')} | "
                        f"{fmt(theirs.get(at + ('torch-tf32',)) and theirs[at + ('torch-tf32',)] / 1e9, ',.1f')} | {ratio} |")
+        # What the products alone cost a VQ step (each product `count`
+        # times, in its three passes): a floor under the step's time, tvq's
+        # against PyTorch's at the same shapes where it timed every one.
+        for t, precision in dict.fromkeys((r["seq_len"], r["precision"]) for r in mine):
+            at = [r for r in mine if (r["seq_len"], r["precision"]) == (t, precision) and r["attention"] == "vq"]
+            passes = {r.get("pass", "forward") for r in at}
+            if not at:
+                continue
+            ours = sum(r["count"] * r["flops"] / r["flops_per_s"] for r in at)
+            key = lambda r, impl: (r["name"], r.get("pass", "forward"), t, precision, impl)
+            rates = [theirs.get(key(r, "torch-tf32")) or theirs.get(key(r, "torch")) for r in at]
+            line = (f"A VQ step's products at T = {t:,}, {precision} ({', '.join(sorted(passes))}): "
+                    f"tvq {1e3 * ours:,.2f} ms")
+            if all(rates):
+                torch_s = sum(r["count"] * r["flops"] / rate for r, rate in zip(at, rates))
+                line += f", PyTorch {1e3 * torch_s:,.2f} ms (tvq / PyTorch {ours / torch_s:.2f}x the time)"
+            out += ["", line]
     # Each of cubek's strategies at those shapes (`--strategies`): burn's
     # untuned choice, the fastest strategy whose result agrees with it, and
     # how many strategies ran, disagreed or could not run.

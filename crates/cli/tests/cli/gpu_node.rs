@@ -284,6 +284,15 @@ fn the_bundle_runs_every_part_small_on_the_cpu_without_rust() {
     assert!(summary.contains("| tvq step"), "{summary}");
     assert!(summary.contains("tvq check on cpu"), "{summary}");
     assert!(summary.contains("| window scores |"), "{summary}");
+    // What the products alone cost a step, over the three passes, and
+    // PyTorch's at the same shapes where it timed them.
+    let floor = "A VQ step's products at T = 512, f32 (forward, grad_left, grad_right): tvq";
+    assert!(summary.contains(floor), "{summary}");
+    assert_eq!(
+        summary.contains(" ms (tvq / PyTorch "),
+        python.is_some(),
+        "{summary}"
+    );
     // --pack: the results directory as one file.
     let listed = Command::new("tar")
         .arg("-tzf")
