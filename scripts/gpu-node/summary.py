@@ -138,9 +138,9 @@ def table(path):
         # against PyTorch's at the same shapes where it timed every one.
         for t, precision in dict.fromkeys((r["seq_len"], r["precision"]) for r in mine):
             at = [r for r in mine if (r["seq_len"], r["precision"]) == (t, precision) and r["attention"] == "vq"]
-            passes = {r.get("pass", "forward") for r in at}
             if not at:
                 continue
+            passes = {r.get("pass", "forward") for r in at}
             ours = sum(r["count"] * r["flops"] / r["flops_per_s"] for r in at)
             key = lambda r, impl: (r["name"], r.get("pass", "forward"), t, precision, impl)
             rates = [theirs.get(key(r, "torch-tf32")) or theirs.get(key(r, "torch")) for r in at]
