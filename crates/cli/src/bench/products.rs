@@ -194,6 +194,21 @@ impl Pass {
         }
     }
 
+    /// Random operands of the pass in `precision` on `device`, laid out
+    /// as [`Self::operands`] says (a transposed one a view).
+    fn random<B: Backend>(
+        self,
+        p: &MatrixProduct,
+        precision: Precision,
+        device: &B::Device,
+    ) -> [Tensor<B, 3>; 2] {
+        self.operands(p).map(|(shape, transposed)| {
+            let t = Tensor::<B, 3>::random(shape, Distribution::Default, device)
+                .cast(precision.dtype());
+            if transposed { t.swap_dims(1, 2) } else { t }
+        })
+    }
+
     /// The shape of its result: `C`'s, `dA`'s or `dB`'s.
     fn output(self, p: &MatrixProduct) -> [usize; 3] {
         let (b, m, k, n) = (p.batch, p.m, p.k, p.n);
@@ -246,12 +261,7 @@ fn time_product(
     if !fits(p, max_gib) {
         return Ok(None);
     }
-    let operand = |(shape, transposed): ([usize; 3], bool)| {
-        let t = Tensor::<Dispatch, 3>::random(shape, Distribution::Default, device)
-            .cast(precision.dtype());
-        if transposed { t.swap_dims(1, 2) } else { t }
-    };
-    let [a, b] = pass.operands(p).map(operand);
+    let [a, b] = pass.random::<Dispatch>(p, precision, device);
     let sync = || Dispatch::sync(device).context("synchronising the device");
     timed(p.flops_once(), || drop(a.clone().matmul(b.clone())), sync).map(Some)
 }
@@ -347,13 +357,9 @@ fn time_strategies<R: CubeRuntime>(
         return Ok(());
     }
     let dtype: burn::tensor::DType = precision.dtype().into();
-    let operand = |(shape, transposed): ([usize; 3], bool)| -> CubeTensor<R> {
-        let t =
-            Tensor::<B<R>, 3>::random(shape, Distribution::Default, device).cast(precision.dtype());
-        let t = if transposed { t.swap_dims(1, 2) } else { t };
-        t.into_primitive().tensor()
-    };
-    let [lhs, rhs] = pass.operands(p).map(operand);
+    let [lhs, rhs] = pass
+        .random::<B<R>>(p, precision, device)
+        .map(|t| t.into_primitive().tensor());
     let host = |out: CubeTensor<R>| -> Vec<f32> {
         let t = Tensor::<B<R>, 3>::from_primitive(TensorPrimitive::Float(out));
         t.into_data()
