@@ -25,6 +25,11 @@ def quickstart(path, device):
     }))
 
 
+def pass_of(r):
+    """A products line's pass; lines from before the passes were timed are forward ones."""
+    return r.get("pass", "forward")
+
+
 def fmt(x, spec=",.0f"):
     return "-" if x is None else format(x, spec)
 
@@ -120,13 +125,13 @@ def table(path):
     theirs = {}
     for r in rows:
         if r.get("form") == "products" and r.get("impl"):
-            theirs[(r["name"], r.get("pass", "forward"), r["seq_len"], r["precision"], r["impl"])] = r["flops_per_s"]
+            theirs[(r["name"], pass_of(r), r["seq_len"], r["precision"], r["impl"])] = r["flops_per_s"]
     if mine:
         out += ["", "Matrix products at the model's shapes (GFLOP/s; tvq against PyTorch's torch.matmul)",
                 "", "| product | pass | T | precision | batch x [m, k] x [k, n] | tvq | PyTorch | PyTorch TF32 | tvq / PyTorch |",
                 "|---|---|---|---|---|---|---|---|---|"]
         for r in mine:
-            at = (r["name"], r.get("pass", "forward"), r["seq_len"], r["precision"])
+            at = (r["name"], pass_of(r), r["seq_len"], r["precision"])
             torch_rate = theirs.get(at + ("torch-tf32",)) or theirs.get(at + ("torch",))
             ratio = f"{r['flops_per_s'] / torch_rate:.2f}x" if torch_rate else "-"
             shape = f"{r['batch']:,} x [{r['m']:,}, {r['k']:,}] x [{r['k']:,}, {r['n']:,}]"
@@ -140,9 +145,9 @@ def table(path):
             at = [r for r in mine if (r["seq_len"], r["precision"]) == (t, precision) and r["attention"] == "vq"]
             if not at:
                 continue
-            passes = {r.get("pass", "forward") for r in at}
+            passes = {pass_of(r) for r in at}
             ours = sum(r["count"] * r["flops"] / r["flops_per_s"] for r in at)
-            key = lambda r, impl: (r["name"], r.get("pass", "forward"), t, precision, impl)
+            key = lambda r, impl: (r["name"], pass_of(r), t, precision, impl)
             rates = [theirs.get(key(r, "torch-tf32")) or theirs.get(key(r, "torch")) for r in at]
             line = (f"A VQ step's products at T = {t:,}, {precision} ({', '.join(sorted(passes))}): "
                     f"tvq {1e3 * ours:,.2f} ms")
@@ -159,7 +164,7 @@ def table(path):
                     "agreeing: within 2% of auto's largest entry)",
                 "", "| product | pass | T | precision | auto | fastest agreeing | its rate | / auto | / PyTorch "
                     "| ran, disagreed, unavailable |", "|---|---|---|---|---|---|---|---|---|---|"]
-        key = lambda r: (r["name"], r.get("pass", "forward"), r["seq_len"], r["precision"])
+        key = lambda r: (r["name"], pass_of(r), r["seq_len"], r["precision"])
         for at in dict.fromkeys(key(r) for r in swept):  # the model's order
             these = [r for r in swept if key(r) == at]
             auto = next((r.get("flops_per_s") for r in these if r["strategy"] == "auto"), None)
