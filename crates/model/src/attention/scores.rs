@@ -216,16 +216,17 @@ pub(super) fn cache_scores<B: Backend>(
         .unsqueeze_dim::<4>(1)
         .unsqueeze_dim::<5>(0); // [1, H, 1, K, S]
     let scores = cx.product_f32(q, c_t); // [B, H, R, n, S]
+    // The cache limit's score, the same for every code: [B, H, R, 1]. The
+    // sum comes first, as in the fused path (`block::fused_attention`).
+    let shift = cx.cache_limit.map(|limit| {
+        let cached = counts.clone().sum_dim(3); // N, the same for every head
+        -(cached / limit as f64).clamp_min(1.0).log()
+    });
     // ln 0 = -inf masks the empty codes; counts carry no gradient.
     let weight = match cx.code_limit {
         Some(limit) => counts.clone().clamp_max(limit as f64),
         None => counts.clone(),
     };
-    // The cache limit's score, the same for every code: [B, H, R, 1].
-    let shift = cx.cache_limit.map(|limit| {
-        let cached = counts.clone().sum_dim(3); // N, the same for every head
-        -(cached / limit as f64).clamp_min(1.0).log()
-    });
     let Some(w) = count_weight else {
         let log_n = match shift {
             Some(shift) => weight.log() + shift,
