@@ -5,7 +5,9 @@ use std::cell::OnceCell;
 use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
 
-use super::scores::{attend, attention_groups, cache_scores, window_scores_and_cache_query};
+use super::scores::{
+    CountTerms, attend, attention_groups, cache_scores, count_terms, window_scores_and_cache_query,
+};
 use super::state::{AttentionState, CachedBlock, CompressedCache, empty_block};
 use super::{AttentionGroups, AttentionInput, Position};
 use crate::compute::Compute;
@@ -299,26 +301,16 @@ fn fused_attention<B: VqBackend>(x: FusedInputs<'_, B>) -> Option<Tensor<B, 5>> 
     // operands are widened here (a cast, differentiable, linear in T).
     let rows =
         |t: Tensor<B, 5>, width: usize| to_f32(t).reshape([g, l, width]).into_primitive().tensor();
-    // The kernel reads `shift` and `count_weight` only where they are
-    // given: an empty tensor stands for each elsewhere (no fill launched).
-    // The sum comes before `weight`: burn-cubecl-fusion 0.21 panics on a
-    // fused sum whose read block also writes a tensor used later.
-    let shift = x.cx.cache_limit.map(|limit| {
-        -(x.cache_counts.clone().sum_dim(3) / limit as f64)
-            .clamp_min(1.0)
-            .log()
-    }); // [B, H, R, 1]
-    // ln of what each code weighs as; ln 0 = -inf marks the empty codes.
-    let weight = match x.cx.code_limit {
-        Some(limit) => x.cache_counts.clamp_max(limit as f64),
-        None => x.cache_counts,
-    };
+    let CountTerms { weight, shift } = count_terms(x.cache_counts, x.cx);
     let flags = AttentionFlags {
         mask_first: x.carried.prev.is_none(),
         prev_grad: x.cx.cache_grad != CacheGrad::None,
+        means_grad: x.cx.cache_grad == CacheGrad::Full,
         shifted: shift.is_some(),
         weighted: x.count_weight.is_some(),
     };
+    // The kernel reads `shift` and `count_weight` only where they are
+    // given: an empty tensor stands for each elsewhere (no fill launched).
     let shift = shift.unwrap_or_else(|| Tensor::empty([b, h, r, 1], &device));
     let count_weight = match x.count_weight {
         Some(w) => to_f32(w).reshape([g, l]),

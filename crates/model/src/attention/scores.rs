@@ -198,6 +198,35 @@ fn window_scores<B: Backend>(
     }
 }
 
+/// The cache's count terms, from its counts `[B, H, R, S]` (which carry no
+/// gradient): what the composed and the fused attention add to the cache's
+/// scores.
+pub(super) struct CountTerms<B: Backend> {
+    /// What each code weighs as, `[B, H, R, S]`: its count, clamped to the
+    /// code limit where there is one (`ln 0 = -inf` marks the empty codes).
+    pub weight: Tensor<B, 4>,
+    /// The cache limit's score, the same for every code, `[B, H, R, 1]`:
+    /// `-ln max(1, N / limit)` of the `N` keys cached (the tensor form of
+    /// [`cache_limit_bias`]); `None` without a cache limit.
+    pub shift: Option<Tensor<B, 4>>,
+}
+
+/// [`CountTerms`] of `counts` `[B, H, R, S]` under `cx`'s limits.
+pub(super) fn count_terms<B: Backend>(counts: Tensor<B, 4>, cx: Compute) -> CountTerms<B> {
+    // The sum comes before the clamp: burn-cubecl-fusion 0.21 panics on a
+    // fused sum whose read block also writes a tensor used later
+    // (docs/architecture.md, "Fused kernels: where a kernel plugs in").
+    let shift = cx.cache_limit.map(|limit| {
+        let cached = counts.clone().sum_dim(3); // N, the same for every head
+        -(cached / limit as f64).clamp_min(1.0).log()
+    });
+    let weight = match cx.code_limit {
+        Some(limit) => counts.clamp_max(limit as f64),
+        None => counts,
+    };
+    CountTerms { weight, shift }
+}
+
 /// Scores of the compressed cache for each block's queries, from its
 /// counts `[B, H, R, S]`: `[B, H, R, n, S]`, `q . C_s + w ln n_s` (`-inf`
 /// where `n_s = 0`; `ln min(n_s, code_limit)` under a code limit; `w` each
@@ -216,17 +245,7 @@ pub(super) fn cache_scores<B: Backend>(
         .unsqueeze_dim::<4>(1)
         .unsqueeze_dim::<5>(0); // [1, H, 1, K, S]
     let scores = cx.product_f32(q, c_t); // [B, H, R, n, S]
-    // The cache limit's score, the same for every code: [B, H, R, 1]. The
-    // sum comes first, as in the fused path (`block::fused_attention`).
-    let shift = cx.cache_limit.map(|limit| {
-        let cached = counts.clone().sum_dim(3); // N, the same for every head
-        -(cached / limit as f64).clamp_min(1.0).log()
-    });
-    // ln 0 = -inf masks the empty codes; counts carry no gradient.
-    let weight = match cx.code_limit {
-        Some(limit) => counts.clone().clamp_max(limit as f64),
-        None => counts.clone(),
-    };
+    let CountTerms { weight, shift } = count_terms(counts.clone(), cx);
     let Some(w) = count_weight else {
         let log_n = match shift {
             Some(shift) => weight.log() + shift,

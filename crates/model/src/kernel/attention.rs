@@ -921,13 +921,19 @@ fn backward_values<F: Float>(
     dmeans: &mut Tensor<F>,
     #[comptime] width: usize,
     #[comptime] chunks: usize,
+    #[comptime] means_grad: bool,
     #[comptime] tensor_cores: bool,
     #[comptime] _source: u64,
     #[define(F)] _dtype: StorageType,
 ) {
     let l = x.q.shape(1);
     let channels = x.v.shape(2);
-    let keys = key_count::<F>(x);
+    // Without the means' gradient the cache's key tiles have nothing to do.
+    let keys = if comptime!(means_grad) {
+        key_count::<F>(x)
+    } else {
+        2 * l
+    };
     let tiles = parts(keys, TILE);
     let slices = parts(channels, comptime!(chunks * CHUNK));
     if CUBE_POS >= x.q.shape(0) * tiles * slices {
@@ -1200,9 +1206,10 @@ pub(super) fn backward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTen
         dtype.into(),
     );
     let chunks = chunks(dv, max_slice());
+    let keys = 2 * l + if x.flags.means_grad { s } else { 0 };
     backward_values::launch::<R>(
         &client,
-        cubes(g * (2 * l + s).div_ceil(TILE) * dv.div_ceil(chunks * CHUNK)),
+        cubes(g * keys.div_ceil(TILE) * dv.div_ceil(chunks * CHUNK)),
         tile_dim(),
         operands(&x),
         lse.into_tensor_arg(),
@@ -1212,6 +1219,7 @@ pub(super) fn backward<R: CubeRuntime, B: Backend<FloatTensorPrimitive = CubeTen
         dmeans.clone().into_tensor_arg(),
         dk,
         chunks,
+        x.flags.means_grad,
         tensor_cores(&client, dtype),
         SOURCE_HASH,
         dtype.into(),
@@ -1372,6 +1380,7 @@ mod tests {
                     tensor(),
                     width,
                     chunks,
+                    true,
                     tensor_cores,
                     SOURCE_HASH,
                     dtype,

@@ -470,13 +470,17 @@ fn backward_row(
     for (start, keys) in x.keys(d, g) {
         matmul(dq, k, start > 0, part(ds, start, keys.rows), keys);
     }
-    // dk = dS^T q; codewords take no gradient.
+    // dk = dS^T q (codewords take no gradient), dv = P^T dO; the previous
+    // block's and the means' only where they pass on (else left zero).
     matmul(dk, k, false, part(ds, 0, l).t(), q);
-    matmul(dk_prev, k, false, part(ds, l, l).t(), q);
-    // dv = P^T dO.
     matmul(dv, v, false, part(p, 0, l).t(), d_out);
-    matmul(dv_prev, v, false, part(p, l, l).t(), d_out);
-    matmul(dmeans, v, false, part(p, 2 * l, s).t(), d_out);
+    if x.flags.prev_grad {
+        matmul(dk_prev, k, false, part(ds, l, l).t(), q);
+        matmul(dv_prev, v, false, part(p, l, l).t(), d_out);
+    }
+    if x.flags.means_grad {
+        matmul(dmeans, v, false, part(p, 2 * l, s).t(), d_out);
+    }
 }
 
 /// `t` as a contiguous `f32` tensor (a view shares its buffer; other

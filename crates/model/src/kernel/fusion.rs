@@ -56,11 +56,17 @@ impl Kernel {
     fn name(self) -> String {
         let attention = |pass: &str, f: AttentionFlags| {
             let bit = |on: bool| if on { '1' } else { '0' };
-            // mask_first, prev_grad, shifted, weighted.
-            let bits: String = [f.mask_first, f.prev_grad, f.shifted, f.weighted]
-                .map(bit)
-                .into_iter()
-                .collect();
+            // mask_first, prev_grad, means_grad, shifted, weighted.
+            let bits: String = [
+                f.mask_first,
+                f.prev_grad,
+                f.means_grad,
+                f.shifted,
+                f.weighted,
+            ]
+            .map(bit)
+            .into_iter()
+            .collect();
             format!("tvq_attention_{pass}_{bits}")
         };
         match self {

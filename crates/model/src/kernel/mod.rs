@@ -163,6 +163,10 @@ pub struct AttentionFlags {
     /// values of the segment's blocks (`false`: only the present block's
     /// do, as where the previous block is detached).
     pub prev_grad: bool,
+    /// Whether the cache means pass gradient on (to the values they
+    /// summarise, [`crate::CacheGrad::Full`]); `false`: the backward pass
+    /// leaves [`AttentionKernelGrads::means`] meaningless and skips its work.
+    pub means_grad: bool,
     /// Whether the cache's scores add `shift` (a cache limit).
     pub shifted: bool,
     /// Whether the cache's scores weigh `log_counts` by `count_weight` (a
@@ -183,7 +187,7 @@ pub struct AttentionKernelGrads<B: Backend> {
     pub v: FloatTensor<B>,
     /// `[B, H, T, L + 1]`, dense.
     pub bias: FloatTensor<B>,
-    /// `[G, S, V]`.
+    /// `[G, S, V]` (meaningless unless [`AttentionFlags::means_grad`]).
     pub means: FloatTensor<B>,
     /// `[G, L]` (meaningless unless [`AttentionFlags::weighted`]).
     pub count_weight: FloatTensor<B>,

@@ -614,6 +614,7 @@ fn fresh_streams_read_nothing_carried<A: Under>(device: &A::Device) {
             flags: AttentionFlags {
                 mask_first: true,
                 prev_grad: true,
+                means_grad: true,
                 shifted: false,
                 weighted: false,
             },
@@ -637,6 +638,80 @@ on_each_backend!(
     |d| gpu: fresh_streams_read_nothing_carried::<Ad>(d),
     fusion: fresh_streams_read_nothing_carried::<Fused>(d),
     cpu: fresh_streams_read_nothing_carried::<Cpu>(d)
+);
+
+/// Skipping the cache means' gradient ([`AttentionFlags::means_grad`]
+/// off, the means untracked) changes nothing else: the output and the
+/// gradients of the queries, keys and values agree bit for bit with the
+/// pass that computes it, across block sizes whose window ends inside a
+/// key tile and past it, with and without the previous block's gradient.
+fn means_grad_changes_nothing_else<A: Under>(device: &A::Device) {
+    for (b, h, r, l, k, v, s, prev_grad) in
+        [(1, 2, 3, 5, 4, 6, 7, true), (2, 1, 2, 40, 8, 3, 33, false)]
+    {
+        let (bh, g, t) = (b * h, b * h * r, r * l);
+        let normal = |shape: [usize; 3]| {
+            Tensor::<A, 3>::random(shape, Distribution::Normal(0.0, 1.0), device)
+        };
+        let (q, keys, vals) = (normal([g, l, k]), normal([g, l, k]), normal([g, l, v]));
+        let bias = normal([bh, t, l + 1]).reshape([b, h, t, l + 1]);
+        let (codebook, means) = (normal([h, s, k]), normal([g, s, v]));
+        let log_counts = normal([g, s, 1]).reshape([g, s]);
+        let (carried_k, carried_v) = (normal([bh, l, k]), normal([bh, l, v]));
+        let probe = normal([g, l, v]);
+        let attend = |means_grad: bool| {
+            let leaves = [q.clone(), keys.clone(), vals.clone()].map(|t| t.require_grad());
+            let means = match means_grad {
+                true => means.clone().require_grad(),
+                false => means.clone(),
+            };
+            let input = AttentionKernelInput {
+                q: leaves[0].clone().into_primitive().tensor(),
+                k: leaves[1].clone().into_primitive().tensor(),
+                v: leaves[2].clone().into_primitive().tensor(),
+                k_carried: carried_k.clone().into_primitive().tensor(),
+                v_carried: carried_v.clone().into_primitive().tensor(),
+                bias: bias.clone().into_primitive().tensor(),
+                codebook: codebook.clone().into_primitive().tensor(),
+                log_counts: log_counts.clone().into_primitive().tensor(),
+                shift: Tensor::<A, 1>::zeros([g], device).into_primitive().tensor(),
+                count_weight: Tensor::<A, 2>::zeros([g, l], device)
+                    .into_primitive()
+                    .tensor(),
+                means: means.clone().into_primitive().tensor(),
+                flags: AttentionFlags {
+                    mask_first: false,
+                    prev_grad,
+                    means_grad,
+                    shifted: false,
+                    weighted: false,
+                },
+            };
+            let out = A::vq_attention(input).expect("the backend has the kernel");
+            let out = Tensor::<A, 3>::from_primitive(TensorPrimitive::Float(out));
+            let grads = (out.clone() * probe.clone()).sum().backward();
+            let mut all = vec![host(out.inner())];
+            all.extend(leaves.map(|t| host(t.grad(&grads).expect("a gradient"))));
+            let dmeans = means.grad(&grads).map(host);
+            assert_eq!(dmeans.is_some(), means_grad, "the means' gradient");
+            all
+        };
+        // The skipping pass first: a part it failed to write would
+        // otherwise hold the other pass's figures, in a buffer reused.
+        let (got, want) = (attend(false), attend(true));
+        for ((name, want), got) in ["output", "dq", "dk", "dv"].into_iter().zip(want).zip(got) {
+            let bits = |x: Vec<f32>| x.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            assert!(want.iter().all(|x| x.is_finite()), "{name}, L {l}");
+            assert_eq!(bits(got), bits(want), "{name}, L {l}");
+        }
+    }
+}
+
+on_each_backend!(
+    means_grad_changes_nothing_else,
+    |d| gpu: means_grad_changes_nothing_else::<Ad>(d),
+    fusion: means_grad_changes_nothing_else::<Fused>(d),
+    cpu: means_grad_changes_nothing_else::<Cpu>(d)
 );
 
 /// A quantizer of `h` heads whose codewords are `words` `[H, S, K]`
