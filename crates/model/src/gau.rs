@@ -184,7 +184,7 @@ impl<B: VqBackend> Gau<B> {
         });
         let k = rms_normalize_with(heads(k_raw), cx.kernels) * scale;
         // Both activations before `v` is split by head: one fused kernel.
-        let (v, gate) = (silu(v_raw), silu(g_raw));
+        let (v, gate) = (silu_with(v_raw, cx.kernels), silu_with(g_raw, cx.kernels));
         Projected {
             q,
             k,
@@ -354,6 +354,15 @@ pub fn rms_normalize_with<B: VqBackend, const D: usize>(
     match kernels {
         Kernels::Fused => B::vq_rms_normalize(x),
         Kernels::Composed => rms_normalize(x),
+    }
+}
+
+/// SiLU of `x`: the backend's own passes under [`Kernels::Fused`]
+/// ([`VqBackend::vq_silu`]), burn's composed ops otherwise.
+pub fn silu_with<B: VqBackend, const D: usize>(x: Tensor<B, D>, kernels: Kernels) -> Tensor<B, D> {
+    match kernels {
+        Kernels::Fused => B::vq_silu(x),
+        Kernels::Composed => silu(x),
     }
 }
 

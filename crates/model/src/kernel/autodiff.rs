@@ -7,6 +7,7 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::tensor::activation::silu;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 
@@ -17,7 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use super::{
     AdamwParam, AttentionKernelInput, BlockCaches, COLUMN_BLOCKS_CALLS, COMMITMENT_CALLS,
-    CodeTotals, FUSED_CALLS, NORM_CALLS, Nearest, QUANTIZE_CALLS, RMS_CALLS,
+    CodeTotals, FUSED_CALLS, NORM_CALLS, Nearest, QUANTIZE_CALLS, RMS_CALLS, SILU_CALLS,
     STRAIGHT_THROUGH_CALLS, TOKEN_NLL_CALLS, TOTALS_CALLS, VqBackend, VqKernels, count,
     sum_over_heads,
 };
@@ -68,6 +69,22 @@ impl<B: VqKernels, const D: usize> Backward<B, 1> for RmsBackward<D> {
         let c = gx * r.clone() * r.clone() * r.clone(); // [..., 1]
         let dx = grad * r - x * c;
         grads.register::<B>(node.id, dx.into_primitive().tensor());
+    }
+}
+
+/// The backward step of [`VqBackend::vq_silu`]; its parent is the input.
+#[derive(Debug)]
+struct SiluBackward;
+
+impl<B: VqKernels> Backward<B, 1> for SiluBackward {
+    /// The input `x`: the pass recomputes `sigmoid(x)` rather than keep it.
+    type State = FloatTensor<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        if let [Some(node)] = ops.parents {
+            grads.register::<B>(node.id, B::vq_silu_backward(ops.state, grad));
+        }
     }
 }
 
@@ -321,6 +338,24 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
 
     fn vq_totals_by_group(_: &Self::Device) -> bool {
         B::TOTALS_BY_GROUP
+    }
+
+    fn vq_silu<const D: usize>(x: Tensor<Self, D>) -> Tensor<Self, D> {
+        if !B::SILU {
+            return silu(x);
+        }
+        count(&SILU_CALLS);
+        let x = x.into_primitive().tensor();
+        let y = B::vq_silu(x.primitive.clone());
+        let out = match SiluBackward
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(x.primitive, y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        };
+        float::<Self, D>(out)
     }
 
     fn vq_rms_normalize<const D: usize>(x: Tensor<Self, D>) -> Tensor<Self, D> {

@@ -18,7 +18,7 @@ use rayon::prelude::*;
 
 use super::{
     AttentionFlags, AttentionKernelGrads, AttentionKernelInput, BlockCaches, CodeTotals, Nearest,
-    VqKernels,
+    VqKernels, composed_silu, composed_silu_backward,
 };
 
 /// A matrix view of a slice: element `(i, j)` at `i rs + j cs`.
@@ -555,6 +555,21 @@ fn with_rows<R>(input: &AttentionKernelInput<Flex>, f: impl FnOnce(&Rows<'_>, Di
     )
 }
 
+/// Elements a thread takes at least in an elementwise pass: a pass over
+/// fewer is not worth a second thread.
+const MIN_ELEMENTS: usize = 1 << 15;
+
+/// burn-flex's sigmoid of an `f32`, the same operations, so that the
+/// passes below give the composed ops' bits.
+fn sigmoid(x: f32) -> f32 {
+    if x >= 0.0 {
+        1.0 / (1.0 + (-x).exp())
+    } else {
+        let e = x.exp();
+        e / (1.0 + e)
+    }
+}
+
 /// The int tensor `codes` as host values.
 fn codes_of(codes: FlexTensor) -> Vec<i64> {
     codes
@@ -742,6 +757,46 @@ impl VqKernels for Flex {
             error: tensor(error, vec![g, t], dtype),
             norm: tensor(norm, vec![g, t], dtype),
         }
+    }
+
+    const SILU: bool = true;
+
+    /// One pass on the worker threads; other float types than `f32`
+    /// compose, rounding as burn's ops do.
+    fn vq_silu(x: FlexTensor) -> FlexTensor {
+        if x.dtype() != DType::F32 {
+            return composed_silu::<Self>(x);
+        }
+        let shape = x.shape().to_vec();
+        let x = x.to_contiguous();
+        let y: Vec<f32> = x
+            .storage::<f32>()
+            .par_iter()
+            .with_min_len(MIN_ELEMENTS)
+            .map(|&x| x * sigmoid(x))
+            .collect();
+        tensor(y, shape, DType::F32)
+    }
+
+    /// One pass, as [`Self::vq_silu`]: `g s + g x s (1 - s)`, each product
+    /// in the composed backward's order.
+    fn vq_silu_backward(x: FlexTensor, grad: FlexTensor) -> FlexTensor {
+        if x.dtype() != DType::F32 || grad.dtype() != DType::F32 {
+            return composed_silu_backward::<Self>(x, grad);
+        }
+        let shape = x.shape().to_vec();
+        let (x, grad) = (x.to_contiguous(), grad.to_contiguous());
+        let dx: Vec<f32> = x
+            .storage::<f32>()
+            .par_iter()
+            .zip(grad.storage::<f32>())
+            .with_min_len(MIN_ELEMENTS)
+            .map(|(&x, &g)| {
+                let s = sigmoid(x);
+                g * s + g * x * s * (1.0 - s)
+            })
+            .collect();
+        tensor(dx, shape, DType::F32)
     }
 
     fn vq_attention_forward(input: &AttentionKernelInput<Self>) -> (FlexTensor, FlexTensor) {

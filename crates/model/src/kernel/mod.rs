@@ -35,6 +35,7 @@ use std::cell::Cell;
 
 use burn::backend::flex::{Flex, FlexTensor};
 use burn::prelude::{Backend, Int, Tensor};
+use burn::tensor::activation::silu;
 use burn::tensor::backend::DeviceOps;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps, IntTensor, IntTensorOps};
 use burn::tensor::{DType, TensorData, TensorMetadata, TensorPrimitive};
@@ -435,6 +436,26 @@ pub trait VqKernels: Backend {
     /// (docs/benchmarks.md), so it keeps burn's.
     const OWN_BACKWARDS: bool = false;
 
+    /// Whether SiLU under `Autodiff` over this backend takes
+    /// [`Self::vq_silu`] and [`Self::vq_silu_backward`] as its passes
+    /// ([`VqBackend::vq_silu`]): on the CPU one pass each way, where burn's
+    /// SiLU is two ops forward and four backward, each a fresh tensor; the
+    /// cubecl backends keep burn's ops, which its fusion joins.
+    const SILU: bool = false;
+
+    /// SiLU `x sigmoid(x)` of `x`, any shape; composed by default.
+    fn vq_silu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        composed_silu::<Self>(x)
+    }
+
+    /// The gradient of SiLU at `x` from its output's gradient `grad` (both
+    /// of one shape): `g s + g x s (1 - s)`, `s = sigmoid(x)`, the terms
+    /// of burn's backward of the composed ops in its order; composed by
+    /// default.
+    fn vq_silu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        composed_silu_backward::<Self>(x, grad)
+    }
+
     /// AdamW steps of many parameters ([`AdamwScalars`]): `tensors` holds
     /// each parameter's four (the parameter, its gradient, its first and
     /// second moments) in turn, `table` their scalars `[n, ROW]`
@@ -530,6 +551,14 @@ pub trait VqBackend: Backend {
     /// `dx = r g - r^3 x mean(g x)`, one reduction, no tensor of ones as
     /// burn's `mean_dim` backward fills); composed elsewhere.
     fn vq_rms_normalize<const D: usize>(x: Tensor<Self, D>) -> Tensor<Self, D>;
+
+    /// SiLU of `x`, `x sigmoid(x)`: burn's composed ops unless the backend
+    /// is burn's `Autodiff` over one with passes of its own
+    /// ([`VqKernels::SILU`]), where it is one pass forward and one
+    /// backward.
+    fn vq_silu<const D: usize>(x: Tensor<Self, D>) -> Tensor<Self, D> {
+        silu(x)
+    }
 
     /// The commitment of keys `k` `[B, H, T, K]` to their codewords
     /// `words` `[B, H, T, K]` per token, `[B, T]`: `sum_{h, k} (k -
@@ -689,6 +718,17 @@ impl<B: VqKernels> VqBackend for B {
     /// Composed: without `Autodiff` there is no backward step to replace.
     fn vq_rms_normalize<const D: usize>(x: Tensor<Self, D>) -> Tensor<Self, D> {
         rms_normalize(x)
+    }
+
+    /// Without `Autodiff` the forward pass alone, where the backend has it.
+    fn vq_silu<const D: usize>(x: Tensor<Self, D>) -> Tensor<Self, D> {
+        if !B::SILU {
+            return silu(x);
+        }
+        count(&SILU_CALLS);
+        Tensor::from_primitive(TensorPrimitive::Float(B::vq_silu(
+            x.into_primitive().tensor(),
+        )))
     }
 }
 
@@ -865,6 +905,23 @@ impl VqBackend for Dispatch {
     }
 }
 
+/// burn's SiLU of `x`, `x sigmoid(x)`, the composed ops on primitives.
+pub(crate) fn composed_silu<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    B::float_mul(x.clone(), B::sigmoid(x))
+}
+
+/// The gradient of [`composed_silu`] at `x` from the output's `grad`, as
+/// burn's backward of its two ops: `g s` through the product, `(g x) s (1
+/// - s)` through the sigmoid, summed.
+pub(crate) fn composed_silu_backward<B: Backend>(
+    x: FloatTensor<B>,
+    grad: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let s = B::sigmoid(x.clone());
+    let through_s = B::sigmoid_backward(s.clone(), B::float_mul(grad.clone(), x));
+    B::float_add(B::float_mul(grad, s), through_s)
+}
+
 /// The commitment per token `[B, T]` from each head's squared error
 /// `err` `[B, H, T, 1]`: their sum over the heads (for one head, the error
 /// itself: no reduction over an axis of one).
@@ -904,6 +961,7 @@ thread_local! {
     static COLUMN_BLOCKS_CALLS: Cell<u64> = const { Cell::new(0) };
     static STRAIGHT_THROUGH_CALLS: Cell<u64> = const { Cell::new(0) };
     static TOKEN_NLL_CALLS: Cell<u64> = const { Cell::new(0) };
+    static SILU_CALLS: Cell<u64> = const { Cell::new(0) };
 }
 
 /// Counts one call in `counter`.
@@ -958,6 +1016,12 @@ pub fn fused_column_blocks_calls() -> u64 {
 /// thread has made.
 pub fn fused_straight_through_calls() -> u64 {
     STRAIGHT_THROUGH_CALLS.with(Cell::get)
+}
+
+/// How many SiLUs of the backend's own passes ([`VqKernels::SILU`]) this
+/// thread has made.
+pub fn fused_silu_calls() -> u64 {
+    SILU_CALLS.with(Cell::get)
 }
 
 /// How many token log-likelihoods with their own backward step this thread

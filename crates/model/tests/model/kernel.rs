@@ -19,12 +19,12 @@ use burn::tensor::Distribution;
 use burn::tensor::TensorPrimitive;
 use burn::tensor::backend::AutodiffBackend;
 use tvq_model::attention::{AttentionInput, AttentionState, Position, block_attention};
-use tvq_model::gau::rms_normalize_with;
+use tvq_model::gau::{rms_normalize_with, silu_with};
 use tvq_model::kernel::{
     AdamwParam, AdamwScalars, AttentionFlags, AttentionKernelInput, Kernels, VqBackend, VqKernels,
     fused_adamw_calls, fused_attention_calls, fused_column_blocks_calls, fused_commitment_calls,
-    fused_norm_calls, fused_quantize_calls, fused_rms_calls, fused_straight_through_calls,
-    fused_token_nll_calls, fused_totals_calls,
+    fused_norm_calls, fused_quantize_calls, fused_rms_calls, fused_silu_calls,
+    fused_straight_through_calls, fused_token_nll_calls, fused_totals_calls,
 };
 use tvq_model::quantizer::{Quantized, VectorQuantizer};
 use tvq_model::{CacheGrad, Compute, token_nll};
@@ -1055,6 +1055,47 @@ on_each_backend!(
     |d| gpu: rms_agrees::<Ad>(d, true),
     fusion: rms_agrees::<Fused>(d, true),
     cpu: rms_agrees::<Cpu>(d, false)
+);
+
+/// SiLU with the backend's own passes (`VqBackend::vq_silu`) against
+/// burn's composed ops, bit for bit (the CPU's passes do the composed ops'
+/// operations in their order): the values, and the input's gradient under
+/// an upstream gradient that is not constant, on a view that is not
+/// contiguous, inputs of both signs (the sigmoid's two branches), zero
+/// and past its saturation, a tensor small enough for one thread and one
+/// that the CPU splits. `own`: whether the backend has the passes (a call
+/// counted) or composes (none counted).
+fn silu_agrees<A: Under>(device: &A::Device, own: bool) {
+    for shape in [[2, 5, 3, 7], [2, 64, 3, 200]] {
+        let n = shape.iter().product::<usize>();
+        let mut values: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() * 12.0).collect();
+        values[..4].copy_from_slice(&[0.0, 95.0, -95.0, -0.0]);
+        let [a, b, c, d] = shape;
+        let upstream = Tensor::<A, 4>::random([a, c, b, d], Distribution::Normal(0.0, 1.0), device);
+        let run = |kernels| {
+            let leaf = Tensor::<A, 4>::from_data(TensorData::new(values.clone(), shape), device)
+                .require_grad();
+            let y = silu_with(leaf.clone().swap_dims(1, 2), kernels); // [a, c, b, d]
+            let grads = (y.clone() * upstream.clone()).sum().backward();
+            (host(y), host(leaf.grad(&grads).unwrap()))
+        };
+        let (want, want_grad) = run(Kernels::Composed);
+        let calls = fused_silu_calls();
+        let (got, got_grad) = run(Kernels::Fused);
+        assert_eq!(fused_silu_calls(), calls + u64::from(own), "calls counted");
+        let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(want.iter().chain(&want_grad).all(|x| x.is_finite()));
+        assert_eq!(bits(&got), bits(&want), "values, {shape:?}");
+        assert_eq!(bits(&got_grad), bits(&want_grad), "gradients, {shape:?}");
+    }
+}
+
+on_each_backend!(
+    /// The cubecl backends keep burn's ops, which its fusion joins.
+    silu_matches_the_composed_ops,
+    |d| gpu: silu_agrees::<Ad>(d, false),
+    fusion: silu_agrees::<Fused>(d, false),
+    cpu: silu_agrees::<Cpu>(d, true)
 );
 
 /// The commitment with its own backward step (`VqBackend::vq_commitment`,
