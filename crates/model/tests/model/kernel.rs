@@ -524,6 +524,33 @@ on_each_backend!(
     cpu: each_case::<Cpu>(d)
 );
 
+/// The fused attention on `input`, whose queries, keys and values are
+/// `leaves`: its output and the leaves' gradients under `sum(out *
+/// probe)`, as host values in that order, and the gradients (for other
+/// leaves).
+fn attend_with_grads<A: Under>(
+    input: AttentionKernelInput<A>,
+    leaves: [Tensor<A, 3>; 3],
+    probe: &Tensor<A, 3>,
+) -> (Vec<Vec<f32>>, <A as AutodiffBackend>::Gradients) {
+    let out = A::vq_attention(input).expect("the backend has the kernel");
+    let out = Tensor::<A, 3>::from_primitive(TensorPrimitive::Float(out));
+    let grads = (out.clone() * probe.clone()).sum().backward();
+    let mut all = vec![host(out.inner())];
+    all.extend(leaves.map(|t| host(t.grad(&grads).expect("a gradient"))));
+    (all, grads)
+}
+
+/// [`attend_with_grads`]' four host values, `got` against `want`, bit for
+/// bit (`want` finite), named with `case`.
+fn same_attention_bits(want: Vec<Vec<f32>>, got: Vec<Vec<f32>>, case: &str) {
+    let bits = |x: Vec<f32>| x.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    for ((name, want), got) in ["output", "dq", "dk", "dv"].into_iter().zip(want).zip(got) {
+        assert!(want.iter().all(|x| x.is_finite()), "{case}: {name}");
+        assert_eq!(bits(got), bits(want), "{case}: {name}");
+    }
+}
+
 /// A fresh stream's kernels read nothing carried (so that its carried
 /// tensors can be left unfilled): the block caches under `fresh` and the
 /// attention under `mask_first`, given carried tensors of NaN (and codes
@@ -619,18 +646,9 @@ fn fresh_streams_read_nothing_carried<A: Under>(device: &A::Device) {
                 weighted: false,
             },
         };
-        let out = A::vq_attention(input).expect("the backend has the kernel");
-        let out = Tensor::<A, 3>::from_primitive(float(out));
-        let grads = (out.clone() * probe.clone()).sum().backward();
-        let mut all = vec![host(out.inner())];
-        all.extend(leaves.map(|t| host(t.grad(&grads).expect("a gradient"))));
-        all
+        attend_with_grads(input, leaves, &probe).0
     };
-    let (want, got) = (attend(0.0), attend(f32::NAN));
-    for ((name, want), got) in ["output", "dq", "dk", "dv"].into_iter().zip(want).zip(got) {
-        assert!(want.iter().all(|x| x.is_finite()), "attention: {name}");
-        assert_eq!(bits(got), bits(want), "attention: {name}");
-    }
+    same_attention_bits(attend(0.0), attend(f32::NAN), "attention");
 }
 
 on_each_backend!(
@@ -687,11 +705,7 @@ fn means_grad_changes_nothing_else<A: Under>(device: &A::Device) {
                     weighted: false,
                 },
             };
-            let out = A::vq_attention(input).expect("the backend has the kernel");
-            let out = Tensor::<A, 3>::from_primitive(TensorPrimitive::Float(out));
-            let grads = (out.clone() * probe.clone()).sum().backward();
-            let mut all = vec![host(out.inner())];
-            all.extend(leaves.map(|t| host(t.grad(&grads).expect("a gradient"))));
+            let (all, grads) = attend_with_grads(input, leaves, &probe);
             let dmeans = means.grad(&grads).map(host);
             assert_eq!(dmeans.is_some(), means_grad, "the means' gradient");
             all
@@ -699,11 +713,7 @@ fn means_grad_changes_nothing_else<A: Under>(device: &A::Device) {
         // The skipping pass first: a part it failed to write would
         // otherwise hold the other pass's figures, in a buffer reused.
         let (got, want) = (attend(false), attend(true));
-        for ((name, want), got) in ["output", "dq", "dk", "dv"].into_iter().zip(want).zip(got) {
-            let bits = |x: Vec<f32>| x.into_iter().map(f32::to_bits).collect::<Vec<_>>();
-            assert!(want.iter().all(|x| x.is_finite()), "{name}, L {l}");
-            assert_eq!(bits(got), bits(want), "{name}, L {l}");
-        }
+        same_attention_bits(want, got, &format!("L {l}"));
     }
 }
 
