@@ -16,6 +16,8 @@ use burn::tensor::{DType, TensorData, TensorMetadata};
 
 use rayon::prelude::*;
 
+mod simd;
+
 use super::{
     AttentionFlags, AttentionKernelGrads, AttentionKernelInput, BlockCaches, CodeTotals, Nearest,
     VqKernels, composed_silu, composed_silu_backward,
@@ -265,16 +267,12 @@ impl Rows<'_> {
                 };
             }
             if known_lse {
-                let m = lse[i];
-                scores.iter_mut().for_each(|x| *x = (*x - m).exp());
+                simd::exp_shifted(scores, lse[i]);
             } else {
                 // The present key j = 0 is never masked: the maximum is finite.
                 let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0.0;
-                for x in scores.iter_mut() {
-                    *x = (*x - max).exp();
-                    sum += *x;
-                }
+                simd::exp_shifted(scores, max);
+                let sum: f32 = scores.iter().sum();
                 scores.iter_mut().for_each(|x| *x /= sum);
                 lse[i] = max + sum.ln();
             }
@@ -555,20 +553,9 @@ fn with_rows<R>(input: &AttentionKernelInput<Flex>, f: impl FnOnce(&Rows<'_>, Di
     )
 }
 
-/// Elements a thread takes at least in an elementwise pass: a pass over
-/// fewer is not worth a second thread.
+/// The elements of an elementwise pass's chunk, each chunk a task for the
+/// worker threads: a pass over fewer is not worth a second thread.
 const MIN_ELEMENTS: usize = 1 << 15;
-
-/// burn-flex's sigmoid of an `f32`, the same operations, so that the
-/// passes below give the composed ops' bits.
-fn sigmoid(x: f32) -> f32 {
-    if x >= 0.0 {
-        1.0 / (1.0 + (-x).exp())
-    } else {
-        let e = x.exp();
-        e / (1.0 + e)
-    }
-}
 
 /// The int tensor `codes` as host values.
 fn codes_of(codes: FlexTensor) -> Vec<i64> {
@@ -727,30 +714,48 @@ impl VqKernels for Flex {
         let [h, s, _] = dims3(&codebook);
         let (keys, words) = (f32s(&keys), f32s(&codebook));
         let (keys, words) = (keys.storage::<f32>(), words.storage::<f32>());
+        // Each head's codebook transposed, `[H, K, S]`.
+        let words_t: Vec<f32> = (0..h * k * s)
+            .map(|i| {
+                let (head, j, code) = (i / (k * s), i / s % k, i % s);
+                words[(head * s + code) * k + j]
+            })
+            .collect();
         let mut codes = vec![0i32; g * t];
         let mut chosen = vec![0.0f32; g * t * k];
         let mut error = vec![0.0f32; g * t];
         let mut norm = vec![0.0f32; g * t];
-        for gi in 0..g {
-            let head = row(words, gi % h, s, k);
-            for ti in 0..t {
-                let n = gi * t + ti;
-                let key = &keys[n * k..][..k];
-                // `sum (k - C)^2` itself, ties to the lowest index, as the
-                // cubecl kernel's.
-                let (mut best, mut best_d) = (0, f32::INFINITY);
-                for (code, word) in head.chunks_exact(k).enumerate() {
-                    let dist: f32 = key.iter().zip(word).map(|(a, b)| (a - b) * (a - b)).sum();
-                    if dist < best_d {
-                        (best, best_d) = (code, dist);
+        // Tokens `n = gi T + ti` in chunks on the worker threads.
+        const TOKENS: usize = 64;
+        (
+            codes.par_chunks_mut(TOKENS),
+            chosen.par_chunks_mut(TOKENS * k),
+            error.par_chunks_mut(TOKENS),
+            norm.par_chunks_mut(TOKENS),
+        )
+            .into_par_iter()
+            .enumerate()
+            .for_each(|(chunk, (codes, chosen, error, norm))| {
+                let mut dist = vec![0.0; s];
+                for (i, code) in codes.iter_mut().enumerate() {
+                    let n = chunk * TOKENS + i;
+                    let head = (n / t) % h;
+                    let key = &keys[n * k..][..k];
+                    simd::distances(key, row(&words_t, head, k, s), &mut dist);
+                    // `sum (k - C)^2` itself, ties to the lowest index, as
+                    // the cubecl kernel's.
+                    let (mut best, mut best_d) = (0, f32::INFINITY);
+                    for (c, &d) in dist.iter().enumerate() {
+                        if d < best_d {
+                            (best, best_d) = (c, d);
+                        }
                     }
+                    *code = best as i32;
+                    chosen[i * k..][..k].copy_from_slice(&row(words, head, s, k)[best * k..][..k]);
+                    error[i] = best_d;
+                    norm[i] = key.iter().map(|a| a * a).sum();
                 }
-                codes[n] = best as i32;
-                chosen[n * k..][..k].copy_from_slice(&head[best * k..][..k]);
-                error[n] = best_d;
-                norm[n] = key.iter().map(|a| a * a).sum();
-            }
-        }
+            });
         Nearest {
             codes: FlexTensor::from_data(TensorData::new(codes, [g, t])),
             words: tensor(chosen, vec![g, t, k], dtype),
@@ -761,20 +766,20 @@ impl VqKernels for Flex {
 
     const SILU: bool = true;
 
-    /// One pass on the worker threads; other float types than `f32`
-    /// compose, rounding as burn's ops do.
+    /// One vectorised pass (`simd`) on the worker threads, within a
+    /// few ulp of burn's ops (its own exponential, not libm's); other float
+    /// types than `f32` compose.
     fn vq_silu(x: FlexTensor) -> FlexTensor {
         if x.dtype() != DType::F32 {
             return composed_silu::<Self>(x);
         }
         let shape = x.shape().to_vec();
         let x = x.to_contiguous();
-        let y: Vec<f32> = x
-            .storage::<f32>()
-            .par_iter()
-            .with_min_len(MIN_ELEMENTS)
-            .map(|&x| x * sigmoid(x))
-            .collect();
+        let x = x.storage::<f32>();
+        let mut y = vec![0.0; x.len()];
+        (y.par_chunks_mut(MIN_ELEMENTS), x.par_chunks(MIN_ELEMENTS))
+            .into_par_iter()
+            .for_each(|(y, x)| simd::silu(x, y));
         tensor(y, shape, DType::F32)
     }
 
@@ -786,16 +791,15 @@ impl VqKernels for Flex {
         }
         let shape = x.shape().to_vec();
         let (x, grad) = (x.to_contiguous(), grad.to_contiguous());
-        let dx: Vec<f32> = x
-            .storage::<f32>()
-            .par_iter()
-            .zip(grad.storage::<f32>())
-            .with_min_len(MIN_ELEMENTS)
-            .map(|(&x, &g)| {
-                let s = sigmoid(x);
-                g * s + g * x * s * (1.0 - s)
-            })
-            .collect();
+        let (x, grad) = (x.storage::<f32>(), grad.storage::<f32>());
+        let mut dx = vec![0.0; x.len()];
+        (
+            dx.par_chunks_mut(MIN_ELEMENTS),
+            x.par_chunks(MIN_ELEMENTS),
+            grad.par_chunks(MIN_ELEMENTS),
+        )
+            .into_par_iter()
+            .for_each(|(dx, x, g)| simd::silu_backward(x, g, dx));
         tensor(dx, shape, DType::F32)
     }
 
