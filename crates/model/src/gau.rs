@@ -204,8 +204,9 @@ impl<B: VqBackend> Gau<B> {
         cx: Compute,
     ) -> Tensor<B, 3> {
         let o = cx.cast(merge_heads(o)) * gate; // [B, T, H V]
-        let w = self.out_proj.weight.val().unsqueeze::<3>(); // [1, H V, D]
-        dropout::apply(cx.product_f32(o, w), residual_mask)
+        let d = self.out_proj.weight.val().dims()[1];
+        let [y] = column_blocks(&o, self.out_proj.weight.val(), [d], cx); // [B, T, D]
+        dropout::apply(to_f32(y), residual_mask)
     }
 
     /// The keys `[B, H, T, K (+ P)]` the window scores against: the
@@ -373,8 +374,8 @@ pub fn silu_with<B: VqBackend, const D: usize>(x: Tensor<B, D>, kernels: Kernels
 /// than on contiguous tensors. For one token (the recurrent form) the
 /// product is sliced instead: slicing the weight would copy it whole at
 /// every token, while the output row is tiny.
-/// Under [`Kernels::Fused`], several blocks are the backend's product with
-/// a backward step of its own where it has one
+/// Under [`Kernels::Fused`], the blocks are the backend's product with a
+/// backward step of its own where it has one
 /// ([`VqBackend::vq_column_blocks`]).
 fn column_blocks<B: VqBackend, const N: usize>(
     x: &Tensor<B, 3>,
@@ -387,7 +388,7 @@ fn column_blocks<B: VqBackend, const N: usize>(
     // One block of every column is the weight itself (a slice's backward
     // would zero a copy of its gradient and assign into it).
     let whole = N == 1 && widths[0] == cols;
-    if t > 1 && !whole && cx.kernels == Kernels::Fused {
+    if t > 1 && cx.kernels == Kernels::Fused {
         let dtype = cx.precision.dtype();
         let own = B::vq_column_blocks(x.clone().cast(dtype), w.clone().cast(dtype), widths);
         if let Some(blocks) = own {

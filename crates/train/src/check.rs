@@ -617,9 +617,11 @@ mod tests {
     }
 
     /// On the CPU every comparison is of the CPU with itself, all pass at
-    /// zero difference, but the fused kernels' gradients against the
-    /// composed ops': within rounding, not equal. (The fused trainer's
-    /// update from the same gradients is burn's AdamW on both sides.)
+    /// zero difference, but the fused trainer's against the composed
+    /// ops': its gradients within rounding, not equal, and its update from
+    /// the same gradients within rounding (its gradient norm's sum of
+    /// squares is taken in `f64`, so clipping scales by another rounding
+    /// of the factor; its AdamW does burn's operations in burn's order).
     #[test]
     fn the_cpu_checks_as_itself() {
         let cpu = DispatchDevice::Flex(Default::default());
@@ -628,7 +630,7 @@ mod tests {
         assert!(report.passed(), "{report:#?}");
         assert!(report.checks.len() >= 10);
         let (rest, fused) = report.checks.split_at(report.checks.len() - 2);
-        for c in rest.iter().chain(&fused[1..]) {
+        for c in rest {
             assert_eq!(c.worst, Some(0.0), "{}", c.name);
         }
         assert!(fused[0].name.contains("fused kernels"), "{}", fused[0].name);
@@ -637,6 +639,7 @@ mod tests {
             fused[0].worst.is_some_and(|w| w > 0.0 && w <= 1e-5),
             "{fused:?}"
         );
+        assert!(fused[1].worst.is_some_and(|w| w <= 1e-5), "{fused:?}");
         assert_eq!(
             std::fs::read_dir(dir.path()).unwrap().count(),
             0,

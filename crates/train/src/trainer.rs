@@ -1285,13 +1285,8 @@ pub(crate) mod tests {
     /// as the composed trainer's on the same device to rounding (within
     /// `tol` of the largest value), under both position terms the kernels
     /// cover; each step's gradient norm and AdamW step too, by one kernel
-    /// each per step where `step_kernels`. A checkpoint of either resumes
-    /// in the other exactly.
-    fn fused_trainer_takes_the_composed_steps<Bk: TrainBackend>(
-        device: DispatchDevice,
-        tol: f32,
-        step_kernels: bool,
-    ) {
+    /// each per step. A checkpoint of either resumes in the other exactly.
+    fn fused_trainer_takes_the_composed_steps<Bk: TrainBackend>(device: DispatchDevice, tol: f32) {
         use tvq_model::RelativeBias;
         use tvq_model::kernel::{
             fused_adamw_calls, fused_attention_calls, fused_norm_calls, fused_quantize_calls,
@@ -1345,12 +1340,12 @@ pub(crate) mod tests {
             );
             assert_eq!(
                 fused_norm_calls() - norms,
-                if step_kernels { 4 } else { 0 },
+                4,
                 "{bias:?}: the gradient norm's kernel per step"
             );
             assert_eq!(
                 fused_adamw_calls() - adamws,
-                if step_kernels { 4 } else { 0 },
+                4,
                 "{bias:?}: the AdamW step's kernel per step"
             );
             let sublayer_passes = 5 * 2 * model.n_layer as u64;
@@ -1423,12 +1418,7 @@ pub(crate) mod tests {
             TrainOn::choose(&TrainSection::default(), std::slice::from_ref(&cpu)),
             TrainOn::CpuFused
         );
-        // The CPU composes the gradient norm and AdamW.
-        fused_trainer_takes_the_composed_steps::<crate::placement::CpuFused>(
-            cpu.clone(),
-            1e-5,
-            false,
-        );
+        fused_trainer_takes_the_composed_steps::<crate::placement::CpuFused>(cpu.clone(), 1e-5);
         // Activation checkpointing is the composed trainer's: refused here.
         let selective = TrainSection {
             activation_checkpointing: ActivationCheckpointing::Selective,
@@ -1505,12 +1495,8 @@ pub(crate) mod tests {
             std::slice::from_ref(&gpu),
         );
         match on {
-            TrainOn::WgpuFused => {
-                fused_trainer_takes_the_composed_steps::<WgpuFused>(gpu, 1e-5, true)
-            }
-            TrainOn::CudaFused => {
-                fused_trainer_takes_the_composed_steps::<CudaFused>(gpu, 1e-5, true)
-            }
+            TrainOn::WgpuFused => fused_trainer_takes_the_composed_steps::<WgpuFused>(gpu, 1e-5),
+            TrainOn::CudaFused => fused_trainer_takes_the_composed_steps::<CudaFused>(gpu, 1e-5),
             other => panic!("{gpu:?} trains on {other}"),
         }
     }

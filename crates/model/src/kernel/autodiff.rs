@@ -203,16 +203,27 @@ impl<B: VqKernels> Backward<B, 2> for ColumnBlocksBackward {
             let grad = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
             blocks.push(grad.map_or_else(|| Tensor::zeros([b, t, n], &device), float::<B, 3>));
         }
-        // One launch where the backend joins, else one a block.
-        let parts = blocks
+        let [px, pw] = ops.parents;
+        let parts: Vec<_> = blocks
             .iter()
             .map(|t| t.clone().into_primitive().tensor())
             .collect();
+        if B::PROJECTS
+            && let Some([dx, dw]) = B::vq_column_backward(x.clone(), w.clone(), parts.clone())
+        {
+            if let Some(pw) = pw {
+                grads.register::<B>(pw.id, dw);
+            }
+            if let Some(px) = px {
+                grads.register::<B>(px.id, dx);
+            }
+            return;
+        }
+        // One launch where the backend joins, else one a block.
         let dy = match B::vq_join(parts) {
             Some(dy) => float::<B, 3>(dy),
             None => Tensor::cat(blocks, 2),
         }; // [B, T, N]
-        let [px, pw] = ops.parents;
         if let Some(pw) = pw {
             let x = float::<B, 3>(x);
             let (d, n) = (x.dims()[2], dy.dims()[2]);
@@ -458,23 +469,37 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
         w: Tensor<Self, 2>,
         widths: [usize; N],
     ) -> Option<[Tensor<Self, 3>; N]> {
-        if !B::OWN_BACKWARDS || N < 2 || w.dims()[1] != widths.iter().sum::<usize>() {
+        let own = B::PROJECTS;
+        if !(own || B::OWN_BACKWARDS && N > 1) || w.dims()[1] != widths.iter().sum::<usize>() {
             return None;
         }
-        count(&COLUMN_BLOCKS_CALLS);
         let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
         // The products of the blocks of columns, on the inner backend.
-        let (xi, wi) = (
-            float::<B, 3>(x.primitive.clone()),
-            float::<B, 2>(w.primitive.clone()),
-        );
-        let d = wi.dims()[0];
-        let mut start = 0;
-        let products = widths.map(|n| {
-            let cols = wi.clone().slice([0..d, start..start + n]).unsqueeze::<3>(); // [1, D, n]
-            start += n;
-            xi.clone().matmul(cols).into_primitive().tensor() // [B, T, n]
-        });
+        let own_products = if own {
+            B::vq_column_products(x.primitive.clone(), w.primitive.clone(), &widths)
+        } else {
+            None
+        };
+        let products = match own_products {
+            Some(products) => products,
+            None if B::OWN_BACKWARDS && N > 1 => {
+                let (xi, wi) = (
+                    float::<B, 3>(x.primitive.clone()),
+                    float::<B, 2>(w.primitive.clone()),
+                );
+                let d = wi.dims()[0];
+                let mut start = 0;
+                widths
+                    .map(|n| {
+                        let cols = wi.clone().slice([0..d, start..start + n]).unsqueeze::<3>(); // [1, D, n]
+                        start += n;
+                        xi.clone().matmul(cols).into_primitive().tensor() // [B, T, n]
+                    })
+                    .to_vec()
+            }
+            None => return None,
+        };
+        count(&COLUMN_BLOCKS_CALLS);
         let slots: Vec<Slot<B>> = (1..N).map(|_| Slot::<B>::default()).collect();
         let mut products = products.into_iter();
         let first = products.next()?;

@@ -1,6 +1,7 @@
-//! The fused VQ attention and quantizer on the CPU (burn's `Flex`
-//! backend): the computation of the cubecl kernels, block row by block
-//! row. A row's `[L, 2L + S]` scores live in one scratch buffer that stays
+//! The fused kernels on the CPU (burn's `Flex` backend): the VQ attention
+//! and quantizer, the computation of the cubecl kernels, block row by block
+//! row; the projections' products, SiLU, the gradient norm's sum of squares
+//! and AdamW. A row's `[L, 2L + S]` scores live in one scratch buffer that stays
 //! in the core's cache, where the composed ops allocate and pass over
 //! `[B, H, R, L, L]` and `[B, H, R, L, S]` tensors op by op; the products
 //! are `gemm`'s, as `Flex`'s own matmul. The backward pass recomputes the
@@ -20,7 +21,7 @@ mod simd;
 
 use super::{
     AttentionFlags, AttentionKernelGrads, AttentionKernelInput, BlockCaches, CodeTotals, Nearest,
-    VqKernels, composed_silu, composed_silu_backward,
+    ROW, VqKernels, composed_silu, composed_silu_backward,
 };
 
 /// A matrix view of a slice: element `(i, j)` at `i rs + j cs`.
@@ -65,8 +66,36 @@ impl<'a> Mat<'a> {
 }
 
 /// `dst = a b` (or `dst += a b` when `acc`), `dst` a `[a.rows, b.cols]`
-/// view of `dst` with row stride `dst_rs` and unit column stride.
+/// view of `dst` with row stride `dst_rs` and unit column stride, on the
+/// calling thread (the attention's products, one block row per task).
 fn matmul(dst: &mut [f32], dst_rs: usize, acc: bool, a: Mat<'_>, b: Mat<'_>) {
+    product(dst, dst_rs, acc, a, b, gemm::Parallelism::None);
+}
+
+/// Below this many multiply-adds a product stays on one thread (burn's
+/// `Flex` matmul's threshold).
+const PARALLEL_WORK: usize = 192 * 192 * 192;
+
+/// [`matmul`] on the worker threads where it is large enough: the
+/// projections' products, one at a time.
+fn parallel_matmul(dst: &mut [f32], dst_rs: usize, acc: bool, a: Mat<'_>, b: Mat<'_>) {
+    let par = if a.rows * a.cols * b.cols >= PARALLEL_WORK {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    };
+    product(dst, dst_rs, acc, a, b, par);
+}
+
+/// [`matmul`] with `par` for gemm's own threads.
+fn product(
+    dst: &mut [f32],
+    dst_rs: usize,
+    acc: bool,
+    a: Mat<'_>,
+    b: Mat<'_>,
+    par: gemm::Parallelism,
+) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     assert_eq!(k, b.rows, "inner sizes differ");
     let out = Mat {
@@ -114,7 +143,7 @@ fn matmul(dst: &mut [f32], dst_rs: usize, acc: bool, a: Mat<'_>, b: Mat<'_>) {
             false,
             false,
             false,
-            gemm::Parallelism::None,
+            par,
         );
     }
 }
@@ -566,6 +595,18 @@ fn codes_of(codes: FlexTensor) -> Vec<i64> {
         .expect("int codes")
 }
 
+/// `x`'s shape `[B, T, D]` and the product's sizes `[B T, D, N]` for `w`
+/// `[D, N]`, or `None` unless both are `f32`.
+fn projection_sizes(x: &FlexTensor, w: &FlexTensor) -> Option<(Vec<usize>, [usize; 3])> {
+    if x.dtype() != DType::F32 || w.dtype() != DType::F32 {
+        return None;
+    }
+    let [b, t, d] = dims3(x);
+    let n = w.shape()[1];
+    assert_eq!(w.shape()[0], d, "the weight's rows are the input's width");
+    Some((vec![b, t, d], [b * t, d, n]))
+}
+
 fn dims3(t: &FlexTensor) -> [usize; 3] {
     let shape = t.shape();
     [shape[0], shape[1], shape[2]]
@@ -801,6 +842,128 @@ impl VqKernels for Flex {
             .into_par_iter()
             .for_each(|(dx, x, g)| simd::silu_backward(x, g, dx));
         tensor(dx, shape, DType::F32)
+    }
+
+    const SUMS_SQUARES: bool = true;
+
+    /// Each tensor's squares summed in `f64`, chunk by chunk on the worker
+    /// threads.
+    fn vq_sum_squares(tensors: Vec<FlexTensor>) -> Option<FlexTensor> {
+        if tensors.iter().any(|t| t.dtype() != DType::F32) {
+            return None;
+        }
+        let square = |x: &f32| f64::from(*x) * f64::from(*x);
+        let total: f64 = tensors
+            .iter()
+            .map(|t| {
+                let t = t.to_contiguous();
+                let chunks = t.storage::<f32>().par_chunks(MIN_ELEMENTS);
+                chunks
+                    .map(|c| c.iter().map(square).sum::<f64>())
+                    .sum::<f64>()
+            })
+            .sum();
+        Some(tensor(vec![total as f32], vec![1], DType::F32))
+    }
+
+    const STEPS_ADAMW: bool = true;
+
+    /// Parameters on the worker threads, each in three passes (the two
+    /// moments, then the parameter from them): the operations of the
+    /// cubecl kernel, in its order, so the same bits.
+    fn vq_adamw(tensors: Vec<FlexTensor>, table: FlexTensor) -> Option<Vec<FlexTensor>> {
+        if table.dtype() != DType::F32 || tensors.iter().any(|t| t.dtype() != DType::F32) {
+            return None;
+        }
+        let table = table.to_contiguous();
+        let table = table.storage::<f32>();
+        let stepped: Vec<[FlexTensor; 3]> = tensors
+            .par_chunks(4)
+            .zip(table.par_chunks(ROW))
+            .map(|(four, row)| {
+                let [lr, keep, c1, c2, beta1, rest1, beta2, rest2, epsilon, scale] =
+                    row.try_into().expect("a row of the table");
+                let shape = four[0].shape().to_vec();
+                let [p, g, m1, m2] = [0, 1, 2, 3].map(|i| four[i].to_contiguous());
+                let [p, g, m1, m2] = [&p, &g, &m1, &m2].map(|t| t.storage::<f32>());
+                let a: Vec<f32> = (m1.iter().zip(g))
+                    .map(|(&m, &g)| m * beta1 + g * scale * rest1)
+                    .collect();
+                let b: Vec<f32> = (m2.iter().zip(g))
+                    .map(|(&m, &g)| {
+                        let g = g * scale;
+                        m * beta2 + g * g * rest2
+                    })
+                    .collect();
+                let new: Vec<f32> = (p.iter().zip(&a).zip(&b))
+                    .map(|((&p, &a), &b)| p * keep - (a / c1) / ((b / c2).sqrt() + epsilon) * lr)
+                    .collect();
+                [new, a, b].map(|v| tensor(v, shape.clone(), DType::F32))
+            })
+            .collect();
+        Some(stepped.into_iter().flatten().collect())
+    }
+
+    const PROJECTS: bool = true;
+
+    /// One gemm per block over all `B T` rows, its columns of `w` read in
+    /// place.
+    fn vq_column_products(
+        x: FlexTensor,
+        w: FlexTensor,
+        widths: &[usize],
+    ) -> Option<Vec<FlexTensor>> {
+        let (shape, [m, d, n]) = projection_sizes(&x, &w)?;
+        let (x, w) = (x.to_contiguous(), w.to_contiguous());
+        let (x, w) = (x.storage::<f32>(), w.storage::<f32>());
+        let mut start = 0;
+        let products = widths.iter().map(|&width| {
+            let mut y = vec![0.0; m * width]; // [B T, width]
+            parallel_matmul(
+                &mut y,
+                width,
+                false,
+                Mat::dense(x, m, d),
+                columns(w, d, n, start, width),
+            );
+            start += width;
+            let mut shape = shape.clone();
+            shape[2] = width;
+            tensor(y, shape, DType::F32)
+        });
+        Some(products.collect())
+    }
+
+    /// `dx` accumulated block by block in one buffer, each block's `dw`
+    /// written into its columns of one `[D, N]` buffer.
+    fn vq_column_backward(
+        x: FlexTensor,
+        w: FlexTensor,
+        dys: Vec<FlexTensor>,
+    ) -> Option<[FlexTensor; 2]> {
+        let (shape, [m, d, n]) = projection_sizes(&x, &w)?;
+        if dys.iter().any(|dy| dy.dtype() != DType::F32) {
+            return None;
+        }
+        let (x, w) = (x.to_contiguous(), w.to_contiguous());
+        let (x, w) = (x.storage::<f32>(), w.storage::<f32>());
+        let mut dx = vec![0.0; m * d]; // [B T, D]
+        let mut dw = vec![0.0; d * n]; // [D, N]
+        let mut start = 0;
+        for (i, dy) in dys.iter().enumerate() {
+            let width = dy.shape()[2];
+            let dy = dy.to_contiguous();
+            let dy = Mat::dense(dy.storage::<f32>(), m, width); // [B T, width]
+            let w_t = columns(w, d, n, start, width).t(); // [width, D]
+            parallel_matmul(&mut dx, d, i > 0, dy, w_t);
+            parallel_matmul(&mut dw[start..], n, false, Mat::dense(x, m, d).t(), dy);
+            start += width;
+        }
+        assert_eq!(start, n, "the blocks' widths cover the weight's columns");
+        Some([
+            tensor(dx, shape, DType::F32),
+            tensor(dw, vec![d, n], DType::F32),
+        ])
     }
 
     fn vq_attention_forward(input: &AttentionKernelInput<Self>) -> (FlexTensor, FlexTensor) {

@@ -13,7 +13,7 @@
 //! | `CubeBackend<R, ..>` (cubecl: CUDA, wgpu), with or without `Autodiff` | [`attention`], [`quantizer`], code totals (`totals.rs`), the sum of squares of many tensors (`norm.rs`: the global gradient norm), AdamW over many parameters (`adamw.rs`), tensors joined along their last axis (`join.rs`) |
 //! | `Fusion<B>` (burn's fusion over such a backend: burn's `Wgpu` and `Cuda` in the default build), with or without `Autodiff` | `B`'s, each a custom operation of the fusion stream (`fusion.rs`) |
 //! | `burn::Dispatch` (what `tvq` infers on, and trains on where the kernels do not cover a run) | the CPU's, forward only, on a CPU device without autodiff (inference); otherwise none: its tensors hide the backend they live on, so training with the kernels runs on `Autodiff<Flex>`, `Autodiff<burn::backend::Wgpu>` or `Autodiff<burn::backend::Cuda>`, and `tvq bench kernels` on those |
-//! | `Flex` (the CPU), with or without `Autodiff` | attention, quantizer and code totals in Rust over its buffers (`cpu.rs`); the sum of squares, AdamW and the join compose |
+//! | `Flex` (the CPU), with or without `Autodiff` | attention, quantizer, code totals, SiLU, the projections' products (both ways), the sum of squares and AdamW in Rust over its buffers (`cpu.rs`); the join composes |
 //!
 //! Shapes: `G = B H R` block rows, `L` block length, `K` key width, `V`
 //! value width, `S` codes, `T = R L`.
@@ -456,6 +456,42 @@ pub trait VqKernels: Backend {
         composed_silu_backward::<Self>(x, grad)
     }
 
+    /// Whether [`Self::vq_column_products`] and [`Self::vq_column_backward`]
+    /// have kernels ([`VqBackend::vq_column_blocks`] under `Autodiff` over
+    /// this backend takes them, for one block too): on the CPU each product
+    /// writes its own buffer and the weight's gradient is one buffer with
+    /// each block's columns written in place, where burn's backward of the
+    /// products of slices allocates, zeroes and adds a weight-sized tensor
+    /// per block and sums the input's gradients block by block.
+    const PROJECTS: bool = false;
+
+    /// `x w` for `x` `[B, T, D]` and `w` `[D, sum(widths)]`, one product
+    /// per block of `widths` columns, `[B, T, widths[i]]`; `None` (the
+    /// default) where the backend has no kernel for it or the tensors are
+    /// not `f32`.
+    fn vq_column_products(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        widths: &[usize],
+    ) -> Option<Vec<FloatTensor<Self>>> {
+        let _ = (x, w, widths);
+        None
+    }
+
+    /// The gradients `[dx, dw]` of [`Self::vq_column_products`]' `x`
+    /// `[B, T, D]` and `w` `[D, N]` from its blocks' gradients `dys`
+    /// (`[B, T, n_i]`, their widths summing to `N`): `dx = sum_i dy_i
+    /// w_i^T`, `dw = [x^T dy_0, x^T dy_1, ..]`. `None` (the default) where
+    /// the backend has no kernel for it or the tensors are not `f32`.
+    fn vq_column_backward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        dys: Vec<FloatTensor<Self>>,
+    ) -> Option<[FloatTensor<Self>; 2]> {
+        let _ = (x, w, dys);
+        None
+    }
+
     /// AdamW steps of many parameters ([`AdamwScalars`]): `tensors` holds
     /// each parameter's four (the parameter, its gradient, its first and
     /// second moments) in turn, `table` their scalars `[n, ROW]`
@@ -615,9 +651,11 @@ pub trait VqBackend: Backend {
     /// one product for `dx` and one for `dw` (burn's backward of the
     /// products of slices of `w` takes two products per block, and each
     /// slice's gradient is a filled tensor of `w`'s shape with the block
-    /// assigned in). Every block must reach the loss, as the projections
-    /// of a sublayer do: the first block's step runs the others'. `None`
-    /// (the default) elsewhere, and where the widths do not cover every
+    /// assigned in); over the CPU ([`VqKernels::PROJECTS`]) the backend's
+    /// own products both ways, for one block too. Every block must reach
+    /// the loss, as the projections of a sublayer do: the first block's
+    /// step runs the others'. `None` (the default) elsewhere, for one
+    /// block on a cubecl backend, and where the widths do not cover every
     /// column of `w`: the caller composes it then.
     fn vq_column_blocks<const N: usize>(
         x: Tensor<Self, 3>,
