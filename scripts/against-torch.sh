@@ -8,24 +8,27 @@
 # codes, blocks of 128, 2 layers, Toeplitz bias); 2 rows per step; the whole
 # step (forward, backward, clipping, AdamW, EMA); tvq on 2 worker threads,
 # with its fused kernels (the default) and composed (train.kernels =
-# "composed"), PyTorch on 2 threads. Prints one JSON line per measurement,
-# then the ratios.
+# "composed"), PyTorch on 2 threads; STEPS (default 4) timed steps each,
+# after tvq's one warm-up step and PyTorch's two (a shorter window reads
+# start-up effects, such as the allocator's first purge, as much as the
+# step). Prints one JSON line per measurement, then the ratios.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/tvq/target}"
 python="${TVQ_PYTHON:-python3}"
 rounds="${1:-2}"
 seq_lens="${SEQ_LENS:-512,2048,8192}"
+steps="${STEPS:-4}"
 cargo build --release -p tvq-cli --quiet
 tvq="$CARGO_TARGET_DIR/release/tvq"
 out="$(mktemp)"
 for round in $(seq "$rounds"); do
   for kernels in fused composed; do
-    "$tvq" bench step --json --form vq --batch 2 --set train.workers=2 --steps 2 \
+    "$tvq" bench step --json --form vq --batch 2 --set train.workers=2 --steps "$steps" \
       --set "train.kernels=\"$kernels\"" --seq-len "$seq_lens" |
       sed "s/^{/{\"round\": $round, /" | tee -a "$out"
   done
-  "$python" scripts/torch_reference.py bench --widths bench --batch 2 --threads 2 --steps 2 \
+  "$python" scripts/torch_reference.py bench --widths bench --batch 2 --threads 2 --steps "$steps" \
     --seq-len "$seq_lens" --impl eager,compiled --json | sed "s/^{/{\"round\": $round, /" | tee -a "$out"
 done
 "$python" - "$out" <<'PY'

@@ -79,12 +79,17 @@ const PARALLEL_WORK: usize = 192 * 192 * 192;
 /// [`matmul`] on the worker threads where it is large enough: the
 /// projections' products, one at a time.
 fn parallel_matmul(dst: &mut [f32], dst_rs: usize, acc: bool, a: Mat<'_>, b: Mat<'_>) {
-    let par = if a.rows * a.cols * b.cols >= PARALLEL_WORK {
+    product(dst, dst_rs, acc, a, b, parallelism(a, b));
+}
+
+/// gemm's own threads for a product of `PARALLEL_WORK` or more
+/// multiply-adds, none below.
+fn parallelism(a: Mat<'_>, b: Mat<'_>) -> gemm::Parallelism {
+    if a.rows * a.cols * b.cols >= PARALLEL_WORK {
         gemm::Parallelism::Rayon(0)
     } else {
         gemm::Parallelism::None
-    };
-    product(dst, dst_rs, acc, a, b, par);
+    }
 }
 
 /// [`matmul`] with `par` for gemm's own threads.
@@ -96,18 +101,48 @@ fn product(
     b: Mat<'_>,
     par: gemm::Parallelism,
 ) {
+    // SAFETY: a slice is valid for writes of its length, and initialised.
+    unsafe { product_to(dst.as_mut_ptr(), dst.len(), dst_rs, acc, a, b, par) }
+}
+
+/// `a b` as a new row-major `[a.rows, b.cols]` matrix, every element
+/// written by the product (no zeroing pass first).
+fn fresh_product(a: Mat<'_>, b: Mat<'_>, par: gemm::Parallelism) -> Vec<f32> {
+    let len = a.rows * b.cols;
+    let mut out = Vec::with_capacity(len);
+    // SAFETY: `out` has room for `len` elements; with `acc` false the
+    // product writes each of them (a dense view: row stride = columns),
+    // so they are initialised when the length is set.
+    unsafe {
+        product_to(out.as_mut_ptr(), len, b.cols, false, a, b, par);
+        out.set_len(len);
+    }
+    out
+}
+
+/// [`product`] into `dst_len` elements at `dst`.
+///
+/// # Safety
+///
+/// `dst` is valid for writes of `dst_len` elements, aliases neither
+/// operand, and is initialised where read: everywhere in the view when
+/// `acc`, nowhere otherwise (the product then only writes).
+unsafe fn product_to(
+    dst: *mut f32,
+    dst_len: usize,
+    dst_rs: usize,
+    acc: bool,
+    a: Mat<'_>,
+    b: Mat<'_>,
+    par: gemm::Parallelism,
+) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     assert_eq!(k, b.rows, "inner sizes differ");
-    let out = Mat {
-        data: dst,
-        rows: m,
-        cols: n,
-        rs: dst_rs,
-        cs: 1,
-    };
+    let out = (m, n, dst_rs);
+    let fits = m == 0 || n == 0 || (m - 1) * dst_rs + n <= dst_len;
     assert!(
-        a.fits(a.data.len()) && b.fits(b.data.len()) && out.fits(dst.len()),
-        "a matrix view runs past its slice"
+        a.fits(a.data.len()) && b.fits(b.data.len()) && fits,
+        "a matrix view runs past its slice: {out:?}"
     );
     if m == 0 || n == 0 {
         return;
@@ -115,20 +150,22 @@ fn product(
     if k == 0 {
         if !acc {
             for i in 0..m {
-                dst[i * dst_rs..][..n].fill(0.0);
+                // SAFETY: row i's n elements lie inside `dst` (checked above).
+                unsafe { std::ptr::write_bytes(dst.add(i * dst_rs), 0, n) };
             }
         }
         return;
     }
-    // SAFETY: every element of the three views lies inside its slice
-    // (checked above), `dst` is borrowed mutably, so it aliases neither
-    // operand, and the strides are those the views were checked with.
+    // SAFETY: every element of the three views lies inside its buffer
+    // (checked above), `dst` aliases neither operand and is read only
+    // when `acc` (the caller's contract), and the strides are those the
+    // views were checked with.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst,
             1,
             dst_rs as isize,
             acc,
@@ -520,6 +557,21 @@ fn f32s(t: &FlexTensor) -> FlexTensor {
     }
 }
 
+/// The `f32` tensor `t` with its elements as the whole of its buffer, for
+/// a pass that overwrites them: `t` itself where they already are (a
+/// buffer held elsewhere too is copied by the first write, `storage_mut`),
+/// else a copy.
+fn whole_f32s(t: FlexTensor) -> FlexTensor {
+    match t.layout().contiguous_offsets() {
+        Some((0, end)) if end == t.storage::<f32>().len() => t,
+        Some((start, end)) => {
+            let values = t.storage::<f32>()[start..end].to_vec();
+            tensor(values, t.shape().to_vec(), DType::F32)
+        }
+        None => whole_f32s(t.to_contiguous()),
+    }
+}
+
 /// A tensor of `shape` holding `values`, in `dtype`.
 fn tensor(values: Vec<f32>, shape: Vec<usize>, dtype: DType) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(values, shape).convert_dtype(dtype))
@@ -817,10 +869,15 @@ impl VqKernels for Flex {
         let shape = x.shape().to_vec();
         let x = x.to_contiguous();
         let x = x.storage::<f32>();
-        let mut y = vec![0.0; x.len()];
-        (y.par_chunks_mut(MIN_ELEMENTS), x.par_chunks(MIN_ELEMENTS))
+        let mut y = Vec::with_capacity(x.len());
+        (
+            y.spare_capacity_mut()[..x.len()].par_chunks_mut(MIN_ELEMENTS),
+            x.par_chunks(MIN_ELEMENTS),
+        )
             .into_par_iter()
             .for_each(|(y, x)| simd::silu(x, y));
+        // SAFETY: `simd::silu` wrote every element of every chunk.
+        unsafe { y.set_len(x.len()) };
         tensor(y, shape, DType::F32)
     }
 
@@ -830,18 +887,16 @@ impl VqKernels for Flex {
         if x.dtype() != DType::F32 || grad.dtype() != DType::F32 {
             return composed_silu_backward::<Self>(x, grad);
         }
-        let shape = x.shape().to_vec();
-        let (x, grad) = (x.to_contiguous(), grad.to_contiguous());
-        let (x, grad) = (x.storage::<f32>(), grad.storage::<f32>());
-        let mut dx = vec![0.0; x.len()];
-        (
-            dx.par_chunks_mut(MIN_ELEMENTS),
-            x.par_chunks(MIN_ELEMENTS),
-            grad.par_chunks(MIN_ELEMENTS),
-        )
+        let x = x.to_contiguous();
+        let x = x.storage::<f32>();
+        // The gradient's own buffer takes `dx` where nothing else holds it.
+        let mut dx = whole_f32s(grad);
+        let g = dx.storage_mut::<f32>();
+        assert_eq!(g.len(), x.len(), "the gradient has the input's shape");
+        (g.par_chunks_mut(MIN_ELEMENTS), x.par_chunks(MIN_ELEMENTS))
             .into_par_iter()
-            .for_each(|(dx, x, g)| simd::silu_backward(x, g, dx));
-        tensor(dx, shape, DType::F32)
+            .for_each(|(g, x)| simd::silu_backward(x, g));
+        dx
     }
 
     const SUMS_SQUARES: bool = true;
@@ -918,14 +973,8 @@ impl VqKernels for Flex {
         let (x, w) = (x.storage::<f32>(), w.storage::<f32>());
         let mut start = 0;
         let products = widths.iter().map(|&width| {
-            let mut y = vec![0.0; m * width]; // [B T, width]
-            parallel_matmul(
-                &mut y,
-                width,
-                false,
-                Mat::dense(x, m, d),
-                columns(w, d, n, start, width),
-            );
+            let (x, w) = (Mat::dense(x, m, d), columns(w, d, n, start, width));
+            let y = fresh_product(x, w, parallelism(x, w)); // [B T, width]
             start += width;
             let mut shape = shape.clone();
             shape[2] = width;
@@ -942,24 +991,38 @@ impl VqKernels for Flex {
         dys: Vec<FlexTensor>,
     ) -> Option<[FlexTensor; 2]> {
         let (shape, [m, d, n]) = projection_sizes(&x, &w)?;
-        if dys.iter().any(|dy| dy.dtype() != DType::F32) {
+        if dys.is_empty() || dys.iter().any(|dy| dy.dtype() != DType::F32) {
             return None;
         }
+        let widths: usize = dys.iter().map(|dy| dy.shape()[2]).sum();
+        assert_eq!(widths, n, "the blocks' widths cover the weight's columns");
         let (x, w) = (x.to_contiguous(), w.to_contiguous());
         let (x, w) = (x.storage::<f32>(), w.storage::<f32>());
-        let mut dx = vec![0.0; m * d]; // [B T, D]
-        let mut dw = vec![0.0; d * n]; // [D, N]
+        let mut dx = Vec::new(); // [B T, D]
+        let mut dw = Vec::<f32>::with_capacity(d * n); // [D, N]
         let mut start = 0;
-        for (i, dy) in dys.iter().enumerate() {
+        for dy in &dys {
             let width = dy.shape()[2];
             let dy = dy.to_contiguous();
             let dy = Mat::dense(dy.storage::<f32>(), m, width); // [B T, width]
             let w_t = columns(w, d, n, start, width).t(); // [width, D]
-            parallel_matmul(&mut dx, d, i > 0, dy, w_t);
-            parallel_matmul(&mut dw[start..], n, false, Mat::dense(x, m, d).t(), dy);
+            if start == 0 {
+                dx = fresh_product(dy, w_t, parallelism(dy, w_t));
+            } else {
+                parallel_matmul(&mut dx, d, true, dy, w_t);
+            }
+            let x_t = Mat::dense(x, m, d).t();
+            // SAFETY: `dw` has room for `D N` elements; this block writes
+            // (`acc` false) its columns `start..start + width` of every row.
+            unsafe {
+                let at = dw.as_mut_ptr().add(start);
+                product_to(at, d * n - start, n, false, x_t, dy, parallelism(x_t, dy));
+            }
             start += width;
         }
-        assert_eq!(start, n, "the blocks' widths cover the weight's columns");
+        // SAFETY: the blocks' columns cover all `N` (asserted above), so
+        // every element of `dw` was written.
+        unsafe { dw.set_len(d * n) };
         Some([
             tensor(dx, shape, DType::F32),
             tensor(dw, vec![d, n], DType::F32),

@@ -1138,6 +1138,47 @@ on_each_backend!(
     cpu: silu_agrees::<Cpu>(d, true)
 );
 
+/// The CPU's SiLU backward pass writes the input's gradient into the
+/// upstream gradient's buffer where nothing else holds that buffer (no
+/// allocation), and into a new one where something does: the held
+/// gradient keeps its values, and both ways give `g s + g x s (1 - s)`.
+#[test]
+fn cpu_silu_backward_overwrites_only_a_gradient_it_owns() {
+    use burn::backend::flex::FlexTensor;
+    let n = 100_003; // several of the pass's chunks and a tail
+    let xs: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin() * 12.0).collect();
+    let gs: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+    let flex = |v: &[f32]| FlexTensor::from_data(TensorData::new(v.to_vec(), [n]));
+    let grad = flex(&gs);
+    let buffer = grad.storage::<f32>().as_ptr();
+    let owned = Flex::vq_silu_backward(flex(&xs), grad);
+    assert_eq!(owned.storage::<f32>().as_ptr(), buffer, "written in place");
+    let grad = flex(&gs);
+    let held = grad.clone();
+    let copied = Flex::vq_silu_backward(flex(&xs), grad);
+    assert_eq!(
+        held.storage::<f32>(),
+        &gs[..],
+        "a held gradient keeps its values"
+    );
+    assert_ne!(copied.storage::<f32>().as_ptr(), buffer);
+    for (i, (&a, &b)) in owned
+        .storage::<f32>()
+        .iter()
+        .zip(copied.storage::<f32>())
+        .enumerate()
+    {
+        let (x, g) = (xs[i], gs[i]);
+        let s = 1.0 / (1.0 + (-x).exp());
+        let want = g * s + g * x * s * (1.0 - s);
+        assert_eq!(a.to_bits(), b.to_bits(), "element {i}: both ways agree");
+        assert!(
+            (a - want).abs() <= 1e-6 * (1.0 + want.abs()),
+            "element {i}: {a} against {want}"
+        );
+    }
+}
+
 /// The commitment with its own backward step (`VqBackend::vq_commitment`,
 /// given the squared errors) against the composed ops: the values, and the gradients of the keys (a
 /// view with swapped axes) and of the codewords under an upstream gradient

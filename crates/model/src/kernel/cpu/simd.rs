@@ -6,6 +6,8 @@
 //! operations in the same order (no fused multiply-add), so they give the
 //! same bits on every x86 CPU.
 
+use std::mem::MaybeUninit;
+
 /// Defines `pub(super) fn $name(..)` from a body compiled three times on
 /// x86-64 (AVX-512, AVX2, baseline), the widest the CPU has chosen at run
 /// time; other targets compile the body once.
@@ -91,21 +93,24 @@ vectorised!(
 );
 
 vectorised!(
-    /// `y = x sigmoid(x)`; the slices have one length.
-    fn silu(x: &[f32], y: &mut [f32]) {
+    /// `y = x sigmoid(x)`, every element of `y` written; the slices have
+    /// one length.
+    fn silu(x: &[f32], y: &mut [MaybeUninit<f32>]) {
+        assert_eq!(x.len(), y.len(), "one length");
         for (y, &x) in y.iter_mut().zip(x) {
-            *y = x * sigmoid(x);
+            y.write(x * sigmoid(x));
         }
     }
 );
 
 vectorised!(
-    /// SiLU's backward step under the upstream gradient `g`: `g s + g x s (1 - s)`,
-    /// `s = sigmoid(x)`, in the composed backward's order.
-    fn silu_backward(x: &[f32], g: &[f32], dx: &mut [f32]) {
-        for ((dx, &x), &g) in dx.iter_mut().zip(x).zip(g) {
+    /// SiLU's backward step, in place on the upstream gradient: `g` becomes
+    /// `g s + g x s (1 - s)`, `s = sigmoid(x)`, in the composed backward's
+    /// order.
+    fn silu_backward(x: &[f32], g: &mut [f32]) {
+        for (g, &x) in g.iter_mut().zip(x) {
             let s = sigmoid(x);
-            *dx = g * s + g * x * s * (1.0 - s);
+            *g = *g * s + *g * x * s * (1.0 - s);
         }
     }
 );
@@ -169,10 +174,10 @@ mod tests {
     fn passes_match_the_scalar_function() {
         let x: Vec<f32> = (0..1003).map(|i| (i as f32 * 0.731).sin() * 40.0).collect();
         let g: Vec<f32> = (0..1003).map(|i| (i as f32 * 0.277).cos()).collect();
-        let mut y = vec![0.0; x.len()];
+        let mut y = vec![MaybeUninit::new(f32::NAN); x.len()];
         silu(&x, &mut y);
-        let mut dx = vec![0.0; x.len()];
-        silu_backward(&x, &g, &mut dx);
+        let mut dx = g.clone();
+        silu_backward(&x, &mut dx);
         let mut e = x.clone();
         exp_shifted(&mut e, 3.0);
         let (k, s) = (7, 45);
@@ -185,7 +190,9 @@ mod tests {
         }
         for i in 0..x.len() {
             let s = sigmoid(x[i]);
-            assert_eq!(y[i].to_bits(), (x[i] * s).to_bits());
+            // SAFETY: initialised (to NaN) before the pass.
+            let y = unsafe { y[i].assume_init() };
+            assert_eq!(y.to_bits(), (x[i] * s).to_bits());
             let d = g[i] * s + g[i] * x[i] * s * (1.0 - s);
             assert_eq!(dx[i].to_bits(), d.to_bits());
             assert_eq!(e[i].to_bits(), exp(x[i] - 3.0).to_bits());
