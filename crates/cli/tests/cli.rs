@@ -1184,12 +1184,7 @@ fn an_imported_official_checkpoint_reproduces_the_official_log_probs() {
         .to_vec()
         .unwrap();
     let (_, want) = fixture_tensor(&weights, "logprobs");
-    let worst = logprobs
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
-    assert_eq!(logprobs.len(), want.len());
+    let worst = tvq_testkit::max_abs_diff(&logprobs, &want);
     assert!(worst <= 1e-4, "log-probs differ by {worst}");
 
     // Sampling and evaluation take the import like any export.

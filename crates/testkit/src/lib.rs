@@ -155,6 +155,21 @@ pub fn python_with(test: &str, modules: &[&str]) -> Option<PathBuf> {
     None
 }
 
+/// The largest `|a - b|` over the pairs (0 where they are equal, infinities
+/// included), NaN where any difference is NaN: `f32::max` skips a NaN, so
+/// a fold of it would let a NaN pass any tolerance.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "lengths differ");
+    a.iter().zip(b).fold(0.0, |worst: f32, (x, y)| {
+        let d = if x == y { 0.0 } else { (x - y).abs() };
+        if d.is_nan() || worst.is_nan() {
+            f32::NAN
+        } else {
+            worst.max(d)
+        }
+    })
+}
+
 /// The system allocator, counting the bytes held now and the most held: a
 /// test binary that installs it (`#[global_allocator] static A:
 /// CountingAllocator = CountingAllocator;`) measures its own heap, which
@@ -205,9 +220,92 @@ unsafe impl std::alloc::GlobalAlloc for CountingAllocator {
     }
 }
 
+/// The system allocator with each new byte set to `0xFF` first (every
+/// `f32` a NaN, every integer -1), where the system's fresh pages would be
+/// zeros: a kernel that returns an element it never wrote then shows it.
+/// Zeroed allocations stay zeroed; a reallocation poisons what it adds.
+pub struct PoisonedAllocator;
+
+/// The byte every new allocation is filled with.
+const POISON: u8 = 0xFF;
+
+// SAFETY: every call goes to the system allocator unchanged; only bytes
+// the caller owns and has not initialised are written.
+unsafe impl std::alloc::GlobalAlloc for PoisonedAllocator {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        // SAFETY: the caller's contract is passed on.
+        let p = unsafe { std::alloc::System.alloc(layout) };
+        if !p.is_null() {
+            // SAFETY: `p` holds `layout.size()` bytes, all the caller's.
+            unsafe { std::ptr::write_bytes(p, POISON, layout.size()) };
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        // SAFETY: the caller's contract is passed on.
+        unsafe { std::alloc::System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        // SAFETY: the caller's contract is passed on.
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: the caller's contract is passed on.
+        let p = unsafe { std::alloc::System.realloc(ptr, layout, new_size) };
+        if !p.is_null() && new_size > layout.size() {
+            // SAFETY: bytes `layout.size()..new_size` of `p` are new.
+            unsafe {
+                std::ptr::write_bytes(p.add(layout.size()), POISON, new_size - layout.size())
+            };
+        }
+        p
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_nan_anywhere_makes_the_difference_nan() {
+        assert_eq!(max_abs_diff(&[1.0, -2.0], &[1.5, 1.0]), 3.0);
+        assert!(max_abs_diff(&[f32::NAN, 1.0], &[0.0, 5.0]).is_nan());
+        assert!(max_abs_diff(&[1.0, f32::NAN], &[9.0, 0.0]).is_nan());
+        assert_eq!(
+            max_abs_diff(&[f32::NEG_INFINITY], &[f32::NEG_INFINITY]),
+            0.0
+        );
+        assert_eq!(max_abs_diff(&[f32::INFINITY], &[1.0]), f32::INFINITY);
+    }
+
+    #[test]
+    fn the_poisoned_allocator_fills_only_new_bytes() {
+        use std::alloc::{GlobalAlloc, Layout};
+        let (a, layout) = (PoisonedAllocator, Layout::from_size_align(64, 8).unwrap());
+        // SAFETY: each pointer is checked non-null, read within its size,
+        // and freed with the layout it has.
+        unsafe {
+            let p = a.alloc(layout);
+            assert!(!p.is_null());
+            let bytes = std::slice::from_raw_parts(p, 64);
+            assert!(bytes.iter().all(|&b| b == POISON));
+            assert!(f32::from_ne_bytes([POISON; 4]).is_nan());
+            p.write_bytes(7, 64);
+            let p = a.realloc(p, layout, 4096);
+            assert!(!p.is_null());
+            let bytes = std::slice::from_raw_parts(p, 4096);
+            assert!(bytes[..64].iter().all(|&b| b == 7), "kept");
+            assert!(bytes[64..].iter().all(|&b| b == POISON), "poisoned");
+            a.dealloc(p, Layout::from_size_align(4096, 8).unwrap());
+            let z = a.alloc_zeroed(layout);
+            assert!(!z.is_null());
+            assert!(std::slice::from_raw_parts(z, 64).iter().all(|&b| b == 0));
+            a.dealloc(z, layout);
+        }
+    }
 
     #[test]
     fn a_missing_gpu_skips_unless_required() {

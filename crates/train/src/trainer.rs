@@ -950,11 +950,7 @@ pub(crate) mod tests {
         // the learning rate's share; 1e-3 absolute is a tenth of lr.
         assert_eq!(cpu_trained.len(), gpu_trained.len());
         for (i, (c, g)) in cpu_trained.iter().zip(&gpu_trained).enumerate() {
-            let worst = c
-                .iter()
-                .zip(g)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0f32, f32::max);
+            let worst = tvq_testkit::max_abs_diff(c, g);
             assert!(worst <= 1e-3, "parameter {i} differs by {worst}");
         }
         for (c, g) in cpu_losses.iter().zip(&gpu_losses) {
@@ -1266,11 +1262,7 @@ pub(crate) mod tests {
     /// `want`'s largest magnitude (0 where they are equal).
     pub(crate) fn relative_gap(got: &[f32], want: &[f32]) -> f32 {
         assert_eq!(got.len(), want.len(), "lengths");
-        let worst = got
-            .iter()
-            .zip(want)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0f32, f32::max);
+        let worst = tvq_testkit::max_abs_diff(got, want);
         if worst == 0.0 {
             return 0.0;
         }

@@ -171,7 +171,14 @@ impl On<'_> {
             .iter()
             .zip(&composed.grad)
             .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+            // NaN where any is: `f32::max` would skip it.
+            .fold(0.0f32, |m, d| {
+                if m.is_nan() || d.is_nan() {
+                    f32::NAN
+                } else {
+                    m.max(d)
+                }
+            });
         if args.json {
             println!(
                 "{}",

@@ -475,12 +475,9 @@ impl<B: VqKernels, C: CheckpointStrategy> VqBackend for Autodiff<B, C> {
         }
         let (x, w) = (x.into_primitive().tensor(), w.into_primitive().tensor());
         // The products of the blocks of columns, on the inner backend.
-        let own_products = if own {
-            B::vq_column_products(x.primitive.clone(), w.primitive.clone(), &widths)
-        } else {
-            None
-        };
-        let products = match own_products {
+        let own_products =
+            own.then(|| B::vq_column_products(x.primitive.clone(), w.primitive.clone(), &widths));
+        let products = match own_products.flatten() {
             Some(products) => products,
             None if B::OWN_BACKWARDS && N > 1 => {
                 let (xi, wi) = (

@@ -16,6 +16,8 @@ use burn::backend::flex::{Flex, FlexTensor};
 use burn::tensor::{DType, TensorData, TensorMetadata};
 
 use rayon::prelude::*;
+use rayon::slice::ChunksMut;
+use std::mem::MaybeUninit;
 
 mod simd;
 
@@ -118,6 +120,49 @@ fn fresh_product(a: Mat<'_>, b: Mat<'_>, par: gemm::Parallelism) -> Vec<f32> {
         out.set_len(len);
     }
     out
+}
+
+/// `a b` into `dst`, room for exactly `[a.rows, b.cols]` (row-major), on
+/// the calling thread: `dst` with every element written, as values.
+fn init_product<'a>(dst: &'a mut [MaybeUninit<f32>], a: Mat<'_>, b: Mat<'_>) -> &'a mut [f32] {
+    assert_eq!(dst.len(), a.rows * b.cols, "the product fills its room");
+    let (ptr, len, par) = (dst.as_mut_ptr().cast(), dst.len(), gemm::Parallelism::None);
+    // SAFETY: `dst` is valid for writes of its length and aliases neither
+    // operand (it is borrowed mutably); with `acc` false nothing is read,
+    // and a dense view over the whole room writes each element.
+    unsafe {
+        product_to(ptr, len, b.cols, false, a, b, par);
+        written(dst)
+    }
+}
+
+/// `dst` with each element set to 0.
+fn zeroed(dst: &mut [MaybeUninit<f32>]) -> &mut [f32] {
+    dst.iter_mut().for_each(|x| {
+        x.write(0.0);
+    });
+    // SAFETY: every element was just written.
+    unsafe { written(dst) }
+}
+
+/// `dst`'s elements as the values written to them.
+///
+/// # Safety
+///
+/// Every element of `dst` is initialised.
+unsafe fn written(dst: &mut [MaybeUninit<f32>]) -> &mut [f32] {
+    // SAFETY: `MaybeUninit<f32>` has `f32`'s layout, and the caller
+    // vouches that each element holds a value.
+    unsafe { &mut *(dst as *mut [MaybeUninit<f32>] as *mut [f32]) }
+}
+
+/// `rows` chunks of `width` elements of the empty `buf`'s spare capacity
+/// (reserved here), one per task, for a pass that writes each element
+/// before the length is set.
+fn room(buf: &mut Vec<f32>, rows: usize, width: usize) -> ChunksMut<'_, MaybeUninit<f32>> {
+    assert!(buf.is_empty(), "room follows the elements already there");
+    buf.reserve_exact(rows * width);
+    buf.spare_capacity_mut()[..rows * width].par_chunks_mut(width)
 }
 
 /// [`product`] into `dst_len` elements at `dst`.
@@ -345,12 +390,14 @@ impl Rows<'_> {
         }
     }
 
-    /// Row `g`'s output `[L, V]` from its probabilities `p` `[L, N]`.
-    fn weigh(&self, d: Dims, g: usize, p: &[f32], out: &mut [f32]) {
+    /// Row `g`'s output `[L, V]`, every element written, from its
+    /// probabilities `p` `[L, N]`.
+    fn weigh(&self, d: Dims, g: usize, p: &[f32], out: &mut [MaybeUninit<f32>]) {
         let (l, v, n) = (d.l, d.v, d.n());
-        for (start, values) in self.values(d, g) {
-            let acc = start > 0;
-            matmul(out, v, acc, columns(p, l, n, start, values.rows), values);
+        let [(_, present), rest @ ..] = self.values(d, g);
+        let out = init_product(out, columns(p, l, n, 0, l), present);
+        for (start, values) in rest {
+            matmul(out, v, true, columns(p, l, n, start, values.rows), values);
         }
     }
 }
@@ -358,9 +405,9 @@ impl Rows<'_> {
 /// The forward pass: output `[G, L, V]` and each query's log-sum-exp
 /// `[G, L]`, block rows on the worker threads.
 fn forward(x: &Rows<'_>, d: Dims) -> (Vec<f32>, Vec<f32>) {
-    let mut out = vec![0.0; d.g * d.l * d.v];
+    let mut out = Vec::new();
     let mut lse = vec![0.0; d.g * d.l];
-    (out.par_chunks_mut(d.l * d.v), lse.par_chunks_mut(d.l))
+    (room(&mut out, d.g, d.l * d.v), lse.par_chunks_mut(d.l))
         .into_par_iter()
         .enumerate()
         .for_each_init(
@@ -370,6 +417,8 @@ fn forward(x: &Rows<'_>, d: Dims) -> (Vec<f32>, Vec<f32>) {
                 x.weigh(d, g, p, out);
             },
         );
+    // SAFETY: `weigh` wrote each of the `G` rows' outputs.
+    unsafe { out.set_len(d.g * d.l * d.v) };
     (out, lse)
 }
 
@@ -391,25 +440,20 @@ struct Grads {
 /// block rows on the worker threads.
 fn backward(x: &Rows<'_>, d: Dims, out: &[f32], lse: &[f32], grad: &[f32]) -> Grads {
     let (gs, l, k, v, s) = (d.g, d.l, d.k, d.v, d.s);
-    let mut grads = Grads {
-        q: vec![0.0; gs * l * k],
-        k: vec![0.0; gs * l * k],
-        v: vec![0.0; gs * l * v],
-        k_prev: vec![0.0; gs * l * k],
-        v_prev: vec![0.0; gs * l * v],
-        bias: vec![0.0; gs * l * (l + 1)],
-        means: vec![0.0; gs * s * v],
-        count_weight: vec![0.0; gs * l],
-    };
+    // Each row's elements of q, k, v, k_prev, v_prev, bias, means and
+    // count_weight.
+    let widths = [l * k, l * k, l * v, l * k, l * v, l * (l + 1), s * v, l];
+    let mut bufs: [Vec<f32>; 8] = Default::default();
+    let [dq, dk, dv, dk_prev, dv_prev, dbias, dmeans, dcount_weight] = &mut bufs;
     (
-        grads.q.par_chunks_mut(l * k),
-        grads.k.par_chunks_mut(l * k),
-        grads.v.par_chunks_mut(l * v),
-        grads.k_prev.par_chunks_mut(l * k),
-        grads.v_prev.par_chunks_mut(l * v),
-        grads.bias.par_chunks_mut(l * (l + 1)),
-        grads.means.par_chunks_mut(s * v),
-        grads.count_weight.par_chunks_mut(l),
+        room(dq, gs, widths[0]),
+        room(dk, gs, widths[1]),
+        room(dv, gs, widths[2]),
+        room(dk_prev, gs, widths[3]),
+        room(dv_prev, gs, widths[4]),
+        room(dbias, gs, widths[5]),
+        room(dmeans, gs, widths[6]),
+        room(dcount_weight, gs, widths[7]),
     )
         .into_par_iter()
         .enumerate()
@@ -436,6 +480,22 @@ fn backward(x: &Rows<'_>, d: Dims, out: &[f32], lse: &[f32], grad: &[f32]) -> Gr
                 backward_row(x, d, g, io, scratch, grads);
             },
         );
+    for (buf, width) in bufs.iter_mut().zip(widths) {
+        // SAFETY: `backward_row` wrote every element of each of the `G`
+        // rows' chunks.
+        unsafe { buf.set_len(gs * width) };
+    }
+    let [q, dk, dv, k_prev, v_prev, bias, means, count_weight] = bufs;
+    let mut grads = Grads {
+        q,
+        k: dk,
+        v: dv,
+        k_prev,
+        v_prev,
+        bias,
+        means,
+        count_weight,
+    };
     // Row g's previous block is row g - 1 of the same stream (its block 0's
     // is the carried block, which takes no gradient).
     if x.flags.prev_grad {
@@ -463,20 +523,20 @@ struct Scratch {
     lse: Vec<f32>,
 }
 
-/// One block row's slices of [`Grads`].
+/// One block row's slices of [`Grads`], before they are written.
 struct RowGrads<'a> {
-    q: &'a mut [f32],
-    k: &'a mut [f32],
-    v: &'a mut [f32],
-    k_prev: &'a mut [f32],
-    v_prev: &'a mut [f32],
-    bias: &'a mut [f32],
-    means: &'a mut [f32],
-    count_weight: &'a mut [f32],
+    q: &'a mut [MaybeUninit<f32>],
+    k: &'a mut [MaybeUninit<f32>],
+    v: &'a mut [MaybeUninit<f32>],
+    k_prev: &'a mut [MaybeUninit<f32>],
+    v_prev: &'a mut [MaybeUninit<f32>],
+    bias: &'a mut [MaybeUninit<f32>],
+    means: &'a mut [MaybeUninit<f32>],
+    count_weight: &'a mut [MaybeUninit<f32>],
 }
 
-/// Row `g`'s gradients from its output and the output's gradient
-/// `[out, grad]`, each `[L, V]`.
+/// Row `g`'s gradients, every element of each written, from its output
+/// and the output's gradient `[out, grad]`, each `[L, V]`.
 fn backward_row(
     x: &Rows<'_>,
     d: Dims,
@@ -515,35 +575,44 @@ fn backward_row(
         }
         // Each distance 0..=L is one key's: present i - d, previous L + i - d.
         for (dist, b) in dbias[i * (l + 1)..][..l + 1].iter_mut().enumerate() {
-            *b = if dist <= i {
+            b.write(if dist <= i {
                 dsi[i - dist]
             } else {
                 dsi[l + l + i - dist]
-            };
+            });
         }
-        dcount_weight[i] = dsi[2 * l..]
-            .iter()
-            .zip(log_counts)
-            .filter(|&(_, &c)| c != f32::NEG_INFINITY)
-            .map(|(a, c)| a * c)
-            .sum();
+        dcount_weight[i].write(
+            dsi[2 * l..]
+                .iter()
+                .zip(log_counts)
+                .filter(|&(_, &c)| c != f32::NEG_INFINITY)
+                .map(|(a, c)| a * c)
+                .sum(),
+        );
     }
     let part = |m, start, width| columns(m, l, n, start, width);
     let q = Mat::dense(row(x.q, g, l, k), l, k);
     // dq = dS keys.
-    for (start, keys) in x.keys(d, g) {
-        matmul(dq, k, start > 0, part(ds, start, keys.rows), keys);
+    let [(_, present), rest @ ..] = x.keys(d, g);
+    let dq = init_product(dq, part(ds, 0, l), present);
+    for (start, keys) in rest {
+        matmul(dq, k, true, part(ds, start, keys.rows), keys);
     }
     // dk = dS^T q (codewords take no gradient), dv = P^T dO; the previous
-    // block's and the means' only where they pass on (else left zero).
-    matmul(dk, k, false, part(ds, 0, l).t(), q);
-    matmul(dv, v, false, part(p, 0, l).t(), d_out);
+    // block's and the means' only where they pass on (else zero).
+    init_product(dk, part(ds, 0, l).t(), q);
+    init_product(dv, part(p, 0, l).t(), d_out);
     if x.flags.prev_grad {
-        matmul(dk_prev, k, false, part(ds, l, l).t(), q);
-        matmul(dv_prev, v, false, part(p, l, l).t(), d_out);
+        init_product(dk_prev, part(ds, l, l).t(), q);
+        init_product(dv_prev, part(p, l, l).t(), d_out);
+    } else {
+        zeroed(dk_prev);
+        zeroed(dv_prev);
     }
     if x.flags.means_grad {
-        matmul(dmeans, v, false, part(p, 2 * l, s).t(), d_out);
+        init_product(dmeans, part(p, 2 * l, s).t(), d_out);
+    } else {
+        zeroed(dmeans);
     }
 }
 
@@ -687,35 +756,43 @@ impl VqKernels for Flex {
             counts.storage::<f32>(),
             means.storage::<f32>(),
         );
-        let mut out_counts = vec![0.0f32; g * blocks * s];
-        let mut out_means = vec![0.0f32; g * blocks * s * w];
-        let mut after_counts = vec![0.0f32; g * s];
-        let mut after_means = vec![0.0f32; g * s * w];
+        let mut out = [
+            Vec::with_capacity(g * blocks * s),
+            Vec::with_capacity(g * blocks * s * w),
+            Vec::with_capacity(g * s),
+            Vec::with_capacity(g * s * w),
+        ];
+        let [out_counts, out_means, after_counts, after_means] =
+            out.each_mut().map(|o| o.spare_capacity_mut());
         // The running totals of one group's previous blocks so far.
         let (mut total, mut sums) = (vec![0.0f32; s], vec![0.0f32; s * w]);
-        // Writes the carried cache (empty when fresh, and not read) with
-        // the running totals merged in.
-        let merge =
-            |gi: usize, total: &[f32], sums: &[f32], n_out: &mut [f32], m_out: &mut [f32]| {
-                for z in 0..s {
-                    let n_c = if fresh { 0.0 } else { carried[gi * s + z] };
-                    let n = n_c + total[z];
-                    let d = n.max(1.0);
-                    n_out[z] = n;
-                    for (c, (m, &sum)) in m_out[z * w..][..w]
-                        .iter_mut()
-                        .zip(&sums[z * w..][..w])
-                        .enumerate()
-                    {
-                        let mu = if fresh {
-                            0.0
-                        } else {
-                            carried_means[(gi * s + z) * w + c]
-                        };
-                        *m = mu * (n_c / d) + sum / d;
-                    }
+        // Writes each of the `S` counts and `S W` means of the carried
+        // cache (empty when fresh, and not read) with the running totals
+        // merged in.
+        let merge = |gi: usize,
+                     total: &[f32],
+                     sums: &[f32],
+                     n_out: &mut [MaybeUninit<f32>],
+                     m_out: &mut [MaybeUninit<f32>]| {
+            for z in 0..s {
+                let n_c = if fresh { 0.0 } else { carried[gi * s + z] };
+                let n = n_c + total[z];
+                let d = n.max(1.0);
+                n_out[z].write(n);
+                for (c, (m, &sum)) in m_out[z * w..][..w]
+                    .iter_mut()
+                    .zip(&sums[z * w..][..w])
+                    .enumerate()
+                {
+                    let mu = if fresh {
+                        0.0
+                    } else {
+                        carried_means[(gi * s + z) * w + c]
+                    };
+                    m.write(mu * (n_c / d) + sum / d);
                 }
-            };
+            }
+        };
         for gi in 0..g {
             total.fill(0.0);
             sums.fill(0.0);
@@ -756,6 +833,13 @@ impl VqKernels for Flex {
                 &mut after_means[gi * s * w..][..s * w],
             );
         }
+        let lens = [g * blocks * s, g * blocks * s * w, g * s, g * s * w];
+        for (o, len) in out.iter_mut().zip(lens) {
+            // SAFETY: `merge` wrote the caches of each group's `blocks`
+            // blocks and the one after them, every element.
+            unsafe { o.set_len(len) };
+        }
+        let [out_counts, out_means, after_counts, after_means] = out;
         BlockCaches {
             counts: tensor(out_counts, vec![g, blocks, s], dtype),
             means: tensor(out_means, vec![g, blocks, s, w], dtype),
@@ -814,17 +898,17 @@ impl VqKernels for Flex {
                 words[(head * s + code) * k + j]
             })
             .collect();
-        let mut codes = vec![0i32; g * t];
-        let mut chosen = vec![0.0f32; g * t * k];
-        let mut error = vec![0.0f32; g * t];
-        let mut norm = vec![0.0f32; g * t];
+        let mut codes = Vec::<i32>::with_capacity(g * t);
+        let mut chosen = Vec::<f32>::with_capacity(g * t * k);
+        let mut error = Vec::<f32>::with_capacity(g * t);
+        let mut norm = Vec::<f32>::with_capacity(g * t);
         // Tokens `n = gi T + ti` in chunks on the worker threads.
         const TOKENS: usize = 64;
         (
-            codes.par_chunks_mut(TOKENS),
-            chosen.par_chunks_mut(TOKENS * k),
-            error.par_chunks_mut(TOKENS),
-            norm.par_chunks_mut(TOKENS),
+            codes.spare_capacity_mut()[..g * t].par_chunks_mut(TOKENS),
+            chosen.spare_capacity_mut()[..g * t * k].par_chunks_mut(TOKENS * k),
+            error.spare_capacity_mut()[..g * t].par_chunks_mut(TOKENS),
+            norm.spare_capacity_mut()[..g * t].par_chunks_mut(TOKENS),
         )
             .into_par_iter()
             .enumerate()
@@ -843,12 +927,26 @@ impl VqKernels for Flex {
                             (best, best_d) = (c, d);
                         }
                     }
-                    *code = best as i32;
-                    chosen[i * k..][..k].copy_from_slice(&row(words, head, s, k)[best * k..][..k]);
-                    error[i] = best_d;
-                    norm[i] = key.iter().map(|a| a * a).sum();
+                    code.write(best as i32);
+                    let word = &row(words, head, s, k)[best * k..][..k];
+                    chosen[i * k..][..k]
+                        .iter_mut()
+                        .zip(word)
+                        .for_each(|(c, &x)| {
+                            c.write(x);
+                        });
+                    error[i].write(best_d);
+                    norm[i].write(key.iter().map(|a| a * a).sum());
                 }
             });
+        // SAFETY: each chunk's tokens wrote their code, codeword, error and
+        // norm, every element.
+        unsafe {
+            codes.set_len(g * t);
+            chosen.set_len(g * t * k);
+            error.set_len(g * t);
+            norm.set_len(g * t);
+        }
         Nearest {
             codes: FlexTensor::from_data(TensorData::new(codes, [g, t])),
             words: tensor(chosen, vec![g, t, k], dtype),
@@ -1016,7 +1114,15 @@ impl VqKernels for Flex {
             // (`acc` false) its columns `start..start + width` of every row.
             unsafe {
                 let at = dw.as_mut_ptr().add(start);
-                product_to(at, d * n - start, n, false, x_t, dy, parallelism(x_t, dy));
+                product_to(
+                    at,
+                    (d * n).saturating_sub(start),
+                    n,
+                    false,
+                    x_t,
+                    dy,
+                    parallelism(x_t, dy),
+                );
             }
             start += width;
         }

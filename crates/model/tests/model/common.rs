@@ -29,11 +29,7 @@ pub fn to_vec<const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
 
 pub fn max_abs_diff<const D: usize>(a: Tensor<B, D>, b: Tensor<B, D>) -> f32 {
     assert_eq!(a.dims(), b.dims(), "shapes differ");
-    to_vec(a)
-        .iter()
-        .zip(to_vec(b))
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+    tvq_testkit::max_abs_diff(&to_vec(a), &to_vec(b))
 }
 
 pub fn max_abs<const D: usize>(a: Tensor<B, D>) -> f32 {

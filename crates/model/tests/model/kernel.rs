@@ -366,13 +366,8 @@ fn closest_codewords(words: &[f32], h: usize, s: usize, k: usize) -> f64 {
 /// `b`'s largest magnitude where that exceeds 1 (sums over 150 channels
 /// round differently in a tile's order than in the composed ops').
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "lengths differ");
     let scale = b.iter().fold(1.0f32, |m, y| m.max(y.abs()));
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-        / scale
+    tvq_testkit::max_abs_diff(a, b) / scale
 }
 
 /// Runs `case` fused and composed and requires them to agree within `tol`

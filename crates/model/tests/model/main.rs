@@ -8,3 +8,9 @@ mod network;
 mod parity;
 mod precision;
 mod tiny;
+
+/// Every allocation starts as NaNs, so that an output element a CPU kernel
+/// leaves unwritten (they write outputs without zeroing them) fails the
+/// tests that compare it.
+#[global_allocator]
+static ALLOCATOR: tvq_testkit::PoisonedAllocator = tvq_testkit::PoisonedAllocator;

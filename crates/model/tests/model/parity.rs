@@ -82,11 +82,7 @@ fn close_slices(got: &[f32], want: &[f32], atol: f32, rtol_of_max: f32, what: &s
     assert_eq!(got.len(), want.len(), "{what}: length");
     let max = want.iter().fold(0f32, |m, x| m.max(x.abs()));
     let tol = atol + rtol_of_max * max;
-    let worst = got
-        .iter()
-        .zip(want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
+    let worst = tvq_testkit::max_abs_diff(got, want);
     assert!(
         worst <= tol,
         "{what}: max |diff| {worst:e} > {tol:e} (max |want| {max:e})"

@@ -261,11 +261,7 @@ pub(crate) mod tests {
     }
 
     pub(crate) fn worst(a: &[f32], b: &[f32]) -> f32 {
-        assert_eq!(a.len(), b.len());
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f32::max)
+        tvq_testkit::max_abs_diff(a, b)
     }
 
     pub(crate) fn floats<const D: usize>(t: &Tensor<B, D>) -> Vec<f32> {

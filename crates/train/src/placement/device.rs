@@ -596,12 +596,7 @@ mod tests {
             let (l_cpu, g_cpu, z_cpu) = run(&on_cpu, &cpu_ad);
             let (l_gpu, g_gpu, z_gpu) = run(&on_gpu, &gpu_ad);
             assert_eq!(z_cpu, z_gpu, "{bias:?}: codes");
-            let worst = |a: &[f32], b: &[f32]| {
-                a.iter()
-                    .zip(b)
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0f32, f32::max)
-            };
+            let worst = tvq_testkit::max_abs_diff;
             let (dl, dg) = (worst(&l_cpu, &l_gpu), worst(&g_cpu, &g_gpu));
             assert!(dl <= 1e-4, "{bias:?}: logits differ by {dl}");
             assert!(dg <= 1e-4, "{bias:?}: gradients differ by {dg}");

@@ -883,6 +883,7 @@ mod tests {
                 .zip(values(&w1))
                 .map(|(a, b)| (a - b) as f64)
                 .collect();
+            assert!(moved.iter().all(|m| m.is_finite()), "{moved:?}");
             let worst = moved
                 .iter()
                 .zip(want)
@@ -931,11 +932,7 @@ mod tests {
             let before = table(&t);
             t.step(&batch(2, 8, true), TrainCursor::default()).unwrap();
             let after = table(&t);
-            before
-                .iter()
-                .zip(&after)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max)
+            tvq_testkit::max_abs_diff(&before, &after)
         };
         // Adam's first step moves every entry with a gradient by about lr.
         let (slow, fast) = (moved(1.0), moved(10.0));
